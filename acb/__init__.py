@@ -1,0 +1,45 @@
+"""acb: asyncio-native continuous batching for LLM inference.
+
+Example::
+
+    import acb
+
+    async with acb.Engine.from_pretrained(folder, gguf_file="model.gguf") as engine:
+        async for chunk in engine.stream("Name a cat breed.", max_new_tokens=32):
+            print(chunk.text, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+from .config import EngineConfig, SamplingParams
+from .engine import Engine, EngineStats
+from .errors import (
+    AcbError,
+    EngineClosedError,
+    EngineStoppedError,
+    InvalidRequestError,
+    RequestFailedError,
+)
+from .handle import ChunkStream, RequestHandle
+from .request import Chunk, Completion, RequestMetrics
+from .sync import generate_batch
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AcbError",
+    "Chunk",
+    "ChunkStream",
+    "Completion",
+    "Engine",
+    "EngineClosedError",
+    "EngineConfig",
+    "EngineStats",
+    "EngineStoppedError",
+    "InvalidRequestError",
+    "RequestFailedError",
+    "RequestHandle",
+    "RequestMetrics",
+    "SamplingParams",
+    "generate_batch",
+]

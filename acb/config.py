@@ -1,0 +1,182 @@
+"""The two configs: ``SamplingParams`` (model side) and ``EngineConfig`` (hardware side).
+
+Both validate at construction and raise ``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .errors import InvalidRequestError
+
+_SCHEDULERS = ("fifo", "prefill_first")
+_ATTN_BACKENDS = ("auto", "torch", "sdpa", "eager", "flash_attn")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample and when to stop (the model side).
+
+    Example::
+
+        params = acb.SamplingParams(max_new_tokens=32, temperature=0.7, top_p=0.9, seed=1)
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        # Lists are accepted for convenience and stored as tuples so params stay hashable.
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        if stop is None:
+            stop = ()
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise InvalidRequestError(f"stop must be a list of strings, got {self.stop!r}")
+        if any(s == "" for s in stop):
+            raise InvalidRequestError("stop must not contain an empty string")
+        object.__setattr__(self, "stop", tuple(stop))
+        ids = self.stop_token_ids if self.stop_token_ids is not None else ()
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
+            raise InvalidRequestError(
+                f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}"
+            )
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise InvalidRequestError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not _is_number(self.top_p) or not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise InvalidRequestError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not isinstance(self.logprobs, bool):
+            raise InvalidRequestError(f"logprobs must be a bool, got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def merged(self, overrides: dict[str, Any]) -> SamplingParams:
+        """Return a copy with ``overrides`` applied; unknown keys raise ``InvalidRequestError``."""
+        if not overrides:
+            return self
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown keyword argument(s): {', '.join(unknown)}; "
+                f"sampling keywords are: {', '.join(sorted(known))}"
+            )
+        return dataclasses.replace(self, **overrides)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine uses the hardware: memory, scheduling and kernels.
+
+    ``None`` means "choose for the device". Example::
+
+        config = acb.EngineConfig(max_batch_tokens=1024, num_blocks=512)
+    """
+
+    page_size: int | None = None
+    num_blocks: int | None = None
+    max_memory_percent: float = 0.5
+    max_batch_tokens: int | None = None
+    max_requests_per_batch: int | None = None
+    scheduler: str = "fifo"
+    safety_margin: float | None = None
+    allow_prefix_sharing: bool = True
+    cpu_offload_space: float | None = 0.0
+    use_cuda_graph: bool | None = None
+    q_padding_interval_size: int = 0
+    kv_padding_interval_size: int = 0
+    async_batching: bool = True
+    compile_level: int = 0
+    max_blocks_per_request: int | None = None
+    attn_backend: str = "auto"
+    device: str | None = None
+    dtype: str | None = None
+    debug_checks: bool = False
+    fault_hook: Any = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"EngineConfig.{name} {why}, got {getattr(self, name)!r}")
+
+        if self.page_size is not None and (not _is_int(self.page_size) or self.page_size < 4):
+            bad("page_size", "must be an int >= 4")
+        if self.num_blocks is not None and (not _is_int(self.num_blocks) or self.num_blocks < 1):
+            bad("num_blocks", "must be an int >= 1")
+        if not _is_number(self.max_memory_percent) or not 0 < self.max_memory_percent <= 1:
+            bad("max_memory_percent", "must be in (0, 1]")
+        if self.max_batch_tokens is not None and (
+            not _is_int(self.max_batch_tokens) or self.max_batch_tokens < 1
+        ):
+            bad("max_batch_tokens", "must be an int >= 1")
+        if self.max_requests_per_batch is not None and (
+            not _is_int(self.max_requests_per_batch) or self.max_requests_per_batch < 1
+        ):
+            bad("max_requests_per_batch", "must be an int >= 1")
+        if self.scheduler not in _SCHEDULERS:
+            bad("scheduler", f"must be one of {_SCHEDULERS}")
+        if self.safety_margin is not None and (
+            not _is_number(self.safety_margin) or not 0 <= self.safety_margin < 1
+        ):
+            bad("safety_margin", "must be in [0, 1)")
+        if not isinstance(self.allow_prefix_sharing, bool):
+            bad("allow_prefix_sharing", "must be a bool")
+        if self.cpu_offload_space is not None and (
+            not _is_number(self.cpu_offload_space) or self.cpu_offload_space < 0
+        ):
+            bad("cpu_offload_space", "must be None or a number of GiB >= 0")
+        if self.use_cuda_graph is not None and not isinstance(self.use_cuda_graph, bool):
+            bad("use_cuda_graph", "must be None or a bool")
+        for name in ("q_padding_interval_size", "kv_padding_interval_size"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                bad(name, "must be an int >= 0")
+        if not isinstance(self.async_batching, bool):
+            bad("async_batching", "must be a bool")
+        if not _is_int(self.compile_level) or not 0 <= self.compile_level <= 3:
+            bad("compile_level", "must be an int in 0..3")
+        if self.max_blocks_per_request is not None and (
+            not _is_int(self.max_blocks_per_request) or self.max_blocks_per_request < 0
+        ):
+            bad("max_blocks_per_request", "must be None or an int >= 0")
+        if self.attn_backend not in _ATTN_BACKENDS:
+            bad("attn_backend", f"must be one of {_ATTN_BACKENDS}")
+        if self.device is not None and not isinstance(self.device, str):
+            bad("device", "must be None or a device string such as 'cpu' or 'cuda:0'")
+        if self.dtype is not None and self.dtype not in ("float32", "float16", "bfloat16", "auto"):
+            bad("dtype", "must be None, 'auto', 'float32', 'float16' or 'bfloat16'")
+
+    @property
+    def effective_safety_margin(self) -> float:
+        if self.safety_margin is not None:
+            return self.safety_margin
+        return 0.15 if self.scheduler == "fifo" else 0.0

