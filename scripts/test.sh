@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up, then run the test suite (CPU only; the GPU checks live in benchmarks/gpu_check.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec "${PYTHON:-python3}" -m pytest -q "$@"

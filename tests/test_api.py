@@ -1,0 +1,313 @@
+"""Every behaviour API.md promises, through the public names only."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import acb
+from acb.testing import reference_greedy, tiny_engine, tiny_model
+
+PROMPT = [5, 17, 33, 60, 91, 120]
+
+
+async def _wait_until(pred, timeout=10.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not pred():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.001)
+
+
+def _all_pages_free(engine: acb.Engine) -> bool:
+    s = engine.stats()
+    return s.free_blocks == s.total_blocks and s.running == 0 and s.waiting == 0
+
+
+# ----------------------------------------------------------------- prompts and outputs
+async def test_text_prompt_streams_chunks_whose_text_joins_to_the_completion():
+    async with tiny_engine() as engine:
+        chunks = [c async for c in engine.stream("hello world", max_new_tokens=12, ignore_eos=True)]
+        assert chunks[-1].finish_reason == "length"
+        assert all(c.finish_reason is None for c in chunks[:-1])
+        ids = [t for c in chunks for t in c.token_ids]
+        assert len(ids) == 12
+        text = "".join(c.text for c in chunks)
+        assert text == engine.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+async def test_chat_prompt_uses_the_chat_template():
+    async with tiny_engine() as engine:
+        msgs = [{"role": "user", "content": "hi"}]
+        done = await engine.generate(msgs, max_new_tokens=4, ignore_eos=True)
+        templ = engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        templ = templ["input_ids"] if hasattr(templ, "keys") else templ
+        assert done.prompt_token_ids == list(templ)
+
+
+async def test_generate_returns_completion_with_metrics():
+    async with tiny_engine() as engine:
+        done = await engine.generate(PROMPT, max_new_tokens=5, ignore_eos=True)
+    assert isinstance(done, acb.Completion)
+    assert done.prompt_token_ids == PROMPT and len(done.token_ids) == 5
+    m = done.metrics
+    assert m.num_prompt_tokens == len(PROMPT) and m.num_generated_tokens == 5
+    assert 0 <= m.ttft_s <= m.latency_s
+    assert m.num_cached_prompt_tokens == 0
+
+
+async def test_generate_batch_returns_results_in_input_order():
+    model = tiny_model()
+    prompts = [[200, 3, 4], [4, 5, 6, 7, 8, 9], [100], [4, 5, 6, 7, 8]]
+    expected = [reference_greedy(model, p, 6) for p in prompts]
+    async with acb.Engine(model, config=acb.EngineConfig(num_blocks=64, page_size=4)) as engine:
+        results = await engine.generate_batch(prompts, max_new_tokens=6, ignore_eos=True)
+    assert [r.prompt_token_ids for r in results] == prompts
+    assert [r.token_ids for r in results] == expected
+
+
+async def test_logprobs_one_per_token_when_asked():
+    async with tiny_engine() as engine:
+        chunks = [c async for c in engine.stream(PROMPT, max_new_tokens=6, logprobs=True, ignore_eos=True)]
+        done = await engine.generate(PROMPT, max_new_tokens=6, logprobs=True, ignore_eos=True)
+        plain = await engine.generate(PROMPT, max_new_tokens=2, ignore_eos=True)
+    lps = [lp for c in chunks for lp in c.logprobs]
+    assert len(lps) == 6 and all(lp <= 0 for lp in lps)
+    assert done.logprobs == pytest.approx(lps, abs=1e-4)
+    assert plain.logprobs is None
+
+
+async def test_sampling_params_object_and_keyword_override():
+    params = acb.SamplingParams(max_new_tokens=3, ignore_eos=True)
+    async with tiny_engine(sampling=acb.SamplingParams(max_new_tokens=2, ignore_eos=True)) as engine:
+        assert len((await engine.generate(PROMPT)).token_ids) == 2  # engine default
+        assert len((await engine.generate(PROMPT, sampling=params)).token_ids) == 3
+        assert len((await engine.generate(PROMPT, sampling=params, max_new_tokens=5)).token_ids) == 5
+
+
+async def test_stop_token_ids_and_stop_strings():
+    async with tiny_engine() as engine:
+        free = await engine.generate(PROMPT, max_new_tokens=20, ignore_eos=True)
+        stop_id = free.token_ids[4]
+        first = free.token_ids.index(stop_id)
+        by_id = await engine.generate(PROMPT, max_new_tokens=20, ignore_eos=True, stop_token_ids=[stop_id])
+        assert by_id.token_ids == free.token_ids[: first + 1] and by_id.finish_reason == "stop"
+        needle = free.text[5:8]
+        assert needle, "reference text too short"
+        by_str = await engine.generate(PROMPT, max_new_tokens=20, ignore_eos=True, stop=[needle])
+        assert by_str.finish_reason == "stop"
+        assert by_str.text == free.text[: free.text.index(needle)]
+
+
+async def test_submit_handle_streams_and_awaits():
+    async with tiny_engine() as engine:
+        handle = engine.submit(PROMPT, max_new_tokens=5, ignore_eos=True, request_id="mine")
+        assert handle.request_id == "mine"
+        chunks = [c async for c in handle]
+        done = await handle
+        assert [t for c in chunks for t in c.token_ids] == done.token_ids
+        assert all(c.request_id == "mine" for c in chunks)
+
+
+async def test_slow_consumer_gets_every_token_merged():
+    async with tiny_engine() as engine:
+        fast = await engine.generate(PROMPT, max_new_tokens=30, ignore_eos=True)
+        stream = engine.stream(PROMPT, max_new_tokens=30, ignore_eos=True)
+        other = engine.generate([9, 9, 9], max_new_tokens=30, ignore_eos=True)
+        await other  # the engine ran all steps while nobody read the stream
+        chunks = [c async for c in stream]
+    assert len(chunks) < 30  # merged
+    assert [t for c in chunks for t in c.token_ids] == fast.token_ids
+    assert "".join(c.text for c in chunks) == fast.text
+
+
+# ----------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    "prompt, kwargs, field",
+    [
+        ("", {}, "empty"),
+        ([], {}, "empty"),
+        ([1, 2, 10_000], {}, "vocabulary"),
+        ([1, -1], {}, "vocabulary"),
+        ([1, "a"], {}, "ints"),
+        (123, {}, "prompt"),
+        (PROMPT, {"temperature": -1.0}, "temperature"),
+        (PROMPT, {"temperature": float("nan")}, "temperature"),
+        (PROMPT, {"top_p": 0.0}, "top_p"),
+        (PROMPT, {"top_p": 1.5}, "top_p"),
+        (PROMPT, {"top_k": -2}, "top_k"),
+        (PROMPT, {"max_new_tokens": 0}, "max_new_tokens"),
+        (PROMPT, {"max_new_tokens": 10**7}, "max_new_tokens"),
+        (PROMPT, {"seed": -5}, "seed"),
+        (PROMPT, {"bogus": 1}, "bogus"),
+        (PROMPT, {"stop": [""]}, "stop"),
+    ],
+)
+async def test_bad_input_raises_invalid_request_and_engine_keeps_serving(prompt, kwargs, field):
+    async with tiny_engine() as engine:
+        running = engine.submit(PROMPT, max_new_tokens=20, ignore_eos=True)
+        for call in (
+            lambda: engine.submit(prompt, **kwargs),
+            lambda: engine.stream(prompt, **kwargs),
+        ):
+            with pytest.raises(acb.InvalidRequestError, match=field):
+                call()
+        with pytest.raises(acb.InvalidRequestError, match=field):
+            await engine.generate(prompt, **kwargs)
+        with pytest.raises(acb.InvalidRequestError, match=field):
+            await engine.generate_batch([PROMPT, prompt], **kwargs)
+        done = await running
+        assert len(done.token_ids) == 20
+        assert _all_pages_free(engine)
+
+
+async def test_invalid_request_error_is_a_value_error():
+    assert issubclass(acb.InvalidRequestError, ValueError)
+    assert issubclass(acb.InvalidRequestError, acb.AcbError)
+
+
+async def test_duplicate_live_request_id_is_rejected():
+    async with tiny_engine() as engine:
+        h = engine.submit(PROMPT, request_id="dup", max_new_tokens=30, ignore_eos=True)
+        with pytest.raises(acb.InvalidRequestError, match="dup"):
+            engine.submit(PROMPT, request_id="dup")
+        await h
+        await engine.generate(PROMPT, request_id="dup", max_new_tokens=2)  # free again once finished
+
+
+def test_engine_config_validates_fields_by_name():
+    for field, value in [("page_size", 2), ("num_blocks", 0), ("scheduler", "lifo"), ("max_memory_percent", 0),
+                         ("safety_margin", 1.5), ("compile_level", 4), ("attn_backend", "magic"),
+                         ("max_batch_tokens", -1), ("dtype", "int8")]:
+        with pytest.raises(ValueError, match=field):
+            acb.EngineConfig(**{field: value})
+
+
+# ----------------------------------------------------------------- lifecycle
+async def test_submitting_before_start_raises_stopped():
+    engine = tiny_engine()
+    with pytest.raises(acb.EngineStoppedError):
+        engine.submit(PROMPT)
+    with pytest.raises(acb.EngineStoppedError):
+        await engine.generate(PROMPT)
+
+
+async def test_graceful_stop_drains_then_restart_serves():
+    engine = tiny_engine()
+    await engine.start()
+    handles = [engine.submit(PROMPT, max_new_tokens=10, ignore_eos=True) for _ in range(4)]
+    await engine.stop()
+    for h in handles:
+        assert len((await h).token_ids) == 10
+    with pytest.raises(acb.EngineStoppedError):
+        engine.submit(PROMPT)
+    await engine.start()
+    assert len((await engine.generate(PROMPT, max_new_tokens=3, ignore_eos=True)).token_ids) == 3
+    await engine.aclose()
+
+
+async def test_hard_stop_fails_unfinished_iterators_with_engine_stopped():
+    engine = tiny_engine()
+    await engine.start()
+    stream = engine.stream(PROMPT, max_new_tokens=500, ignore_eos=True)
+    handle = engine.submit(PROMPT, max_new_tokens=500, ignore_eos=True)
+    await stream.__anext__()
+    await engine.stop(hard=True)
+    with pytest.raises(acb.EngineStoppedError):
+        async for _ in stream:
+            pass
+    with pytest.raises(acb.EngineStoppedError):
+        await handle
+    assert _all_pages_free(engine)
+    await engine.start()  # restart after a hard stop
+    assert len((await engine.generate(PROMPT, max_new_tokens=3, ignore_eos=True)).token_ids) == 3
+    await engine.aclose()
+
+
+async def test_closed_engine_raises_closed_everywhere():
+    engine = tiny_engine()
+    async with engine:
+        pass
+    with pytest.raises(acb.EngineClosedError):
+        engine.submit(PROMPT)
+    with pytest.raises(acb.EngineClosedError):
+        await engine.start()
+    with pytest.raises(acb.EngineClosedError):
+        await engine.generate_batch([PROMPT])
+    assert issubclass(acb.EngineClosedError, acb.AcbError)
+
+
+# ----------------------------------------------------------------- cancellation
+async def test_cancel_by_break_frees_pages_and_leaves_others_intact():
+    model = tiny_model()
+    expected = reference_greedy(model, [7, 8, 9], 40)
+    async with acb.Engine(model, config=acb.EngineConfig(num_blocks=64, page_size=4)) as engine:
+        other = engine.submit([7, 8, 9], max_new_tokens=40, ignore_eos=True)
+        got = 0
+        async for chunk in engine.stream(PROMPT, max_new_tokens=200, ignore_eos=True):
+            got += len(chunk.token_ids)
+            if got >= 3:
+                break
+        await _wait_until(lambda: engine.stats().running == 1)
+        assert (await other).token_ids == expected
+        assert _all_pages_free(engine)
+
+
+async def test_cancel_by_task_cancellation():
+    async with tiny_engine() as engine:
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in engine.stream(PROMPT, max_new_tokens=400, ignore_eos=True):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _wait_until(lambda: _all_pages_free(engine))
+
+        gen_task = asyncio.create_task(engine.generate(PROMPT, max_new_tokens=400, ignore_eos=True))
+        await _wait_until(lambda: engine.stats().running == 1)
+        gen_task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gen_task
+        await _wait_until(lambda: _all_pages_free(engine))
+
+
+async def test_cancel_by_handle_and_by_id_returns_partial_completion():
+    async with tiny_engine() as engine:
+        for how in ("handle", "id"):
+            handle = engine.submit(PROMPT, max_new_tokens=400, ignore_eos=True)
+            chunks = []
+            async for chunk in handle:
+                chunks.append(chunk)
+                if len(chunks) == 2:
+                    assert (handle.cancel() if how == "handle" else engine.cancel(handle.request_id))
+            assert chunks[-1].finish_reason == "cancelled"
+            done = await handle
+            assert done.finish_reason == "cancelled"
+            assert done.token_ids == [t for c in chunks for t in c.token_ids]
+            assert 0 < len(done.token_ids) < 400
+            assert _all_pages_free(engine)
+        assert engine.cancel("no-such-request") is False
+        assert handle.cancel() is False  # already ended
+
+
+async def test_stats_fields():
+    async with tiny_engine() as engine:
+        await engine.generate(PROMPT, max_new_tokens=4, ignore_eos=True)
+        s = engine.stats()
+    for name in ("running", "waiting", "total_blocks", "free_blocks", "cached_blocks",
+                 "prefix_hit_rate", "steps", "generated_tokens", "preemptions"):
+        assert hasattr(s, name)
+    assert s.generated_tokens == 4 and s.steps >= 4 and s.total_blocks == 256
+
+
+def test_sync_generate_batch_without_event_loop():
+    model = tiny_model()
+    expected = reference_greedy(model, PROMPT, 5)
+    results = acb.generate_batch(model, [PROMPT, [3, 4]], max_new_tokens=5, ignore_eos=True,
+                                 config=acb.EngineConfig(num_blocks=32))
+    assert results[0].token_ids == expected and len(results[1].token_ids) == 5

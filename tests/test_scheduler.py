@@ -1,0 +1,147 @@
+"""The scheduler on plain data: budgets, chunked prefill, FIFO order, preemption."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from acb.kv_cache import KVCacheManager
+from acb.scheduler import Scheduler, Sequence
+
+
+def _seq(i, n_prompt, max_new=4):
+    return Sequence(f"r{i}", list(range(100 * i, 100 * i + n_prompt)), max_new, arrival=i)
+
+
+def _finish_step(sched, plan, rng=None, eos_p=0.0):
+    """Pretend the device ran the plan: append a token per sampled row."""
+    done = []
+    for row in plan.rows:
+        seq = row.seq
+        if row.sample and seq.status == "running" and row.epoch == seq.epoch:
+            seq.num_inflight -= 1
+            seq.output_ids.append(7)
+            if len(seq.output_ids) >= seq.max_new_tokens or (rng and rng.random() < eos_p):
+                done.append(seq)
+    for seq in done:
+        sched.finish(seq)
+    return done
+
+
+def test_budget_splits_a_long_prompt_into_chunks():
+    kv = KVCacheManager(64, 4)
+    s = Scheduler(kv, max_batch_tokens=10, max_requests=8)
+    seq = _seq(0, 25)
+    s.add(seq)
+    sizes = []
+    for _ in range(3):
+        plan = s.schedule()
+        sizes.append([(r.num_tokens, r.sample) for r in plan.rows])
+        _finish_step(s, plan)
+    assert sizes == [[(10, False)], [(10, False)], [(5, True)]]
+
+
+def test_decodes_go_first_then_new_prefills_fill_the_budget():
+    kv = KVCacheManager(64, 4)
+    s = Scheduler(kv, max_batch_tokens=8, max_requests=8)
+    a, b = _seq(0, 3), _seq(1, 20)
+    s.add(a)
+    _finish_step(s, s.schedule())
+    s.add(b)
+    plan = s.schedule()
+    assert [(r.seq.seq_id, r.num_tokens) for r in plan.rows] == [("r0", 1), ("r1", 7)]
+
+
+def test_prefill_first_admits_new_prompts_before_decodes():
+    kv = KVCacheManager(64, 4)
+    s = Scheduler(kv, max_batch_tokens=8, max_requests=8, policy="prefill_first")
+    a, b = _seq(0, 3), _seq(1, 20)
+    s.add(a)
+    _finish_step(s, s.schedule())
+    s.add(b)
+    plan = s.schedule()
+    assert [(r.seq.seq_id, r.num_tokens) for r in plan.rows] == [("r1", 8)]
+
+
+def test_request_cap_bounds_rows_per_step():
+    kv = KVCacheManager(64, 4)
+    s = Scheduler(kv, max_batch_tokens=100, max_requests=3)
+    for i in range(5):
+        s.add(_seq(i, 2))
+    assert len(s.schedule().rows) == 3
+
+
+def test_safety_margin_holds_back_new_prefills_not_decodes():
+    kv = KVCacheManager(10, 4)
+    s = Scheduler(kv, max_batch_tokens=100, max_requests=8, safety_margin=0.5)
+    s.add(_seq(0, 16, max_new=8))  # 4 pages (+1 later), leaves 6 free
+    _finish_step(s, s.schedule())
+    s.add(_seq(1, 8))  # would leave 4 free < 5 = margin
+    plan = s.schedule()
+    assert [r.seq.seq_id for r in plan.rows] == ["r0"]
+
+
+def test_full_cache_preempts_the_newest_request_and_it_resumes_first():
+    kv = KVCacheManager(4, 4)
+    s = Scheduler(kv, max_batch_tokens=100, max_requests=8)
+    a, b = _seq(0, 7, max_new=10), _seq(1, 7, max_new=10)
+    s.add(a)
+    s.add(b)
+    preempted = []
+    for _ in range(30):
+        if not s.has_work():
+            break
+        plan = s.schedule()
+        preempted += plan.preempted
+        _finish_step(s, plan)
+    assert preempted and preempted[0] is b
+    assert len(a.output_ids) == 10 and len(b.output_ids) == 10
+    assert kv.num_free == 4
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 10_000), st.integers(6, 40), st.integers(2, 24), st.sampled_from(["fifo", "prefill_first"]),
+       st.booleans())
+def test_random_workloads_finish_without_leaking_pages(seed, num_pages, budget, policy, overlap):
+    rng = random.Random(seed)
+    page_size = 4
+    kv = KVCacheManager(num_pages, page_size, enable_prefix_caching=rng.random() < 0.5)
+    s = Scheduler(kv, max_batch_tokens=budget, max_requests=rng.randint(1, 6), policy=policy,
+                  safety_margin=rng.choice([0.0, 0.15]))
+    capacity = num_pages * page_size
+    seqs = []
+    pending = None
+    for step in range(2000):
+        if len(seqs) < 12 and rng.random() < 0.3:
+            n = rng.randint(1, 20)
+            m = rng.randint(1, 8)
+            if n + m <= capacity:
+                seq = Sequence(f"r{len(seqs)}", [rng.randrange(3) for _ in range(n)], m, arrival=len(seqs))
+                seqs.append(seq)
+                s.add(seq)
+        live = [q for q in seqs if q.status != "finished"]
+        if live and rng.random() < 0.05:
+            s.finish(rng.choice(live))  # a cancel
+        plan = s.schedule() if s.has_work() else None
+        # with overlap, step N's tokens are processed after step N+1 is planned
+        if overlap:
+            if pending is not None:
+                _finish_step(s, pending, rng, 0.1)
+            pending = plan
+        elif plan is not None:
+            _finish_step(s, plan, rng, 0.1)
+        for q in seqs:
+            if q.status == "running" and q.num_computed > 0:
+                assert len(q.block_table) * page_size >= q.num_computed
+        kv.check_integrity([q.block_table for q in seqs if q.status != "finished"])
+        if not s.has_work() and len(seqs) >= 12 and pending is None:
+            break
+    if pending is not None:
+        _finish_step(s, pending)
+    while s.has_work():
+        _finish_step(s, s.schedule())
+    assert all(q.status == "finished" for q in seqs)
+    assert kv.num_free == num_pages
+    kv.check_integrity([])
