@@ -30,22 +30,23 @@ class PrefillSpan:
     q_start: int  # first packed token of this row
     q_end: int
     past: int  # tokens of context before the row (0 = fresh prompt)
-    context_slots: torch.Tensor | None  # slots of all past + new tokens, when past > 0
+    context_pages: torch.Tensor | None  # pages holding all past + new tokens, when past > 0
 
 
 @dataclass(slots=True)
 class StepAttention:
     """Per-step attention metadata shared by every layer."""
 
-    k_cache: list[torch.Tensor]  # per layer [num_slots, kv_heads, head_dim]
+    k_cache: list[torch.Tensor]  # per layer [kv_heads, num_slots, head_dim]
     v_cache: list[torch.Tensor]
     slot_mapping: torch.Tensor  # [T] where each new token's k/v goes
     decode_token_idx: torch.Tensor | None  # [Bd] packed index of each decode row's token
-    decode_slots: torch.Tensor | None  # [Bd, Lmax] slots of each decode row's context
-    decode_key_pos: torch.Tensor | None  # [1, Lmax] key positions 0..Lmax-1
+    decode_pages: torch.Tensor | None  # [Bd, P] pages of each decode row's context (padded: the zero page)
+    decode_key_pos: torch.Tensor | None  # [1, P * page_size] key positions
     decode_q_pos: torch.Tensor | None  # [Bd, 1] the query's position (context length - 1)
-    decode_valid: torch.Tensor | None  # [Bd, 1, 1, Lmax] True where a key exists
+    decode_valid: torch.Tensor | None  # [Bd, 1, P * page_size] True where a key exists
     prefills: list[PrefillSpan]
+    page_size: int = 16
 
 
 def set_step(meta: StepAttention | None) -> None:
@@ -59,11 +60,21 @@ def current_step() -> StepAttention:
     return meta
 
 
-def _softmax_attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-    scaling: float, softcap: float | None,
-) -> torch.Tensor:
-    """q [..., G, Q, d], k/v [..., 1, L, d] (broadcast over the G query heads of a kv head)."""
+def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[kvh, slots, d] cache, [B, P] page ids -> [kvh, B, P * page_size, d]. Whole pages
+    are copied (page_size * d contiguous values each), not single slots."""
+    kvh, slots, d = cache.shape
+    b, p = pages.shape
+    paged = cache.view(kvh, slots // page_size, page_size * d)
+    return paged.index_select(1, pages.view(-1)).view(kvh, b, p * page_size, d)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+            scaling: float, softcap: float | None) -> torch.Tensor:
+    """Masked softmax attention with optional logit soft-capping.
+
+    q [B, M, d] against k/v [B, L, d] (B folds kv heads and rows: never expanded);
+    ``allowed`` broadcasts to [B, M, L]."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
@@ -85,7 +96,7 @@ def paged_attention(
 ) -> tuple[torch.Tensor, None]:
     meta = current_step()
     layer = module.layer_idx
-    k_cache = meta.k_cache[layer]
+    k_cache = meta.k_cache[layer]  # [kv_heads, slots, head_dim]
     v_cache = meta.v_cache[layer]
     _, num_heads, total, head_dim = query.shape
     kv_heads = key.shape[1]
@@ -93,40 +104,39 @@ def paged_attention(
     if scaling is None:
         scaling = head_dim**-0.5
 
-    k_new = key[0].transpose(0, 1)  # [T, kvh, d]
-    v_new = value[0].transpose(0, 1)
-    k_cache.index_copy_(0, meta.slot_mapping, k_new.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, v_new.to(v_cache.dtype))
+    k_new = key[0]  # [kvh, T, d]
+    v_new = value[0]
+    k_cache.index_copy_(1, meta.slot_mapping, k_new.to(k_cache.dtype))
+    v_cache.index_copy_(1, meta.slot_mapping, v_new.to(v_cache.dtype))
 
+    q_all = query[0]  # [H, T, d]
     out = query.new_empty(total, num_heads, head_dim)
-    q_tokens = query[0].transpose(0, 1)  # [T, H, d]
 
     if meta.decode_token_idx is not None:
+        # Batch order is (kv head, row): the gathered keys are then one contiguous
+        # [kvh * Bd, L, d] batch and no tensor is expanded over the query groups.
         idx = meta.decode_token_idx
         bd = idx.shape[0]
-        q = q_tokens.index_select(0, idx).view(bd, kv_heads, groups, 1, head_dim)
-        lmax = meta.decode_slots.shape[1]
-        flat = meta.decode_slots.reshape(-1)
-        k = k_cache.index_select(0, flat).view(bd, lmax, kv_heads, head_dim).transpose(1, 2)
-        v = v_cache.index_select(0, flat).view(bd, lmax, kv_heads, head_dim).transpose(1, 2)
-        allowed = meta.decode_valid
+        q = q_all.index_select(1, idx).view(kv_heads, groups, bd, head_dim).transpose(1, 2)
+        k = _gather_pages(k_cache, meta.decode_pages, meta.page_size)
+        v = _gather_pages(v_cache, meta.decode_pages, meta.page_size)
+        allowed = meta.decode_valid  # [Bd, 1, Lmax]
         if sliding_window is not None:
             in_window = meta.decode_key_pos > meta.decode_q_pos - sliding_window  # [Bd, Lmax]
-            allowed = allowed & in_window.view(bd, 1, 1, lmax)
-        o = _softmax_attend(q, k.unsqueeze(2), v.unsqueeze(2), allowed.unsqueeze(1), scaling, softcap)
-        out.index_copy_(0, idx, o.view(bd, num_heads, head_dim))
+            allowed = allowed & in_window.unsqueeze(1)
+        o = _attend(q.to(k.dtype), k, v, allowed, scaling, softcap)  # [kvh, Bd, G, d]
+        out.index_copy_(0, idx, o.permute(1, 0, 2, 3).reshape(bd, num_heads, head_dim).to(out.dtype))
 
     for span in meta.prefills:
         qs, qe, past = span.q_start, span.q_end, span.past
         n = qe - qs
-        q = q_tokens[qs:qe].transpose(0, 1)  # [H, n, d]
+        q = q_all[:, qs:qe]  # [H, n, d]
         if past == 0:
-            k = k_new[qs:qe].transpose(0, 1)  # [kvh, n, d]
-            v = v_new[qs:qe].transpose(0, 1)
-        else:
-            k = k_cache.index_select(0, span.context_slots).transpose(0, 1)
-            v = v_cache.index_select(0, span.context_slots).transpose(0, 1)
+            k, v = k_new[:, qs:qe], v_new[:, qs:qe]  # [kvh, n, d]
         length = past + n
+        if past > 0:
+            k = _gather_pages(k_cache, span.context_pages, meta.page_size)[:, 0, :length]
+            v = _gather_pages(v_cache, span.context_pages, meta.page_size)[:, 0, :length]
         q_pos = torch.arange(past, length, device=q.device).unsqueeze(1)
         k_pos = torch.arange(length, device=q.device).unsqueeze(0)
         allowed = k_pos <= q_pos
@@ -138,9 +148,10 @@ def paged_attention(
                 attn_mask=allowed, scale=scaling, enable_gqa=groups > 1,
             )[0]
         else:
-            qg = q.reshape(kv_heads, groups, n, head_dim)
-            o = _softmax_attend(qg, k.unsqueeze(1), v.unsqueeze(1), allowed, scaling, softcap)
-            o = o.reshape(num_heads, n, head_dim)
+            qg = q.reshape(kv_heads, groups * n, head_dim)
+            allowed_g = allowed.repeat(groups, 1)  # rows ordered (group, position) like qg
+            o = _attend(qg.to(k.dtype), k, v, allowed_g, scaling, softcap).to(q.dtype)
+            o = o.view(num_heads, n, head_dim)
         out[qs:qe] = o.transpose(0, 1)
 
     return out.unsqueeze(0), None

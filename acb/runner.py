@@ -68,12 +68,12 @@ class ModelRunner:
         slots = (num_pages + 1) * page_size
         self.null_slot = num_pages * page_size
         # torch.empty: on CPU the pages are only backed by memory once written.
-        self.k_cache = [torch.empty(slots, kv_heads, head_dim, dtype=self.dtype, device=self.device)
+        self.k_cache = [torch.empty(kv_heads, slots, head_dim, dtype=self.dtype, device=self.device)
                         for _ in range(num_layers)]
-        self.v_cache = [torch.empty(slots, kv_heads, head_dim, dtype=self.dtype, device=self.device)
+        self.v_cache = [torch.empty(kv_heads, slots, head_dim, dtype=self.dtype, device=self.device)
                         for _ in range(num_layers)]
         for cache in self.k_cache + self.v_cache:
-            cache[self.null_slot :].zero_()
+            cache[:, self.null_slot :].zero_()
         self.prev_sampled: torch.Tensor | None = None
         self.generator = torch.Generator(device=self.device)
         self.generator.seed()
@@ -125,7 +125,7 @@ class ModelRunner:
             else:
                 ctx = None
                 if row.start > 0:
-                    ctx = self._context_slots([pages], [row.start + n], row.start + n)[0]
+                    ctx = self._page_table([pages], row.start + n)
                 prefills.append(attention.PrefillSpan(q0, q0 + n, row.start, ctx))
         input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
         # After a failed step there is nothing to carry: those rows belong to failed
@@ -136,35 +136,28 @@ class ModelRunner:
         meta = attention.StepAttention(
             k_cache=self.k_cache, v_cache=self.v_cache,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            decode_token_idx=None, decode_slots=None, decode_key_pos=None, decode_q_pos=None,
-            decode_valid=None, prefills=prefills,
+            decode_token_idx=None, decode_pages=None, decode_key_pos=None, decode_q_pos=None,
+            decode_valid=None, prefills=prefills, page_size=ps,
         )
         if decode_rows:
             rows = [step.rows[i] for i in decode_rows]
             lengths = [r.start + 1 for r in rows]
-            lmax = max(lengths)
-            meta.decode_slots = self._context_slots([r.pages for r in rows], lengths, lmax)
+            meta.decode_pages = self._page_table([r.pages for r in rows], max(lengths))
+            lmax = meta.decode_pages.shape[1] * ps
             meta.decode_token_idx = torch.tensor(decode_q, dtype=torch.long, device=dev)
             length_t = torch.tensor(lengths, dtype=torch.long, device=dev)
             key_pos = torch.arange(lmax, device=dev).unsqueeze(0)
             meta.decode_key_pos = key_pos
             meta.decode_q_pos = (length_t - 1).unsqueeze(1)
-            meta.decode_valid = (key_pos < length_t.unsqueeze(1)).view(len(rows), 1, 1, lmax)
+            meta.decode_valid = (key_pos < length_t.unsqueeze(1)).view(len(rows), 1, lmax)
         keep_t = torch.tensor(keep, dtype=torch.long, device=dev)
         return input_ids, position_ids, keep_t, meta
 
-    def _context_slots(self, tables: list[list[int]], lengths: list[int], lmax: int) -> torch.Tensor:
-        """[B, lmax] slot of every context position of every row; the zero page past the end."""
-        ps = self.page_size
-        npages = -(-lmax // ps)
-        table = torch.full((len(tables), npages), self.num_pages, dtype=torch.long)
-        for i, pages in enumerate(tables):
-            k = min(len(pages), npages)
-            table[i, :k] = torch.tensor(pages[:k], dtype=torch.long)
-        slots = (table.unsqueeze(-1) * ps + torch.arange(ps)).view(len(tables), npages * ps)[:, :lmax]
-        pos = torch.arange(lmax).unsqueeze(0)
-        slots = torch.where(pos < torch.tensor(lengths).unsqueeze(1), slots, self.null_slot)
-        return slots.to(self.device)
+    def _page_table(self, tables: list[list[int]], length: int) -> torch.Tensor:
+        """[B, P] pages covering ``length`` positions per row; the zero page pads."""
+        npages = -(-length // self.page_size)
+        table = [t[:npages] + [self.num_pages] * (npages - len(t[:npages])) for t in tables]
+        return torch.tensor(table, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
