@@ -1,0 +1,68 @@
+"""The ``acb`` command: ``acb serve --tiny`` as a real process, spoken to over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from importlib.metadata import entry_points
+
+import aiohttp
+import pytest
+from http_helpers import free_port, sse_events
+
+from acb.cli import main
+
+
+def test_console_script_points_at_main():
+    (script,) = [e for e in entry_points(group="console_scripts") if e.name == "acb"]
+    assert script.value == "acb.cli:main"
+
+
+@pytest.mark.parametrize("argv", [[], ["serve", "--port", "70000"], ["serve", "--tiny", "some/dir"],
+                                  ["serve", "/no/such/model/dir"]])
+def test_bad_command_lines_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert "usage: acb" in capsys.readouterr().err
+
+
+@pytest.fixture
+def server_log(tmp_path):
+    with open(tmp_path / "server.log", "w") as log:
+        yield log
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+async def test_serve_process_answers_then_drains_and_exits_0_on_signal(signum, server_log, tmp_path):
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "acb.cli", "serve", "--tiny", "--port", str(port), "--drain-timeout", "20",
+        stdout=asyncio.subprocess.PIPE, stderr=server_log, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        ready = await asyncio.wait_for(proc.stdout.readline(), 120)
+        assert f"http://127.0.0.1:{port}" in ready.decode(), (tmp_path / "server.log").read_text()
+        url = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession(base_url=url) as session:
+            async with session.get("/health") as resp:
+                assert resp.status == 200
+            async with session.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4}) as resp:
+                assert (await resp.json())["usage"]["completion_tokens"] == 4
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 60, "ignore_eos": True,
+                    "stream": True}
+            async with session.post("/v1/chat/completions", json=body) as resp:
+                events = sse_events(resp)
+                await anext(events)
+                proc.send_signal(signum)  # mid-stream: the request must still finish
+                rest = [data async for _, data in events]
+        assert rest[-1] == "[DONE]"
+        assert json.loads(rest[-2])["choices"][0]["finish_reason"] == "length"
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

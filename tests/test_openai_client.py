@@ -1,0 +1,55 @@
+"""The official ``openai`` client against acb's server (skipped when openai is not installed)."""
+
+from __future__ import annotations
+
+import pytest
+from http_helpers import running_app
+
+from acb.server import ServerConfig, create_app
+from acb.testing import tiny_engine
+
+openai = pytest.importorskip("openai")
+
+CHAT = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.fixture
+async def client():
+    app = create_app(tiny_engine(), ServerConfig(model_name="tiny", api_key="k"))
+    async with running_app(app, handler_cancellation=True) as url:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+        yield client
+        await client.close()
+
+
+async def test_models_list(client):
+    assert [m.id async for m in client.models.list()] == ["tiny"]
+
+
+async def test_completion_whole_and_streamed(client):
+    whole = await client.completions.create(model="tiny", prompt="hello", max_tokens=6, temperature=0)
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 6
+    stream = await client.completions.create(model="tiny", prompt="hello", max_tokens=6, temperature=0, stream=True)
+    assert "".join([c.choices[0].text async for c in stream]) == whole.choices[0].text
+
+
+async def test_chat_whole_and_streamed_with_usage(client):
+    whole = await client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, temperature=0,
+                                                 logprobs=True)
+    assert whole.choices[0].message.role == "assistant"
+    assert len(whole.choices[0].logprobs.content) == 6
+    stream = await client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
+
+
+async def test_errors_map_to_the_clients_exceptions(client):
+    with pytest.raises(openai.BadRequestError) as bad:
+        await client.chat.completions.create(model="tiny", messages=CHAT, n=2)
+    assert bad.value.body["param"] == "n"
+    wrong_key = client.with_options(api_key="nope")
+    with pytest.raises(openai.AuthenticationError):
+        await wrong_key.models.list()
