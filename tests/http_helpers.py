@@ -80,3 +80,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+async def wait_http_ok(url: str, timeout: float = 120.0, proc: asyncio.subprocess.Process | None = None) -> None:
+    """Poll ``url`` until it answers 200 (bounded); fail early if ``proc`` exits."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    async with aiohttp.ClientSession() as session:
+        while True:
+            if proc is not None and proc.returncode is not None:
+                raise AssertionError(f"the server exited with {proc.returncode}")
+            try:
+                async with session.get(url) as resp:
+                    if resp.status == 200:
+                        return
+            except aiohttp.ClientConnectionError:
+                pass
+            if loop.time() > deadline:
+                raise AssertionError(f"{url} did not answer within {timeout} s")
+            await asyncio.sleep(0.1)
