@@ -271,3 +271,20 @@ async def test_client_leaving_a_whole_request_frees_its_pages(server):
                            timeout=aiohttp.ClientTimeout(total=0.3))
     await wait_pages_free(engine)
     assert engine.stats().generated_tokens < 1000
+
+
+# ---------------------------------------------------------------- the real model
+@pytest.mark.slow
+async def test_smollm2_answers_a_chat_over_http():
+    import acb
+    from acb.loading import smollm2
+
+    folder, gguf_file = smollm2()
+    engine = acb.Engine.from_pretrained(folder, gguf_file=gguf_file, config=acb.EngineConfig(num_blocks=128))
+    serving = running_app(create_app(engine, ServerConfig(model_name="smollm2")), handler_cancellation=True)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    async with serving as url, aiohttp.ClientSession(base_url=url) as session:
+        status, body = await post(session, "/v1/chat/completions", {"messages": question, "max_tokens": 24,
+                                                                    "temperature": 0})
+    assert status == 200
+    assert "Paris" in body["choices"][0]["message"]["content"]
