@@ -106,7 +106,11 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     def ready(url: str) -> None:
         print(f"acb: serving {config.model_name!r} on {url}  (OpenAI API at {url}/v1)", flush=True)
 
-    return serve(engine, host=args.host, port=args.port, config=config, ready=ready)
+    try:
+        return serve(engine, host=args.host, port=args.port, config=config, ready=ready)
+    except OSError as e:  # e.g. the port is taken
+        print(f"acb serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
 
 
 Command = Callable[[argparse.Namespace, argparse.ArgumentParser], int]

@@ -102,6 +102,9 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         if "Allow" in e.headers:
             resp.headers["Allow"] = e.headers["Allow"]
         return resp
+    except Exception:  # a bug: answer in the API's shape and keep serving
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return ApiError(500, "internal server error").response()
 
 
 def _check_api_key(request: web.Request, key: str) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import sys
 from importlib.metadata import entry_points
 
@@ -28,6 +29,15 @@ def test_bad_command_lines_exit_2(argv, capsys):
         main(argv)
     assert exit_info.value.code == 2
     assert "usage: acb" in capsys.readouterr().err
+
+
+def test_a_taken_port_exits_1_with_a_message(capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--tiny", "--port", str(port)]) == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
 
 
 @pytest.fixture
