@@ -37,7 +37,7 @@ from .errors import (
 from .handle import ChunkStream, RequestHandle
 from .kv_cache import KVCacheManager
 from .request import Completion, Mailbox, RequestMetrics
-from .runner import ModelRunner, RowInput, StepInput, StepOutput, kv_bytes_per_token
+from .runner import ModelRunner, PendingOutput, RowInput, StepInput, StepOutput, kv_bytes_per_token
 from .sampling import SamplingBatch
 from .scheduler import Scheduler, Sequence, StepPlan
 
@@ -143,6 +143,7 @@ class Engine:
         self._arrivals = itertools.count()
         self._steps = 0
         self._generated = 0
+        self._poll_interval = 0.0002
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -512,7 +513,13 @@ class Engine:
     async def _complete(self, launched: tuple[StepPlan, asyncio.Future]) -> None:
         plan, fut = launched
         try:
-            out: StepOutput = await asyncio.shield(fut)
+            out: StepOutput | PendingOutput = await asyncio.shield(fut)
+            if isinstance(out, PendingOutput):
+                # The step is queued on the device: poll its event without blocking
+                # the loop (sub-millisecond sleeps keep latency low for short steps).
+                while not out.ready():
+                    await asyncio.sleep(self._poll_interval)
+                out = out.result()
         except asyncio.CancelledError:
             raise
         except BaseException as e:

@@ -41,6 +41,26 @@ class StepOutput:
     logprobs: list[float] | None
 
 
+class PendingOutput:
+    """A step queued on a device stream: the sampled ids land in pinned host memory
+    when ``event`` completes. The engine polls ``ready()`` from the event loop (never
+    blocking it) and then takes ``result()``, which no longer waits."""
+
+    __slots__ = ("event", "ids", "logprobs")
+
+    def __init__(self, event, ids: torch.Tensor, logprobs: torch.Tensor | None) -> None:
+        self.event = event
+        self.ids = ids
+        self.logprobs = logprobs
+
+    def ready(self) -> bool:
+        return bool(self.event.query())
+
+    def result(self) -> StepOutput:
+        self.event.synchronize()  # a no-op once ready() said so; surfaces device errors
+        return StepOutput(self.ids.tolist(), self.logprobs.tolist() if self.logprobs is not None else None)
+
+
 def _model_layers_info(config) -> tuple[int, int, int]:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     num_layers = text.num_hidden_layers
@@ -74,6 +94,10 @@ class ModelRunner:
                         for _ in range(num_layers)]
         for cache in self.k_cache + self.v_cache:
             cache[:, self.null_slot :].zero_()
+        # Attention reads whole pages, so the unwritten tail of a row's last page is read
+        # too (and masked). Masked scores are -inf, but a NaN bit pattern in never-written
+        # memory would still poison ``weights @ V``: each page is zeroed on first use.
+        self._zeroed = bytearray(num_pages)
         self.prev_sampled: torch.Tensor | None = None
         self.generator = torch.Generator(device=self.device)
         self.generator.seed()
@@ -84,6 +108,7 @@ class ModelRunner:
         if text is not None and text is not model.config:
             text._attn_implementation = attention.ATTN_NAME
         self.fault_hook = None  # test hook: callable(step_index, stage) that may raise
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.step_index = 0
 
     def release(self) -> None:
@@ -105,6 +130,7 @@ class ModelRunner:
         carry_src: list[int] = []
         decode_rows: list[int] = []
         decode_q: list[int] = []
+        fresh: list[int] = []
         prefills: list[attention.PrefillSpan] = []
         for i, row in enumerate(step.rows):
             q0 = len(tokens)
@@ -114,6 +140,10 @@ class ModelRunner:
             for p in range(row.start, row.start + n):
                 positions.append(p)
                 slots.append(pages[p // ps] * ps + p % ps)
+            for page in pages[row.start // ps : (row.start + n - 1) // ps + 1]:
+                if not self._zeroed[page]:
+                    self._zeroed[page] = 1
+                    fresh.append(page)
             if row.carry_from >= 0:
                 carry_pos.append(q0 + n - 1)
                 carry_src.append(row.carry_from)
@@ -127,15 +157,20 @@ class ModelRunner:
                 if row.start > 0:
                     ctx = self._page_table([pages], row.start + n)
                 prefills.append(attention.PrefillSpan(q0, q0 + n, row.start, ctx))
-        input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
+        if fresh:
+            idx = self._tensor(fresh)
+            for cache in self.k_cache + self.v_cache:
+                kvh, num_slots, d = cache.shape
+                cache.view(kvh, num_slots // ps, ps * d).index_fill_(1, idx, 0.0)
+        input_ids = self._tensor(tokens)
         # After a failed step there is nothing to carry: those rows belong to failed
         # requests whose results are dropped, so their placeholder ids stay.
         if carry_pos and self.prev_sampled is not None:
-            input_ids[torch.tensor(carry_pos, device=dev)] = self.prev_sampled[torch.tensor(carry_src, device=dev)]
-        position_ids = torch.tensor(positions, dtype=torch.long, device=dev)
+            input_ids[self._tensor(carry_pos)] = self.prev_sampled[self._tensor(carry_src)]
+        position_ids = self._tensor(positions)
         meta = attention.StepAttention(
             k_cache=self.k_cache, v_cache=self.v_cache,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=self._tensor(slots),
             decode_token_idx=None, decode_pages=None, decode_key_pos=None, decode_q_pos=None,
             decode_valid=None, prefills=prefills, page_size=ps,
         )
@@ -144,31 +179,43 @@ class ModelRunner:
             lengths = [r.start + 1 for r in rows]
             meta.decode_pages = self._page_table([r.pages for r in rows], max(lengths))
             lmax = meta.decode_pages.shape[1] * ps
-            meta.decode_token_idx = torch.tensor(decode_q, dtype=torch.long, device=dev)
-            length_t = torch.tensor(lengths, dtype=torch.long, device=dev)
+            meta.decode_token_idx = self._tensor(decode_q)
+            length_t = self._tensor(lengths)
             key_pos = torch.arange(lmax, device=dev).unsqueeze(0)
             meta.decode_key_pos = key_pos
             meta.decode_q_pos = (length_t - 1).unsqueeze(1)
             meta.decode_valid = (key_pos < length_t.unsqueeze(1)).view(len(rows), 1, lmax)
-        keep_t = torch.tensor(keep, dtype=torch.long, device=dev)
+        keep_t = self._tensor(keep)
         return input_ids, position_ids, keep_t, meta
+
+    def _tensor(self, values: list) -> torch.Tensor:
+        """Host list -> long tensor on the device; on CUDA through pinned memory, without
+        making the host wait for the copy."""
+        if self.stream is None:
+            return torch.tensor(values, dtype=torch.long)
+        return torch.tensor(values, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
 
     def _page_table(self, tables: list[list[int]], length: int) -> torch.Tensor:
         """[B, P] pages covering ``length`` positions per row; the zero page pads."""
         npages = -(-length // self.page_size)
         table = [t[:npages] + [self.num_pages] * (npages - len(t[:npages])) for t in tables]
-        return torch.tensor(table, dtype=torch.long, device=self.device)
+        return self._tensor(table)
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> StepOutput:
+    def execute(self, step: StepInput) -> StepOutput | PendingOutput:
+        """Run one step. On CPU it returns when the step is done; on CUDA it returns
+        once the step is queued on the runner's stream (a ``PendingOutput``)."""
         self.step_index += 1
         try:
-            return self._execute(step)
+            if self.stream is None:
+                return self._execute(step)
+            with torch.cuda.stream(self.stream):
+                return self._execute(step)
         except BaseException:
             self.prev_sampled = None
             raise
 
-    def _execute(self, step: StepInput) -> StepOutput:
+    def _execute(self, step: StepInput) -> StepOutput | PendingOutput:
         input_ids, position_ids, keep, meta = self._build(step)
         if self.fault_hook is not None:
             self.fault_hook(self.step_index, "forward")
@@ -183,7 +230,7 @@ class ModelRunner:
             )
         finally:
             attention.set_step(None)
-        if keep.numel() == 0:
+        if not step.sampling.temperature:
             self.prev_sampled = None
             return StepOutput([], None)
         logits = out.logits[0]
@@ -191,4 +238,14 @@ class ModelRunner:
             self.fault_hook(self.step_index, "sample")
         ids, logprobs = sample(logits, step.sampling, self.generator)
         self.prev_sampled = ids
-        return StepOutput(ids.tolist(), logprobs.tolist() if logprobs is not None else None)
+        if self.stream is None:
+            return StepOutput(ids.tolist(), logprobs.tolist() if logprobs is not None else None)
+        ids_host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        ids_host.copy_(ids, non_blocking=True)
+        lp_host = None
+        if logprobs is not None:
+            lp_host = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
+            lp_host.copy_(logprobs, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return PendingOutput(event, ids_host, lp_host)

@@ -21,9 +21,10 @@ async def test_greedy_matches_transformers_generate(arch):
     max_new = [8 + (i * 7) % 25 for i in range(len(prompts))]
     expected = [reference_greedy(model, p, n) for p, n in zip(prompts, max_new)]
     assert len({tuple(e) for e in expected}) == len(expected), "reference output not varied"
-    # 24-token budget forces chunked prefill; 40 pages of 4 tokens cannot hold all
-    # 13 requests at once, which forces preemption.
-    config = acb.EngineConfig(page_size=4, num_blocks=40, max_batch_tokens=24, max_requests_per_batch=8)
+    # A 24-token budget forces chunked prefill; 24 pages of 4 tokens hold any one
+    # request but not the running set as it grows (no safety margin), which forces preemption.
+    config = acb.EngineConfig(page_size=4, num_blocks=24, max_batch_tokens=24, max_requests_per_batch=8,
+                              safety_margin=0.0)
     engine = acb.Engine(model, config=config)
     async with engine:
         results = await _run_staggered_keep(engine, prompts, max_new)
@@ -45,8 +46,9 @@ async def _run_staggered_keep(engine, prompts, max_new):
             handles.append(engine.submit(p, max_new_tokens=max_new[len(handles)], ignore_eos=True))
         if w < len(waves) - 1:
             before = engine.stats().generated_tokens
-            while engine.stats().generated_tokens < before + 3:
-                await asyncio.sleep(0.001)
+            async with asyncio.timeout(30):
+                while engine.stats().generated_tokens < before + 3:
+                    await asyncio.sleep(0.001)
     return [await h for h in handles]
 
 

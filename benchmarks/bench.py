@@ -1,0 +1,168 @@
+"""acb against its peers, in one run, on the same seeded workload.
+
+    python benchmarks/bench.py                          # standard workload: acb, HF generate_batch, HF generate
+    python benchmarks/bench.py --workload prefix        # shared 400-token system prompt
+    python benchmarks/bench.py --workload stream --rate 2
+    python benchmarks/bench.py --vllm-venv ~/vllm-venv  # adds vLLM's CPU engine (or set ACB_VLLM_VENV)
+    python benchmarks/bench.py --systems acb --limit 16 # quick look
+
+Each system runs in its own process, so peak RSS is its own. Prints a table and
+writes JSON (default bench-results/<workload>.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import workloads  # noqa: E402
+
+SYSTEMS = ("acb", "hf_generate_batch", "hf_generate", "vllm")
+
+
+def matrix_ceiling(w: workloads.Workload) -> dict:
+    """Generated tok/s this machine could reach if it did nothing but the workload's
+    linear-layer matmuls at the fp32 throughput measured on the model's own shapes."""
+    import torch
+
+    from systems import load_smollm2
+
+    model, _ = load_smollm2()
+    layer_linears = [m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n]
+    per_token = sum(m.weight.numel() for m in layer_linears)
+    lm_head = model.get_output_embeddings().weight.numel()
+    generated = w.max_new_tokens * len(w.prompts)
+    flops = 2 * per_token * (w.prompt_tokens + generated) + 2 * lm_head * generated
+    x = torch.randn(512, model.config.hidden_size)
+    layer = model.model.layers[0]
+    shapes = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+              layer.mlp.gate_proj, layer.mlp.up_proj]
+    with torch.inference_mode():
+        for _ in range(3):
+            for m in shapes:
+                m(x)
+            layer.mlp.down_proj(torch.randn(512, model.config.intermediate_size))
+        h = torch.randn(512, model.config.intermediate_size)
+        t0 = time.perf_counter()
+        reps = 10
+        for _ in range(reps):
+            for m in shapes:
+                m(x)
+            layer.mlp.down_proj(h)
+        dt = (time.perf_counter() - t0) / reps
+    layer_flops = 2 * 512 * sum(m.weight.numel() for m in shapes + [layer.mlp.down_proj])
+    gflops = layer_flops / dt / 1e9
+    return {"linear_tflop": flops / 1e12, "gflops_measured": gflops,
+            "ceiling_tok_per_s": generated / (flops / (gflops * 1e9))}
+
+
+def child(system: str, args: argparse.Namespace) -> dict:
+    import systems
+
+    w = workloads.build(args.workload, args.workload_file, args.limit, args.rate)
+    if system == "acb":
+        return systems.run_acb(w, json.loads(args.acb_config) if args.acb_config else None)
+    if system == "hf_generate_batch":
+        return systems.run_hf_generate_batch(w)
+    if system == "hf_generate":
+        return systems.run_hf_generate(w, batch_size=args.hf_batch_size)
+    if system == "vllm":
+        return systems.run_vllm(w, args.vllm_venv)
+    if system == "ceiling":
+        return matrix_ceiling(w)
+    raise ValueError(system)
+
+
+def run_in_subprocess(system: str, argv: list[str]) -> dict | None:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    cmd = [sys.executable, str(HERE / "bench.py"), *argv, "--child", system, "--child-out", out]
+    print(f"-- {system} ...", file=sys.stderr, flush=True)
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, stdout=sys.stderr)
+    if proc.returncode != 0:
+        print(f"-- {system} failed (exit {proc.returncode})", file=sys.stderr)
+        return None
+    res = json.loads(Path(out).read_text())
+    os.unlink(out)
+    print(f"-- {system} done in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+    return res
+
+
+def fmt(v, spec=".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def table(results: list[dict], ceiling: dict | None) -> str:
+    acb = next((r for r in results if r["system"] == "acb"), None)
+    head = (f"{'system':<22}{'tok/s':>8}{'req/s':>7}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}"
+            f"{'RSS GiB':>9}{'acb x':>7}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        ratio = acb["tok_per_s"] / r["tok_per_s"] if acb and r is not acb else None
+        lines.append(
+            f"{r['system']:<22}{r['tok_per_s']:>8.1f}{r['req_per_s']:>7.2f}{fmt(r['ttft_p50_s'], '.2f'):>10}"
+            f"{fmt(r['ttft_p99_s'], '.2f'):>10}{fmt(r['itl_p50_s'] and 1e3 * r['itl_p50_s'], '.0f'):>7}ms"
+            f"{fmt(r['itl_p99_s'] and 1e3 * r['itl_p99_s'], '.0f'):>7}ms{r['peak_rss_gib']:>9.2f}{fmt(ratio, '.2f'):>7}"
+        )
+    if acb:
+        lines.append(f"acb event-loop lag: p50 {acb['loop_lag_p50_ms']:.2f} ms, p99 {acb['loop_lag_p99_ms']:.2f} ms, "
+                     f"max {acb['loop_lag_max_ms']:.1f} ms; {acb['steps']} steps")
+    if ceiling:
+        line = (f"matrix ceiling: {ceiling['linear_tflop']:.2f} TFLOP of linear layers at "
+                f"{ceiling['gflops_measured']:.0f} GFLOP/s -> {ceiling['ceiling_tok_per_s']:.0f} tok/s")
+        if acb:
+            line += f"; acb reaches {acb['tok_per_s'] / ceiling['ceiling_tok_per_s']:.0%} of it"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", default="standard", choices=["standard", "prefix", "stream"])
+    p.add_argument("--workload-file", default=None, help="standard-workload.json (default: ../shared/bench)")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--rate", type=float, default=2.0, help="arrivals per second for --workload stream")
+    p.add_argument("--systems", default=None, help=f"comma list from {SYSTEMS}")
+    p.add_argument("--vllm-venv", default=os.environ.get("ACB_VLLM_VENV"))
+    p.add_argument("--hf-batch-size", type=int, default=8)
+    p.add_argument("--acb-config", default=None, help="JSON of EngineConfig fields for acb")
+    p.add_argument("--out", default=None)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        Path(args.child_out).write_text(json.dumps(child(args.child, args)))
+        return
+
+    argv = [a for a in sys.argv[1:]]
+    if args.systems:
+        systems = args.systems.split(",")
+    else:
+        systems = ["acb", "hf_generate_batch", "hf_generate"] + (["vllm"] if args.vllm_venv else [])
+        if args.workload == "stream":
+            systems = ["acb"]  # the peers here have no streaming arrival API comparable in one process
+    results = [r for s in systems if (r := run_in_subprocess(s, argv)) is not None]
+    ceiling = run_in_subprocess("ceiling", argv)
+    print(table(results, ceiling))
+    out = Path(args.out or f"bench-results/{args.workload}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "workload": args.workload, "limit": args.limit, "results": results, "ceiling": ceiling,
+    }, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
