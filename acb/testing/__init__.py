@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 from typing import Any
 
 import torch
@@ -109,8 +110,9 @@ def _tiny_state(arch: str, seed: int) -> tuple[Any, dict[str, torch.Tensor]]:
     return cfg, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def tiny_model(arch: str = "llama", seed: int = 0) -> torch.nn.Module:
-    """A fresh tiny random model (same weights for the same ``arch`` and ``seed``)."""
+def tiny_model(arch: str = "llama", seed: int = 0, device: str | None = None) -> torch.nn.Module:
+    """A fresh tiny random model (same weights for the same ``arch`` and ``seed``), on
+    ``device`` (default: $ACB_TEST_DEVICE, else the CPU)."""
     from transformers import AutoModelForCausalLM
 
     cfg, state = _tiny_state(arch, seed)
@@ -118,7 +120,7 @@ def tiny_model(arch: str = "llama", seed: int = 0) -> torch.nn.Module:
     model.load_state_dict(state)
     model.generation_config.eos_token_id = EOS_ID
     model.generation_config.pad_token_id = PAD_ID
-    return model.eval()
+    return model.to(device or os.environ.get("ACB_TEST_DEVICE", "cpu")).eval()
 
 
 def tiny_engine(arch: str = "llama", *, seed: int = 0, config: EngineConfig | None = None,
@@ -147,7 +149,7 @@ def reference_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_toke
     """transformers' own ``generate`` (greedy) on a private copy of ``model``: the
     reference acb must equal token for token."""
     ref = _reference_copy(model)
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], device=next(ref.parameters()).device)
     kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=0)
     if not eos:
         kwargs.update(eos_token_id=None, min_new_tokens=max_new_tokens)
