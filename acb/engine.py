@@ -546,10 +546,10 @@ class Engine:
             if req is None or req.seq is not seq or row.epoch != seq.epoch:
                 continue  # finished, cancelled or preempted since this step was planned
             kv = self.kv
-            if kv.enable_prefix_caching:
+            done = row.start + row.num_tokens
+            if kv.enable_prefix_caching and done // kv.page_size > seq.num_registered_pages:
                 seq.num_registered_pages, seq.last_page_hash = kv.register_full_pages(
-                    seq.block_table, seq.token_at(0, row.start + row.num_tokens),
-                    seq.num_registered_pages, seq.last_page_hash, row.start + row.num_tokens,
+                    seq.block_table, seq.token_at(0, done), seq.num_registered_pages, seq.last_page_hash, done,
                 )
             if token is not None:
                 seq.num_inflight -= 1

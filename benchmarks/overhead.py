@@ -1,0 +1,88 @@
+"""The engine's own cost per step, with a null model whose forward does no math.
+
+    python benchmarks/overhead.py              # 16, 256 and 1024 live requests
+
+Reports engine steps/s and microseconds of Python per step per live request, so
+the engine's overhead and its growth with load are visible apart from the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import pstats
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 2)[0])
+
+import acb  # noqa: E402
+
+
+class NullModel(torch.nn.Module):
+    """Looks like an HF causal LM to acb; returns zero logits without any math."""
+
+    def __init__(self, vocab: int = 64) -> None:
+        super().__init__()
+        from transformers import LlamaConfig
+
+        self.config = LlamaConfig(vocab_size=vocab, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                                  num_key_value_heads=1, head_dim=8, intermediate_size=8,
+                                  max_position_embeddings=1 << 20)
+        self.embed = torch.nn.Embedding(vocab, 8)
+        self.generation_config = SimpleNamespace(eos_token_id=None)
+        self.vocab = vocab
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.embed
+
+    def forward(self, input_ids, logits_to_keep=None, **kwargs):
+        n = logits_to_keep.numel() if isinstance(logits_to_keep, torch.Tensor) else input_ids.shape[1]
+        return SimpleNamespace(logits=torch.zeros(1, n, self.vocab))
+
+
+async def measure(live: int, steps: int, profile: bool) -> dict:
+    config = acb.EngineConfig(num_blocks=live * 8 + 64, page_size=16, max_requests_per_batch=max(live, 1),
+                              max_batch_tokens=max(live * 16, 256))
+    engine = acb.Engine(NullModel(), config=config)
+    async with engine:
+        handles = [engine.submit([1, 2, 3, 4], max_new_tokens=steps + 50, ignore_eos=True) for _ in range(live)]
+        while engine.stats().running < live or engine.stats().generated_tokens < live:
+            await asyncio.sleep(0.001)
+        prof = cProfile.Profile() if profile else None
+        s0, cpu0, t0 = engine.stats().steps, time.process_time(), time.perf_counter()
+        if prof:
+            prof.enable()
+        while engine.stats().steps < s0 + steps:
+            await asyncio.sleep(0.005)
+        if prof:
+            prof.disable()
+        dt, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        n = engine.stats().steps - s0
+        for h in handles:
+            h.cancel()
+    if prof:
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+    return {"live": live, "steps_per_s": n / dt, "ms_per_step": 1e3 * dt / n,
+            "us_per_step_per_request": 1e6 * dt / n / live, "cpu_s_per_wall_s": cpu / dt}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--live", default="16,256,1024")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args()
+    print(f"{'live':>6}{'steps/s':>10}{'ms/step':>10}{'us/step/req':>13}")
+    for live in map(int, args.live.split(",")):
+        r = asyncio.run(measure(live, args.steps, args.profile))
+        print(f"{r['live']:>6}{r['steps_per_s']:>10.1f}{r['ms_per_step']:>10.2f}{r['us_per_step_per_request']:>13.1f}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
