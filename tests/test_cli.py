@@ -60,7 +60,8 @@ async def test_serve_process_answers_then_drains_and_exits_0_on_signal(signum, s
         async with aiohttp.ClientSession(base_url=url) as session:
             async with session.get("/health") as resp:
                 assert resp.status == 200
-            async with session.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4}) as resp:
+            async with session.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4,
+                                                                      "ignore_eos": True}) as resp:
                 assert (await resp.json())["usage"]["completion_tokens"] == 4
             body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 60, "ignore_eos": True,
                     "stream": True}

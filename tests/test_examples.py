@@ -124,7 +124,7 @@ async def browser_page(tmp_path: Path) -> AsyncIterator[Page]:
 @pytest.mark.skipif(CHROMIUM is None, reason="no headless Chromium installed")
 async def test_chat_page_streams_an_answer_and_stops_one_in_chromium(log, tmp_path):
     async with example("websocket_chat/app.py", log) as url, browser_page(tmp_path) as page:
-        await page.call("Page.navigate", url=f"{url}/?prompt=Hello&max_new_tokens=12")
+        await page.call("Page.navigate", url=f"{url}/?prompt=Hello&max_new_tokens=12&temperature=0")
         await page.wait_until("document.body.dataset.finishReason === 'length'")
         assert await page.eval("document.querySelector('.msg.user').textContent") == "Hello"
         assert await page.eval("document.querySelector('.msg.assistant').textContent.length") > 0

@@ -117,7 +117,8 @@ async def test_same_seed_gives_the_same_text(server):
 
 async def test_completion_logprobs_one_per_token(server):
     _, session, _ = server
-    _, body = await post(session, "/v1/completions", {"prompt": "hi", "max_tokens": 5, "logprobs": 0})
+    _, body = await post(session, "/v1/completions", {"prompt": "hi", "max_tokens": 5, "logprobs": 0,
+                                                       "ignore_eos": True})
     logprobs = body["choices"][0]["logprobs"]
     assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(logprobs["text_offset"]) == 5
     assert all(lp <= 0 for lp in logprobs["token_logprobs"])
@@ -199,7 +200,8 @@ async def test_malformed_json_is_400_in_openai_shape(server):
 ])
 async def test_bad_field_is_400_naming_it_and_the_server_goes_on(server, path, field, value):
     _, session, _ = server
-    body = {"prompt": "hi", "max_tokens": 2} if "chat" not in path else {"messages": CHAT, "max_tokens": 2}
+    body = {"prompt": "hi"} if "chat" not in path else {"messages": CHAT}
+    body.update(max_tokens=2, ignore_eos=True)
     status, error = await post(session, path, {**body, field: value})
     assert status == 400
     assert error["error"]["param"] == field and field in error["error"]["message"]
