@@ -89,7 +89,8 @@ class SamplingParams:
         if unknown:
             raise InvalidRequestError(
                 f"unknown keyword argument(s): {', '.join(unknown)}; "
-                f"sampling keywords are: {', '.join(sorted(known))}"
+                f"sampling keywords are: {', '.join(sorted(known))}",
+                param=unknown[0],
             )
         return dataclasses.replace(self, **overrides)
 

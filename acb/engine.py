@@ -256,20 +256,20 @@ class Engine:
     def _tokenize(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise InvalidRequestError("a text prompt needs a tokenizer; pass token ids instead")
+                raise InvalidRequestError("a text prompt needs a tokenizer; pass token ids instead", param="prompt")
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
             ids = self.tokenizer(prompt)["input_ids"]
         elif isinstance(prompt, SequenceABC) and prompt and all(isinstance(m, dict) for m in prompt):
             if self.tokenizer is None:
-                raise InvalidRequestError("a chat prompt needs a tokenizer with a chat template")
+                raise InvalidRequestError("a chat prompt needs a tokenizer with a chat template", param="prompt")
             for i, m in enumerate(prompt):
                 if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                    raise InvalidRequestError(f"chat message {i} needs string 'role' and 'content'")
+                    raise InvalidRequestError(f"chat message {i} needs string 'role' and 'content'", param="prompt")
             try:
                 out = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
             except Exception as e:
-                raise InvalidRequestError(f"chat prompt could not be templated: {e}") from e
+                raise InvalidRequestError(f"chat prompt could not be templated: {e}", param="prompt") from e
             ids = out["input_ids"] if hasattr(out, "keys") else out
         elif isinstance(prompt, (list, tuple)):
             if not prompt:
@@ -284,7 +284,8 @@ class Engine:
             return self._tokenize(prompt.flatten().tolist())
         else:
             raise InvalidRequestError(
-                f"prompt must be a str, a list of token ids or a list of chat messages, got {type(prompt).__name__}"
+                f"prompt must be a str, a list of token ids or a list of chat messages, got {type(prompt).__name__}",
+                param="prompt",
             )
         if not ids:
             raise InvalidRequestError("prompt is empty after tokenization")
@@ -299,14 +300,14 @@ class Engine:
         except InvalidRequestError:
             raise
         except (TypeError, ValueError) as e:
-            raise InvalidRequestError(str(e)) from e
+            raise InvalidRequestError(str(e), param=getattr(e, "param", None)) from e
 
     def _prepare(self, prompt: Any, request_id: str | None, sampling: SamplingParams | None,
                  overrides: dict[str, Any]) -> tuple[str, list[int], SamplingParams]:
         params = self._params(sampling, overrides)
         ids = self._tokenize(prompt)
         if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids instead")
+            raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids instead", param="stop")
         for t in params.stop_token_ids:
             if t >= self.vocab_size:
                 raise InvalidRequestError(f"stop_token_ids: {t} is out of the vocabulary")
@@ -315,7 +316,8 @@ class Engine:
             raise InvalidRequestError(
                 f"prompt ({len(ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) is {total} tokens, "
                 f"more than this engine can ever hold ({self.max_model_len}: see EngineConfig.num_blocks, "
-                f"page_size and the model's max_position_embeddings)"
+                f"page_size and the model's max_position_embeddings)",
+                param="max_new_tokens",
             )
         if request_id is None:
             request_id = uuid.uuid4().hex
@@ -372,9 +374,9 @@ class Engine:
         ordered by prompt tokens so requests sharing a prefix run close together."""
         self._check_accepting()
         if not isinstance(prompts, (list, tuple)):
-            raise InvalidRequestError(f"prompts must be a list, got {type(prompts).__name__}")
+            raise InvalidRequestError(f"prompts must be a list, got {type(prompts).__name__}", param="prompts")
         if request_ids is not None and len(request_ids) != len(prompts):
-            raise InvalidRequestError("request_ids must have one id per prompt")
+            raise InvalidRequestError("request_ids must have one id per prompt", param="request_ids")
         prepared = []
         seen: set[str] = set()
         for i, prompt in enumerate(prompts):
@@ -382,9 +384,9 @@ class Engine:
             try:
                 p = self._prepare(prompt, rid, sampling, kwargs)
             except InvalidRequestError as e:
-                raise InvalidRequestError(f"prompts[{i}]: {e}") from e
+                raise InvalidRequestError(f"prompts[{i}]: {e}", param=e.param) from e
             if p[0] in seen:
-                raise InvalidRequestError(f"prompts[{i}]: duplicate request_id {p[0]!r}")
+                raise InvalidRequestError(f"prompts[{i}]: duplicate request_id {p[0]!r}", param="request_id")
             seen.add(p[0])
             prepared.append(p)
         order = sorted(range(len(prepared)), key=lambda i: prepared[i][1])

@@ -8,7 +8,17 @@ class AcbError(Exception):
 
 
 class InvalidRequestError(AcbError, ValueError):
-    """A prompt or sampling value is invalid; raised by the call that submitted it."""
+    """A prompt or sampling value is invalid; raised by the call that submitted it.
+
+    ``param`` names the offending field (``"prompt"``, ``"temperature"``, ...) when known."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        if param is None:
+            # messages name their field first ("top_p must be in (0, 1], got 2")
+            first = message.split(" ", 1)[0].rstrip(":")
+            param = first if first.isidentifier() and first.islower() and first not in ("a", "the") else None
+        self.param = param
 
 
 class EngineStoppedError(AcbError):

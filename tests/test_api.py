@@ -311,3 +311,17 @@ def test_sync_generate_batch_without_event_loop():
     results = acb.generate_batch(model, [PROMPT, [3, 4]], max_new_tokens=5, ignore_eos=True,
                                  config=acb.EngineConfig(num_blocks=32))
     assert results[0].token_ids == expected and len(results[1].token_ids) == 5
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"temperature": -1}, "temperature"), ({"top_p": 2}, "top_p"), ({"bogus": 1}, "bogus"),
+    ({"max_new_tokens": 10**7}, "max_new_tokens"), ({"stop": [""]}, "stop"),
+])
+async def test_invalid_request_error_names_its_field(kwargs, param):
+    async with tiny_engine() as engine:
+        with pytest.raises(acb.InvalidRequestError) as info:
+            engine.submit(PROMPT, **kwargs)
+        assert info.value.param == param
+        with pytest.raises(acb.InvalidRequestError) as info:
+            engine.submit([10**6])
+        assert info.value.param == "prompt"

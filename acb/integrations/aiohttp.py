@@ -65,6 +65,8 @@ class ApiError(Exception):
 
 def param_of(error: acb.InvalidRequestError) -> str | None:
     """The request field an engine validation message is about, if it names one."""
+    if getattr(error, "param", None):
+        return error.param
     message = str(error)
     if "plus max_new_tokens" in message:
         return "max_new_tokens"
