@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .kv_cache import KVCacheManager
+from .kv_cache import KVCacheManager, chain_hash
 
 
 @dataclass(slots=True, eq=False)
@@ -99,6 +99,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # first-page hash -> the running sequence computing that page: requests that
+        # would start with the same page wait for it, then share it instead of
+        # computing it again in the same step
+        self.pending_first_page: dict[int, Sequence] = {}
 
     def add(self, seq: Sequence) -> None:
         seq.status = "waiting"
@@ -199,9 +203,14 @@ class Scheduler:
         while self.waiting and budget > 0 and len(plan.rows) < self.max_requests:
             seq = self.waiting[0]
             matched: list[int] = []
+            first_hash = None
             if seq.num_computed == 0 and not seq.block_table:
                 tokens = seq.token_at(0, seq.num_tokens)
                 matched, last_hash = kv.match_prefix(tokens)
+                if kv.enable_prefix_caching and not matched and len(tokens) > kv.page_size:
+                    first_hash = chain_hash(None, tokens[: kv.page_size])
+                    if self._first_page_in_flight(first_hash):
+                        break  # FIFO: wait until the leader's page is cached
             n = min(seq.num_tokens - len(matched) * kv.page_size, budget)
             need = kv.pages_for(len(matched) * kv.page_size + n) - len(matched)
             idle = not self.running and not plan.rows
@@ -220,11 +229,22 @@ class Scheduler:
                 seq.num_cached_prompt_tokens = seq.num_computed
                 kv.record_lookup(len(seq.prompt_ids), seq.num_computed)
             seq.block_table.extend(kv.allocate(need))
+            if first_hash is not None:
+                self.pending_first_page[first_hash] = seq
             seq.status = "running"
             self._insert_running(seq)
             self._add_row(plan, seq, n)
             budget -= n
         return budget
+
+    def _first_page_in_flight(self, first_hash: int) -> bool:
+        owner = self.pending_first_page.get(first_hash)
+        if owner is None:
+            return False
+        if owner.status == "running" and owner.num_registered_pages == 0:
+            return True
+        del self.pending_first_page[first_hash]  # cached now, or its owner left
+        return False
 
     def _insert_running(self, seq: Sequence) -> None:
         # Keep ``running`` in arrival order (resumed victims are older than the tail).

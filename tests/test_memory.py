@@ -1,0 +1,103 @@
+"""Prefix caching, schedulers, safety margin and a starved cache, end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+import acb
+from acb.testing import random_prompts, reference_greedy, tiny_model
+
+SYSTEM = random_prompts(1, 40, 40, seed=123)[0]  # 40 tokens = 5 full pages of 8
+
+
+async def test_shared_prefix_hits_cache_and_keeps_parity():
+    model = tiny_model()
+    tails = random_prompts(6, 3, 12, seed=5)
+    prompts = [SYSTEM + t for t in tails]
+    expected = [reference_greedy(model, p, 10) for p in prompts]
+    async with acb.Engine(model, config=acb.EngineConfig(num_blocks=128, page_size=8)) as engine:
+        first = await engine.generate(prompts[0], max_new_tokens=10, ignore_eos=True)
+        rest = [await engine.generate(p, max_new_tokens=10, ignore_eos=True) for p in prompts[1:]]
+        stats = engine.stats()
+    assert first.metrics.num_cached_prompt_tokens == 0
+    assert all(r.metrics.num_cached_prompt_tokens == 40 for r in rest)
+    assert [r.token_ids for r in [first, *rest]] == expected
+    assert stats.cached_blocks > 0
+    assert 0 < stats.prefix_hit_rate < 1
+
+
+async def test_identical_prompt_recomputes_its_last_page_only():
+    model = tiny_model()
+    prompt = SYSTEM[:32]  # exactly 4 pages
+    async with acb.Engine(model, config=acb.EngineConfig(num_blocks=64, page_size=8)) as engine:
+        a = await engine.generate(prompt, max_new_tokens=6, ignore_eos=True)
+        b = await engine.generate(prompt, max_new_tokens=6, ignore_eos=True)
+    assert b.metrics.num_cached_prompt_tokens == 24
+    assert a.token_ids == b.token_ids == reference_greedy(model, prompt, 6)
+
+
+async def test_prefix_sharing_can_be_turned_off():
+    config = acb.EngineConfig(num_blocks=64, page_size=8, allow_prefix_sharing=False)
+    async with acb.Engine(tiny_model(), config=config) as engine:
+        await engine.generate(SYSTEM + [5], max_new_tokens=2)
+        again = await engine.generate(SYSTEM + [6], max_new_tokens=2)
+        assert again.metrics.num_cached_prompt_tokens == 0
+        assert engine.stats().cached_blocks == 0
+
+
+async def test_sliding_window_models_do_not_share_prefixes():
+    async with acb.Engine(tiny_model("mistral"), config=acb.EngineConfig(num_blocks=64, page_size=8)) as engine:
+        await engine.generate(SYSTEM + [5], max_new_tokens=2)
+        again = await engine.generate(SYSTEM + [6], max_new_tokens=2)
+    assert again.metrics.num_cached_prompt_tokens == 0
+
+
+async def test_generate_batch_groups_shared_prefixes_and_keeps_input_order():
+    model = tiny_model()
+    other = random_prompts(1, 40, 40, seed=77)[0]
+    tails = random_prompts(8, 2, 6, seed=9)
+    prompts = [(SYSTEM if i % 2 else other) + t for i, t in enumerate(tails)]
+    async with acb.Engine(model, config=acb.EngineConfig(num_blocks=256, page_size=8)) as engine:
+        results = await engine.generate_batch(prompts, max_new_tokens=4, ignore_eos=True)
+    assert [r.prompt_token_ids for r in results] == prompts
+    assert sum(r.metrics.num_cached_prompt_tokens for r in results) > 0
+
+
+@pytest.mark.parametrize("scheduler", ["fifo", "prefill_first"])
+async def test_both_schedulers_keep_parity(scheduler):
+    model = tiny_model("qwen3")
+    prompts = random_prompts(8, 4, 30, seed=2)
+    expected = [reference_greedy(model, p, 12) for p in prompts]
+    config = acb.EngineConfig(num_blocks=40, page_size=4, max_batch_tokens=32, scheduler=scheduler)
+    async with acb.Engine(model, config=config) as engine:
+        results = await engine.generate_batch(prompts, max_new_tokens=12, ignore_eos=True)
+    assert [r.token_ids for r in results] == expected
+
+
+async def test_a_thousand_requests_through_a_cache_too_small_for_a_tenth():
+    model = tiny_model()
+    rng = random.Random(0)
+    distinct = random_prompts(20, 4, 16, seed=31)
+    expected = [reference_greedy(model, p, 8) for p in distinct]
+    # 24 pages of 4 tokens hold ~4 of these requests at once: far below 100.
+    config = acb.EngineConfig(num_blocks=24, page_size=4, max_batch_tokens=64, max_requests_per_batch=16,
+                              debug_checks=True)
+    picks = [rng.randrange(len(distinct)) for _ in range(1000)]
+    async with acb.Engine(model, config=config) as engine:
+        results = await asyncio.wait_for(
+            engine.generate_batch([distinct[i] for i in picks], max_new_tokens=8, ignore_eos=True), 240)
+        stats = engine.stats()
+        engine.check_integrity()
+    assert all(r.token_ids == expected[i] for r, i in zip(results, picks))
+    assert stats.free_blocks == stats.total_blocks and stats.running == stats.waiting == 0
+
+
+async def test_request_that_can_never_fit_names_the_field():
+    async with acb.Engine(tiny_model(), config=acb.EngineConfig(num_blocks=4, page_size=4)) as engine:
+        with pytest.raises(acb.InvalidRequestError, match="max_new_tokens"):
+            engine.submit(list(range(3, 15)), max_new_tokens=8)
+        done = await engine.generate(list(range(3, 11)), max_new_tokens=8, ignore_eos=True)
+        assert len(done.token_ids) == 8
