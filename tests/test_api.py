@@ -325,3 +325,22 @@ async def test_invalid_request_error_names_its_field(kwargs, param):
         with pytest.raises(acb.InvalidRequestError) as info:
             engine.submit([10**6])
         assert info.value.param == "prompt"
+
+
+def test_runs_under_anyio_asyncio_backend():
+    import anyio
+
+    async def main():
+        async with tiny_engine() as engine:
+            async with anyio.create_task_group() as tg:
+                results = {}
+
+                async def one(i):
+                    results[i] = (await engine.generate([5 + i, 6, 7], max_new_tokens=4, ignore_eos=True)).token_ids
+
+                for i in range(4):
+                    tg.start_soon(one, i)
+            return results
+
+    results = anyio.run(main, backend="asyncio")
+    assert sorted(results) == [0, 1, 2, 3] and all(len(v) == 4 for v in results.values())
