@@ -134,3 +134,31 @@ async def test_chat_page_streams_an_answer_and_stops_one_in_chromium(log, tmp_pa
         await page.wait_until("document.body.dataset.state === 'streaming'")
         await page.eval("document.getElementById('stop').click()")
         await page.wait_until("document.body.dataset.finishReason === 'cancelled'")
+
+
+def test_minimal_stream_example_prints_an_answer():
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(EXAMPLES / "minimal_stream.py"), "--tiny"], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip()
+
+
+def test_stream_chat_example_prints_a_throughput_line():
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(EXAMPLES / "stream_chat.py"), "--tiny", "--max-new-tokens", "8"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    assert "tok/s" in out.stdout.splitlines()[-1]
+
+
+def test_acb_testing_example_passes_under_pytest():
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          str(EXAMPLES / "test_with_acb_testing.py")], capture_output=True, text=True, timeout=180,
+                         cwd=EXAMPLES.parent, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "3 passed" in out.stdout
