@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import math
+import random
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -42,6 +43,10 @@ class Bad:
     prompt: Any
     kwargs: dict[str, Any]
     field: str  # the message must name it
+    params: tuple[str, ...] = ()  # what InvalidRequestError.param may be; () means (field,)
+
+    def __post_init__(self) -> None:
+        self.params = self.params or (self.field,)
 
 
 def _bad_value(name: str, values: st.SearchStrategy) -> st.SearchStrategy[Bad]:
@@ -78,12 +83,14 @@ _bad_prompt = st.one_of(
     st.tuples(st.lists(_token, max_size=6), st.floats() | st.text(max_size=2) | st.none() | st.just(True)
               | st.lists(_token, min_size=1, max_size=2)).map(lambda t: [t[1]] + t[0]),  # not an int
     st.one_of(st.integers(), st.floats(), st.none(), st.binary(max_size=4), st.frozensets(_token, max_size=3)),
-    st.integers(MAX_LEN - 63, 3 * MAX_LEN).map(lambda n: [5] * n),  # with 64 new tokens it can never fit
-    st.integers(MAX_LEN - 63, 3 * MAX_LEN).map(lambda n: "a" * n),
 ).map(lambda p: Bad(p, {}, "prompt"))
+_never_fits = st.one_of(  # with the default 64 new tokens
+    st.integers(MAX_LEN - 63, 3 * MAX_LEN).map(lambda n: [5] * n),
+    st.integers(MAX_LEN - 63, 3 * MAX_LEN).map(lambda n: "a" * n),
+).map(lambda p: Bad(p, {}, "prompt", ("prompt", "max_new_tokens")))
 _bad_chat = st.sampled_from([[{"role": 1, "content": "x"}], [{"role": "user"}], [{}]]).map(
-    lambda p: Bad(p, {}, "message"))
-BAD = st.one_of(_bad_sampling, _bad_prompt, _bad_chat)
+    lambda p: Bad(p, {}, "message", ("prompt",)))
+BAD = st.one_of(_bad_sampling, _bad_prompt, _never_fits, _bad_chat)
 ROUTES = ("submit", "stream", "generate", "generate_batch")
 
 
@@ -124,11 +131,12 @@ def test_bad_input_on_every_route_is_rejected_by_name_while_others_run() -> None
                     live = [h.request_id for h in background if not h.done()]
                     if not live:
                         return
-                    case = Bad(bad.prompt, {"request_id": live[where % len(live)]}, bad.field)
+                    case = Bad(bad.prompt, {"request_id": live[where % len(live)]}, bad.field, bad.params)
                 before = stats()
                 with pytest.raises(acb.InvalidRequestError) as caught:
                     await _call(engine, route, case, where)
                 assert bad.field in str(caught.value), (route, bad, caught.value)
+                assert caught.value.param in bad.params, (route, bad, caught.value, caught.value.param)
                 after = stats()  # nothing ran in between: nothing may have changed
                 assert (after.running, after.waiting, after.used_blocks) == (
                     before.running, before.waiting, before.used_blocks)
@@ -219,6 +227,37 @@ async def test_failed_step_fails_only_its_requests_and_the_engine_serves_on(stag
         assert after.token_ids == expected(PROMPTS[6], 8)
         await until(lambda: idle_and_free(engine))
         engine.check_integrity()
+
+
+@pytest.mark.parametrize("async_batching", [True, False])
+async def test_random_faults_under_preemption_fail_only_their_requests_and_leak_no_page(async_batching: bool) -> None:
+    rng, on = random.Random(3), [True]
+
+    def hook(step: int, stage: str) -> None:
+        if on[0] and rng.random() < 0.04:
+            raise RuntimeError(f"injected at step {step} ({stage})")
+
+    # 24 pages of 4 tokens and a 32-token budget: chunked prefill, preemption and resumption all the time.
+    engine = tiny_engine(num_blocks=24, page_size=4, safety_margin=0.0, max_batch_tokens=32,
+                         async_batching=async_batching, fault_hook=hook)
+    async with engine:
+        lengths = [4 + i % 13 for i in range(40)]
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(40)]
+        handles = [engine.submit(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(prompts, lengths)]
+        outcomes = await asyncio.wait_for(asyncio.gather(*handles, return_exceptions=True), 60)
+        failed = [o for o in outcomes if not isinstance(o, acb.Completion)]
+        assert 0 < len(failed) < len(outcomes)
+        for o, p, n in zip(outcomes, prompts, lengths):
+            if isinstance(o, acb.Completion):
+                assert o.token_ids == expected(p, n)
+            else:
+                assert isinstance(o, acb.RequestFailedError) and "injected" in str(o.__cause__)
+        assert engine.stats().preemptions > 0
+        await until(lambda: idle_and_free(engine))
+        engine.check_integrity()
+        on[0] = False
+        assert (await engine.generate(PROMPTS[3], max_new_tokens=10, ignore_eos=True)).token_ids == expected(
+            PROMPTS[3], 10)
 
 
 # ================================================================= stops and close
