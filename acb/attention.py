@@ -47,6 +47,8 @@ class StepAttention:
     decode_valid: torch.Tensor | None  # [Bd, 1, P * page_size] True where a key exists
     prefills: list[PrefillSpan]
     page_size: int = 16
+    decode_lengths: torch.Tensor | None = None  # [Bd] context length of each decode row
+    decode_kernel: object | None = None  # the native decode kernel module, when in use
 
 
 def set_step(meta: StepAttention | None) -> None:
@@ -117,6 +119,14 @@ def paged_attention(
         # [kvh * Bd, L, d] batch and no tensor is expanded over the query groups.
         idx = meta.decode_token_idx
         bd = idx.shape[0]
+        if meta.decode_kernel is not None and k_cache.dtype == torch.float32 and query.dtype == torch.float32:
+            q = q_all.index_select(1, idx).transpose(0, 1).contiguous()  # [Bd, H, d]
+            o = torch.empty_like(q)
+            meta.decode_kernel.paged_decode(q, k_cache, v_cache, meta.decode_pages, meta.decode_lengths, o,
+                                            meta.page_size, scaling, softcap or 0.0, sliding_window or 0)
+            out.index_copy_(0, idx, o)
+            idx = None
+    if meta.decode_token_idx is not None and idx is not None:
         q = q_all.index_select(1, idx).view(kv_heads, groups, bd, head_dim).transpose(1, 2)
         k = _gather_pages(k_cache, meta.decode_pages, meta.page_size)
         v = _gather_pages(v_cache, meta.decode_pages, meta.page_size)

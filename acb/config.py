@@ -13,7 +13,7 @@ from typing import Any
 from .errors import InvalidRequestError
 
 _SCHEDULERS = ("fifo", "prefill_first")
-_ATTN_BACKENDS = ("auto", "torch", "sdpa", "eager", "flash_attn")
+_ATTN_BACKENDS = ("auto", "native", "torch", "flash_attn")
 
 
 def _is_int(value: Any) -> bool:

@@ -193,7 +193,7 @@ class Engine:
         if self._state in ("running", "draining"):
             return
         if self._runner is None:
-            self._runner = ModelRunner(self.model, self.num_pages, self.page_size)
+            self._runner = ModelRunner(self.model, self.num_pages, self.page_size, self.config.attn_backend)
             self._runner.fault_hook = self.config.fault_hook
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acb-step")

@@ -76,7 +76,7 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int) -> None:
+    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, attn_backend: str = "auto") -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -109,6 +109,12 @@ class ModelRunner:
             text._attn_implementation = attention.ATTN_NAME
         self.fault_hook = None  # test hook: callable(step_index, stage) that may raise
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.decode_kernel = None
+        if self.device.type == "cpu" and self.dtype == torch.float32 and attn_backend in ("auto", "native"):
+            from .kernels.cpu import paged_decode_kernel
+
+            self.decode_kernel = paged_decode_kernel()
+        log.info("acb attention: %s decode path", "native CPU kernel" if self.decode_kernel else "PyTorch")
         self.step_index = 0
 
     def release(self) -> None:
@@ -181,6 +187,8 @@ class ModelRunner:
             lmax = meta.decode_pages.shape[1] * ps
             meta.decode_token_idx = self._tensor(decode_q)
             length_t = self._tensor(lengths)
+            meta.decode_lengths = length_t
+            meta.decode_kernel = self.decode_kernel
             key_pos = torch.arange(lmax, device=dev).unsqueeze(0)
             meta.decode_key_pos = key_pos
             meta.decode_q_pos = (length_t - 1).unsqueeze(1)

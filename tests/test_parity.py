@@ -73,3 +73,17 @@ async def test_eos_stops_like_generate():
     for r, e in zip(results, expected):
         assert r.token_ids == e
         assert r.finish_reason == ("eos" if e[-1] == 2 and len(e) < 60 else "length")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "mistral"])
+@pytest.mark.parametrize("backend", ["native", "torch"])
+async def test_both_cpu_attention_backends_match_generate(arch, backend):
+    model = tiny_model(arch)
+    prompts = random_prompts(6, 3, 30, seed=21)
+    expected = [reference_greedy(model, p, 20) for p in prompts]
+    config = acb.EngineConfig(page_size=4, num_blocks=96, max_batch_tokens=32, attn_backend=backend)
+    async with acb.Engine(model, config=config) as engine:
+        if backend == "native":
+            assert engine._runner.decode_kernel is not None, "native CPU kernel did not build"
+        results = await engine.generate_batch(prompts, max_new_tokens=20, ignore_eos=True)
+    assert [r.token_ids for r in results] == expected
