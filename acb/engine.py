@@ -124,6 +124,13 @@ class Engine:
         sliding = getattr(text_config, "sliding_window", None) is not None and any(
             t == "sliding_attention" for t in (getattr(text_config, "layer_types", None) or ["sliding_attention"])
         )
+        window = getattr(text_config, "sliding_window", None)
+        layer_types = getattr(text_config, "layer_types", None)
+        all_sliding = bool(sliding and (not layer_types or all(t == "sliding_attention" for t in layer_types)))
+        if all_sliding and self.num_pages * self.page_size >= window + self.max_batch_tokens + 2 * self.page_size:
+            # every layer slides: pages behind the window are recycled, so a request's
+            # memory is bounded by the window, not by its length
+            self.max_model_len = getattr(text_config, "max_position_embeddings", None) or 1 << 30
         prefix = self.config.allow_prefix_sharing and not sliding
         if self.config.allow_prefix_sharing and sliding:
             log.info("prefix caching is off: the model has sliding-window layers")
@@ -131,6 +138,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.kv, self.max_batch_tokens, self.max_requests,
             policy=self.config.scheduler, safety_margin=self.config.effective_safety_margin,
+            sliding_window=window if all_sliding else None,
         )
         self._runner: ModelRunner | None = None
         self._executor: ThreadPoolExecutor | None = None

@@ -1,5 +1,8 @@
 """The page allocator of the paged KV cache: ids and counts only, no tensors.
 
+A block-table entry of ``RECYCLED`` (-1) marks a page given back because it fell
+wholly outside every layer's sliding window.
+
 A page holds ``page_size`` consecutive tokens of one sequence. A page is in exactly
 one of three states:
 
@@ -16,6 +19,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+
+
+RECYCLED = -1
 
 
 def chain_hash(parent: int | None, tokens: Sequence[int]) -> int:
@@ -88,6 +94,8 @@ class KVCacheManager:
         """Drop one reference to each page; a page reaching zero becomes cached (if it
         holds a registered full page) or free."""
         for page in pages:
+            if page < 0:
+                continue  # a slot of a block table whose page was recycled (sliding window)
             count = self.refcount[page]
             if count <= 0:
                 raise AssertionError(f"page {page} released with refcount {count}")
@@ -175,7 +183,8 @@ class KVCacheManager:
         uses = [0] * self.num_pages
         for table in block_tables:
             for page in table:
-                uses[page] += 1
+                if page >= 0:
+                    uses[page] += 1
         for page in range(self.num_pages):
             rc = self.refcount[page]
             assert rc == uses[page], f"page {page}: refcount {rc} but {uses[page]} block-table uses"

@@ -206,7 +206,8 @@ class ModelRunner:
     def _page_table(self, tables: list[list[int]], length: int) -> torch.Tensor:
         """[B, P] pages covering ``length`` positions per row; the zero page pads."""
         npages = -(-length // self.page_size)
-        table = [t[:npages] + [self.num_pages] * (npages - len(t[:npages])) for t in tables]
+        z = self.num_pages  # the zero page: padding and recycled (out-of-window) pages
+        table = [[p if p >= 0 else z for p in t[:npages]] + [z] * (npages - len(t[:npages])) for t in tables]
         return self._tensor(table)
 
     @torch.inference_mode()

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .kv_cache import KVCacheManager, chain_hash
+from .kv_cache import RECYCLED, KVCacheManager, chain_hash
 
 
 @dataclass(slots=True, eq=False)
@@ -33,6 +33,7 @@ class Sequence:
     epoch: int = 0  # bumped on preemption: rows of older epochs are stale
     status: str = "waiting"  # waiting | running | finished
     num_preemptions: int = 0
+    num_recycled_pages: int = 0  # leading block-table entries given back (sliding window)
 
     @property
     def num_tokens(self) -> int:
@@ -90,12 +91,16 @@ class Scheduler:
         max_requests: int,
         policy: str = "fifo",
         safety_margin: float = 0.0,
+        sliding_window: int | None = None,
     ) -> None:
         self.kv = kv
         self.max_batch_tokens = max_batch_tokens
         self.max_requests = max_requests
         self.policy = policy
         self.safety_margin = safety_margin
+        # Set only when *every* layer slides: pages wholly behind the window are then
+        # dead for all layers and go back to the pool, bounding a request's memory.
+        self.sliding_window = sliding_window
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -116,6 +121,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.kv.release(seq.block_table)
         seq.block_table = []
+        seq.num_recycled_pages = 0
         seq.status = "finished"
 
     def has_work(self) -> bool:
@@ -160,6 +166,8 @@ class Scheduler:
             n = min(self._tokens_wanted(seq), budget)
             if n <= 0:
                 continue
+            if self.sliding_window:
+                self._recycle_out_of_window(seq)
             need = self.kv.pages_for(seq.num_computed + n) - len(seq.block_table)
             while need > self.kv.num_free:
                 victim = self._pick_victim(scheduled)
@@ -175,6 +183,19 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _recycle_out_of_window(self, seq: Sequence) -> None:
+        """Give back the pages this sequence's next queries can no longer see. The next
+        query is at ``num_computed`` and sees keys at positions > num_computed - window.
+        (A step still in flight may read such a page: any new owner writes to it in a
+        later step, and steps run in order.)"""
+        dead = max(0, seq.num_computed - self.sliding_window + 1) // self.kv.page_size
+        if dead > seq.num_recycled_pages:
+            table = seq.block_table
+            pages = [p for p in table[seq.num_recycled_pages : dead] if p != RECYCLED]
+            table[seq.num_recycled_pages : dead] = [RECYCLED] * (dead - seq.num_recycled_pages)
+            self.kv.release(pages)
+            seq.num_recycled_pages = dead
+
     def _pick_victim(self, scheduled: set[int]) -> Sequence:
         for seq in reversed(self.running):
             if id(seq) not in scheduled:
@@ -188,6 +209,7 @@ class Scheduler:
         seq.num_computed = 0
         seq.num_inflight = 0
         seq.num_registered_pages = 0
+        seq.num_recycled_pages = 0
         seq.last_page_hash = None
         seq.epoch += 1
         seq.num_preemptions += 1

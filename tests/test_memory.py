@@ -101,3 +101,25 @@ async def test_request_that_can_never_fit_names_the_field():
             engine.submit(list(range(3, 15)), max_new_tokens=8)
         done = await engine.generate(list(range(3, 11)), max_new_tokens=8, ignore_eos=True)
         assert len(done.token_ids) == 8
+
+
+async def test_all_sliding_model_generates_past_the_cache_size_without_preemption():
+    """Mistral-style: every layer slides (window 8), so pages behind the window are
+    recycled; 20 pages of 4 tokens (80 slots) serve 3 requests of 150 tokens each."""
+    model = tiny_model("mistral")
+    prompts = random_prompts(3, 10, 20, seed=4)
+    expected = [reference_greedy(model, p, 130) for p in prompts]
+    config = acb.EngineConfig(num_blocks=20, page_size=4, max_batch_tokens=16, debug_checks=True)
+    async with acb.Engine(model, config=config) as engine:
+        assert engine.max_model_len > 20 * 4
+        results = await engine.generate_batch(prompts, max_new_tokens=130, ignore_eos=True)
+        stats = engine.stats()
+        engine.check_integrity()
+    assert [r.token_ids for r in results] == expected
+    assert stats.preemptions == 0
+    assert stats.free_blocks == stats.total_blocks
+
+
+async def test_hybrid_sliding_model_keeps_every_page():
+    async with acb.Engine(tiny_model("gemma3"), config=acb.EngineConfig(num_blocks=20, page_size=4)) as engine:
+        assert engine.max_model_len == 80  # full-attention layers need the whole history
