@@ -153,7 +153,7 @@ def test_bad_input_on_every_route_is_rejected_by_name_while_others_run() -> None
         runner.run(engine.aclose())
 
 
-# Bugs found by the property above, pinned one by one (see docs/reliability.md).
+# Bugs found while probing bad input, pinned one by one (fixes in docs/reliability.md).
 @pytest.mark.xfail(strict=True, reason="Engine._tokenize lets the tokenizer's TypeError through")
 async def test_text_prompt_that_is_not_valid_unicode_is_invalid_request() -> None:
     async with tiny_engine() as engine:
