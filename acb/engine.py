@@ -267,7 +267,10 @@ class Engine:
                 raise InvalidRequestError("a text prompt needs a tokenizer; pass token ids instead", param="prompt")
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
-            ids = self.tokenizer(prompt)["input_ids"]
+            try:
+                ids = self.tokenizer(prompt)["input_ids"]
+            except Exception as e:  # e.g. a lone surrogate the tokenizer cannot encode
+                raise InvalidRequestError(f"prompt could not be tokenized: {e}", param="prompt") from e
         elif isinstance(prompt, SequenceABC) and prompt and all(isinstance(m, dict) for m in prompt):
             if self.tokenizer is None:
                 raise InvalidRequestError("a chat prompt needs a tokenizer with a chat template", param="prompt")
@@ -289,7 +292,13 @@ class Engine:
                     raise InvalidRequestError(f"prompt token id {t} is out of the vocabulary (0..{self.vocab_size - 1})")
             ids = list(prompt)
         elif isinstance(prompt, torch.Tensor):
-            return self._tokenize(prompt.flatten().tolist())
+            if prompt.dim() == 2 and prompt.shape[0] == 1:
+                prompt = prompt[0]
+            if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
+                raise InvalidRequestError(
+                    f"a tensor prompt must be one row of integer token ids, got shape {tuple(prompt.shape)} "
+                    f"and dtype {prompt.dtype}", param="prompt")
+            return self._tokenize(prompt.tolist())
         else:
             raise InvalidRequestError(
                 f"prompt must be a str, a list of token ids or a list of chat messages, got {type(prompt).__name__}",
@@ -383,7 +392,8 @@ class Engine:
         self._check_accepting()
         if not isinstance(prompts, (list, tuple)):
             raise InvalidRequestError(f"prompts must be a list, got {type(prompts).__name__}", param="prompts")
-        if request_ids is not None and len(request_ids) != len(prompts):
+        if request_ids is not None and (not isinstance(request_ids, (list, tuple))
+                                        or len(request_ids) != len(prompts)):
             raise InvalidRequestError("request_ids must have one id per prompt", param="request_ids")
         prepared = []
         seen: set[str] = set()

@@ -71,7 +71,7 @@ class RequestHandle:
         completion = await handle
     """
 
-    __slots__ = ("request_id", "_mailbox", "_future", "_cancel", "_stream")
+    __slots__ = ("request_id", "_mailbox", "_future", "_cancel")
 
     def __init__(self, request_id: str, mailbox: Mailbox | None, future: asyncio.Future,
                  cancel: Callable[[], Any]) -> None:
@@ -79,7 +79,6 @@ class RequestHandle:
         self._mailbox = mailbox
         self._future = future
         self._cancel = cancel
-        self._stream: ChunkStream | None = None
 
     def cancel(self) -> bool:
         """Cancel the request; returns False if it had already ended."""
@@ -89,11 +88,11 @@ class RequestHandle:
         return self._future.done()
 
     def __aiter__(self) -> ChunkStream:
+        # A fresh iterator each time, referenced only by the ``async for`` that asked
+        # for it: leaving that loop early drops it, and dropping it cancels the request.
         if self._mailbox is None:
             raise RuntimeError("this request was submitted without streaming")
-        if self._stream is None:
-            self._stream = ChunkStream(self._mailbox, self._cancel)
-        return self._stream
+        return ChunkStream(self._mailbox, self._cancel)
 
     async def _wait(self) -> Completion:
         try:

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import torch
 
 
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass(slots=True)
 class SamplingBatch:
     temperature: list[float]
@@ -43,7 +46,8 @@ def sample(
     """Return (token ids [B], logprobs of those ids [B] or None)."""
     logits = logits.float()
     ids = logits.argmax(dim=-1)
-    sampled_rows = [i for i, t in enumerate(batch.temperature) if t > 0]
+    # Below MIN_TEMPERATURE sampling is greedy: logits / 1e-40 overflow float32 to inf/NaN.
+    sampled_rows = [i for i, t in enumerate(batch.temperature) if t >= MIN_TEMPERATURE]
     if sampled_rows:
         rows = torch.tensor(sampled_rows, device=logits.device)
         sub = logits.index_select(0, rows)
