@@ -154,28 +154,24 @@ def test_bad_input_on_every_route_is_rejected_by_name_while_others_run() -> None
 
 
 # Bugs found while probing bad input, pinned one by one (fixes in docs/reliability.md).
-@pytest.mark.xfail(strict=True, reason="Engine._tokenize lets the tokenizer's TypeError through")
 async def test_text_prompt_that_is_not_valid_unicode_is_invalid_request() -> None:
     async with tiny_engine() as engine:
         with pytest.raises(acb.InvalidRequestError, match="prompt"):
             engine.submit("cat \ud800 dog", max_new_tokens=2)
 
 
-@pytest.mark.xfail(strict=True, reason="generate_batch calls len(request_ids) before checking its type")
 async def test_generate_batch_request_ids_that_are_not_a_list_is_invalid_request() -> None:
     async with tiny_engine() as engine:
         with pytest.raises(acb.InvalidRequestError, match="request_ids"):
             await engine.generate_batch([PROMPTS[0]], request_ids=7, max_new_tokens=2)  # type: ignore[arg-type]
 
 
-@pytest.mark.xfail(strict=True, reason="a tensor prompt is flattened whatever its shape")
 async def test_tensor_prompt_with_several_rows_is_invalid_request() -> None:
     async with tiny_engine() as engine:
         with pytest.raises(acb.InvalidRequestError, match="prompt"):
             engine.submit(torch.tensor([PROMPTS[0][:3], PROMPTS[1][:3]]), max_new_tokens=2)
 
 
-@pytest.mark.xfail(strict=True, reason="temperature below ~1e-37 is 0 in float32: logits/0 give NaN, token 0")
 async def test_tiny_positive_temperature_samples_the_greedy_token() -> None:
     async with tiny_engine() as engine:
         done = await engine.generate(PROMPTS[0], max_new_tokens=4, ignore_eos=True, temperature=1e-40)
