@@ -32,7 +32,7 @@ def paged_decode_kernel():
 
                 src = Path(__file__).with_name("paged_decode_cpu.cpp")
                 _module = load(name="acb_paged_decode_cpu", sources=[str(src)],
-                               extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+                               extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffast-math"],
                                verbose=False)
             except Exception as e:  # no compiler, no headers, ...
                 _failed = True

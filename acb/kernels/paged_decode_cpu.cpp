@@ -50,7 +50,7 @@ void paged_decode(const torch::Tensor& q,        // [B, H, D] float32, contiguou
 #pragma omp simd reduction(+ : dot)
           for (int64_t d = 0; d < D; ++d) dot += qg[d] * k[d];
           float s = dot * fscale;
-          if (fcap > 0.f) s = std::tanh(s / fcap) * fcap;
+          if (fcap > 0.f) s = tanhf(s / fcap) * fcap;
           scores[g * n + i] = s;
         }
       }
@@ -62,7 +62,7 @@ void paged_decode(const torch::Tensor& q,        // [B, H, D] float32, contiguou
         for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sg[i]);
         float sum = 0.f;
         for (int64_t i = 0; i < n; ++i) {
-          sg[i] = std::exp(sg[i] - mx);
+          sg[i] = expf(sg[i] - mx);
           sum += sg[i];
         }
         denom[g] = sum;
