@@ -102,6 +102,18 @@ class EngineConfig:
     ``None`` means "choose for the device". Example::
 
         config = acb.EngineConfig(max_batch_tokens=1024, num_blocks=512)
+
+    Active: ``page_size`` (default 16), ``num_blocks`` / ``max_memory_percent`` (cache size;
+    default half the free device memory, or available RAM on CPU, allocated lazily on CPU),
+    ``max_batch_tokens`` (default 2048 on CPU, 8192 on GPU), ``max_requests_per_batch``
+    (default 256), ``scheduler``, ``safety_margin``, ``allow_prefix_sharing``,
+    ``async_batching``, ``attn_backend`` (``auto`` | ``native`` | ``torch``), ``device``,
+    ``dtype``, ``debug_checks`` (integrity check whenever the engine goes idle).
+
+    Accepted and validated but not active yet (a non-default value logs a warning, and the
+    engine behaves as with the default): ``cpu_offload_space`` (preemption recomputes),
+    ``use_cuda_graph``, ``q_padding_interval_size``, ``kv_padding_interval_size``,
+    ``compile_level``, ``max_blocks_per_request``.
     """
 
     page_size: int | None = None
@@ -175,6 +187,12 @@ class EngineConfig:
             bad("device", "must be None or a device string such as 'cpu' or 'cuda:0'")
         if self.dtype is not None and self.dtype not in ("float32", "float16", "bfloat16", "auto"):
             bad("dtype", "must be None, 'auto', 'float32', 'float16' or 'bfloat16'")
+
+    def inactive_settings(self) -> list[str]:
+        """Names of fields set to a value whose feature is not implemented yet."""
+        inactive = {"cpu_offload_space": 0.0, "use_cuda_graph": None, "q_padding_interval_size": 0,
+                    "kv_padding_interval_size": 0, "compile_level": 0, "max_blocks_per_request": None}
+        return [name for name, default in inactive.items() if getattr(self, name) not in (default, False)]
 
     @property
     def effective_safety_margin(self) -> float:

@@ -105,6 +105,8 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
+        for name in self.config.inactive_settings():
+            log.warning("acb: EngineConfig.%s is accepted but not active yet; it has no effect", name)
         self.sampling = sampling or SamplingParams()
         text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.vocab_size = model.get_input_embeddings().num_embeddings

@@ -344,3 +344,12 @@ def test_runs_under_anyio_asyncio_backend():
 
     results = anyio.run(main, backend="asyncio")
     assert sorted(results) == [0, 1, 2, 3] and all(len(v) == 4 for v in results.values())
+
+
+def test_settings_not_active_yet_are_reported(caplog):
+    config = acb.EngineConfig(cpu_offload_space=1.0, compile_level=2)
+    assert config.inactive_settings() == ["cpu_offload_space", "compile_level"]
+    assert acb.EngineConfig().inactive_settings() == []
+    with caplog.at_level("WARNING", logger="acb"):
+        tiny_engine(config=acb.EngineConfig(num_blocks=16, cpu_offload_space=1.0))
+    assert "cpu_offload_space" in caplog.text
