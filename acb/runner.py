@@ -46,18 +46,23 @@ class PendingOutput:
     when ``event`` completes. The engine polls ``ready()`` from the event loop (never
     blocking it) and then takes ``result()``, which no longer waits."""
 
-    __slots__ = ("event", "ids", "logprobs")
+    __slots__ = ("event", "ids", "logprobs", "started", "runner")
 
-    def __init__(self, event, ids: torch.Tensor, logprobs: torch.Tensor | None) -> None:
+    def __init__(self, event, ids: torch.Tensor, logprobs: torch.Tensor | None, started=None,
+                 runner: ModelRunner | None = None) -> None:
         self.event = event
         self.ids = ids
         self.logprobs = logprobs
+        self.started = started  # a timing event at the step's start, when measuring
+        self.runner = runner
 
     def ready(self) -> bool:
         return bool(self.event.query())
 
     def result(self) -> StepOutput:
         self.event.synchronize()  # a no-op once ready() said so; surfaces device errors
+        if self.started is not None:
+            self.runner.device_busy_ms += self.started.elapsed_time(self.event)
         return StepOutput(self.ids.tolist(), self.logprobs.tolist() if self.logprobs is not None else None)
 
 
@@ -110,6 +115,8 @@ class ModelRunner:
         self.fault_hook = None  # test hook: callable(step_index, stage) that may raise
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.decode_kernel = None
+        self.measure_device_time = False  # CUDA: time each step on the device (benchmarks)
+        self.device_busy_ms = 0.0
         if self.device.type == "cpu" and self.dtype == torch.float32 and attn_backend in ("auto", "native"):
             from .kernels.cpu import paged_decode_kernel
 
@@ -225,6 +232,10 @@ class ModelRunner:
             raise
 
     def _execute(self, step: StepInput) -> StepOutput | PendingOutput:
+        started = None
+        if self.stream is not None and self.measure_device_time:
+            started = torch.cuda.Event(enable_timing=True)
+            started.record(self.stream)
         input_ids, position_ids, keep, meta = self._build(step)
         if self.fault_hook is not None:
             self.fault_hook(self.step_index, "forward")
@@ -255,6 +266,6 @@ class ModelRunner:
         if logprobs is not None:
             lp_host = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
             lp_host.copy_(logprobs, non_blocking=True)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=started is not None)
         event.record(self.stream)
-        return PendingOutput(event, ids_host, lp_host)
+        return PendingOutput(event, ids_host, lp_host, started, self)

@@ -76,15 +76,20 @@ def workload(vocab: int, n: int = 64, seed: int = 0):
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(16, 512))] for _ in range(n)]
 
 
-def time_acb(model, prompts, new, **cfg) -> tuple[float, int]:
+def time_acb(model, prompts, new, **cfg) -> tuple[float, int, float]:
+    """(seconds, steps, fraction of the wall time the GPU spent inside steps)."""
     async def run():
         engine = acb.Engine(model, config=acb.EngineConfig(max_memory_percent=0.3, **cfg))
         async with engine:
             await engine.generate_batch(prompts[:8], max_new_tokens=4, ignore_eos=True)
             torch.cuda.synchronize()
+            engine._runner.measure_device_time = True
+            engine._runner.device_busy_ms = 0.0
+            s0 = engine.stats().steps
             t = time.perf_counter()
             await engine.generate_batch(prompts, max_new_tokens=new, ignore_eos=True)
-            return time.perf_counter() - t, engine.stats().steps
+            dt = time.perf_counter() - t
+            return dt, engine.stats().steps - s0, engine._runner.device_busy_ms / 1e3 / dt
 
     return asyncio.run(run())
 
@@ -105,7 +110,7 @@ def time_hf(model, prompts, new) -> float:
 
 def timing() -> None:
     new = 64
-    print(f"{'model':<10}{'requests':>9}{'system':>28}{'tok/s':>10}{'s':>8}{'steps':>7}")
+    print(f"{'model':<10}{'requests':>9}{'system':>28}{'tok/s':>10}{'s':>8}{'steps':>7}{'GPU busy':>10}")
     for shape in ("smollm2", "llama-1b"):
         model, vocab = make_model(shape)
         for n in (64, 256):
@@ -113,17 +118,18 @@ def timing() -> None:
             rows = []
             for label, cfg in (("acb eager, async on", {}), ("acb eager, async off", {"async_batching": False})):
                 try:
-                    dt, steps = time_acb(model, prompts, new, **cfg)
-                    rows.append((label, n * new / dt, dt, steps))
+                    dt, steps, busy = time_acb(model, prompts, new, **cfg)
+                    rows.append((label, n * new / dt, dt, steps, busy))
                 except Exception as e:
                     print(f"{label} failed: {e!r}")
             try:
                 dt = time_hf(model, prompts, new)
-                rows.append(("transformers generate_batch", n * new / dt, dt, None))
+                rows.append(("transformers generate_batch", n * new / dt, dt, None, None))
             except Exception as e:
                 print(f"transformers generate_batch failed: {e!r}")
-            for label, tps, dt, steps in rows:
-                print(f"{shape:<10}{n:>9}{label:>28}{tps:>10.0f}{dt:>8.2f}{steps if steps else '-':>7}", flush=True)
+            for label, tps, dt, steps, busy in rows:
+                print(f"{shape:<10}{n:>9}{label:>28}{tps:>10.0f}{dt:>8.2f}{steps if steps else '-':>7}"
+                      f"{format(busy, '.0%') if busy is not None else '-':>10}", flush=True)
         del model
         torch.cuda.empty_cache()
 
