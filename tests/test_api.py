@@ -12,6 +12,16 @@ from acb.testing import reference_greedy, tiny_engine, tiny_model
 PROMPT = [5, 17, 33, 60, 91, 120]
 
 
+@pytest.fixture(scope="module", params=["asyncio", "uvloop"])
+def event_loop_policy(request):
+    """Every API behaviour here is checked on the default loop and on uvloop."""
+    if request.param == "uvloop":
+        import uvloop
+
+        return uvloop.EventLoopPolicy()
+    return asyncio.DefaultEventLoopPolicy()
+
+
 async def _wait_until(pred, timeout=10.0):
     deadline = asyncio.get_running_loop().time() + timeout
     while not pred():
@@ -353,3 +363,11 @@ def test_settings_not_active_yet_are_reported(caplog):
     with caplog.at_level("WARNING", logger="acb"):
         tiny_engine(config=acb.EngineConfig(num_blocks=16, cpu_offload_space=1.0))
     assert "cpu_offload_space" in caplog.text
+
+
+async def test_engine_serves_on_the_loop_under_test(event_loop_policy):
+    loop = asyncio.get_running_loop()
+    if type(event_loop_policy).__module__.startswith("uvloop"):
+        assert type(loop).__module__.startswith("uvloop")
+    async with tiny_engine() as engine:
+        assert len((await engine.generate(PROMPT, max_new_tokens=3, ignore_eos=True)).token_ids) == 3
