@@ -152,7 +152,14 @@ def paged_attention(
         allowed = k_pos <= q_pos
         if sliding_window is not None:
             allowed = allowed & (k_pos > q_pos - sliding_window)
-        if softcap is None:
+        if softcap is None and past == 0 and sliding_window is None:
+            # a fresh prompt is plainly causal: the flash kernel then skips the masked
+            # half instead of reading a mask for every (query, key) pair
+            o = F.scaled_dot_product_attention(
+                q.unsqueeze(0), k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype),
+                is_causal=True, scale=scaling, enable_gqa=groups > 1,
+            )[0]
+        elif softcap is None:
             o = F.scaled_dot_product_attention(
                 q.unsqueeze(0), k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype),
                 attn_mask=allowed, scale=scaling, enable_gqa=groups > 1,
