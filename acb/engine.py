@@ -474,7 +474,7 @@ class Engine:
                 if inflight is None:
                     if self._state == "draining" and not self._live:
                         break
-                    if not self.scheduler.has_work() or self._stalled():
+                    if not self.scheduler.has_work():
                         if self.config.debug_checks:
                             self.check_integrity()
                         self._wakeup.clear()
@@ -500,11 +500,6 @@ class Engine:
             if self._hard:
                 for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
                     self.scheduler.finish(seq)
-
-    def _stalled(self) -> bool:
-        # Waiting work that cannot be scheduled (nothing running, nothing fits) would
-        # spin; it cannot happen since submit rejects requests that never fit.
-        return not self.scheduler.running and not self.scheduler.waiting
 
     def _step_input(self, plan: StepPlan, prev: StepPlan | None) -> StepInput:
         carry_index: dict[int, int] = {}

@@ -106,12 +106,14 @@ class ModelRunner:
         self.prev_sampled: torch.Tensor | None = None
         self.generator = torch.Generator(device=self.device)
         self.generator.seed()
-        self._saved_attn = model.config._attn_implementation
         attention.register()
-        model.config._attn_implementation = attention.ATTN_NAME
+        configs = [model.config]
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
         if text is not None and text is not model.config:
-            text._attn_implementation = attention.ATTN_NAME
+            configs.append(text)
+        self._saved_attn = [(c, c._attn_implementation) for c in configs]
+        for c in configs:
+            c._attn_implementation = attention.ATTN_NAME
         self.fault_hook = None  # test hook: callable(step_index, stage) that may raise
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.decode_kernel = None
@@ -129,7 +131,8 @@ class ModelRunner:
         self.k_cache = []
         self.v_cache = []
         self.prev_sampled = None
-        self.model.config._attn_implementation = self._saved_attn
+        for config, implementation in self._saved_attn:
+            config._attn_implementation = implementation
 
     # ------------------------------------------------------------------------------
     def _build(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, attention.StepAttention]:

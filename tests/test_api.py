@@ -371,3 +371,12 @@ async def test_engine_serves_on_the_loop_under_test(event_loop_policy):
         assert type(loop).__module__.startswith("uvloop")
     async with tiny_engine() as engine:
         assert len((await engine.generate(PROMPT, max_new_tokens=3, ignore_eos=True)).token_ids) == 3
+
+
+async def test_aclose_gives_the_model_back_with_its_own_attention():
+    model = tiny_model()
+    before = model.config._attn_implementation
+    async with acb.Engine(model, config=acb.EngineConfig(num_blocks=16)) as engine:
+        assert model.config._attn_implementation == "acb_paged"
+        await engine.generate(PROMPT, max_new_tokens=2)
+    assert model.config._attn_implementation == before
