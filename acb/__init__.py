@@ -15,6 +15,7 @@ from .config import EngineConfig, SamplingParams
 from .engine import Engine, EngineStats
 from .errors import (
     AcbError,
+    DeviceError,
     EngineClosedError,
     EngineStoppedError,
     InvalidRequestError,
@@ -31,6 +32,7 @@ __all__ = [
     "Chunk",
     "ChunkStream",
     "Completion",
+    "DeviceError",
     "Engine",
     "EngineClosedError",
     "EngineConfig",

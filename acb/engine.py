@@ -29,10 +29,12 @@ from .config import EngineConfig, SamplingParams
 from .detokenizer import Detokenizer, StopMatcher
 from .errors import (
     AcbError,
+    DeviceError,
     EngineClosedError,
     EngineStoppedError,
     InvalidRequestError,
     RequestFailedError,
+    as_device_error,
 )
 from .handle import ChunkStream, RequestHandle
 from .kv_cache import KVCacheManager
@@ -156,6 +158,7 @@ class Engine:
         self._steps = 0
         self._generated = 0
         self._poll_interval = 0.0002
+        self._stop_reason: str | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -212,6 +215,7 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         self._wakeup = asyncio.Event()
         self._hard = False
+        self._stop_reason = None
         self._state = "running"
         self._task = self._loop.create_task(self._run(), name="acb-engine")
 
@@ -263,7 +267,7 @@ class Engine:
         if self._state == "closed":
             raise EngineClosedError("the engine is closed")
         if self._state != "running":
-            raise EngineStoppedError("the engine is not running: call `await engine.start()` first")
+            raise EngineStoppedError(self._stop_reason or "the engine is not running: call `await engine.start()` first")
 
     def _tokenize(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
@@ -500,6 +504,8 @@ class Engine:
             if self._hard:
                 for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
                     self.scheduler.finish(seq)
+                if self._stop_reason is not None:  # ended by a device failure, not by stop()
+                    self._state = "stopped"
 
     def _step_input(self, plan: StepPlan, prev: StepPlan | None) -> StepInput:
         carry_index: dict[int, int] = {}
@@ -543,6 +549,10 @@ class Engine:
             raise
         except BaseException as e:
             self._steps += 1
+            device_error = as_device_error(e)
+            if device_error is not None:
+                self._device_failed(device_error)
+                return
             log.warning("step failed: %r", e)
             for row in plan.rows:
                 req = self._live.get(row.seq.seq_id)
@@ -575,6 +585,18 @@ class Engine:
                 seq.output_ids.append(token)
                 self._generated += 1
                 self._on_token(req, token, logprob)
+
+    def _device_failed(self, error: DeviceError) -> None:
+        """The device is unusable: fail every unfinished request and stop the loop
+        (never hang). ``start()`` may be tried again."""
+        log.error("acb: %s; stopping the engine", error)
+        self._stop_reason = f"the engine stopped after a device failure: {error}"
+        for req in list(self._live.values()):
+            failure = RequestFailedError(f"request {req.request_id} failed: {error}", req.request_id)
+            failure.__cause__ = error
+            self._fail(req, failure)
+        self._state = "draining"
+        self._hard = True
 
     def _on_token(self, req: _Request, token: int, logprob: float | None) -> None:
         seq = req.seq

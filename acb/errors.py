@@ -35,3 +35,24 @@ class RequestFailedError(AcbError):
     def __init__(self, message: str, request_id: str | None = None) -> None:
         super().__init__(message)
         self.request_id = request_id
+
+
+class DeviceError(AcbError):
+    """The device failed in a way that leaves it unusable (a CUDA error, a device-side
+    assert). The engine stops: every unfinished request fails with ``RequestFailedError``
+    whose cause is this error, and new submissions raise ``EngineStoppedError``."""
+
+
+_FATAL_MARKERS = ("CUDA error", "device-side assert", "illegal memory access", "unspecified launch failure",
+                  "CUBLAS_STATUS_EXECUTION_FAILED", "CUDNN_STATUS_EXECUTION_FAILED", "ECC error")
+
+
+def as_device_error(error: BaseException) -> DeviceError | None:
+    """``error`` as a DeviceError when it means the device is unusable, else None."""
+    if isinstance(error, DeviceError):
+        return error
+    if isinstance(error, RuntimeError) and any(m in str(error) for m in _FATAL_MARKERS):
+        device_error = DeviceError(f"the device failed: {error}")
+        device_error.__cause__ = error
+        return device_error
+    return None

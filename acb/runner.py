@@ -60,7 +60,8 @@ class PendingOutput:
         return bool(self.event.query())
 
     def result(self) -> StepOutput:
-        self.event.synchronize()  # a no-op once ready() said so; surfaces device errors
+        self.event.synchronize()  # a no-op once ready() said so; surfaces device errors (the
+        # engine classifies them with errors.as_device_error)
         if self.started is not None:
             self.runner.device_busy_ms += self.started.elapsed_time(self.event)
         return StepOutput(self.ids.tolist(), self.logprobs.tolist() if self.logprobs is not None else None)
