@@ -114,7 +114,7 @@ async def _request(engine: acb.Engine, clock: TokenClock, route: str, prompt: li
     return [] if ok else [f"{route}: {got} is not {'' if full else 'a prefix of '}{want}"]
 
 
-async def test_cancellation_storm_keeps_survivors_exact_and_frees_every_page() -> None:
+async def test_cancellation_storm_of_500_keeps_survivors_exact_and_frees_every_page() -> None:
     rng = random.Random(6)
     # 64 pages of 8 tokens, no safety margin: ~25 requests fit at once, the rest wait, and
     # running requests that grow into a new page preempt the newest.
@@ -125,7 +125,7 @@ async def test_cancellation_storm_keeps_survivors_exact_and_frees_every_page() -
         clock = TokenClock(engine)
         ticking = asyncio.create_task(clock.run(timeout=60))
         jobs = []
-        for i in range(400):
+        for i in range(500):
             route = rng.choice(CANCEL) if rng.random() < 1 / 3 else rng.choice(SURVIVE)
             arrive = (i // 40) * 150  # bursts of 40 requests
             jobs.append(_request(engine, clock, route, PROMPTS[i % len(PROMPTS)], rng.randint(4, 10), arrive,
