@@ -18,7 +18,6 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Sequence as SequenceABC
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +36,7 @@ from .errors import (
     as_device_error,
 )
 from .handle import ChunkStream, RequestHandle
+from .inputs import sampling_params, tokenize
 from .kv_cache import KVCacheManager
 from .request import Completion, Mailbox, RequestMetrics
 from .runner import ModelRunner, PendingOutput, RowInput, StepInput, StepOutput, kv_bytes_per_token
@@ -267,70 +267,13 @@ class Engine:
         if self._state == "closed":
             raise EngineClosedError("the engine is closed")
         if self._state != "running":
-            raise EngineStoppedError(self._stop_reason or "the engine is not running: call `await engine.start()` first")
-
-    def _tokenize(self, prompt: Any) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("a text prompt needs a tokenizer; pass token ids instead", param="prompt")
-            if not prompt:
-                raise InvalidRequestError("prompt is empty")
-            try:
-                ids = self.tokenizer(prompt)["input_ids"]
-            except Exception as e:  # e.g. a lone surrogate the tokenizer cannot encode
-                raise InvalidRequestError(f"prompt could not be tokenized: {e}", param="prompt") from e
-        elif isinstance(prompt, SequenceABC) and prompt and all(isinstance(m, dict) for m in prompt):
-            if self.tokenizer is None:
-                raise InvalidRequestError("a chat prompt needs a tokenizer with a chat template", param="prompt")
-            for i, m in enumerate(prompt):
-                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                    raise InvalidRequestError(f"chat message {i} needs string 'role' and 'content'", param="prompt")
-            try:
-                out = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
-            except Exception as e:
-                raise InvalidRequestError(f"chat prompt could not be templated: {e}", param="prompt") from e
-            ids = out["input_ids"] if hasattr(out, "keys") else out
-        elif isinstance(prompt, (list, tuple)):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty")
-            for t in prompt:
-                if isinstance(t, bool) or not isinstance(t, int):
-                    raise InvalidRequestError(f"prompt token ids must be ints, got {t!r}")
-                if not 0 <= t < self.vocab_size:
-                    raise InvalidRequestError(f"prompt token id {t} is out of the vocabulary (0..{self.vocab_size - 1})")
-            ids = list(prompt)
-        elif isinstance(prompt, torch.Tensor):
-            if prompt.dim() == 2 and prompt.shape[0] == 1:
-                prompt = prompt[0]
-            if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
-                raise InvalidRequestError(
-                    f"a tensor prompt must be one row of integer token ids, got shape {tuple(prompt.shape)} "
-                    f"and dtype {prompt.dtype}", param="prompt")
-            return self._tokenize(prompt.tolist())
-        else:
-            raise InvalidRequestError(
-                f"prompt must be a str, a list of token ids or a list of chat messages, got {type(prompt).__name__}",
-                param="prompt",
-            )
-        if not ids:
-            raise InvalidRequestError("prompt is empty after tokenization")
-        return list(ids)
-
-    def _params(self, sampling: SamplingParams | None, overrides: dict[str, Any]) -> SamplingParams:
-        if sampling is not None and not isinstance(sampling, SamplingParams):
-            raise InvalidRequestError(f"sampling must be an acb.SamplingParams, got {type(sampling).__name__}")
-        base = sampling or self.sampling
-        try:
-            return base.merged(overrides)
-        except InvalidRequestError:
-            raise
-        except (TypeError, ValueError) as e:
-            raise InvalidRequestError(str(e), param=getattr(e, "param", None)) from e
+            raise EngineStoppedError(
+                self._stop_reason or "the engine is not running: call `await engine.start()` first")
 
     def _prepare(self, prompt: Any, request_id: str | None, sampling: SamplingParams | None,
                  overrides: dict[str, Any]) -> tuple[str, list[int], SamplingParams]:
-        params = self._params(sampling, overrides)
-        ids = self._tokenize(prompt)
+        params = sampling_params(self.sampling, sampling, overrides)
+        ids = tokenize(prompt, self.tokenizer, self.vocab_size)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids instead", param="stop")
         for t in params.stop_token_ids:

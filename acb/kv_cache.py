@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-
 RECYCLED = -1
 
 

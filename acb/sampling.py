@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 MIN_TEMPERATURE = 1e-5
 
 

@@ -34,7 +34,6 @@ def matrix_ceiling(w: workloads.Workload) -> dict:
     """Generated tok/s this machine could reach if it did nothing but the workload's
     linear-layer matmuls at the fp32 throughput measured on the model's own shapes."""
     import torch
-
     from systems import load_smollm2
 
     model, _ = load_smollm2()

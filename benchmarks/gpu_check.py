@@ -37,7 +37,7 @@ def parity() -> bool:
                 cfg = acb.EngineConfig(page_size=4, num_blocks=24, max_batch_tokens=24, max_requests_per_batch=8,
                                        safety_margin=0.0, async_batching=async_batching)
 
-                async def run():
+                async def run(model=model, cfg=cfg, prompts=prompts, max_new=max_new):
                     async with acb.Engine(model, config=cfg) as engine:
                         hs = [engine.submit(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(prompts, max_new)]
                         res = [await h for h in hs]

@@ -40,8 +40,9 @@ async def run(engine, prompts: list[list[int]], new: int) -> dict:
 
 
 async def main(args) -> None:
-    import acb
     from systems import load_smollm2
+
+    import acb
 
     model, tok = load_smollm2()
     rng = random.Random(0)

@@ -235,7 +235,8 @@ class Soak:
             await asyncio.gather(*monitors, return_exceptions=True)
             rep.wall_s = round(time.perf_counter() - t0, 1)
             deadline = time.perf_counter() + 10
-            while self.engine.stats().free_blocks != self.engine.stats().total_blocks and time.perf_counter() < deadline:
+            stats = self.engine.stats
+            while stats().free_blocks != stats().total_blocks and time.perf_counter() < deadline:
                 await asyncio.sleep(0.01)
             s = self.engine.stats()
             rep.total_blocks, rep.free_blocks_at_end = s.total_blocks, s.free_blocks

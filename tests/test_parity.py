@@ -12,8 +12,6 @@ import acb
 from acb.testing import ARCHITECTURES, random_prompts, reference_greedy, tiny_model
 
 
-
-
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 async def test_greedy_matches_transformers_generate(arch):
     model = tiny_model(arch)

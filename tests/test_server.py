@@ -132,7 +132,8 @@ async def test_chat_logprobs_streamed_and_whole_agree(server):
     assert len(content) == 5 and all(set(c) == {"token", "logprob", "bytes", "top_logprobs"} for c in content)
     async with session.post("/v1/chat/completions", json={**request, "stream": True}) as resp:
         chunks = await sse_json(resp)
-    streamed = [c for ch in chunks[:-1] if ch["choices"][0]["logprobs"] for c in ch["choices"][0]["logprobs"]["content"]]
+    streamed = [c for ch in chunks[:-1] if ch["choices"][0]["logprobs"]
+                for c in ch["choices"][0]["logprobs"]["content"]]
     assert [c["logprob"] for c in streamed] == pytest.approx([c["logprob"] for c in content], abs=1e-5)
 
 

@@ -126,7 +126,7 @@ async def stop_engine(engine: acb.Engine, timeout: float | None = 30.0) -> None:
     """
     try:
         await asyncio.wait_for(engine.stop(), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         log.warning("the engine did not drain within %.1f s: stopping it hard", timeout)
         await engine.stop(hard=True)
 

@@ -1,0 +1,75 @@
+"""Checking what a caller submits: prompts into token ids, sampling keywords into
+``SamplingParams``. Every problem is an ``InvalidRequestError`` naming its field."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceABC
+from typing import Any
+
+import torch
+
+from .config import SamplingParams
+from .errors import InvalidRequestError
+
+
+def tokenize(prompt: Any, tokenizer: Any, vocab_size: int) -> list[int]:
+    """A prompt (text, token ids, chat messages or a one-row tensor) as checked token ids."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidRequestError("a text prompt needs a tokenizer; pass token ids instead", param="prompt")
+        if not prompt:
+            raise InvalidRequestError("prompt is empty")
+        try:
+            ids = tokenizer(prompt)["input_ids"]
+        except Exception as e:  # e.g. a lone surrogate the tokenizer cannot encode
+            raise InvalidRequestError(f"prompt could not be tokenized: {e}", param="prompt") from e
+    elif isinstance(prompt, SequenceABC) and prompt and all(isinstance(m, dict) for m in prompt):
+        if tokenizer is None:
+            raise InvalidRequestError("a chat prompt needs a tokenizer with a chat template", param="prompt")
+        for i, m in enumerate(prompt):
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise InvalidRequestError(f"chat message {i} needs string 'role' and 'content'", param="prompt")
+        try:
+            out = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+        except Exception as e:
+            raise InvalidRequestError(f"chat prompt could not be templated: {e}", param="prompt") from e
+        ids = out["input_ids"] if hasattr(out, "keys") else out
+    elif isinstance(prompt, (list, tuple)):
+        if not prompt:
+            raise InvalidRequestError("prompt is empty")
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise InvalidRequestError(f"prompt token ids must be ints, got {t!r}")
+            if not 0 <= t < vocab_size:
+                raise InvalidRequestError(f"prompt token id {t} is out of the vocabulary (0..{vocab_size - 1})")
+        ids = list(prompt)
+    elif isinstance(prompt, torch.Tensor):
+        if prompt.dim() == 2 and prompt.shape[0] == 1:
+            prompt = prompt[0]
+        if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
+            raise InvalidRequestError(
+                f"a tensor prompt must be one row of integer token ids, got shape {tuple(prompt.shape)} "
+                f"and dtype {prompt.dtype}", param="prompt")
+        return tokenize(prompt.tolist(), tokenizer, vocab_size)
+    else:
+        raise InvalidRequestError(
+            f"prompt must be a str, a list of token ids or a list of chat messages, got {type(prompt).__name__}",
+            param="prompt",
+        )
+    if not ids:
+        raise InvalidRequestError("prompt is empty after tokenization")
+    return list(ids)
+
+
+def sampling_params(default: SamplingParams, sampling: SamplingParams | None,
+                    overrides: dict[str, Any]) -> SamplingParams:
+    """``sampling`` (or the engine's ``default``) with keyword ``overrides`` applied."""
+    if sampling is not None and not isinstance(sampling, SamplingParams):
+        raise InvalidRequestError(f"sampling must be an acb.SamplingParams, got {type(sampling).__name__}")
+    base = sampling or default
+    try:
+        return base.merged(overrides)
+    except InvalidRequestError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise InvalidRequestError(str(e), param=getattr(e, "param", None)) from e
