@@ -323,11 +323,14 @@ async def test_aclose_releases_the_kv_cache_memory() -> None:
     alive = [weakref.ref(cache) for cache in caches]
     del caches, cache
     await engine.generate(PROMPTS[0], max_new_tokens=4)
-    assert _rss() - base > 0.9 * size
+    touched = _rss()
     await engine.aclose()
     assert engine._runner is None
-    assert all(r() is None for r in alive)
-    assert _rss() - base < 0.1 * size
+    assert all(r() is None for r in alive)  # the cache tensors themselves are gone
+    # RSS shows it only when the cache took fresh memory: after earlier tests in the same
+    # process the allocator may have served it from memory it already held (and keeps).
+    if touched - base > 0.9 * size:
+        assert touched - _rss() > 0.9 * size
 
 
 # ================================================================= uvloop
