@@ -115,43 +115,25 @@ def paged_attention(
     out = query.new_empty(total, num_heads, head_dim)
 
     if meta.decode_token_idx is not None:
-        # Batch order is (kv head, row): the gathered keys are then one contiguous
-        # [kvh * Bd, L, d] batch and no tensor is expanded over the query groups.
         idx = meta.decode_token_idx
-        bd = idx.shape[0]
-        if meta.decode_kernel is not None and k_cache.dtype == torch.float32 and query.dtype == torch.float32:
-            q = q_all.index_select(1, idx).transpose(0, 1).contiguous()  # [Bd, H, d]
-            o = torch.empty_like(q)
-            meta.decode_kernel.paged_decode(q, k_cache, v_cache, meta.decode_pages, meta.decode_lengths, o,
-                                            meta.page_size, scaling, softcap or 0.0, sliding_window or 0)
-            out.index_copy_(0, idx, o)
-            idx = None
-    if meta.decode_token_idx is not None and idx is not None:
-        q = q_all.index_select(1, idx).view(kv_heads, groups, bd, head_dim).transpose(1, 2)
-        k = _gather_pages(k_cache, meta.decode_pages, meta.page_size)
-        v = _gather_pages(v_cache, meta.decode_pages, meta.page_size)
-        allowed = meta.decode_valid  # [Bd, 1, Lmax]
-        if sliding_window is not None:
-            in_window = meta.decode_key_pos > meta.decode_q_pos - sliding_window  # [Bd, Lmax]
-            allowed = allowed & in_window.unsqueeze(1)
-        o = _attend(q.to(k.dtype), k, v, allowed, scaling, softcap)  # [kvh, Bd, G, d]
-        out.index_copy_(0, idx, o.permute(1, 0, 2, 3).reshape(bd, num_heads, head_dim).to(out.dtype))
+        if meta.decode_kernel is not None:  # the runner sets it for float32 CPU models only
+            o = _decode_native(meta, q_all.index_select(1, idx).transpose(0, 1).contiguous(),
+                               k_cache, v_cache, scaling, sliding_window, softcap)
+        else:
+            o = _decode_torch(meta, q_all.index_select(1, idx), k_cache, v_cache, kv_heads, scaling,
+                              sliding_window, softcap)
+        out.index_copy_(0, idx, o.to(out.dtype))
 
     for span in meta.prefills:
         qs, qe, past = span.q_start, span.q_end, span.past
         n = qe - qs
+        length = past + n
         q = q_all[:, qs:qe]  # [H, n, d]
         if past == 0:
             k, v = k_new[:, qs:qe], v_new[:, qs:qe]  # [kvh, n, d]
-        length = past + n
-        if past > 0:
+        else:
             k = _gather_pages(k_cache, span.context_pages, meta.page_size)[:, 0, :length]
             v = _gather_pages(v_cache, span.context_pages, meta.page_size)[:, 0, :length]
-        q_pos = torch.arange(past, length, device=q.device).unsqueeze(1)
-        k_pos = torch.arange(length, device=q.device).unsqueeze(0)
-        allowed = k_pos <= q_pos
-        if sliding_window is not None:
-            allowed = allowed & (k_pos > q_pos - sliding_window)
         if softcap is None and past == 0 and sliding_window is None:
             # a fresh prompt is plainly causal: the flash kernel then skips the masked
             # half instead of reading a mask for every (query, key) pair
@@ -162,16 +144,54 @@ def paged_attention(
         elif softcap is None:
             o = F.scaled_dot_product_attention(
                 q.unsqueeze(0), k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype),
-                attn_mask=allowed, scale=scaling, enable_gqa=groups > 1,
+                attn_mask=_prefill_mask(past, length, sliding_window, q.device), scale=scaling,
+                enable_gqa=groups > 1,
             )[0]
         else:
             qg = q.reshape(kv_heads, groups * n, head_dim)
-            allowed_g = allowed.repeat(groups, 1)  # rows ordered (group, position) like qg
-            o = _attend(qg.to(k.dtype), k, v, allowed_g, scaling, softcap).to(q.dtype)
+            # rows ordered (group, position) like qg
+            allowed = _prefill_mask(past, length, sliding_window, q.device).repeat(groups, 1)
+            o = _attend(qg.to(k.dtype), k, v, allowed, scaling, softcap).to(q.dtype)
             o = o.view(num_heads, n, head_dim)
         out[qs:qe] = o.transpose(0, 1)
 
     return out.unsqueeze(0), None
+
+
+def _prefill_mask(past: int, length: int, sliding_window: int | None, device) -> torch.Tensor:
+    """[n, length] True where query position past+i may see key position j."""
+    q_pos = torch.arange(past, length, device=device).unsqueeze(1)
+    k_pos = torch.arange(length, device=device).unsqueeze(0)
+    allowed = k_pos <= q_pos
+    if sliding_window is not None:
+        allowed = allowed & (k_pos > q_pos - sliding_window)
+    return allowed
+
+
+def _decode_native(meta: StepAttention, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   scaling: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    """q [Bd, H, d] -> [Bd, H, d], reading keys and values straight from their pages."""
+    o = torch.empty_like(q)
+    meta.decode_kernel.paged_decode(q, k_cache, v_cache, meta.decode_pages, meta.decode_lengths, o,
+                                    meta.page_size, scaling, softcap or 0.0, sliding_window or 0)
+    return o
+
+
+def _decode_torch(meta: StepAttention, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  kv_heads: int, scaling: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    """q [H, Bd, d] -> [Bd, H, d] over gathered pages. Batch order is (kv head, row): the
+    gathered keys are then one contiguous [kvh * Bd, L, d] batch and no tensor is
+    expanded over the query groups."""
+    num_heads, bd, head_dim = q.shape
+    q = q.view(kv_heads, num_heads // kv_heads, bd, head_dim).transpose(1, 2)
+    k = _gather_pages(k_cache, meta.decode_pages, meta.page_size)
+    v = _gather_pages(v_cache, meta.decode_pages, meta.page_size)
+    allowed = meta.decode_valid  # [Bd, 1, Lmax]
+    if sliding_window is not None:
+        in_window = meta.decode_key_pos > meta.decode_q_pos - sliding_window  # [Bd, Lmax]
+        allowed = allowed & in_window.unsqueeze(1)
+    o = _attend(q.to(k.dtype), k, v, allowed, scaling, softcap)  # [kvh, Bd, G, d]
+    return o.permute(1, 0, 2, 3).reshape(bd, num_heads, head_dim)
 
 
 def register() -> None:

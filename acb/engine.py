@@ -473,7 +473,8 @@ class Engine:
                 carry_from = -1
             rows.append(RowInput(tokens, row.start, seq.block_table[: pages_for(end)], carry_from, row.sample))
             if row.sample:
-                p = self._live[seq.seq_id].params if seq.seq_id in self._live else self.sampling
+                req = self._live.get(seq.seq_id)
+                p = req.params if req is not None else self.sampling
                 sampling_rows.append((p.temperature, p.top_k, p.top_p, p.seed, seq.num_generated - 1))
                 want_logprobs = want_logprobs or p.logprobs
         return StepInput(rows, SamplingBatch.from_rows(sampling_rows, want_logprobs))
