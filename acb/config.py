@@ -108,11 +108,12 @@ class EngineConfig:
     ``max_batch_tokens`` (default 2048 on CPU, 8192 on GPU), ``max_requests_per_batch``
     (default 256), ``scheduler``, ``safety_margin``, ``allow_prefix_sharing``,
     ``async_batching``, ``attn_backend`` (``auto`` | ``native`` | ``torch``), ``device``,
-    ``dtype``, ``debug_checks`` (integrity check whenever the engine goes idle).
+    ``dtype``, ``debug_checks`` (integrity check whenever the engine goes idle),
+    ``cpu_offload_space`` (GiB of host memory that preempted requests' KV pages go to, so
+    they resume without recompute; 0 = recompute, None = the cap, 80 % of available RAM).
 
     Accepted and validated but not active yet (a non-default value logs a warning, and the
-    engine behaves as with the default): ``cpu_offload_space`` (preemption recomputes),
-    ``use_cuda_graph``, ``q_padding_interval_size``, ``kv_padding_interval_size``,
+    engine behaves as with the default): ``use_cuda_graph``, ``q_padding_interval_size``, ``kv_padding_interval_size``,
     ``compile_level``, ``max_blocks_per_request``.
     """
 
@@ -190,7 +191,7 @@ class EngineConfig:
 
     def inactive_settings(self) -> list[str]:
         """Names of fields set to a value whose feature is not implemented yet."""
-        inactive = {"cpu_offload_space": 0.0, "use_cuda_graph": None, "q_padding_interval_size": 0,
+        inactive = {"use_cuda_graph": None, "q_padding_interval_size": 0,
                     "kv_padding_interval_size": 0, "compile_level": 0, "max_blocks_per_request": None}
         return [name for name, default in inactive.items() if getattr(self, name) not in (default, False)]
 

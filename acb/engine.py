@@ -37,7 +37,7 @@ from .errors import (
 )
 from .handle import ChunkStream, RequestHandle
 from .inputs import sampling_params, tokenize
-from .kv_cache import KVCacheManager
+from .kv_cache import HostPool, KVCacheManager
 from .request import Completion, Mailbox, RequestMetrics
 from .runner import ModelRunner, PendingOutput, RowInput, StepInput, StepOutput, kv_bytes_per_token
 from .sampling import SamplingBatch
@@ -60,6 +60,11 @@ class EngineStats:
     preemptions: int
     page_size: int
     max_batch_tokens: int
+    host_blocks: int = 0  # capacity of the CPU offload pool, in pages (0: offload off)
+    offloaded_blocks: int = 0  # pages held in the pool now (preempted requests)
+    offloads: int = 0  # preemptions whose KV went to the pool
+    restores: int = 0  # resumptions that copied it back instead of recomputing
+    recomputed_tokens: int = 0  # computed tokens preemption threw away (to be recomputed)
 
 
 class _Request:
@@ -141,10 +146,12 @@ class Engine:
         if self.config.allow_prefix_sharing and sliding:
             log.info("prefix caching is off: the model has sliding-window layers")
         self.kv = KVCacheManager(self.num_pages, self.page_size, enable_prefix_caching=prefix)
+        host_pages = self._size_host_pool(model)
+        self.host_pool = HostPool(host_pages) if host_pages else None
         self.scheduler = Scheduler(
             self.kv, self.max_batch_tokens, self.max_requests,
             policy=self.config.scheduler, safety_margin=self.config.effective_safety_margin,
-            sliding_window=window if all_sliding else None,
+            sliding_window=window if all_sliding else None, host_pool=self.host_pool,
         )
         self._runner: ModelRunner | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -199,6 +206,24 @@ class Engine:
             free = psutil.virtual_memory().available
         return max(16, int(free * self.config.max_memory_percent) // per_page)
 
+    def _size_host_pool(self, model) -> int:
+        """Pages of the CPU offload pool: ``cpu_offload_space`` GiB (None: as much as
+        allowed), never more than 80 % of the RAM available now."""
+        space = self.config.cpu_offload_space
+        if space == 0:
+            return 0
+        import psutil
+
+        per_page = kv_bytes_per_token(model.config, next(model.parameters()).dtype) * self.page_size
+        cap = 0.8 * psutil.virtual_memory().available
+        wanted = cap if space is None else min(space * 2**30, cap)
+        if space is not None and space * 2**30 > cap:
+            log.warning("acb: cpu_offload_space=%s GiB is more than 80%% of available RAM; using %.2f GiB",
+                        space, cap / 2**30)
+        pages = int(wanted // per_page)
+        log.info("acb: CPU offload pool of %d pages (%.2f GiB)", pages, pages * per_page / 2**30)
+        return pages
+
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Start the engine loop on the running event loop (allocates the KV cache
@@ -208,7 +233,8 @@ class Engine:
         if self._state in ("running", "draining"):
             return
         if self._runner is None:
-            self._runner = ModelRunner(self.model, self.num_pages, self.page_size, self.config.attn_backend)
+            self._runner = ModelRunner(self.model, self.num_pages, self.page_size, self.config.attn_backend,
+                                       host_pages=self.host_pool.num_slots if self.host_pool else 0)
             self._runner.fault_hook = self.config.fault_hook
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acb-step")
@@ -390,12 +416,16 @@ class Engine:
 
     def stats(self) -> EngineStats:
         kv = self.kv
+        host = self.host_pool
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             total_blocks=kv.num_pages, free_blocks=kv.num_free, cached_blocks=kv.num_cached,
             used_blocks=kv.num_used, prefix_hit_rate=kv.hit_rate, steps=self._steps,
             generated_tokens=self._generated, preemptions=self.scheduler.num_preemptions,
             page_size=self.page_size, max_batch_tokens=self.max_batch_tokens,
+            host_blocks=host.num_slots if host else 0, offloaded_blocks=host.num_used if host else 0,
+            offloads=host.num_offloads if host else 0, restores=host.num_restores if host else 0,
+            recomputed_tokens=self.scheduler.num_recomputed_tokens,
         )
 
     # ------------------------------------------------------------------ the loop
@@ -477,7 +507,7 @@ class Engine:
                 p = req.params if req is not None else self.sampling
                 sampling_rows.append((p.temperature, p.top_k, p.top_p, p.seed, seq.num_generated - 1))
                 want_logprobs = want_logprobs or p.logprobs
-        return StepInput(rows, SamplingBatch.from_rows(sampling_rows, want_logprobs))
+        return StepInput(rows, SamplingBatch.from_rows(sampling_rows, want_logprobs), plan.swap_out, plan.swap_in)
 
     async def _complete(self, launched: tuple[StepPlan, asyncio.Future]) -> None:
         plan, fut = launched
@@ -498,6 +528,7 @@ class Engine:
                 self._device_failed(device_error)
                 return
             log.warning("step failed: %r", e)
+            self._discard_offloads_from(plan, e)
             for row in plan.rows:
                 req = self._live.get(row.seq.seq_id)
                 if req is not None and req.seq is row.seq and row.epoch == row.seq.epoch:
@@ -529,6 +560,27 @@ class Engine:
                 seq.output_ids.append(token)
                 self._generated += 1
                 self._on_token(req, token, logprob)
+
+    def _discard_offloads_from(self, plan: StepPlan, error: BaseException) -> None:
+        """A failed step may have left garbage in KV that preempted sequences offloaded
+        (their last rows ran in it) or may not have done its swap-outs: such a
+        sequence is recomputed instead, or fails if it was already restored."""
+        if self.host_pool is None:
+            return
+        suspects = {id(s): s for s in plan.offloaded}
+        suspects.update((id(r.seq), r.seq) for r in plan.rows if r.epoch != r.seq.epoch)
+        for seq in suspects.values():
+            req = self._live.get(seq.seq_id)
+            if req is None or req.seq is not seq:
+                continue
+            if seq.host_table is not None:
+                self.scheduler.drop_offload(seq)
+            elif seq.status == "running" and seq.restored_plan > plan.index:
+                failure = RequestFailedError(
+                    f"the model step failed for request {req.request_id} (its offloaded KV came from it): {error!r}",
+                    req.request_id)
+                failure.__cause__ = error
+                self._fail(req, failure)
 
     def _device_failed(self, error: DeviceError) -> None:
         """The device is unusable: fail every unfinished request and stop the loop
@@ -619,6 +671,8 @@ class Engine:
         """Assert the cache's invariants against the live requests' block tables."""
         tables = [r.seq.block_table for r in self._live.values()]
         self.kv.check_integrity(tables)
+        if self.host_pool is not None:
+            self.host_pool.check_integrity(r.seq.host_table for r in self._live.values() if r.seq.host_table)
 
 
 __all__ = ["Engine", "EngineStats", "AcbError"]

@@ -195,3 +195,55 @@ class KVCacheManager:
         for h, page in self.hash_to_page.items():
             assert self.page_key.get(page, (None,))[0] == h, f"hash index of page {page} is stale"
         assert len(free) + len(cached) + sum(1 for c in self.refcount if c) == self.num_pages
+
+
+class HostPool:
+    """Slots of the CPU offload pool (``EngineConfig.cpu_offload_space``): ids only.
+
+    A preempted sequence's pages are copied into host slots and come back into fresh
+    device pages when it resumes, so nothing is recomputed. A slot read by a swap-in
+    is given back only when the *next* plan is made (``end_plan``): the runner does a
+    step's swap-outs before its swap-ins, so a slot freed and reused within one plan
+    would be overwritten before it is read.
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))
+        self._releasing: list[int] = []
+        self.num_offloads = 0  # preemptions whose pages went to the pool
+        self.num_restores = 0  # resumptions that read them back
+        self.pages_out = 0
+        self.pages_in = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_slots)
+
+    @property
+    def num_used(self) -> int:
+        """Slots holding a preempted sequence's KV (not those waiting for the next plan)."""
+        return self.num_slots - len(self.free_slots) - len(self._releasing)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free_slots):
+            raise OutOfPagesError(f"asked for {n} host slots, {len(self.free_slots)} free")
+        return [self.free_slots.pop() for _ in range(n)]
+
+    def release_after_plan(self, slots: Iterable[int]) -> None:
+        self._releasing.extend(slots)
+
+    def release_now(self, slots: Iterable[int]) -> None:
+        self.free_slots.extend(slots)
+
+    def end_plan(self) -> None:
+        if self._releasing:
+            self.free_slots.extend(self._releasing)
+            self._releasing.clear()
+
+    def check_integrity(self, tables: Iterable[Sequence[int]] = ()) -> None:
+        held = [s for t in tables for s in t if s >= 0]
+        everything = held + self.free_slots + self._releasing
+        assert len(everything) == len(set(everything)), "a host slot is held twice"
+        assert len(everything) == self.num_slots, (
+            f"host slots leaked: {self.num_slots - len(everything)} of {self.num_slots}")

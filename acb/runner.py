@@ -8,7 +8,7 @@ the HF model with acb's paged attention, samples, and returns the chosen ids.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,9 @@ class RowInput:
 class StepInput:
     rows: list[RowInput]
     sampling: SamplingBatch  # one entry per sampled row, in row order
+    # CPU offload, before the forward, in this order:
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device page, host slot)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device page)
 
 
 @dataclass(slots=True)
@@ -82,7 +85,8 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, attn_backend: str = "auto") -> None:
+    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, attn_backend: str = "auto",
+                 host_pages: int = 0) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -104,6 +108,15 @@ class ModelRunner:
         # too (and masked). Masked scores are -inf, but a NaN bit pattern in never-written
         # memory would still poison ``weights @ V``: each page is zeroed on first use.
         self._zeroed = bytearray(num_pages)
+        # The CPU offload pool: one contiguous [layers, k/v, kv heads, page] block per
+        # slot, so a page moves in one copy (pinned on CUDA, for asynchronous copies).
+        # On CPU it is backed by memory only where written, like the cache.
+        self.host_pool = None
+        if host_pages:
+            self.host_pool = torch.empty(
+                host_pages, num_layers, 2, kv_heads, page_size * head_dim, dtype=self.dtype,
+                pin_memory=self.device.type == "cuda",
+            )
         self.prev_sampled: torch.Tensor | None = None
         self.generator = torch.Generator(device=self.device)
         self.generator.seed()
@@ -131,6 +144,7 @@ class ModelRunner:
         """Give back the KV memory and the model's attention setting."""
         self.k_cache = []
         self.v_cache = []
+        self.host_pool = None
         self.prev_sampled = None
         for config, implementation in self._saved_attn:
             config._attn_implementation = implementation
@@ -240,6 +254,12 @@ class ModelRunner:
         if self.stream is not None and self.measure_device_time:
             started = torch.cuda.Event(enable_timing=True)
             started.record(self.stream)
+        if step.swap_out:
+            self._swap_out(step.swap_out)
+        if step.swap_in:
+            self._swap_in(step.swap_in)
+        if not step.rows:
+            return StepOutput([], None)
         input_ids, position_ids, keep, meta = self._build(step)
         if self.fault_hook is not None:
             self.fault_hook(self.step_index, "forward")
@@ -273,3 +293,44 @@ class ModelRunner:
         event = torch.cuda.Event(enable_timing=started is not None)
         event.record(self.stream)
         return PendingOutput(event, ids_host, lp_host, started, self)
+
+    # ------------------------------------------------------------------ CPU offload
+    def _page_views(self) -> list[torch.Tensor]:
+        """Per layer, K then V, viewed as [kv heads, pages, page_size * head_dim]."""
+        ps = self.page_size
+        views = []
+        for k, v in zip(self.k_cache, self.v_cache, strict=True):
+            kvh, slots, d = k.shape
+            views.append(k.view(kvh, slots // ps, ps * d))
+            views.append(v.view(kvh, slots // ps, ps * d))
+        return views
+
+    def _swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device pages into host slots (the pages may be reused right after)."""
+        pages = self._tensor([p for p, _ in pairs])
+        # [2L, kvh, n, ps*d] -> [n, L, 2, kvh, ps*d]: one contiguous block per page
+        staged = torch.stack([view.index_select(1, pages) for view in self._page_views()])
+        staged = staged.permute(2, 0, 1, 3).reshape(len(pairs), *self.host_pool.shape[1:])
+        if self.stream is None:
+            self.host_pool.index_copy_(0, torch.tensor([s for _, s in pairs]), staged)
+        else:
+            staged = staged.contiguous()
+            for j, (_, slot) in enumerate(pairs):
+                self.host_pool[slot].copy_(staged[j], non_blocking=True)
+
+    def _swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy host slots back into (fresh) device pages."""
+        n = len(pairs)
+        if self.stream is None:
+            staged = self.host_pool.index_select(0, torch.tensor([s for s, _ in pairs]))
+        else:
+            staged = torch.empty((n, *self.host_pool.shape[1:]), dtype=self.dtype, device=self.device)
+            for j, (slot, _) in enumerate(pairs):
+                staged[j].copy_(self.host_pool[slot], non_blocking=True)
+        pages = self._tensor([p for _, p in pairs])
+        layers, _, kvh, width = staged.shape[1:]
+        per_view = staged.view(n, 2 * layers, kvh, width).permute(1, 2, 0, 3)  # [2L, kvh, n, ps*d]
+        for i, view in enumerate(self._page_views()):
+            view.index_copy_(1, pages, per_view[i])
+        for _, page in pairs:
+            self._zeroed[page] = 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .kv_cache import RECYCLED, KVCacheManager, chain_hash
+from .kv_cache import RECYCLED, HostPool, KVCacheManager, chain_hash
 
 
 @dataclass(slots=True, eq=False)
@@ -34,6 +34,12 @@ class Sequence:
     status: str = "waiting"  # waiting | running | finished
     num_preemptions: int = 0
     num_recycled_pages: int = 0  # leading block-table entries given back (sliding window)
+    # CPU offload: while preempted, the host slot of each offloaded block-table entry
+    # (RECYCLED kept as is) and the number of tokens whose KV the slots hold
+    host_table: list[int] | None = None
+    num_offloaded_tokens: int = 0
+    offload_plan: int = -1  # index of the plan that offloaded it (its KV came from earlier steps)
+    restored_plan: int = -1  # index of the plan that restored it
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +74,11 @@ class Row:
 class StepPlan:
     rows: list[Row]
     preempted: list[Sequence]
+    index: int = 0
+    # CPU offload, done by the runner before the forward, swap-outs first:
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device page, host slot)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device page)
+    offloaded: list[Sequence] = field(default_factory=list)  # whose swap-outs this step does
 
     @property
     def num_tokens(self) -> int:
@@ -80,8 +91,11 @@ class Scheduler:
     Preemption (when pages run out for a running sequence) takes the running
     sequence that arrived last and has not been given a row in this step yet; if
     there is none, the sequence that needs the page preempts itself. The victim's
-    pages are released (recompute on resume) and it goes back to the head of the
-    waiting queue, so it resumes before anything that arrived after it.
+    pages are released and it goes back to the head of the waiting queue, so it
+    resumes before anything that arrived after it. With a host pool (CPU offload)
+    the victim's KV is copied out first and copied back into fresh pages when it
+    resumes, so only its last known token is computed again (for its logits);
+    without one, or when the pool is full, it is recomputed from the start.
     """
 
     def __init__(
@@ -92,6 +106,7 @@ class Scheduler:
         policy: str = "fifo",
         safety_margin: float = 0.0,
         sliding_window: int | None = None,
+        host_pool: HostPool | None = None,
     ) -> None:
         self.kv = kv
         self.max_batch_tokens = max_batch_tokens
@@ -104,6 +119,11 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0  # computed tokens thrown away by preemption
+        self.host_pool = host_pool
+        self._pending_swap_out: list[tuple[int, int]] = []
+        self._pending_offloaded: list[Sequence] = []
+        self.plan_index = 0
         # first-page hash -> the running sequence computing that page: requests that
         # would start with the same page wait for it, then share it instead of
         # computing it again in the same step
@@ -122,14 +142,26 @@ class Scheduler:
         self.kv.release(seq.block_table)
         seq.block_table = []
         seq.num_recycled_pages = 0
+        self.drop_offload(seq)
         seq.status = "finished"
+
+    def drop_offload(self, seq: Sequence) -> None:
+        """Forget a preempted sequence's offloaded KV (it will be recomputed)."""
+        if seq.host_table is not None:
+            self.host_pool.release_after_plan(s for s in seq.host_table if s >= 0)
+            seq.host_table = None
+            seq.num_offloaded_tokens = 0
+            seq.num_recycled_pages = 0
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        plan = StepPlan(rows=[], preempted=[])
+        self.plan_index += 1
+        if self.host_pool is not None:
+            self.host_pool.end_plan()
+        plan = StepPlan(rows=[], preempted=[], index=self.plan_index)
         budget = self.max_batch_tokens
         if self.policy == "prefill_first":
             budget = self._admit(plan, budget)
@@ -142,6 +174,11 @@ class Scheduler:
             seq.num_computed += row.num_tokens
             if row.sample:
                 seq.num_inflight += 1
+        if plan.rows and self._pending_swap_out:
+            # Swap-outs ride on the next step that runs: the runner copies the pages
+            # out before that step's forward, the first thing that could overwrite them.
+            plan.swap_out, self._pending_swap_out = self._pending_swap_out, []
+            plan.offloaded, self._pending_offloaded = self._pending_offloaded, []
         return plan
 
     def _tokens_wanted(self, seq: Sequence) -> int:
@@ -204,12 +241,17 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.running.remove(seq)
+        # KV is kept for host-known tokens only (an in-flight token is sampled again),
+        # and at least one is left to compute so the resumed row has logits.
+        keep = min(seq.num_computed, len(seq.prompt_ids) + len(seq.output_ids) - 1)
+        if not self._offload(seq, keep):
+            self.num_recomputed_tokens += max(keep, 0)
+            seq.num_recycled_pages = 0
         self.kv.release(seq.block_table)
         seq.block_table = []
         seq.num_computed = 0
         seq.num_inflight = 0
         seq.num_registered_pages = 0
-        seq.num_recycled_pages = 0
         seq.last_page_hash = None
         seq.epoch += 1
         seq.num_preemptions += 1
@@ -219,11 +261,64 @@ class Scheduler:
         self.waiting.appendleft(seq)
         plan.preempted.append(seq)
 
+    def _offload(self, seq: Sequence, keep: int) -> bool:
+        host = self.host_pool
+        if host is None or keep <= 0:
+            return False
+        entries = seq.block_table[: self.kv.pages_for(keep)]
+        live = [p for p in entries if p != RECYCLED]
+        if len(live) > host.num_free:
+            return False
+        slots = iter(host.allocate(len(live)))
+        seq.host_table = [RECYCLED if p == RECYCLED else next(slots) for p in entries]
+        self._pending_swap_out.extend(zip(live, (s for s in seq.host_table if s >= 0), strict=True))
+        self._pending_offloaded.append(seq)
+        seq.num_offloaded_tokens = keep
+        seq.offload_plan = self.plan_index
+        host.num_offloads += 1
+        host.pages_out += len(live)
+        return True
+
+    def _admit_offloaded(self, plan: StepPlan, seq: Sequence, budget: int) -> int | None:
+        """Resume an offloaded sequence into fresh pages; None if they are not free."""
+        kv = self.kv
+        slots = [s for s in seq.host_table if s >= 0]
+        n = min(seq.num_tokens - seq.num_offloaded_tokens, budget)
+        extra = kv.pages_for(seq.num_offloaded_tokens + n) - len(seq.host_table)
+        need = len(slots) + extra
+        idle = not self.running and not plan.rows
+        if need > kv.num_free or (not idle and kv.num_free - need < self.safety_margin * kv.num_pages):
+            return None
+        self.waiting.popleft()
+        pages = kv.allocate(need)
+        it = iter(pages)
+        seq.block_table = [RECYCLED if s < 0 else next(it) for s in seq.host_table]
+        restored = [p for p in seq.block_table if p >= 0]
+        plan.swap_in.extend(zip(slots, restored, strict=True))
+        seq.block_table.extend(pages[len(slots) :])
+        self.host_pool.release_after_plan(slots)
+        self.host_pool.num_restores += 1
+        self.host_pool.pages_in += len(slots)
+        seq.num_computed = seq.num_offloaded_tokens
+        seq.host_table = None
+        seq.num_offloaded_tokens = 0
+        seq.restored_plan = self.plan_index
+        seq.status = "running"
+        self._insert_running(seq)
+        self._add_row(plan, seq, n)
+        return budget - n
+
     def _admit(self, plan: StepPlan, budget: int) -> int:
         kv = self.kv
         margin_pages = self.safety_margin * kv.num_pages
         while self.waiting and budget > 0 and len(plan.rows) < self.max_requests:
             seq = self.waiting[0]
+            if seq.host_table is not None:
+                left = self._admit_offloaded(plan, seq, budget)
+                if left is None:
+                    break
+                budget = left
+                continue
             matched: list[int] = []
             first_hash = None
             if seq.num_computed == 0 and not seq.block_table:

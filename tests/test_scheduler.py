@@ -7,7 +7,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from acb.kv_cache import KVCacheManager
+from acb.kv_cache import HostPool, KVCacheManager
 from acb.scheduler import Scheduler, Sequence
 
 
@@ -103,13 +103,14 @@ def test_full_cache_preempts_the_newest_request_and_it_resumes_first():
 
 @settings(max_examples=150, deadline=None)
 @given(st.integers(0, 10_000), st.integers(6, 40), st.integers(2, 24), st.sampled_from(["fifo", "prefill_first"]),
-       st.booleans())
-def test_random_workloads_finish_without_leaking_pages(seed, num_pages, budget, policy, overlap):
+       st.booleans(), st.sampled_from([0, 3, 64]))
+def test_random_workloads_finish_without_leaking_pages(seed, num_pages, budget, policy, overlap, host_slots):
     rng = random.Random(seed)
     page_size = 4
     kv = KVCacheManager(num_pages, page_size, enable_prefix_caching=rng.random() < 0.5)
+    host = HostPool(host_slots) if host_slots else None  # CPU offload: none, a tiny pool, a big one
     s = Scheduler(kv, max_batch_tokens=budget, max_requests=rng.randint(1, 6), policy=policy,
-                  safety_margin=rng.choice([0.0, 0.15]))
+                  safety_margin=rng.choice([0.0, 0.15]), host_pool=host)
     capacity = num_pages * page_size
     seqs = []
     pending = None
@@ -136,6 +137,11 @@ def test_random_workloads_finish_without_leaking_pages(seed, num_pages, budget, 
             if q.status == "running" and q.num_computed > 0:
                 assert len(q.block_table) * page_size >= q.num_computed
         kv.check_integrity([q.block_table for q in seqs if q.status != "finished"])
+        if host is not None:
+            host.check_integrity(q.host_table for q in seqs if q.host_table)
+            for q in seqs:
+                if q.host_table is not None:
+                    assert q.status == "waiting" and 0 < q.num_offloaded_tokens < q.num_tokens
         if not s.has_work() and len(seqs) >= 12 and pending is None:
             break
     if pending is not None:
@@ -145,3 +151,7 @@ def test_random_workloads_finish_without_leaking_pages(seed, num_pages, budget, 
     assert all(q.status == "finished" for q in seqs)
     assert kv.num_free == num_pages
     kv.check_integrity([])
+    if host is not None:
+        s.schedule()  # slots read by the last swap-ins come back with the next plan
+        host.check_integrity()
+        assert host.num_free == host_slots
