@@ -22,6 +22,9 @@ import torch
 import torch.nn.functional as F
 
 ATTN_NAME = "acb_paged"
+# The same function behind a graph break, for compiled forwards (acb/compiling.py): its
+# per-step Python metadata would otherwise be specialised and recompiled every step.
+ATTN_NAME_COMPILED = "acb_paged_compiled"
 _local = threading.local()
 
 
@@ -49,6 +52,7 @@ class StepAttention:
     page_size: int = 16
     decode_lengths: torch.Tensor | None = None  # [Bd] context length of each decode row
     decode_kernel: object | None = None  # the native decode kernel module, when in use
+    padded: bool = False  # a decode-only step padded to a CUDA-graph bucket (acb/cuda_graphs.py)
 
 
 def set_step(meta: StepAttention | None) -> None:
@@ -199,3 +203,4 @@ def register() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_NAME, paged_attention)
+    AttentionInterface.register(ATTN_NAME_COMPILED, torch.compiler.disable(paged_attention))

@@ -112,9 +112,16 @@ class EngineConfig:
     ``cpu_offload_space`` (GiB of host memory that preempted requests' KV pages go to, so
     they resume without recompute; 0 = recompute, None = the cap, 80 % of available RAM).
 
+    ``compile_level`` 0-3 wraps the forward in ``torch.compile`` (0 off; 1 default mode,
+    dynamic; 2 max-autotune-no-cudagraphs, dynamic; 3 the same, static);
+    ``varlen_compile_level`` / ``decode_compile_level`` (None: ``compile_level``) override it
+    for steps holding a prefill chunk and for decode-only steps. ``use_cuda_graph`` (None:
+    on when a padding interval is set) replays decode-only steps from CUDA graphs, padded
+    to buckets of ``q_padding_interval_size`` rows and ``kv_padding_interval_size`` context
+    tokens (0: a default); CUDA only: on CPU it logs a warning and decode steps run eagerly.
+
     Accepted and validated but not active yet (a non-default value logs a warning, and the
-    engine behaves as with the default): ``use_cuda_graph``, ``q_padding_interval_size``, ``kv_padding_interval_size``,
-    ``compile_level``, ``max_blocks_per_request``.
+    engine behaves as with the default): ``max_blocks_per_request``.
     """
 
     page_size: int | None = None
@@ -137,6 +144,8 @@ class EngineConfig:
     dtype: str | None = None
     debug_checks: bool = False
     fault_hook: Any = field(default=None, repr=False, compare=False)
+    varlen_compile_level: int | None = None
+    decode_compile_level: int | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:
@@ -178,6 +187,10 @@ class EngineConfig:
             bad("async_batching", "must be a bool")
         if not _is_int(self.compile_level) or not 0 <= self.compile_level <= 3:
             bad("compile_level", "must be an int in 0..3")
+        for name in ("varlen_compile_level", "decode_compile_level"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= 3):
+                bad(name, "must be None or an int in 0..3")
         if self.max_blocks_per_request is not None and (
             not _is_int(self.max_blocks_per_request) or self.max_blocks_per_request < 0
         ):
@@ -191,8 +204,7 @@ class EngineConfig:
 
     def inactive_settings(self) -> list[str]:
         """Names of fields set to a value whose feature is not implemented yet."""
-        inactive = {"use_cuda_graph": None, "q_padding_interval_size": 0,
-                    "kv_padding_interval_size": 0, "compile_level": 0, "max_blocks_per_request": None}
+        inactive = {"max_blocks_per_request": None}
         return [name for name, default in inactive.items() if getattr(self, name) not in (default, False)]
 
     @property

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .config import EngineConfig, SamplingParams
+from .cuda_graphs import graph_memory_reserve
 from .detokenizer import Detokenizer, StopMatcher
 from .errors import (
     AcbError,
@@ -200,6 +201,7 @@ class Engine:
         per_page = kv_bytes_per_token(model.config, next(model.parameters()).dtype) * self.page_size
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
+            free -= graph_memory_reserve(model.config, next(model.parameters()).dtype, self.config)
         else:
             import psutil
 
@@ -236,6 +238,7 @@ class Engine:
             self._runner = ModelRunner(self.model, self.num_pages, self.page_size, self.config.attn_backend,
                                        host_pages=self.host_pool.num_slots if self.host_pool else 0)
             self._runner.fault_hook = self.config.fault_hook
+            self._runner.configure_fast_paths(self.config, self.max_requests)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acb-step")
         self._loop = asyncio.get_running_loop()

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import attention
+from . import attention, compiling, cuda_graphs
 from .sampling import SamplingBatch, sample
 
 log = logging.getLogger("acb")
@@ -139,9 +139,57 @@ class ModelRunner:
             self.decode_kernel = paged_decode_kernel()
         log.info("acb attention: %s decode path", "native CPU kernel" if self.decode_kernel else "PyTorch")
         self.step_index = 0
+        # fast paths, set by configure_fast_paths: compiled forwards, decode padding, CUDA graphs
+        self._varlen_forward = model
+        self._decode_forward = model
+        self.decode_padding: cuda_graphs.DecodePadding | None = None
+        self.decode_graphs: cuda_graphs.DecodeGraphs | None = None
+
+    def configure_fast_paths(self, config, max_rows: int, *, pad_on_cpu: bool = False) -> None:
+        """Apply an EngineConfig's ``compile_level`` (and per-path overrides) and CUDA-graph
+        settings. ``pad_on_cpu`` pads decode-only steps to graph buckets without graphs
+        (the CPU tests' way to prove that padding never changes a token)."""
+        varlen, decode = compiling.path_levels(config.compile_level, config.varlen_compile_level,
+                                               config.decode_compile_level)
+        self._varlen_forward = self._decode_forward = self.model
+        if varlen or decode:
+            if getattr(self, "prepacked", False):  # inductor cannot lower oneDNN-prepacked linears;
+                from .kernels import cpu_linear  # it packs weights itself when it compiles for the CPU
+
+                cpu_linear.release(self.model)
+                self.prepacked = False
+            for c, _ in self._saved_attn:
+                c._attn_implementation = attention.ATTN_NAME_COMPILED
+            self._varlen_forward = compiling.compiled_forward(self.model, varlen)
+            self._decode_forward = compiling.compiled_forward(self.model, decode)
+            log.info("acb: torch.compile on: varlen path level %d %s, decode path level %d %s", varlen,
+                     compiling.compile_kwargs(varlen), decode, compiling.compile_kwargs(decode))
+        wanted = cuda_graphs.graphs_requested(config.use_cuda_graph, config.q_padding_interval_size,
+                                              config.kv_padding_interval_size)
+        graphs = wanted and self.stream is not None
+        if wanted and not graphs and not pad_on_cpu:
+            log.warning("acb: CUDA graphs need a CUDA device; on %s decode steps run eagerly and unpadded "
+                        "(use_cuda_graph=%s, q_padding_interval_size=%d, kv_padding_interval_size=%d)",
+                        self.device, config.use_cuda_graph, config.q_padding_interval_size,
+                        config.kv_padding_interval_size)
+        self.decode_padding = self.decode_graphs = None
+        if graphs or pad_on_cpu:
+            ps = self.page_size
+            self.decode_padding = cuda_graphs.DecodePadding(
+                cuda_graphs.decode_buckets(max_rows, config.q_padding_interval_size),
+                config.kv_padding_interval_size, ps, scratch_slot=self.null_slot + ps - 1)
+        if graphs:
+            self.decode_graphs = cuda_graphs.DecodeGraphs(self._decode_forward, self.k_cache, self.v_cache,
+                                                          self.page_size, max_rows, self.model.config, self.stream)
+        if self.decode_padding is None:
+            log.info("acb decode steps: eager, unpadded")
+        else:
+            log.info("acb decode steps: padded to row buckets %s, %s", self.decode_padding.buckets,
+                     "replayed from CUDA graphs" if graphs else "eager")
 
     def release(self) -> None:
         """Give back the KV memory and the model's attention setting."""
+        self.decode_graphs = None  # they hold the cache's addresses
         self.k_cache = []
         self.v_cache = []
         self.host_pool = None
@@ -188,6 +236,15 @@ class ModelRunner:
                 if row.start > 0:
                     ctx = self._page_table([pages], row.start + n)
                 prefills.append(attention.PrefillSpan(q0, q0 + n, row.start, ctx))
+        # decode rows' contexts; a decode-only step may be padded to a graph bucket
+        lengths = [step.rows[i].start + 1 for i in decode_rows]
+        tables = [step.rows[i].pages for i in decode_rows]
+        width = max(lengths, default=0)
+        padded = False
+        if self.decode_padding is not None and decode_rows and not prefills:
+            padded_width = self.decode_padding.pad(tokens, positions, slots, decode_q, lengths, tables)
+            if padded_width is not None:
+                width, padded = padded_width, True
         if fresh:
             idx = self._tensor(fresh)
             for cache in self.k_cache + self.v_cache:
@@ -206,9 +263,8 @@ class ModelRunner:
             decode_valid=None, prefills=prefills, page_size=ps,
         )
         if decode_rows:
-            rows = [step.rows[i] for i in decode_rows]
-            lengths = [r.start + 1 for r in rows]
-            meta.decode_pages = self._page_table([r.pages for r in rows], max(lengths))
+            meta.padded = padded
+            meta.decode_pages = self._page_table(tables, width)
             lmax = meta.decode_pages.shape[1] * ps
             meta.decode_token_idx = self._tensor(decode_q)
             length_t = self._tensor(lengths)
@@ -217,7 +273,7 @@ class ModelRunner:
             key_pos = torch.arange(lmax, device=dev).unsqueeze(0)
             meta.decode_key_pos = key_pos
             meta.decode_q_pos = (length_t - 1).unsqueeze(1)
-            meta.decode_valid = (key_pos < length_t.unsqueeze(1)).view(len(rows), 1, lmax)
+            meta.decode_valid = (key_pos < length_t.unsqueeze(1)).view(len(lengths), 1, lmax)
         keep_t = self._tensor(keep)
         return input_ids, position_ids, keep_t, meta
 
@@ -263,21 +319,28 @@ class ModelRunner:
         input_ids, position_ids, keep, meta = self._build(step)
         if self.fault_hook is not None:
             self.fault_hook(self.step_index, "forward")
-        attention.set_step(meta)
-        try:
-            out = self.model(
-                input_ids=input_ids.unsqueeze(0),
-                position_ids=position_ids.unsqueeze(0),
-                attention_mask=None,
-                use_cache=False,
-                logits_to_keep=keep,
-            )
-        finally:
-            attention.set_step(None)
+        logits = None
+        if meta.padded and self.decode_graphs is not None:
+            logits = self.decode_graphs.run(input_ids, position_ids, meta)  # None: run eagerly
+            if logits is not None:
+                logits = logits.index_select(0, keep)  # padding rows' logits are dropped
+        if logits is None:
+            forward = self._varlen_forward if meta.prefills else self._decode_forward
+            attention.set_step(meta)
+            try:
+                out = forward(
+                    input_ids=input_ids.unsqueeze(0),
+                    position_ids=position_ids.unsqueeze(0),
+                    attention_mask=None,
+                    use_cache=False,
+                    logits_to_keep=keep,
+                )
+            finally:
+                attention.set_step(None)
+            logits = out.logits[0]
         if not step.sampling.temperature:
             self.prev_sampled = None
             return StepOutput([], None)
-        logits = out.logits[0]
         if self.fault_hook is not None:
             self.fault_hook(self.step_index, "sample")
         ids, logprobs = sample(logits, step.sampling, self.generator)

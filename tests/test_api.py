@@ -357,12 +357,12 @@ def test_runs_under_anyio_asyncio_backend():
 
 
 def test_settings_not_active_yet_are_reported(caplog):
-    config = acb.EngineConfig(cpu_offload_space=1.0, compile_level=2)
-    assert config.inactive_settings() == ["cpu_offload_space", "compile_level"]
+    config = acb.EngineConfig(max_blocks_per_request=8, cpu_offload_space=1.0, compile_level=2)
+    assert config.inactive_settings() == ["max_blocks_per_request"]
     assert acb.EngineConfig().inactive_settings() == []
     with caplog.at_level("WARNING", logger="acb"):
-        tiny_engine(config=acb.EngineConfig(num_blocks=16, cpu_offload_space=1.0))
-    assert "cpu_offload_space" in caplog.text
+        tiny_engine(config=acb.EngineConfig(num_blocks=16, max_blocks_per_request=8))
+    assert "max_blocks_per_request" in caplog.text
 
 
 async def test_engine_serves_on_the_loop_under_test(event_loop_policy):

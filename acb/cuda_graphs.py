@@ -1,0 +1,283 @@
+"""CUDA graphs for decode-only steps, and the padding that makes their shapes repeat.
+
+A decode-only step has one query token per row, so its shapes are fixed by two numbers:
+the rows and the width of the page table (pages of the longest context). Padding rounds
+both up to buckets, and the runner replays one captured graph per bucket:
+
+- rows: 1, 2, 4, ... (powers of two below ``q_padding_interval_size``), then multiples of
+  the interval, up to ``max_requests_per_batch``;
+- context: up to a multiple of ``kv_padding_interval_size`` tokens, in whole pages.
+  Both intervals are in tokens, as in transformers' ``ContinuousBatchingConfig``; 0 picks
+  :data:`DEFAULT_Q_INTERVAL` / :data:`DEFAULT_KV_INTERVAL`.
+
+A padding row is token 0 at position 0, with a context of length 1 made of the runner's
+zero page: it writes its key/value only to the *scratch slot* (the last slot of the zero
+page, never read as a valid key) and reads the zero page's first slot, which stays zero.
+Everything it computes is finite, it shares no key with a real row, and its logits are
+dropped before sampling. So padding never changes a real row's token (the CPU test
+forces padding without graphs and checks greedy parity).
+
+Steps holding a prefill chunk, steps wider than :data:`MAX_GRAPH_KV_TOKENS`, and buckets
+beyond :data:`MAX_GRAPHS` run eagerly. Sampling always runs outside the graph.
+
+Memory. Every graph replays into one shared memory pool plus one shared logits buffer
+``[max rows, vocab]``; the pool holds the transient memory of the largest step captured
+(dominated by one layer's gathered keys and values). The engine takes
+:func:`graph_memory_reserve` (that footprint at the largest bucket and
+``MAX_GRAPH_KV_TOKENS``) off the free memory before ``max_memory_percent`` sizes the
+cache, and before each capture :meth:`DecodeGraphs.run` checks that the free memory
+still covers twice the step's estimate (the pool plus the eager path's transients);
+a bucket that does not fit runs eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import attention
+
+log = logging.getLogger("acb")
+
+DEFAULT_Q_INTERVAL = 16  # rows
+DEFAULT_KV_INTERVAL = 512  # tokens
+MAX_GRAPH_KV_TOKENS = 4096  # decode steps with a longer (padded) context run eagerly
+MAX_GRAPHS = 256
+PAD_TOKEN = 0
+
+
+def graphs_requested(use_cuda_graph: bool | None, q_interval: int, kv_interval: int) -> bool:
+    """``use_cuda_graph`` True, or None (auto) with a padding interval set, as in transformers."""
+    if use_cuda_graph is None:
+        return bool(q_interval or kv_interval)
+    return use_cuda_graph
+
+
+def decode_buckets(max_rows: int, q_interval: int = 0) -> list[int]:
+    """Row counts a decode step is padded to: powers of two below the interval, then
+    multiples of it, and always ``max_rows`` itself (the cap)."""
+    interval = q_interval or DEFAULT_Q_INTERVAL
+    buckets = []
+    b = 1
+    while b < min(interval, max_rows):
+        buckets.append(b)
+        b *= 2
+    m = interval
+    while m < max_rows:
+        buckets.append(m)
+        m += interval
+    buckets.append(max_rows)
+    return sorted(set(buckets))
+
+
+def bucket_for(rows: int, buckets: list[int]) -> int | None:
+    """The smallest bucket holding ``rows``; None when there are more rows than the cap."""
+    i = bisect.bisect_left(buckets, rows)
+    return buckets[i] if i < len(buckets) else None
+
+
+def padded_kv_pages(length: int, kv_interval: int, page_size: int) -> int:
+    """Pages covering ``length`` tokens rounded up to a multiple of the interval (tokens)."""
+    interval = kv_interval or DEFAULT_KV_INTERVAL
+    padded = -(-length // interval) * interval
+    return -(-padded // page_size)
+
+
+@dataclass(slots=True)
+class DecodePadding:
+    """How a decode-only step is padded; one per runner."""
+
+    buckets: list[int]
+    kv_interval: int  # tokens; 0 = DEFAULT_KV_INTERVAL
+    page_size: int
+    scratch_slot: int  # where padding rows write (never read as a valid key)
+
+    def pad(self, tokens: list[int], positions: list[int], slots: list[int], token_idx: list[int],
+            lengths: list[int], tables: list[list[int]]) -> int | None:
+        """Append padding rows to a decode-only step's lists (one entry per row) up to the
+        rows bucket; return the padded context width in tokens (whole pages), or None
+        (nothing changed) when the rows exceed the last bucket."""
+        rows = bucket_for(len(lengths), self.buckets)
+        if rows is None:
+            return None
+        for _ in range(rows - len(lengths)):
+            token_idx.append(len(tokens))
+            tokens.append(PAD_TOKEN)
+            positions.append(0)
+            slots.append(self.scratch_slot)
+            lengths.append(1)
+            tables.append([])
+        return padded_kv_pages(max(lengths), self.kv_interval, self.page_size) * self.page_size
+
+
+def _model_shape(config) -> dict[str, int]:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    return dict(
+        heads=heads,
+        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        hidden=text.hidden_size,
+        intermediate=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
+        vocab=text.vocab_size,
+    )
+
+
+def decode_step_bytes(config, dtype: torch.dtype, rows: int, kv_tokens: int) -> int:
+    """An upper estimate of one eager decode step's transient device memory: one layer's
+    gathered keys and values and attention scores (the PyTorch decode path), the
+    per-token activations, and the logits (model dtype, then float32 for sampling)."""
+    s = _model_shape(config)
+    e = torch.tensor([], dtype=dtype).element_size()
+    gathered = 2 * s["kv_heads"] * rows * kv_tokens * s["head_dim"] * e
+    scores = 3 * s["heads"] * rows * kv_tokens * max(e, 4)  # scores, masked, softmax
+    activations = rows * (4 * s["hidden"] + 3 * s["intermediate"]) * e
+    logits = rows * s["vocab"] * (e + 4)
+    return gathered + scores + activations + logits
+
+
+def graph_memory_reserve(model_config, dtype: torch.dtype, engine_config) -> int:
+    """Device memory the engine leaves out of the KV cache for CUDA graphs: the pool at
+    the largest bucket and :data:`MAX_GRAPH_KV_TOKENS`, plus the shared logits buffer.
+    0 when the engine config does not ask for graphs."""
+    c = engine_config
+    if not graphs_requested(c.use_cuda_graph, c.q_padding_interval_size, c.kv_padding_interval_size):
+        return 0
+    max_rows = c.max_requests_per_batch or 256  # the engine's default cap
+    e = torch.tensor([], dtype=dtype).element_size()
+    vocab = _model_shape(model_config)["vocab"]
+    return decode_step_bytes(model_config, dtype, max_rows, MAX_GRAPH_KV_TOKENS) + max_rows * vocab * e
+
+
+@dataclass(slots=True)
+class _Graph:
+    graph: Any  # torch.cuda.CUDAGraph
+    ids: torch.Tensor  # [rows] static inputs, copied in before each replay
+    positions: torch.Tensor
+    slots: torch.Tensor
+    pages: torch.Tensor  # [rows, pages]
+    lengths: torch.Tensor
+    key_pos: torch.Tensor  # [1, pages * page_size], constant
+    token_idx: torch.Tensor  # [rows] arange, constant
+
+
+class DecodeGraphs:
+    """Captured decode steps (CUDA only), one graph per (rows, pages) bucket, captured
+    the first time the bucket is seen and replayed after. All graphs share one memory
+    pool and one logits buffer, which is safe because steps replay one after another on
+    the runner's stream and each step's logits are consumed (sampled) before the next
+    replay. The graphs hold the addresses of the KV cache: drop them with the cache."""
+
+    def __init__(self, forward, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], page_size: int,
+                 max_rows: int, config, stream) -> None:
+        self.forward = forward
+        self.k_cache = k_cache
+        self.v_cache = v_cache
+        self.page_size = page_size
+        self.max_rows = max_rows
+        self.config = config  # the model config, for memory estimates
+        self.stream = stream
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.skipped: set[tuple[int, int]] = set()
+        self.logits: torch.Tensor | None = None
+        self.failed = False
+
+    def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: attention.StepAttention,
+            ) -> torch.Tensor | None:
+        """Logits ``[rows, vocab]`` of a padded decode-only step, replayed from its graph
+        (captured now if new); None when the step should run eagerly instead."""
+        rows, width = meta.decode_pages.shape
+        key = (rows, width)
+        g = self.graphs.get(key)
+        if g is None:
+            if self.failed or key in self.skipped or not self._may_capture(rows, width):
+                self.skipped.add(key)
+                return None
+            g = self._capture(key, input_ids, position_ids, meta)
+            if g is None:
+                return None
+            return self.logits[:rows]  # the capture ran this step
+        self._load(g, input_ids, position_ids, meta)
+        g.graph.replay()
+        return self.logits[:rows]
+
+    def _may_capture(self, rows: int, width: int) -> bool:
+        kv_tokens = width * self.page_size
+        if kv_tokens > MAX_GRAPH_KV_TOKENS or len(self.graphs) >= MAX_GRAPHS:
+            return False
+        dtype = self.k_cache[0].dtype
+        free, _ = torch.cuda.mem_get_info(self.k_cache[0].device)
+        if free < 2 * decode_step_bytes(self.config, dtype, rows, kv_tokens):
+            log.info("acb: no CUDA graph for decode bucket (%d rows, %d tokens): %.2f GiB free is too little",
+                     rows, kv_tokens, free / 2**30)
+            return False
+        return True
+
+    @staticmethod
+    def _load(g: _Graph, input_ids, position_ids, meta: attention.StepAttention) -> None:
+        g.ids.copy_(input_ids)
+        g.positions.copy_(position_ids)
+        g.slots.copy_(meta.slot_mapping)
+        g.pages.copy_(meta.decode_pages)
+        g.lengths.copy_(meta.decode_lengths)
+
+    def _body(self, g: _Graph) -> torch.Tensor:
+        """The captured work: the step's metadata derived from the static inputs on the
+        device (no host value depends on the step), then the forward."""
+        rows, width = g.pages.shape
+        length = width * self.page_size
+        meta = attention.StepAttention(
+            k_cache=self.k_cache, v_cache=self.v_cache, slot_mapping=g.slots,
+            decode_token_idx=g.token_idx, decode_pages=g.pages, decode_key_pos=g.key_pos,
+            decode_q_pos=(g.lengths - 1).unsqueeze(1),
+            decode_valid=(g.key_pos < g.lengths.unsqueeze(1)).view(rows, 1, length),
+            prefills=[], page_size=self.page_size, decode_lengths=g.lengths, decode_kernel=None,
+        )
+        attention.set_step(meta)
+        try:
+            out = self.forward(input_ids=g.ids.unsqueeze(0), position_ids=g.positions.unsqueeze(0),
+                               attention_mask=None, use_cache=False, logits_to_keep=0)
+        finally:
+            attention.set_step(None)
+        return out.logits[0]
+
+    def _capture(self, key, input_ids, position_ids, meta) -> _Graph | None:
+        rows, width = key
+        dev = input_ids.device
+        try:
+            g = _Graph(
+                graph=torch.cuda.CUDAGraph(),
+                ids=torch.zeros(rows, dtype=torch.long, device=dev),
+                positions=torch.zeros(rows, dtype=torch.long, device=dev),
+                slots=torch.zeros(rows, dtype=torch.long, device=dev),
+                pages=torch.zeros(rows, width, dtype=torch.long, device=dev),
+                lengths=torch.ones(rows, dtype=torch.long, device=dev),
+                key_pos=torch.arange(width * self.page_size, device=dev).unsqueeze(0),
+                token_idx=torch.arange(rows, device=dev),
+            )
+            self._load(g, input_ids, position_ids, meta)
+            # Warm-up, eagerly on the runner's stream: lazy initialisation (cuBLAS
+            # workspaces, compilation) must not happen inside the capture. It computes
+            # this step; the replay below writes the same keys and values again.
+            warm = self._body(g)
+            if self.logits is None:
+                self.logits = torch.empty(self.max_rows, warm.shape[-1], dtype=warm.dtype, device=dev)
+            del warm
+            # thread_local: the event loop's thread may query CUDA events meanwhile
+            with torch.cuda.graph(g.graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+                self.logits[:rows].copy_(self._body(g))
+            g.graph.replay()
+        except Exception as e:  # unverified hardware paths fail soft: eager from now on
+            self.failed = True
+            log.warning("acb: CUDA graph capture failed for decode bucket (%d rows, %d pages); decode steps "
+                        "run eagerly from now on: %r", rows, width, e)
+            return None
+        self.graphs[key] = g
+        log.info("acb: captured a CUDA graph for decode bucket (%d rows, %d tokens); %d graphs",
+                 rows, width * self.page_size, len(self.graphs))
+        return g

@@ -1,0 +1,244 @@
+"""CUDA graphs, padding buckets and compile levels: everything that can be checked
+without a GPU. Padding is forced on the CPU (eagerly, no capture) to prove that it never
+changes a token; the graph capture itself is checked by the CUDA-only test at the end
+and by benchmarks/gpu_check.py."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import acb
+from acb import attention, compiling, cuda_graphs
+from acb.cuda_graphs import DecodePadding, bucket_for, decode_buckets, padded_kv_pages
+from acb.testing import random_prompts, reference_greedy, tiny_model
+
+# ------------------------------------------------------------------ buckets and padding
+
+
+def test_row_buckets_are_powers_of_two_then_multiples_of_the_interval():
+    assert decode_buckets(64, 16) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert decode_buckets(40, 3) == [1, 2] + list(range(3, 40, 3)) + [40]
+
+
+def test_row_buckets_end_at_the_cap():
+    assert decode_buckets(8, 16) == [1, 2, 4, 8]
+    assert decode_buckets(10, 4) == [1, 2, 4, 8, 10]
+    assert decode_buckets(1, 16) == [1]
+
+
+def test_zero_interval_uses_the_default():
+    assert decode_buckets(256, 0) == decode_buckets(256, cuda_graphs.DEFAULT_Q_INTERVAL)
+
+
+def test_rows_go_to_the_smallest_bucket_that_holds_them():
+    buckets = decode_buckets(64, 16)
+    assert [bucket_for(n, buckets) for n in (1, 2, 3, 5, 16, 17, 33, 64)] == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert bucket_for(65, buckets) is None
+
+
+def test_context_is_padded_to_the_kv_interval_in_whole_pages():
+    assert padded_kv_pages(1, 32, 8) == 4
+    assert padded_kv_pages(32, 32, 8) == 4
+    assert padded_kv_pages(33, 32, 8) == 8
+    assert padded_kv_pages(5, 12, 8) == 2  # 12 tokens round up to 2 pages
+    assert padded_kv_pages(1, 0, 16) == cuda_graphs.DEFAULT_KV_INTERVAL // 16
+
+
+def test_padding_rows_write_the_scratch_slot_and_read_one_zero_key():
+    pad = DecodePadding(decode_buckets(16, 4), kv_interval=16, page_size=4, scratch_slot=99)
+    tokens, positions, slots, token_idx = [7, 8, 9], [10, 3, 20], [42, 13, 81], [0, 1, 2]
+    lengths, tables = [11, 4, 21], [[10, 11, 12], [3], [20, 21, 22, 23, 24, 25]]
+    width = pad.pad(tokens, positions, slots, token_idx, lengths, tables)
+    assert width == 32  # 21 tokens -> 32 (two intervals of 16), 8 pages of 4
+    assert tokens == [7, 8, 9, cuda_graphs.PAD_TOKEN]
+    assert positions == [10, 3, 20, 0]
+    assert slots == [42, 13, 81, 99]
+    assert token_idx == [0, 1, 2, 3]
+    assert lengths == [11, 4, 21, 1]
+    assert tables[-1] == []  # the runner's page table fills it with the zero page
+
+
+def test_a_step_beyond_the_last_bucket_is_left_unpadded():
+    pad = DecodePadding([1, 2], kv_interval=8, page_size=4, scratch_slot=99)
+    lists = ([1, 2, 3], [0, 0, 0], [5, 6, 7], [0, 1, 2], [1, 1, 1], [[1], [2], [3]])
+    assert pad.pad(*lists) is None
+    assert lists[0] == [1, 2, 3] and lists[4] == [1, 1, 1]
+
+
+# ------------------------------------------------------------------ padded parity on CPU
+
+
+async def _submit_all(engine, prompts, max_new):
+    handles = [engine.submit(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(prompts, max_new)]
+    return [await h for h in handles]
+
+
+def _record_shapes(runner) -> list[tuple[int, int, bool]]:
+    """Wrap the runner's _build: (rows, page-table width, padded) of every decode step."""
+    shapes: list[tuple[int, int, bool]] = []
+    build = runner._build
+
+    def recording(step):
+        out = build(step)
+        meta = out[3]
+        if meta.decode_pages is not None and not meta.prefills:
+            shapes.append((*meta.decode_pages.shape, meta.padded))
+        return out
+
+    runner._build = recording
+    return shapes
+
+
+@pytest.mark.parametrize(("arch", "backend"), [("llama", "torch"), ("gemma2", "torch"), ("mistral", "torch"),
+                                               ("llama", "native")])
+async def test_padding_never_changes_a_token(arch, backend):
+    model = tiny_model(arch)
+    prompts = random_prompts(7, 3, 30, seed=5)
+    max_new = [6 + (i * 5) % 17 for i in range(len(prompts))]
+    expected = [reference_greedy(model, p, n) for p, n in zip(prompts, max_new)]
+    config = acb.EngineConfig(page_size=4, num_blocks=96, max_requests_per_batch=16, attn_backend=backend,
+                              q_padding_interval_size=4, kv_padding_interval_size=12)
+    async with acb.Engine(model, config=config) as engine:
+        runner = engine._runner
+        assert runner.decode_padding is None  # on CPU the config alone does not pad
+        runner.configure_fast_paths(engine.config, engine.max_requests, pad_on_cpu=True)
+        shapes = _record_shapes(runner)
+        results = await _submit_all(engine, prompts, max_new)
+        zero_page = [c[:, runner.null_slot : runner.null_slot + runner.page_size - 1] for c in runner.k_cache]
+        assert all(bool((z == 0).all()) for z in zero_page), "padding wrote a zero-page slot it must only read"
+    assert [r.token_ids for r in results] == expected
+    buckets = decode_buckets(16, 4)
+    assert shapes and all(padded for _, _, padded in shapes)
+    assert any(rows not in (7, 6, 5) for rows, _, _ in shapes)
+    assert all(rows in buckets and (width * 4) % 12 < 4 for rows, width, _ in shapes), shapes
+
+
+async def test_padded_decode_shapes_repeat():
+    model = tiny_model("llama")
+    prompts = random_prompts(11, 5, 12, seed=2)
+    config = acb.EngineConfig(page_size=4, num_blocks=96, max_requests_per_batch=16, attn_backend="torch",
+                              q_padding_interval_size=8, kv_padding_interval_size=32)
+    async with acb.Engine(model, config=config) as engine:
+        engine._runner.configure_fast_paths(engine.config, engine.max_requests, pad_on_cpu=True)
+        shapes = _record_shapes(engine._runner)
+        await _submit_all(engine, prompts, [4 + 3 * i for i in range(11)])
+    distinct = {(rows, width) for rows, width, _ in shapes}
+    assert len(shapes) >= 3 * len(distinct), f"{len(shapes)} decode steps but {len(distinct)} shapes"
+
+
+# ------------------------------------------------------------------ settings, logging, memory
+
+
+def test_graph_and_compile_settings_are_active():
+    config = acb.EngineConfig(use_cuda_graph=True, q_padding_interval_size=8, kv_padding_interval_size=256,
+                              compile_level=2, varlen_compile_level=0, decode_compile_level=3)
+    assert config.inactive_settings() == []
+
+
+@pytest.mark.parametrize("name", ["varlen_compile_level", "decode_compile_level"])
+@pytest.mark.parametrize("value", [-1, 4, 1.0, True])
+def test_per_path_compile_levels_are_validated(name, value):
+    with pytest.raises(ValueError, match=name):
+        acb.EngineConfig(**{name: value})
+
+
+async def test_cuda_graphs_on_cpu_say_why_they_are_off(caplog):
+    model = tiny_model("llama")
+    with caplog.at_level(logging.INFO, logger="acb"):
+        async with acb.Engine(model, config=acb.EngineConfig(num_blocks=32, use_cuda_graph=True)) as engine:
+            assert engine._runner.decode_padding is None and engine._runner.decode_graphs is None
+            assert (await engine.generate([5, 6, 7], max_new_tokens=3, ignore_eos=True)).token_ids == \
+                reference_greedy(model, [5, 6, 7], 3)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("CUDA graphs need a CUDA device" in m and "run eagerly" in m for m in warnings), warnings
+    assert any("decode steps: eager, unpadded" in r.getMessage() for r in caplog.records)
+
+
+async def test_default_config_logs_the_eager_decode_path_without_warnings(caplog):
+    with caplog.at_level(logging.INFO, logger="acb"):
+        async with acb.Engine(tiny_model("llama"), config=acb.EngineConfig(num_blocks=32)):
+            pass
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "graph" in r.getMessage()]
+    assert any("decode steps: eager, unpadded" in r.getMessage() for r in caplog.records)
+
+
+def test_graph_memory_is_reserved_only_when_graphs_are_asked_for():
+    cfg = tiny_model("llama").config
+    assert cuda_graphs.graph_memory_reserve(cfg, torch.bfloat16, acb.EngineConfig()) == 0
+    assert cuda_graphs.graph_memory_reserve(cfg, torch.bfloat16, acb.EngineConfig(use_cuda_graph=False,
+                                                                                 q_padding_interval_size=8)) == 0
+    small = cuda_graphs.graph_memory_reserve(cfg, torch.bfloat16, acb.EngineConfig(use_cuda_graph=True,
+                                                                                  max_requests_per_batch=16))
+    auto = cuda_graphs.graph_memory_reserve(cfg, torch.bfloat16, acb.EngineConfig(kv_padding_interval_size=64,
+                                                                                 max_requests_per_batch=64))
+    assert 0 < small < auto
+    # one layer's gathered keys and values at the largest bucket and context, at least
+    assert small >= 2 * 2 * 16 * cuda_graphs.MAX_GRAPH_KV_TOKENS * 16 * 2
+
+
+# ------------------------------------------------------------------ compile levels
+
+
+def test_compile_levels_map_to_torch_compile_arguments():
+    assert compiling.compile_kwargs(0) == {}
+    assert compiling.compile_kwargs(1) == {"mode": "default", "dynamic": True}
+    assert compiling.compile_kwargs(2) == {"mode": "max-autotune-no-cudagraphs", "dynamic": True}
+    assert compiling.compile_kwargs(3) == {"mode": "max-autotune-no-cudagraphs", "dynamic": False}
+    with pytest.raises(ValueError):
+        compiling.compile_kwargs(4)
+
+
+def test_per_path_levels_override_the_common_one():
+    assert compiling.path_levels(2, None, None) == (2, 2)
+    assert compiling.path_levels(2, 0, 3) == (0, 3)
+    assert compiling.path_levels(0, None, 1) == (0, 1)
+
+
+async def test_engine_compiles_each_path_with_its_level(monkeypatch):
+    calls = []
+
+    def fake_compile(model, **kwargs):
+        calls.append(kwargs)
+        return model
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    model = tiny_model("llama")
+    config = acb.EngineConfig(num_blocks=32, compile_level=1, decode_compile_level=3)
+    async with acb.Engine(model, config=config) as engine:
+        assert model.config._attn_implementation == attention.ATTN_NAME_COMPILED
+        out = await engine.generate([9, 8, 7], max_new_tokens=4, ignore_eos=True)
+    assert calls == [compiling.compile_kwargs(1), compiling.compile_kwargs(3)]
+    assert out.token_ids == reference_greedy(model, [9, 8, 7], 4)
+    assert model.config._attn_implementation != attention.ATTN_NAME_COMPILED  # restored on close
+
+
+async def test_compile_level_1_keeps_greedy_parity():
+    model = tiny_model("llama")
+    prompts = random_prompts(4, 3, 20, seed=1)
+    expected = [reference_greedy(model, p, 10) for p in prompts]
+    config = acb.EngineConfig(num_blocks=64, page_size=8, attn_backend="torch", compile_level=1)
+    async with acb.Engine(model, config=config) as engine:
+        results = await engine.generate_batch(prompts, max_new_tokens=10, ignore_eos=True)
+    assert [r.token_ids for r in results] == expected
+
+
+# ------------------------------------------------------------------ CUDA only
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("async_batching", [True, False])
+async def test_cuda_graphs_keep_greedy_parity(async_batching):
+    model = tiny_model("llama", device="cuda")
+    prompts = random_prompts(9, 3, 30, seed=4)
+    max_new = [6 + (i * 5) % 17 for i in range(len(prompts))]
+    expected = [reference_greedy(model, p, n) for p, n in zip(prompts, max_new)]
+    config = acb.EngineConfig(page_size=8, num_blocks=128, max_requests_per_batch=16, use_cuda_graph=True,
+                              q_padding_interval_size=4, kv_padding_interval_size=32, async_batching=async_batching)
+    async with acb.Engine(model, config=config) as engine:
+        results = await _submit_all(engine, prompts, max_new)
+        graphs = engine._runner.decode_graphs
+        assert graphs is not None and not graphs.failed and graphs.graphs
+    assert [r.token_ids for r in results] == expected
