@@ -1,9 +1,13 @@
 """One-shot GPU check: greedy parity against transformers' generate on CUDA for every
-architecture, then acb timed against transformers' generate_batch on the same workload.
+architecture (eager, and with CUDA graphs for decode steps), then acb (eager, graphs,
+graphs + async batching) timed against transformers' generate_batch on the same
+workload, with the GPU's idle time between steps with async batching on and off.
 
     bash benchmarks/gpu_check.sh        # on a machine with a CUDA GPU; no network needed
 
 Models are random weights built from configs (SmolLM2's shape and a ~1B Llama shape).
+The whole run stays under BUDGET_S: timing rows that would start later are skipped
+(and say so), so the script always reaches its verdict.
 """
 
 from __future__ import annotations
@@ -23,36 +27,51 @@ import acb  # noqa: E402
 from acb.testing import ARCHITECTURES, random_prompts, reference_greedy, tiny_model  # noqa: E402
 
 DEV = os.environ.get("ACB_GPU_CHECK_DEVICE", "cuda")
+BUDGET_S = float(os.environ.get("ACB_GPU_CHECK_BUDGET_S", "400"))
+T0 = time.perf_counter()
 
 
 def parity() -> bool:
     ok_all = True
-    for arch in ARCHITECTURES:
-        for async_batching in (True, False):
-            try:
-                model = tiny_model(arch, device=DEV)
-                prompts = random_prompts(13, 3, 40, seed=11)
-                max_new = [8 + (i * 7) % 25 for i in range(len(prompts))]
-                expected = [reference_greedy(model, p, n) for p, n in zip(prompts, max_new)]
-                cfg = acb.EngineConfig(page_size=4, num_blocks=24, max_batch_tokens=24, max_requests_per_batch=8,
-                                       safety_margin=0.0, async_batching=async_batching)
+    runs = [(arch, a, False) for arch in ARCHITECTURES for a in (True, False)]
+    runs += [(arch, a, True) for arch in ARCHITECTURES for a in (True, False)]
+    prompts = random_prompts(13, 3, 40, seed=11)
+    max_new = [8 + (i * 7) % 25 for i in range(len(prompts))]
+    references: dict[str, list[list[int]]] = {}
+    for arch, async_batching, graphs in runs:
+        try:
+            model = tiny_model(arch, device=DEV)
+            if arch not in references:
+                references[arch] = [reference_greedy(model, p, n) for p, n in zip(prompts, max_new)]
+            expected = references[arch]
+            # graphs: small padding intervals so several row/context buckets are captured
+            extra = dict(use_cuda_graph=True, q_padding_interval_size=4, kv_padding_interval_size=16) \
+                if graphs else {}
+            cfg = acb.EngineConfig(page_size=4, num_blocks=24, max_batch_tokens=24, max_requests_per_batch=8,
+                                   safety_margin=0.0, async_batching=async_batching, **extra)
 
-                async def run(model=model, cfg=cfg, prompts=prompts, max_new=max_new):
-                    async with acb.Engine(model, config=cfg) as engine:
-                        hs = [engine.submit(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(prompts, max_new)]
-                        res = [await h for h in hs]
-                        return res, engine.stats()
+            async def run(model=model, cfg=cfg, prompts=prompts, max_new=max_new):
+                async with acb.Engine(model, config=cfg) as engine:
+                    hs = [engine.submit(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(prompts, max_new)]
+                    res = [await h for h in hs]
+                    g = engine._runner.decode_graphs
+                    return res, engine.stats(), (len(g.graphs), g.failed) if g is not None else None
 
-                res, stats = asyncio.run(run())
-                bad = sum(r.token_ids != e for r, e in zip(res, expected))
-                ok = bad == 0 and stats.free_blocks == stats.total_blocks
-                print(f"PARITY {arch:8s} async={async_batching!s:5s} {'ok' if ok else 'FAIL'} "
-                      f"({bad} of {len(prompts)} differ, preemptions={stats.preemptions})", flush=True)
-                ok_all &= ok
-            except Exception:
-                traceback.print_exc()
-                print(f"PARITY {arch} async={async_batching} ERROR", flush=True)
-                ok_all = False
+            res, stats, graph_state = asyncio.run(run())
+            bad = sum(r.token_ids != e for r, e in zip(res, expected))
+            ok = bad == 0 and stats.free_blocks == stats.total_blocks
+            note = ""
+            if graphs:
+                captured, failed = graph_state if graph_state else (0, True)
+                ok &= captured > 0 and not failed
+                note = f", graphs captured={captured}{' CAPTURE FAILED' if failed else ''}"
+            print(f"PARITY {arch:8s} async={async_batching!s:5s} graphs={graphs!s:5s} {'ok' if ok else 'FAIL'} "
+                  f"({bad} of {len(prompts)} differ, preemptions={stats.preemptions}{note})", flush=True)
+            ok_all &= ok
+        except Exception:
+            traceback.print_exc()
+            print(f"PARITY {arch} async={async_batching} graphs={graphs} ERROR", flush=True)
+            ok_all = False
     return ok_all
 
 
@@ -76,20 +95,32 @@ def workload(vocab: int, n: int = 64, seed: int = 0):
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(16, 512))] for _ in range(n)]
 
 
-def time_acb(model, prompts, new, **cfg) -> tuple[float, int, float]:
-    """(seconds, steps, fraction of the wall time the GPU spent inside steps)."""
+def time_acb(model, prompts, new, **cfg) -> tuple[float, int, float, str]:
+    """(seconds, steps, GPU idle ms per step, graphs note). The warm-up runs the whole
+    workload with a few new tokens, so the graph buckets the timed run needs are mostly
+    captured before the clock starts (the note counts captures during the timed run).
+    GPU idle = wall time not covered by any step's span on the stream (start event to
+    the event after the sampled ids' copy), per step."""
     async def run():
         engine = acb.Engine(model, config=acb.EngineConfig(max_memory_percent=0.3, **cfg))
         async with engine:
-            await engine.generate_batch(prompts[:8], max_new_tokens=4, ignore_eos=True)
+            runner = engine._runner
+            await engine.generate_batch(prompts, max_new_tokens=8, ignore_eos=True)
             torch.cuda.synchronize()
-            engine._runner.measure_device_time = True
-            engine._runner.device_busy_ms = 0.0
+            graphs = runner.decode_graphs
+            g0 = len(graphs.graphs) if graphs else 0
+            runner.measure_device_time = True
+            runner.device_busy_ms = 0.0
             s0 = engine.stats().steps
             t = time.perf_counter()
             await engine.generate_batch(prompts, max_new_tokens=new, ignore_eos=True)
             dt = time.perf_counter() - t
-            return dt, engine.stats().steps - s0, engine._runner.device_busy_ms / 1e3 / dt
+            steps = engine.stats().steps - s0
+            note = ""
+            if graphs is not None:
+                note = f"{len(graphs.graphs)} graphs (+{len(graphs.graphs) - g0} in run)"
+                note += " CAPTURE FAILED" if graphs.failed else ""
+            return dt, steps, (dt * 1e3 - runner.device_busy_ms) / max(steps, 1), note
 
     return asyncio.run(run())
 
@@ -108,28 +139,36 @@ def time_hf(model, prompts, new) -> float:
     return time.perf_counter() - t
 
 
+SYSTEMS = (
+    ("acb eager, async off", {"async_batching": False}),
+    ("acb eager, async on", {}),
+    ("acb graphs, async off", {"use_cuda_graph": True, "async_batching": False}),
+    ("acb graphs, async on", {"use_cuda_graph": True}),
+)
+
+
 def timing() -> None:
     new = 64
-    print(f"{'model':<10}{'requests':>9}{'system':>28}{'tok/s':>10}{'s':>8}{'steps':>7}{'GPU busy':>10}")
+    print(f"{'model':<10}{'requests':>9}{'system':>28}{'tok/s':>10}{'s':>8}{'steps':>7}{'idle ms/step':>14}  graphs")
     for shape in ("smollm2", "llama-1b"):
         model, vocab = make_model(shape)
         for n in (64, 256):
             prompts = workload(vocab, n)
-            rows = []
-            for label, cfg in (("acb eager, async on", {}), ("acb eager, async off", {"async_batching": False})):
+            for label, cfg in SYSTEMS + (("transformers generate_batch", None),):
+                if time.perf_counter() - T0 > BUDGET_S:
+                    print(f"{shape:<10}{n:>9}{label:>28}  SKIPPED (time budget)", flush=True)
+                    continue
                 try:
-                    dt, steps, busy = time_acb(model, prompts, new, **cfg)
-                    rows.append((label, n * new / dt, dt, steps, busy))
+                    if cfg is None:
+                        dt, steps, idle, note = time_hf(model, prompts, new), None, None, ""
+                    else:
+                        dt, steps, idle, note = time_acb(model, prompts, new, **cfg)
                 except Exception as e:
-                    print(f"{label} failed: {e!r}")
-            try:
-                dt = time_hf(model, prompts, new)
-                rows.append(("transformers generate_batch", n * new / dt, dt, None, None))
-            except Exception as e:
-                print(f"transformers generate_batch failed: {e!r}")
-            for label, tps, dt, steps, busy in rows:
-                print(f"{shape:<10}{n:>9}{label:>28}{tps:>10.0f}{dt:>8.2f}{steps if steps else '-':>7}"
-                      f"{format(busy, '.0%') if busy is not None else '-':>10}", flush=True)
+                    traceback.print_exc()
+                    print(f"{shape:<10}{n:>9}{label:>28}  FAILED {e!r}", flush=True)
+                    continue
+                print(f"{shape:<10}{n:>9}{label:>28}{n * new / dt:>10.0f}{dt:>8.2f}{steps or '-':>7}"
+                      f"{format(idle, '.2f') if idle is not None else '-':>14}  {note}", flush=True)
         del model
         torch.cuda.empty_cache()
 
@@ -140,6 +179,7 @@ if __name__ == "__main__":
 
     print("transformers", transformers.__version__, flush=True)
     ok = parity()
+    print(f"parity took {time.perf_counter() - T0:.0f} s", flush=True)
     timing()
-    print("GPU CHECK", "PASSED" if ok else "FAILED")
+    print(f"GPU CHECK {'PASSED' if ok else 'FAILED'} in {time.perf_counter() - T0:.0f} s")
     sys.exit(0 if ok else 1)
