@@ -181,7 +181,7 @@ class DecodeGraphs:
         self.max_rows = max_rows
         self.config = config  # the model config, for memory estimates
         self.stream = stream
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = None  # one memory pool for every graph, made at the first capture
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.skipped: set[tuple[int, int]] = set()
         self.logits: torch.Tensor | None = None
@@ -211,12 +211,27 @@ class DecodeGraphs:
         if kv_tokens > MAX_GRAPH_KV_TOKENS or len(self.graphs) >= MAX_GRAPHS:
             return False
         dtype = self.k_cache[0].dtype
-        free, _ = torch.cuda.mem_get_info(self.k_cache[0].device)
+        free = self._free_memory()
         if free < 2 * decode_step_bytes(self.config, dtype, rows, kv_tokens):
             log.info("acb: no CUDA graph for decode bucket (%d rows, %d tokens): %.2f GiB free is too little",
                      rows, kv_tokens, free / 2**30)
             return False
         return True
+
+    # The three CUDA calls, as methods so a CPU test can stand in for them.
+    def _free_memory(self) -> int:
+        return torch.cuda.mem_get_info(self.k_cache[0].device)[0]
+
+    def _new_graph(self):
+        return torch.cuda.CUDAGraph()
+
+    def _record(self, graph, work) -> None:
+        """Capture ``work`` into ``graph`` (recorded, not run). thread_local: the event
+        loop's thread may query CUDA events meanwhile."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+            work()
 
     @staticmethod
     def _load(g: _Graph, input_ids, position_ids, meta: attention.StepAttention) -> None:
@@ -251,7 +266,7 @@ class DecodeGraphs:
         dev = input_ids.device
         try:
             g = _Graph(
-                graph=torch.cuda.CUDAGraph(),
+                graph=self._new_graph(),
                 ids=torch.zeros(rows, dtype=torch.long, device=dev),
                 positions=torch.zeros(rows, dtype=torch.long, device=dev),
                 slots=torch.zeros(rows, dtype=torch.long, device=dev),
@@ -268,9 +283,7 @@ class DecodeGraphs:
             if self.logits is None:
                 self.logits = torch.empty(self.max_rows, warm.shape[-1], dtype=warm.dtype, device=dev)
             del warm
-            # thread_local: the event loop's thread may query CUDA events meanwhile
-            with torch.cuda.graph(g.graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-                self.logits[:rows].copy_(self._body(g))
+            self._record(g.graph, lambda: self.logits[:rows].copy_(self._body(g)))
             g.graph.replay()
         except Exception as e:  # unverified hardware paths fail soft: eager from now on
             self.failed = True

@@ -129,6 +129,84 @@ async def test_padded_decode_shapes_repeat():
     assert len(shapes) >= 3 * len(distinct), f"{len(shapes)} decode steps but {len(distinct)} shapes"
 
 
+# ------------------------------------------------------------------ the graph runner, CUDA stood in for
+
+
+class RecordedGraph:
+    """A CUDA graph's stand-in on the CPU: capture keeps the work without running it
+    (as CUDA records kernels without running them), replay runs it."""
+
+    def __init__(self) -> None:
+        self.work = None
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.work()
+
+
+class CpuGraphs(cuda_graphs.DecodeGraphs):
+    def _free_memory(self) -> int:
+        return 1 << 40
+
+    def _new_graph(self):
+        return RecordedGraph()
+
+    def _record(self, graph, work) -> None:
+        graph.work = work
+
+
+class FailingCapture(CpuGraphs):
+    def _record(self, graph, work) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+async def _run_with_graphs(graphs_cls, arch="llama", longest_prompt=30):
+    """Greedy outputs and expected ones with decode steps padded and run through
+    ``graphs_cls``: static buffers, metadata derived from them, the shared logits buffer."""
+    model = tiny_model(arch)
+    prompts = random_prompts(7, 3, longest_prompt, seed=9)
+    max_new = [6 + (i * 5) % 17 for i in range(len(prompts))]
+    expected = [reference_greedy(model, p, n) for p, n in zip(prompts, max_new)]
+    config = acb.EngineConfig(page_size=4, num_blocks=96, max_requests_per_batch=16, attn_backend="torch",
+                              q_padding_interval_size=4, kv_padding_interval_size=12)
+    async with acb.Engine(model, config=config) as engine:
+        runner = engine._runner
+        runner.configure_fast_paths(engine.config, engine.max_requests, pad_on_cpu=True)
+        graphs = graphs_cls(runner._decode_forward, runner.k_cache, runner.v_cache, runner.page_size,
+                            engine.max_requests, model.config, None)
+        runner.decode_graphs = graphs
+        results = await _submit_all(engine, prompts, max_new)
+    return [r.token_ids for r in results], expected, graphs
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "mistral"])
+async def test_graph_runner_replays_each_bucket_and_keeps_parity(arch):
+    got, expected, graphs = await _run_with_graphs(CpuGraphs, arch)
+    assert got == expected
+    assert graphs.graphs and not graphs.failed
+    replays = sum(g.graph.replays for g in graphs.graphs.values())
+    assert replays > 2 * len(graphs.graphs), "buckets were captured but hardly reused"
+    assert all(rows in decode_buckets(16, 4) for rows, _ in graphs.graphs)
+
+
+async def test_a_failed_capture_falls_back_to_eager_and_says_so(caplog):
+    with caplog.at_level(logging.WARNING, logger="acb"):
+        got, expected, graphs = await _run_with_graphs(FailingCapture)
+    assert got == expected
+    assert graphs.failed and not graphs.graphs
+    assert "CUDA graph capture failed" in caplog.text and "run eagerly" in caplog.text
+
+
+async def test_contexts_wider_than_the_graph_cap_run_eagerly(monkeypatch):
+    monkeypatch.setattr(cuda_graphs, "MAX_GRAPH_KV_TOKENS", 24)
+    got, expected, graphs = await _run_with_graphs(CpuGraphs, longest_prompt=10)  # contexts up to 32
+    assert got == expected
+    assert graphs.graphs and graphs.skipped
+    assert all(width * 4 <= 24 for _, width in graphs.graphs)
+    assert all(width * 4 > 24 for _, width in graphs.skipped)
+
+
 # ------------------------------------------------------------------ settings, logging, memory
 
 
