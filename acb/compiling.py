@@ -8,8 +8,9 @@ transformers' continuous batching defines them:
 - 1: ``mode="default"``, ``dynamic=True``;
 - 2: ``mode="max-autotune-no-cudagraphs"``, ``dynamic=True``;
 - 3: ``mode="max-autotune-no-cudagraphs"``, ``dynamic=False`` (a recompile per new shape:
-  meant for the decode path with padded shapes; on the varlen path dynamo gives up after
-  its recompile limit and runs eagerly).
+  meant for the decode path with padded shapes; past dynamo's ``recompile_limit`` (8 by
+  default) new shapes run eagerly, so on the varlen path, or with more row buckets than
+  that, raise ``torch._dynamo.config.recompile_limit``).
 
 Never ``reduce-overhead``: acb captures its own CUDA graphs (:mod:`acb.cuda_graphs`)
 around the compiled code. acb's paged attention is kept out of the compiled graphs (a

@@ -75,6 +75,40 @@ def parity() -> bool:
     return ok_all
 
 
+def compile_parity() -> bool:
+    """compile_level=1 with CUDA graphs on a tiny Llama, if the time budget allows it
+    (inductor's first compile takes tens of seconds)."""
+    left = 470 - (time.perf_counter() - T0)
+    if left < 150:
+        print(f"PARITY llama compile_level=1 graphs=True SKIPPED (time budget: {left:.0f} s left)", flush=True)
+        return True
+    try:
+        model = tiny_model("llama", device=DEV)
+        prompts = random_prompts(6, 3, 30, seed=3)
+        expected = [reference_greedy(model, p, 16) for p in prompts]
+        cfg = acb.EngineConfig(page_size=8, num_blocks=128, max_requests_per_batch=8, compile_level=1,
+                               use_cuda_graph=True, q_padding_interval_size=4, kv_padding_interval_size=32)
+
+        async def run():
+            async with acb.Engine(model, config=cfg) as engine:
+                res = await engine.generate_batch(prompts, max_new_tokens=16, ignore_eos=True)
+                g = engine._runner.decode_graphs
+                return res, len(g.graphs), g.failed
+
+        t = time.perf_counter()
+        res, captured, failed = asyncio.run(run())
+        bad = sum(r.token_ids != e for r, e in zip(res, expected))
+        ok = bad == 0 and captured > 0 and not failed
+        print(f"PARITY llama compile_level=1 graphs=True {'ok' if ok else 'FAIL'} ({bad} of {len(prompts)} "
+              f"differ, graphs captured={captured}{' CAPTURE FAILED' if failed else ''}, "
+              f"{time.perf_counter() - t:.0f} s)", flush=True)
+        return ok
+    except Exception:
+        traceback.print_exc()
+        print("PARITY llama compile_level=1 graphs=True ERROR", flush=True)
+        return False
+
+
 def make_model(shape: str):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -181,5 +215,6 @@ if __name__ == "__main__":
     ok = parity()
     print(f"parity took {time.perf_counter() - T0:.0f} s", flush=True)
     timing()
+    ok &= compile_parity()
     print(f"GPU CHECK {'PASSED' if ok else 'FAILED'} in {time.perf_counter() - T0:.0f} s")
     sys.exit(0 if ok else 1)
