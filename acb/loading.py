@@ -67,8 +67,20 @@ def load(path: str | os.PathLike, gguf_file: str | None = None, *,
         path = str(_converted_gguf(path, gguf_file))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **model_kwargs)
     model.to(device).eval()
+    if device == "cpu":
+        _own_memory(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
+
+
+def _own_memory(model: torch.nn.Module) -> None:
+    """Copy weights that still live in the memory-mapped safetensors file into the
+    process's own memory, one tensor at a time. Otherwise the file's pages stay
+    mapped (and counted) for as long as any one weight views them, even after the
+    engine replaces the linear weights by prepacked copies."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone()
 
 
 def _converted_gguf(folder: str, gguf_file: str) -> Path:

@@ -138,6 +138,13 @@ class ModelRunner:
 
             self.decode_kernel = paged_decode_kernel()
         log.info("acb attention: %s decode path", "native CPU kernel" if self.decode_kernel else "PyTorch")
+        self.prepacked = False
+        if self.device.type == "cpu":
+            from .kernels import cpu_linear
+
+            if cpu_linear.available(self.dtype):
+                cpu_linear.acquire(model)
+                self.prepacked = True
         self.step_index = 0
         # fast paths, set by configure_fast_paths: compiled forwards, decode padding, CUDA graphs
         self._varlen_forward = model
@@ -194,6 +201,11 @@ class ModelRunner:
         self.v_cache = []
         self.host_pool = None
         self.prev_sampled = None
+        if self.prepacked:
+            from .kernels import cpu_linear
+
+            cpu_linear.release(self.model)
+            self.prepacked = False
         for config, implementation in self._saved_attn:
             config._attn_implementation = implementation
 

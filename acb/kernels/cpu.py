@@ -32,7 +32,8 @@ def paged_decode_kernel():
 
                 src = Path(__file__).with_name("paged_decode_cpu.cpp")
                 _module = load(name="acb_paged_decode_cpu", sources=[str(src)],
-                               extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffast-math"],
+                               extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                               extra_ldflags=["-fopenmp"],
                                verbose=False)
             except Exception as e:  # no compiler, no headers, ...
                 _failed = True

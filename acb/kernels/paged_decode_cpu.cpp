@@ -10,6 +10,125 @@
 #include <cmath>
 #include <vector>
 
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+// exp on 16 lanes: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6 polynomial
+// (relative error ~2e-7, like expf). Inputs here are scores minus their max: <= 0.
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One (row, kv head): G query heads of DC*16 dims over n keys starting at position
+// `first`. Queries and the G x D accumulator live in registers (G, DC compile-time).
+template <int G, int DC>
+static void decode_item_avx512(const float* qrow, const float* kbase, const float* vbase, const int64_t* pages,
+                               int64_t page_size, int64_t first, int64_t n, float scale, float* scores,
+                               float* out) {
+  constexpr int D = DC * 16;
+  __m512 q[G * DC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < DC; ++c) q[g * DC + c] = _mm512_loadu_ps(qrow + g * D + c * 16);
+  constexpr int64_t AHEAD = 8;  // keys: pages are scattered, so hardware prefetch stops at each one
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t pos = first + i;
+    const float* k = kbase + (pages[pos / page_size] * page_size + pos % page_size) * D;
+    if (i + AHEAD < n) {
+      const int64_t ahead = pos + AHEAD;
+      const char* nk = reinterpret_cast<const char*>(kbase + (pages[ahead / page_size] * page_size + ahead % page_size) * D);
+      for (int c = 0; c < D * 4; c += 64) _mm_prefetch(nk + c, _MM_HINT_T0);
+    }
+    for (int g = 0; g < G; ++g) {
+      __m512 acc = _mm512_mul_ps(q[g * DC], _mm512_loadu_ps(k));
+      for (int c = 1; c < DC; ++c) acc = _mm512_fmadd_ps(q[g * DC + c], _mm512_loadu_ps(k + c * 16), acc);
+      scores[g * n + i] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+  float denom[G];
+  for (int g = 0; g < G; ++g) {
+    float* sg = scores + g * n;
+    __m512 mxv = _mm512_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) mxv = _mm512_max_ps(mxv, _mm512_loadu_ps(sg + i));
+    float mx = _mm512_reduce_max_ps(mxv);
+    for (; i < n; ++i) mx = std::max(mx, sg[i]);
+    const __m512 mx16 = _mm512_set1_ps(mx);
+    __m512 sumv = _mm512_setzero_ps();
+    for (i = 0; i + 16 <= n; i += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + i), mx16));
+      _mm512_storeu_ps(sg + i, e);
+      sumv = _mm512_add_ps(sumv, e);
+    }
+    if (i < n) {
+      const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + i), mx16));
+      _mm512_mask_storeu_ps(sg + i, m, e);
+      sumv = _mm512_add_ps(sumv, _mm512_maskz_mov_ps(m, e));
+    }
+    denom[g] = _mm512_reduce_add_ps(sumv);
+  }
+  __m512 acc[G * DC];
+  for (int j = 0; j < G * DC; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t pos = first + i;
+    const float* v = vbase + (pages[pos / page_size] * page_size + pos % page_size) * D;
+    if (i + AHEAD < n) {
+      const int64_t ahead = pos + AHEAD;
+      const char* nv = reinterpret_cast<const char*>(vbase + (pages[ahead / page_size] * page_size + ahead % page_size) * D);
+      for (int c = 0; c < D * 4; c += 64) _mm_prefetch(nv + c, _MM_HINT_T0);
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512 w = _mm512_set1_ps(scores[g * n + i]);
+      for (int c = 0; c < DC; ++c) acc[g * DC + c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + c * 16), acc[g * DC + c]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.f / denom[g]);
+    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(out + g * D + c * 16, _mm512_mul_ps(acc[g * DC + c], inv));
+  }
+}
+
+using ItemFn = void (*)(const float*, const float*, const float*, const int64_t*, int64_t, int64_t, int64_t, float,
+                        float*, float*);
+
+template <int DC>
+static ItemFn pick_g(int64_t G) {
+  switch (G) {
+    case 1: return decode_item_avx512<1, DC>;
+    case 2: return decode_item_avx512<2, DC>;
+    case 3: return decode_item_avx512<3, DC>;
+    case 4: return decode_item_avx512<4, DC>;
+    case 5: return decode_item_avx512<5, DC>;
+    case 6: return decode_item_avx512<6, DC>;
+    case 7: return decode_item_avx512<7, DC>;
+    case 8: return decode_item_avx512<8, DC>;
+    default: return nullptr;
+  }
+}
+
+static ItemFn pick_item(int64_t G, int64_t D) {
+  switch (D) {
+    case 64: return pick_g<4>(G);
+    case 128: return pick_g<8>(G);
+    case 256: return pick_g<16>(G);
+    default: return nullptr;
+  }
+}
+#endif
+
 void paged_decode(const torch::Tensor& q,        // [B, H, D] float32, contiguous
                   const torch::Tensor& k_cache,  // [KVH, S, D] float32
                   const torch::Tensor& v_cache,  // [KVH, S, D] float32
@@ -27,6 +146,25 @@ void paged_decode(const torch::Tensor& q,        // [B, H, D] float32, contiguou
   const int64_t* len = lengths.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
+#if defined(__AVX512F__)
+  // The vectorised path: no soft-capping (Gemma 2 takes the portable loop below).
+  const ItemFn fast = fcap > 0.f ? nullptr : pick_item(G, D);
+  if (fast != nullptr) {
+    at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t b = item / KVH, kh = item % KVH;
+        const int64_t L = len[b];
+        const int64_t first = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+        const int64_t n = L - first;
+        scores.resize(G * n);
+        fast(qp + (b * H + kh * G) * D, kp + kh * S * D, vp + kh * S * D, pg + b * P, page_size, first, n, fscale,
+             scores.data(), op + (b * H + kh * G) * D);
+      }
+    });
+    return;
+  }
+#endif
 
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
