@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Container
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
@@ -73,3 +75,29 @@ def sampling_params(default: SamplingParams, sampling: SamplingParams | None,
         raise
     except (TypeError, ValueError) as e:
         raise InvalidRequestError(str(e), param=getattr(e, "param", None)) from e
+
+
+def prepare(prompt: Any, request_id: str | None, params: SamplingParams, tokenizer: Any, vocab_size: int,
+            max_model_len: int, live: Container[str]) -> tuple[str, list[int], SamplingParams]:
+    """Check one request against the engine: (request id, token ids, sampling params)."""
+    ids = tokenize(prompt, tokenizer, vocab_size)
+    if params.stop and tokenizer is None:
+        raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids instead", param="stop")
+    for t in params.stop_token_ids:
+        if t >= vocab_size:
+            raise InvalidRequestError(f"stop_token_ids: {t} is out of the vocabulary")
+    total = len(ids) + params.max_new_tokens
+    if total > max_model_len:
+        raise InvalidRequestError(
+            f"prompt ({len(ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) is {total} tokens, "
+            f"more than this engine can ever hold ({max_model_len}: see EngineConfig.num_blocks, "
+            f"page_size and the model's max_position_embeddings)",
+            param="max_new_tokens",
+        )
+    if request_id is None:
+        request_id = uuid.uuid4().hex
+    elif not isinstance(request_id, str) or not request_id:
+        raise InvalidRequestError(f"request_id must be a non-empty str, got {request_id!r}")
+    if request_id in live:
+        raise InvalidRequestError(f"request_id {request_id!r} is already in use by a live request")
+    return request_id, ids, params

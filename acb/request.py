@@ -112,3 +112,24 @@ class Mailbox:
                 raise self.error
             self._ready.clear()
             await self._ready.wait()
+
+
+@dataclass(slots=True)
+class EngineStats:
+    running: int
+    waiting: int
+    total_blocks: int
+    free_blocks: int  # pages a request can take now: never used, or cached and evictable
+    cached_blocks: int  # unreferenced pages kept for prefix hits (counted in free_blocks)
+    used_blocks: int
+    prefix_hit_rate: float
+    steps: int
+    generated_tokens: int
+    preemptions: int
+    page_size: int
+    max_batch_tokens: int
+    host_blocks: int = 0  # capacity of the CPU offload pool, in pages (0: offload off)
+    offloaded_blocks: int = 0  # pages held in the pool now (preempted requests)
+    offloads: int = 0  # preemptions whose KV went to the pool
+    restores: int = 0  # resumptions that copied it back instead of recomputing
+    recomputed_tokens: int = 0  # computed tokens preemption threw away (to be recomputed)

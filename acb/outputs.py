@@ -1,0 +1,224 @@
+"""Between the scheduler and the runner: a plan becomes the runner's ``StepInput``,
+and a finished step's sampled tokens go into their requests (detokenizer, stop
+checks, mailbox, final ``Completion``). Runs on the event loop's thread only.
+
+``Outputs`` owns the table of live requests; the engine submits into it, the loop
+hands it each finished (or failed) step, and finishing or failing a request here
+also takes it out of the scheduler (its pages come back at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from .config import SamplingParams
+from .detokenizer import Detokenizer, StopMatcher
+from .errors import RequestFailedError
+from .request import Completion, Mailbox, RequestMetrics
+from .runner import RowInput, StepInput, StepOutput
+from .sampling import SamplingBatch
+from .scheduler import Scheduler, Sequence, StepPlan
+
+
+class LiveRequest:
+    __slots__ = ("request_id", "seq", "params", "mailbox", "future", "detok", "stopper",
+                 "text_parts", "logprobs", "metrics", "stop_ids", "finish_reason")
+
+    def __init__(self, request_id: str, seq: Sequence, params: SamplingParams,
+                 mailbox: Mailbox | None, future: asyncio.Future, tokenizer, stop_ids: frozenset[int]):
+        self.request_id = request_id
+        self.seq = seq
+        self.params = params
+        self.mailbox = mailbox
+        self.future = future
+        self.detok = Detokenizer(tokenizer) if tokenizer is not None else None
+        self.stopper = StopMatcher(params.stop)
+        self.text_parts: list[str] = []
+        self.logprobs: list[float] | None = [] if params.logprobs else None
+        self.metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(seq.prompt_ids))
+        self.stop_ids = stop_ids
+        self.finish_reason: str | None = None
+
+
+class Outputs:
+    def __init__(self, scheduler: Scheduler, eos_token_ids: frozenset[int]) -> None:
+        self.scheduler = scheduler
+        self.eos_token_ids = eos_token_ids
+        self.live: dict[str, LiveRequest] = {}
+        self.generated = 0
+
+    def current(self, seq: Sequence, epoch: int | None = None) -> LiveRequest | None:
+        """The live request that ``seq`` belongs to, if any (and, given an epoch, only if
+        the sequence has not been preempted since)."""
+        req = self.live.get(seq.seq_id)
+        if req is None or req.seq is not seq or (epoch is not None and epoch != seq.epoch):
+            return None
+        return req
+
+    def step_input(self, plan: StepPlan, prev: StepPlan | None, default: SamplingParams) -> StepInput:
+        """The runner's view of ``plan``. A row whose last token is still in flight
+        (sampled by ``prev``, not yet seen here) takes it from ``prev``'s output on the
+        device (``carry_from``)."""
+        carry_index: dict[int, int] = {}
+        if prev is not None:
+            j = 0
+            for row in prev.rows:
+                if row.sample:
+                    carry_index[id(row.seq)] = j
+                    j += 1
+        rows: list[RowInput] = []
+        sampling_rows = []
+        want_logprobs = False
+        pages_for = self.scheduler.kv.pages_for
+        for row in plan.rows:
+            seq = row.seq
+            end = row.start + row.num_tokens
+            if row.carry:
+                tokens = seq.token_at(row.start, end - 1) + [0]
+                carry_from = carry_index.get(id(seq), -1)
+            else:
+                tokens = seq.token_at(row.start, end)
+                carry_from = -1
+            rows.append(RowInput(tokens, row.start, seq.block_table[: pages_for(end)], carry_from, row.sample))
+            if row.sample:
+                req = self.live.get(seq.seq_id)
+                p = req.params if req is not None else default
+                sampling_rows.append((p.temperature, p.top_k, p.top_p, p.seed, seq.num_generated - 1))
+                want_logprobs = want_logprobs or p.logprobs
+        return StepInput(rows, SamplingBatch.from_rows(sampling_rows, want_logprobs), plan.swap_out, plan.swap_in)
+
+    def step_failed(self, plan: StepPlan, error: BaseException, offload: bool) -> None:
+        """Fail the requests of a step that raised (the engine goes on serving)."""
+        if offload:
+            self._discard_offloads_from(plan, error)
+        for row in plan.rows:
+            req = self.current(row.seq, row.epoch)
+            if req is not None:
+                failure = RequestFailedError(f"the model step failed for request {req.request_id}: {error!r}",
+                                             req.request_id)
+                failure.__cause__ = error
+                self.fail(req, failure)
+
+    def _discard_offloads_from(self, plan: StepPlan, error: BaseException) -> None:
+        """A failed step may have left garbage in KV that preempted sequences offloaded
+        (their last rows ran in it) or may not have done its swap-outs: such a
+        sequence is recomputed instead, or fails if it was already restored."""
+        suspects = {id(s): s for s in plan.offloaded}
+        suspects.update((id(r.seq), r.seq) for r in plan.rows if r.epoch != r.seq.epoch)
+        for seq in suspects.values():
+            req = self.current(seq)
+            if req is None:
+                continue
+            if seq.host_table is not None:
+                self.scheduler.drop_offload(seq)
+            elif seq.status == "running" and seq.restored_plan > plan.index:
+                failure = RequestFailedError(
+                    f"the model step failed for request {req.request_id} (its offloaded KV came from it): {error!r}",
+                    req.request_id)
+                failure.__cause__ = error
+                self.fail(req, failure)
+
+    def apply(self, plan: StepPlan, out: StepOutput) -> None:
+        """Take a finished step's sampled tokens into their requests."""
+        kv = self.scheduler.kv
+        j = 0
+        for row in plan.rows:
+            token = logprob = None
+            if row.sample:
+                token = out.token_ids[j]
+                logprob = out.logprobs[j] if out.logprobs is not None else None
+                j += 1
+            seq = row.seq
+            req = self.current(seq, row.epoch)
+            if req is None:
+                continue  # finished, cancelled or preempted since this step was planned
+            done = row.start + row.num_tokens
+            if kv.enable_prefix_caching and done // kv.page_size > seq.num_registered_pages:
+                seq.num_registered_pages, seq.last_page_hash = kv.register_full_pages(
+                    seq.block_table, seq.token_at(0, done), seq.num_registered_pages, seq.last_page_hash, done,
+                )
+            if token is not None:
+                seq.num_inflight -= 1
+                seq.output_ids.append(token)
+                self.generated += 1
+                self.on_token(req, token, logprob)
+
+    def on_token(self, req: LiveRequest, token: int, logprob: float | None) -> None:
+        seq = req.seq
+        params = req.params
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = time.monotonic()
+        finish = None
+        if token in req.stop_ids:
+            finish = "stop"
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            finish = "eos"
+        text = req.detok.push((token,)) if req.detok is not None else ""
+        matched = False
+        if params.stop:
+            text, matched = req.stopper.push(text)
+        if matched:
+            finish = "stop"  # the text ends before the stop string; nothing more to flush
+        else:
+            if finish is None and len(seq.output_ids) >= params.max_new_tokens:
+                finish = "length"
+            if finish is not None:
+                text += self.flush_text(req)
+        if req.logprobs is not None and logprob is not None:
+            req.logprobs.append(logprob)
+        lp = [logprob] if (params.logprobs and logprob is not None) else None
+        if finish is None:
+            req.text_parts.append(text)
+            if req.mailbox is not None:
+                req.mailbox.put([token], text, lp)
+        else:
+            self.finish(req, finish, text, [token], lp)
+
+    def flush_text(self, req: LiveRequest) -> str:
+        """Text held back by the detokenizer and the stop matcher, for a request that
+        ends without a stop-string match."""
+        text = req.detok.flush() if req.detok is not None else ""
+        if req.params.stop:
+            text, matched = req.stopper.push(text)
+            if not matched:
+                text += req.stopper.flush()
+        return text
+
+    def finish(self, req: LiveRequest, reason: str, text: str, token_ids: list[int] | None = None,
+               logprobs: list[float] | None = None) -> None:
+        self.live.pop(req.request_id, None)
+        self.scheduler.finish(req.seq)
+        req.finish_reason = reason
+        req.text_parts.append(text)
+        req.metrics.finish_time = time.monotonic()
+        if req.mailbox is not None:
+            req.mailbox.put(token_ids or [], text, logprobs, reason)
+        if not req.future.done():
+            req.future.set_result(self.completion(req))
+
+    def fail(self, req: LiveRequest, error: BaseException) -> None:
+        self.live.pop(req.request_id, None)
+        self.scheduler.finish(req.seq)
+        req.metrics.finish_time = time.monotonic()
+        if req.mailbox is not None:
+            req.mailbox.fail(error)
+        if not req.future.done():
+            req.future.set_exception(error)
+
+    def fail_all(self, error_for) -> None:
+        """Fail every live request with ``error_for(request)``."""
+        for req in list(self.live.values()):
+            self.fail(req, error_for(req))
+
+    @staticmethod
+    def completion(req: LiveRequest) -> Completion:
+        seq = req.seq
+        m = req.metrics
+        m.num_generated_tokens = len(seq.output_ids)
+        m.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
+        m.num_preemptions = seq.num_preemptions
+        return Completion(
+            request_id=req.request_id, prompt_token_ids=list(seq.prompt_ids), token_ids=list(seq.output_ids),
+            text="".join(req.text_parts), logprobs=req.logprobs, finish_reason=req.finish_reason, metrics=m,
+        )

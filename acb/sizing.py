@@ -1,0 +1,104 @@
+"""How big the engine's parts are, decided once from the model and the EngineConfig:
+KV pages, token budget, request cap, longest request, sliding windows, prefix
+caching, the CPU offload pool, and which token ids end a request."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .config import EngineConfig
+from .cuda_graphs import graph_memory_reserve
+from .runner import kv_bytes_per_token
+
+log = logging.getLogger("acb")
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    page_size: int
+    num_pages: int
+    max_batch_tokens: int
+    max_requests: int
+    max_model_len: int  # the longest prompt + max_new_tokens the engine can ever hold
+    sliding_window: int | None  # set only when *every* layer slides (pages are then recycled)
+    prefix_caching: bool
+    host_pages: int  # CPU offload pool (0: preemption recomputes)
+
+
+def layout(model: torch.nn.Module, config: EngineConfig) -> Layout:
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    param = next(model.parameters())
+    page_size = config.page_size or 16
+    per_page = kv_bytes_per_token(model.config, param.dtype) * page_size
+    num_pages = config.num_blocks if config.num_blocks is not None else _cache_pages(
+        model, config, param, per_page)
+    positions = getattr(text, "max_position_embeddings", None) or 1 << 30
+    max_model_len = min(positions, num_pages * page_size)
+    # CPU: 2048 measured best on the standard workload (1024: -8 %, 4096: -12 %);
+    # a bigger chunk makes fewer steps, each carrying every running decode.
+    default_tokens = 2048 if param.device.type == "cpu" else 8192
+    max_batch_tokens = config.max_batch_tokens or max(256, min(default_tokens, num_pages * page_size))
+    window = getattr(text, "sliding_window", None)
+    layer_types = getattr(text, "layer_types", None)
+    sliding = window is not None and any(t == "sliding_attention" for t in (layer_types or ["sliding_attention"]))
+    all_sliding = bool(sliding and (not layer_types or all(t == "sliding_attention" for t in layer_types)))
+    if all_sliding and num_pages * page_size >= window + max_batch_tokens + 2 * page_size:
+        # every layer slides: pages behind the window are recycled, so a request's
+        # memory is bounded by the window, not by its length
+        max_model_len = positions
+    if config.allow_prefix_sharing and sliding:
+        log.info("prefix caching is off: the model has sliding-window layers")
+    return Layout(
+        page_size=page_size, num_pages=num_pages, max_batch_tokens=max_batch_tokens,
+        max_requests=config.max_requests_per_batch or 256, max_model_len=max_model_len,
+        sliding_window=window if all_sliding else None,
+        prefix_caching=config.allow_prefix_sharing and not sliding,
+        host_pages=_host_pages(config, per_page),
+    )
+
+
+def _cache_pages(model, config: EngineConfig, param: torch.Tensor, per_page: int) -> int:
+    if param.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(param.device)
+        free -= graph_memory_reserve(model.config, param.dtype, config)
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    return max(16, int(free * config.max_memory_percent) // per_page)
+
+
+def _host_pages(config: EngineConfig, per_page: int) -> int:
+    """Pages of the CPU offload pool: ``cpu_offload_space`` GiB (None: as much as
+    allowed), never more than 80 % of the RAM available now."""
+    space = config.cpu_offload_space
+    if space == 0:
+        return 0
+    import psutil
+
+    cap = 0.8 * psutil.virtual_memory().available
+    wanted = cap if space is None else min(space * 2**30, cap)
+    if space is not None and space * 2**30 > cap:
+        log.warning("acb: cpu_offload_space=%s GiB is more than 80%% of available RAM; using %.2f GiB",
+                    space, cap / 2**30)
+    pages = int(wanted // per_page)
+    log.info("acb: CPU offload pool of %d pages (%.2f GiB)", pages, pages * per_page / 2**30)
+    return pages
+
+
+def eos_ids(model, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos is not None:
+        ids.update(int(e) for e in eos)
+    return frozenset(ids)
