@@ -104,6 +104,11 @@ class Engine:
         self._arrivals = itertools.count()
         self._steps = 0
         self._poll_interval = 0.0002
+        self._omp_reset = None
+        if self.device.type == "cpu":
+            from .kernels.cpu import release_calling_thread_omp_pool
+
+            self._omp_reset = release_calling_thread_omp_pool
         self._stop_reason: str | None = None
 
     # ------------------------------------------------------------------ construction
@@ -319,6 +324,8 @@ class Engine:
                     break
                 launched = None
                 if self.scheduler.has_work():
+                    if self._omp_reset is not None:
+                        self._omp_reset()
                     plan = self.scheduler.schedule()
                     if plan.rows:
                         step = self._out.step_input(plan, inflight[0] if inflight else None, self.sampling)
