@@ -57,6 +57,8 @@ def add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="seconds to finish running requests on SIGINT/SIGTERM before stopping hard (default: 30)")
     p.add_argument("--num-blocks", type=_positive, help="KV cache pages (default: sized from free memory)")
     p.add_argument("--max-batch-tokens", type=_positive, help="tokens per forward pass (default: per device)")
+    p.add_argument("--cpu-offload-space", type=float, default=0.0,
+                   help="GiB of host memory for preempted requests' KV pages (default: 0 = recompute)")
     p.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="weights dtype")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -67,7 +69,7 @@ def add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def _build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser):
     import acb
 
-    fields = {k: getattr(args, k) for k in ("num_blocks", "max_batch_tokens", "device", "dtype")}
+    fields = {k: getattr(args, k) for k in ("num_blocks", "max_batch_tokens", "device", "dtype", "cpu_offload_space")}
     try:
         if args.tiny:
             from acb.testing import tiny_engine

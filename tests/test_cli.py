@@ -23,12 +23,23 @@ def test_console_script_points_at_main():
 
 
 @pytest.mark.parametrize("argv", [[], ["serve", "--port", "70000"], ["serve", "--tiny", "some/dir"],
-                                  ["serve", "/no/such/model/dir"]])
+                                  ["serve", "/no/such/model/dir"], ["serve", "--tiny", "--cpu-offload-space", "-1"]])
 def test_bad_command_lines_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
     assert "usage: acb" in capsys.readouterr().err
+
+
+def test_serve_options_reach_the_engine_config():
+    from acb.cli import _build_engine, build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--tiny", "--num-blocks", "40", "--cpu-offload-space", "0.001"])
+    engine, name = _build_engine(args, parser)
+    assert name == "acb-tiny"
+    stats = engine.stats()
+    assert stats.total_blocks == 40 and stats.host_blocks > 0
 
 
 def test_a_taken_port_exits_1_with_a_message(capsys):

@@ -94,6 +94,11 @@ class ServerMetrics:
         lines += _metric("acb_engine_steps_total", "counter", "Forward passes run.", stats.steps)
         lines += _metric("acb_preemptions_total", "counter", "Requests preempted for lack of pages.",
                          stats.preemptions)
+        lines += _metric("acb_kv_offloaded_blocks", "gauge", "Preempted requests' pages in the CPU offload pool.",
+                         stats.offloaded_blocks)
+        lines += _metric("acb_offloads_total", "counter", "Preemptions whose KV went to the CPU offload pool.",
+                         stats.offloads)
+        lines += _metric("acb_restores_total", "counter", "Resumptions that copied offloaded KV back.", stats.restores)
         lines += ["# HELP acb_requests_finished_total Finished requests by finish reason.",
                   "# TYPE acb_requests_finished_total counter"]
         lines += [f'acb_requests_finished_total{{finish_reason="{reason}"}} {count}'
