@@ -10,6 +10,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -99,6 +100,12 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.drain_timeout < 0:
         parser.error("--drain-timeout must be >= 0")
     engine, default_name = _build_engine(args, parser)
+    # This process only serves: keep CPython's cyclic GC from rescanning the model and the
+    # live requests' state ever more often as load grows (measured with
+    # benchmarks/overhead.py: per-request step cost 8.6 -> 12.2 us from 256 to 1024 live
+    # requests with the defaults, 8.7 -> 7.7 with this).
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
     config = ServerConfig(
         model_name=args.model_name or default_name, api_key=args.api_key, max_tokens_limit=args.max_tokens_limit,
         default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,

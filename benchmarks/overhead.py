@@ -76,7 +76,14 @@ def main() -> None:
     p.add_argument("--live", default="16,256,1024")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--gc-tuned", action="store_true",
+                   help="gc.freeze() and gc.set_threshold(50_000, 20, 100), as `acb serve` does")
     args = p.parse_args()
+    if args.gc_tuned:
+        import gc
+
+        gc.freeze()
+        gc.set_threshold(50_000, 20, 100)
     print(f"{'live':>6}{'steps/s':>10}{'ms/step':>10}{'us/step/req':>13}")
     for live in map(int, args.live.split(",")):
         r = asyncio.run(measure(live, args.steps, args.profile))
