@@ -104,6 +104,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # live requests' state ever more often as load grows (measured with
     # benchmarks/overhead.py: per-request step cost 8.6 -> 12.2 us from 256 to 1024 live
     # requests with the defaults, 8.7 -> 7.7 with this).
+    thresholds = gc.get_threshold()
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
     config = ServerConfig(
@@ -120,6 +121,9 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except OSError as e:  # e.g. the port is taken
         print(f"acb serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1
+    finally:  # when called in-process (tests), leave the GC as it was
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)
 
 
 Command = Callable[[argparse.Namespace, argparse.ArgumentParser], int]
