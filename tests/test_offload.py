@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 
 import psutil
 import pytest
@@ -100,37 +99,6 @@ async def test_cancelling_offloaded_requests_frees_their_host_slots():
         assert engine.stats().offloaded_blocks == 0
         done = await engine.generate(PROMPTS[2], max_new_tokens=12, ignore_eos=True)
         assert done.token_ids == expected(PROMPTS[2], 12)
-
-
-@pytest.mark.parametrize("async_batching", [True, False])
-async def test_faults_with_offload_fail_only_their_requests_and_leak_nothing(async_batching):
-    rng, on = random.Random(5), [True]
-
-    def hook(step: int, stage: str) -> None:
-        if on[0] and rng.random() < 0.04:
-            raise RuntimeError(f"injected at step {step} ({stage})")
-
-    engine = tiny_engine(num_blocks=24, page_size=4, safety_margin=0.0, max_batch_tokens=32,
-                         async_batching=async_batching, fault_hook=hook, cpu_offload_space=0.01)
-    async with engine:
-        lengths = [4 + i % 13 for i in range(40)]
-        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(40)]
-        handles = [engine.submit(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(prompts, lengths)]
-        outcomes = await asyncio.wait_for(asyncio.gather(*handles, return_exceptions=True), 60)
-        failed = [o for o in outcomes if not isinstance(o, acb.Completion)]
-        assert 0 < len(failed) < len(outcomes)
-        for o, p, n in zip(outcomes, prompts, lengths, strict=True):
-            if isinstance(o, acb.Completion):
-                assert o.token_ids == expected(p, n)
-            else:
-                assert isinstance(o, acb.RequestFailedError) and "injected" in str(o.__cause__)
-        assert engine.stats().offloads > 0
-        await until(lambda: idle_and_free(engine))
-        engine.check_integrity()
-        assert engine.stats().offloaded_blocks == 0
-        on[0] = False
-        assert (await engine.generate(PROMPTS[3], max_new_tokens=10, ignore_eos=True)).token_ids == expected(
-            PROMPTS[3], 10)
 
 
 def test_pool_size_follows_the_setting_and_is_capped_at_80_percent_of_available_ram(caplog):

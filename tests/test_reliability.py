@@ -225,8 +225,10 @@ async def test_failed_step_fails_only_its_requests_and_the_engine_serves_on(stag
         engine.check_integrity()
 
 
+@pytest.mark.parametrize("offload", [0.0, 0.01])  # preemption recomputes, or goes through the CPU offload pool
 @pytest.mark.parametrize("async_batching", [True, False])
-async def test_random_faults_under_preemption_fail_only_their_requests_and_leak_no_page(async_batching: bool) -> None:
+async def test_random_faults_under_preemption_fail_only_their_requests_and_leak_no_page(async_batching: bool,
+                                                                                       offload: float) -> None:
     rng, on = random.Random(3), [True]
 
     def hook(step: int, stage: str) -> None:
@@ -235,7 +237,7 @@ async def test_random_faults_under_preemption_fail_only_their_requests_and_leak_
 
     # 24 pages of 4 tokens and a 32-token budget: chunked prefill, preemption and resumption all the time.
     engine = tiny_engine(num_blocks=24, page_size=4, safety_margin=0.0, max_batch_tokens=32,
-                         async_batching=async_batching, fault_hook=hook)
+                         async_batching=async_batching, fault_hook=hook, cpu_offload_space=offload)
     async with engine:
         lengths = [4 + i % 13 for i in range(40)]
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(40)]
@@ -249,8 +251,10 @@ async def test_random_faults_under_preemption_fail_only_their_requests_and_leak_
             else:
                 assert isinstance(o, acb.RequestFailedError) and "injected" in str(o.__cause__)
         assert engine.stats().preemptions > 0
+        assert (engine.stats().offloads > 0) == bool(offload)
         await until(lambda: idle_and_free(engine))
         engine.check_integrity()
+        assert engine.stats().offloaded_blocks == 0
         on[0] = False
         assert (await engine.generate(PROMPTS[3], max_new_tokens=10, ignore_eos=True)).token_ids == expected(
             PROMPTS[3], 10)

@@ -32,6 +32,14 @@ static inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// Pages are scattered, so hardware prefetch stops at each one: fetch a key's (or value's)
+// row a few positions ahead.
+template <int D>
+static inline void prefetch_row(const float* base, const int64_t* pages, int64_t page_size, int64_t pos) {
+  const char* row = reinterpret_cast<const char*>(base + (pages[pos / page_size] * page_size + pos % page_size) * D);
+  for (int c = 0; c < D * 4; c += 64) _mm_prefetch(row + c, _MM_HINT_T0);
+}
+
 // One (row, kv head): G query heads of DC*16 dims over n keys starting at position
 // `first`. Queries and the G x D accumulator live in registers (G, DC compile-time).
 template <int G, int DC>
@@ -42,15 +50,11 @@ static void decode_item_avx512(const float* qrow, const float* kbase, const floa
   __m512 q[G * DC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < DC; ++c) q[g * DC + c] = _mm512_loadu_ps(qrow + g * D + c * 16);
-  constexpr int64_t AHEAD = 8;  // keys: pages are scattered, so hardware prefetch stops at each one
+  constexpr int64_t AHEAD = 8;  // positions to prefetch ahead
   for (int64_t i = 0; i < n; ++i) {
     const int64_t pos = first + i;
     const float* k = kbase + (pages[pos / page_size] * page_size + pos % page_size) * D;
-    if (i + AHEAD < n) {
-      const int64_t ahead = pos + AHEAD;
-      const char* nk = reinterpret_cast<const char*>(kbase + (pages[ahead / page_size] * page_size + ahead % page_size) * D);
-      for (int c = 0; c < D * 4; c += 64) _mm_prefetch(nk + c, _MM_HINT_T0);
-    }
+    if (i + AHEAD < n) prefetch_row<D>(kbase, pages, page_size, pos + AHEAD);
     for (int g = 0; g < G; ++g) {
       __m512 acc = _mm512_mul_ps(q[g * DC], _mm512_loadu_ps(k));
       for (int c = 1; c < DC; ++c) acc = _mm512_fmadd_ps(q[g * DC + c], _mm512_loadu_ps(k + c * 16), acc);
@@ -85,11 +89,7 @@ static void decode_item_avx512(const float* qrow, const float* kbase, const floa
   for (int64_t i = 0; i < n; ++i) {
     const int64_t pos = first + i;
     const float* v = vbase + (pages[pos / page_size] * page_size + pos % page_size) * D;
-    if (i + AHEAD < n) {
-      const int64_t ahead = pos + AHEAD;
-      const char* nv = reinterpret_cast<const char*>(vbase + (pages[ahead / page_size] * page_size + ahead % page_size) * D);
-      for (int c = 0; c < D * 4; c += 64) _mm_prefetch(nv + c, _MM_HINT_T0);
-    }
+    if (i + AHEAD < n) prefetch_row<D>(vbase, pages, page_size, pos + AHEAD);
     for (int g = 0; g < G; ++g) {
       const __m512 w = _mm512_set1_ps(scores[g * n + i]);
       for (int c = 0; c < DC; ++c) acc[g * DC + c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + c * 16), acc[g * DC + c]);
