@@ -33,12 +33,14 @@ T0 = time.perf_counter()
 
 def parity() -> bool:
     ok_all = True
-    runs = [(arch, a, False) for arch in ARCHITECTURES for a in (True, False)]
-    runs += [(arch, a, True) for arch in ARCHITECTURES for a in (True, False)]
+    runs = [(arch, a, False, False) for arch in ARCHITECTURES for a in (True, False)]
+    runs += [(arch, a, True, False) for arch in ARCHITECTURES for a in (True, False)]
+    # CPU offload on CUDA: pinned host pool, asynchronous copies on the runner's stream
+    runs += [(arch, a, False, True) for arch in ("llama", "mistral", "gemma3") for a in (True, False)]
     prompts = random_prompts(13, 3, 40, seed=11)
     max_new = [8 + (i * 7) % 25 for i in range(len(prompts))]
     references: dict[str, list[list[int]]] = {}
-    for arch, async_batching, graphs in runs:
+    for arch, async_batching, graphs, offload in runs:
         try:
             model = tiny_model(arch, device=DEV)
             if arch not in references:
@@ -47,6 +49,8 @@ def parity() -> bool:
             # graphs: small padding intervals so several row/context buckets are captured
             extra = dict(use_cuda_graph=True, q_padding_interval_size=4, kv_padding_interval_size=16) \
                 if graphs else {}
+            if offload:
+                extra["cpu_offload_space"] = 0.01
             cfg = acb.EngineConfig(page_size=4, num_blocks=24, max_batch_tokens=24, max_requests_per_batch=8,
                                    safety_margin=0.0, async_batching=async_batching, **extra)
 
@@ -65,12 +69,16 @@ def parity() -> bool:
                 captured, failed = graph_state if graph_state else (0, True)
                 ok &= captured > 0 and not failed
                 note = f", graphs captured={captured}{' CAPTURE FAILED' if failed else ''}"
-            print(f"PARITY {arch:8s} async={async_batching!s:5s} graphs={graphs!s:5s} {'ok' if ok else 'FAIL'} "
+            if offload:
+                ok &= stats.offloads > 0 and stats.restores == stats.offloads and stats.recomputed_tokens == 0
+                note += f", offloads={stats.offloads} restores={stats.restores} recomputed={stats.recomputed_tokens}"
+            print(f"PARITY {arch:8s} async={async_batching!s:5s} graphs={graphs!s:5s} offload={offload!s:5s} "
+                  f"{'ok' if ok else 'FAIL'} "
                   f"({bad} of {len(prompts)} differ, preemptions={stats.preemptions}{note})", flush=True)
             ok_all &= ok
         except Exception:
             traceback.print_exc()
-            print(f"PARITY {arch} async={async_batching} graphs={graphs} ERROR", flush=True)
+            print(f"PARITY {arch} async={async_batching} graphs={graphs} offload={offload} ERROR", flush=True)
             ok_all = False
     return ok_all
 
