@@ -70,7 +70,7 @@ def parity() -> bool:
                 ok &= captured > 0 and not failed
                 note = f", graphs captured={captured}{' CAPTURE FAILED' if failed else ''}"
             if offload:
-                ok &= stats.offloads > 0 and stats.restores == stats.offloads and stats.recomputed_tokens == 0
+                ok &= stats.offloads == stats.preemptions == stats.restores and stats.recomputed_tokens == 0
                 note += f", offloads={stats.offloads} restores={stats.restores} recomputed={stats.recomputed_tokens}"
             print(f"PARITY {arch:8s} async={async_batching!s:5s} graphs={graphs!s:5s} offload={offload!s:5s} "
                   f"{'ok' if ok else 'FAIL'} "
