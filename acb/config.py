@@ -119,9 +119,10 @@ class EngineConfig:
     on when a padding interval is set) replays decode-only steps from CUDA graphs, padded
     to buckets of ``q_padding_interval_size`` rows and ``kv_padding_interval_size`` context
     tokens (0: a default); CUDA only: on CPU it logs a warning and decode steps run eagerly.
-
-    Accepted and validated but not active yet (a non-default value logs a warning, and the
-    engine behaves as with the default): ``max_blocks_per_request``.
+    ``max_blocks_per_request`` bounds the block table of the decode fast path (the native CPU
+    kernel that reads pages in place): a step whose decode rows span more pages runs the
+    PyTorch decode path; 0 turns the fast path off; None (default) sets no bound. On CUDA
+    the decode path is PyTorch's either way (flash-attn's paged kernel is not wired yet).
     """
 
     page_size: int | None = None
@@ -204,7 +205,7 @@ class EngineConfig:
 
     def inactive_settings(self) -> list[str]:
         """Names of fields set to a value whose feature is not implemented yet."""
-        inactive = {"max_blocks_per_request": None}
+        inactive: dict[str, Any] = {}  # every setting is active now; kept for the next one
         return [name for name, default in inactive.items() if getattr(self, name) not in (default, False)]
 
     @property

@@ -146,6 +146,8 @@ class ModelRunner:
                 cpu_linear.acquire(model)
                 self.prepacked = True
         self.step_index = 0
+        self.max_decode_blocks: int | None = None
+        self.fast_decode_steps = 0  # steps whose decode rows ran on the native kernel
         # fast paths, set by configure_fast_paths: compiled forwards, decode padding, CUDA graphs
         self._varlen_forward = model
         self._decode_forward = model
@@ -156,6 +158,11 @@ class ModelRunner:
         """Apply an EngineConfig's ``compile_level`` (and per-path overrides) and CUDA-graph
         settings. ``pad_on_cpu`` pads decode-only steps to graph buckets without graphs
         (the CPU tests' way to prove that padding never changes a token)."""
+        # The decode fast path (the native kernel reading pages in place) serves steps whose
+        # block table is at most this wide; 0 turns it off, None means no bound.
+        self.max_decode_blocks = config.max_blocks_per_request
+        if self.decode_kernel is not None and self.max_decode_blocks == 0:
+            log.info("acb attention: decode fast path off (max_blocks_per_request=0); PyTorch decode path")
         varlen, decode = compiling.path_levels(config.compile_level, config.varlen_compile_level,
                                                config.decode_compile_level)
         self._varlen_forward = self._decode_forward = self.model
@@ -281,7 +288,10 @@ class ModelRunner:
             meta.decode_token_idx = self._tensor(decode_q)
             length_t = self._tensor(lengths)
             meta.decode_lengths = length_t
-            meta.decode_kernel = self.decode_kernel
+            fits = self.max_decode_blocks is None or meta.decode_pages.shape[1] <= self.max_decode_blocks
+            meta.decode_kernel = self.decode_kernel if fits else None
+            if meta.decode_kernel is not None:
+                self.fast_decode_steps += 1
             key_pos = torch.arange(lmax, device=dev).unsqueeze(0)
             meta.decode_key_pos = key_pos
             meta.decode_q_pos = (length_t - 1).unsqueeze(1)

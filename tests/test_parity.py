@@ -85,3 +85,26 @@ async def test_both_cpu_attention_backends_match_generate(arch, backend):
             assert engine._runner.decode_kernel is not None, "native CPU kernel did not build"
         results = await engine.generate_batch(prompts, max_new_tokens=20, ignore_eos=True)
     assert [r.token_ids for r in results] == expected
+
+
+@pytest.mark.parametrize("max_blocks", [None, 0, 10])
+async def test_max_blocks_per_request_bounds_the_decode_fast_path(max_blocks):
+    model = tiny_model("llama")
+    prompts = random_prompts(6, 3, 30, seed=22)
+    expected = [reference_greedy(model, p, 20) for p in prompts]
+    # pages of 4 tokens: the widest context grows from 8 to 13 pages, so a bound of 10 pages
+    # serves the early decode steps on the fast path and the later ones on PyTorch's
+    config = acb.EngineConfig(page_size=4, num_blocks=128, max_blocks_per_request=max_blocks)
+    async with acb.Engine(model, config=config) as engine:
+        runner = engine._runner
+        if runner.decode_kernel is None:
+            pytest.skip("the native CPU kernel did not build here")
+        results = await engine.generate_batch(prompts, max_new_tokens=20, ignore_eos=True)
+        fast, steps = runner.fast_decode_steps, engine.stats().steps
+    assert [r.token_ids for r in results] == expected
+    if max_blocks is None:
+        assert fast >= steps - 2  # every step with decode rows (not the first prefill)
+    elif max_blocks == 0:
+        assert fast == 0
+    else:
+        assert 0 < fast < steps - 2
