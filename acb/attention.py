@@ -53,6 +53,10 @@ class StepAttention:
     decode_lengths: torch.Tensor | None = None  # [Bd] context length of each decode row
     decode_kernel: object | None = None  # the native decode kernel module, when in use
     padded: bool = False  # a decode-only step padded to a CUDA-graph bucket (acb/cuda_graphs.py)
+    # Hybrid models: the sliding layers' own view of the step (their page pool's slots and
+    # tables), used by the layers in ``swa_layers``
+    swa: StepAttention | None = None
+    swa_layers: frozenset[int] = frozenset()
 
 
 def set_step(meta: StepAttention | None) -> None:
@@ -102,6 +106,8 @@ def paged_attention(
 ) -> tuple[torch.Tensor, None]:
     meta = current_step()
     layer = module.layer_idx
+    if meta.swa is not None and layer in meta.swa_layers:
+        meta = meta.swa
     k_cache = meta.k_cache[layer]  # [kv_heads, slots, head_dim]
     v_cache = meta.v_cache[layer]
     _, num_heads, total, head_dim = query.shape

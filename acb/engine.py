@@ -87,10 +87,12 @@ class Engine:
         self.max_requests = self.layout.max_requests
         self.kv = KVCacheManager(self.num_pages, self.page_size, enable_prefix_caching=self.layout.prefix_caching)
         self.host_pool = HostPool(self.layout.host_pages) if self.layout.host_pages else None
+        self.kv_swa = KVCacheManager(self.layout.swa_pages, self.page_size, enable_prefix_caching=False) \
+            if self.layout.swa_pages else None
         self.scheduler = Scheduler(
             self.kv, self.max_batch_tokens, self.max_requests,
             policy=self.config.scheduler, safety_margin=self.config.effective_safety_margin,
-            sliding_window=self.layout.sliding_window, host_pool=self.host_pool,
+            sliding_window=self.layout.sliding_window, host_pool=self.host_pool, kv_swa=self.kv_swa,
         )
         self._out = Outputs(self.scheduler, self.eos_token_ids)
         self._live = self._out.live  # request id -> LiveRequest
@@ -133,7 +135,8 @@ class Engine:
             return
         if self._runner is None:
             self._runner = ModelRunner(self.model, self.num_pages, self.page_size, self.config.attn_backend,
-                                       host_pages=self.host_pool.num_slots if self.host_pool else 0)
+                                       host_pages=self.host_pool.num_slots if self.host_pool else 0,
+                                       swa_pages=self.layout.swa_pages, swa_layers=self.layout.swa_layers)
             self._runner.fault_hook = self.config.fault_hook
             self._runner.configure_fast_paths(self.config, self.max_requests)
         if self._executor is None:
@@ -313,6 +316,8 @@ class Engine:
             host_blocks=host.num_slots if host else 0, offloaded_blocks=host.num_used if host else 0,
             offloads=host.num_offloads if host else 0, restores=host.num_restores if host else 0,
             recomputed_tokens=self.scheduler.num_recomputed_tokens,
+            sliding_total_blocks=self.kv_swa.num_pages if self.kv_swa else 0,
+            sliding_free_blocks=self.kv_swa.num_free if self.kv_swa else 0,
         )
 
     # ------------------------------------------------------------------ the loop
@@ -407,6 +412,8 @@ class Engine:
         """Assert the cache's invariants against the live requests' block tables."""
         tables = [r.seq.block_table for r in self._live.values()]
         self.kv.check_integrity(tables)
+        if self.kv_swa is not None:
+            self.kv_swa.check_integrity(r.seq.swa_table for r in self._live.values())
         if self.host_pool is not None:
             self.host_pool.check_integrity(r.seq.host_table for r in self._live.values() if r.seq.host_table)
 

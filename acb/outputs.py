@@ -80,7 +80,9 @@ class Outputs:
             else:
                 tokens = seq.token_at(row.start, end)
                 carry_from = -1
-            rows.append(RowInput(tokens, row.start, seq.block_table[: pages_for(end)], carry_from, row.sample))
+            npages = pages_for(end)
+            rows.append(RowInput(tokens, row.start, seq.block_table[:npages], carry_from, row.sample,
+                                 seq.swa_table[:npages] if seq.swa_table else None))
             if row.sample:
                 req = self.live.get(seq.seq_id)
                 p = req.params if req is not None else default

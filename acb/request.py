@@ -133,3 +133,5 @@ class EngineStats:
     offloads: int = 0  # preemptions whose KV went to the pool
     restores: int = 0  # resumptions that copied it back instead of recomputing
     recomputed_tokens: int = 0  # computed tokens preemption threw away (to be recomputed)
+    sliding_total_blocks: int = 0  # hybrid models: the sliding layers' own page pool (0: none)
+    sliding_free_blocks: int = 0

@@ -7,6 +7,7 @@ the HF model with acb's paged attention, samples, and returns the chosen ids.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ class RowInput:
     pages: list[int]  # the block-table prefix covering positions [0, start + len(tokens))
     carry_from: int  # index into the previous step's sampled ids, or -1
     sample: bool
+    swa_pages: list[int] | None = None  # hybrid models: the sliding layers' block-table prefix
 
 
 @dataclass(slots=True)
@@ -86,7 +88,7 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, attn_backend: str = "auto",
-                 host_pages: int = 0) -> None:
+                 host_pages: int = 0, swa_pages: int = 0, swa_layers: frozenset[int] = frozenset()) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -95,19 +97,23 @@ class ModelRunner:
         num_layers, kv_heads, head_dim = _model_layers_info(model.config)
         # One extra page at the end holds zeros: padding reads point at it, so a
         # padded key is always finite (masked scores times NaN values would be NaN).
-        slots = (num_pages + 1) * page_size
         self.null_slot = num_pages * page_size
+        # Hybrid models: the sliding layers (``swa_layers``) have their own, smaller page
+        # pool of ``swa_pages`` pages (and their own zero page at its end).
+        self.swa_pages = swa_pages
+        self.swa_layers = swa_layers if swa_pages else frozenset()
         # torch.empty: on CPU the pages are only backed by memory once written.
-        self.k_cache = [torch.empty(kv_heads, slots, head_dim, dtype=self.dtype, device=self.device)
-                        for _ in range(num_layers)]
-        self.v_cache = [torch.empty(kv_heads, slots, head_dim, dtype=self.dtype, device=self.device)
-                        for _ in range(num_layers)]
-        for cache in self.k_cache + self.v_cache:
-            cache[:, self.null_slot :].zero_()
+        self.k_cache, self.v_cache = [], []
+        for layer in range(num_layers):
+            slots = ((swa_pages if layer in self.swa_layers else num_pages) + 1) * page_size
+            for caches in (self.k_cache, self.v_cache):
+                caches.append(torch.empty(kv_heads, slots, head_dim, dtype=self.dtype, device=self.device))
+                caches[-1][:, slots - page_size :].zero_()
         # Attention reads whole pages, so the unwritten tail of a row's last page is read
         # too (and masked). Masked scores are -inf, but a NaN bit pattern in never-written
         # memory would still poison ``weights @ V``: each page is zeroed on first use.
         self._zeroed = bytearray(num_pages)
+        self._zeroed_swa = bytearray(swa_pages)
         # The CPU offload pool: one contiguous [layers, k/v, kv heads, page] block per
         # slot, so a page moves in one copy (pinned on CUDA, for asynchronous copies).
         # On CPU it is backed by memory only where written, like the cache.
@@ -181,6 +187,10 @@ class ModelRunner:
         wanted = cuda_graphs.graphs_requested(config.use_cuda_graph, config.q_padding_interval_size,
                                               config.kv_padding_interval_size)
         graphs = wanted and self.stream is not None
+        if (graphs or pad_on_cpu) and self.swa_layers:
+            log.warning("acb: CUDA graphs are not used for hybrid sliding-window models yet (two page pools); "
+                        "decode steps run eagerly")
+            graphs = pad_on_cpu = False
         if wanted and not graphs and not pad_on_cpu:
             log.warning("acb: CUDA graphs need a CUDA device; on %s decode steps run eagerly and unpadded "
                         "(use_cuda_graph=%s, q_padding_interval_size=%d, kv_padding_interval_size=%d)",
@@ -230,6 +240,10 @@ class ModelRunner:
         decode_q: list[int] = []
         fresh: list[int] = []
         prefills: list[attention.PrefillSpan] = []
+        swa = bool(self.swa_layers)
+        swa_slots: list[int] = []
+        swa_fresh: list[int] = []
+        swa_ctx: list[torch.Tensor | None] = []
         for i, row in enumerate(step.rows):
             q0 = len(tokens)
             n = len(row.tokens)
@@ -242,6 +256,14 @@ class ModelRunner:
                 if not self._zeroed[page]:
                     self._zeroed[page] = 1
                     fresh.append(page)
+            if swa:
+                table = row.swa_pages
+                for p in range(row.start, row.start + n):
+                    swa_slots.append(table[p // ps] * ps + p % ps)
+                for page in table[row.start // ps : (row.start + n - 1) // ps + 1]:
+                    if not self._zeroed_swa[page]:
+                        self._zeroed_swa[page] = 1
+                        swa_fresh.append(page)
             if row.carry_from >= 0:
                 carry_pos.append(q0 + n - 1)
                 carry_src.append(row.carry_from)
@@ -254,6 +276,10 @@ class ModelRunner:
                 ctx = None
                 if row.start > 0:
                     ctx = self._page_table([pages], row.start + n)
+                    if swa:
+                        swa_ctx.append(self._page_table([row.swa_pages], row.start + n, self.swa_pages))
+                elif swa:
+                    swa_ctx.append(None)
                 prefills.append(attention.PrefillSpan(q0, q0 + n, row.start, ctx))
         # decode rows' contexts; a decode-only step may be padded to a graph bucket
         lengths = [step.rows[i].start + 1 for i in decode_rows]
@@ -264,11 +290,14 @@ class ModelRunner:
             padded_width = self.decode_padding.pad(tokens, positions, slots, decode_q, lengths, tables)
             if padded_width is not None:
                 width, padded = padded_width, True
-        if fresh:
-            idx = self._tensor(fresh)
-            for cache in self.k_cache + self.v_cache:
-                kvh, num_slots, d = cache.shape
-                cache.view(kvh, num_slots // ps, ps * d).index_fill_(1, idx, 0.0)
+        for pages_to_zero, sliding in ((fresh, False), (swa_fresh, True)):
+            if pages_to_zero:
+                idx = self._tensor(pages_to_zero)
+                for layer, (k, v) in enumerate(zip(self.k_cache, self.v_cache, strict=True)):
+                    if (layer in self.swa_layers) == sliding:
+                        for cache in (k, v):
+                            kvh, num_slots, d = cache.shape
+                            cache.view(kvh, num_slots // ps, ps * d).index_fill_(1, idx, 0.0)
         input_ids = self._tensor(tokens)
         # After a failed step there is nothing to carry: those rows belong to failed
         # requests whose results are dropped, so their placeholder ids stay.
@@ -296,6 +325,16 @@ class ModelRunner:
             meta.decode_key_pos = key_pos
             meta.decode_q_pos = (length_t - 1).unsqueeze(1)
             meta.decode_valid = (key_pos < length_t.unsqueeze(1)).view(len(lengths), 1, lmax)
+        if swa:
+            # the sliding layers' view of the same step: their own slots and page tables
+            meta.swa = dataclasses.replace(
+                meta, slot_mapping=self._tensor(swa_slots),
+                prefills=[attention.PrefillSpan(sp.q_start, sp.q_end, sp.past, c)
+                          for sp, c in zip(prefills, swa_ctx, strict=True)],
+                decode_pages=self._page_table([step.rows[i].swa_pages for i in decode_rows], width, self.swa_pages)
+                if decode_rows else None,
+            )
+            meta.swa_layers = self.swa_layers
         keep_t = self._tensor(keep)
         return input_ids, position_ids, keep_t, meta
 
@@ -306,10 +345,10 @@ class ModelRunner:
             return torch.tensor(values, dtype=torch.long)
         return torch.tensor(values, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
 
-    def _page_table(self, tables: list[list[int]], length: int) -> torch.Tensor:
+    def _page_table(self, tables: list[list[int]], length: int, zero: int | None = None) -> torch.Tensor:
         """[B, P] pages covering ``length`` positions per row; the zero page pads."""
         npages = -(-length // self.page_size)
-        z = self.num_pages  # the zero page: padding and recycled (out-of-window) pages
+        z = self.num_pages if zero is None else zero  # the zero page: padding and recycled pages
         table = [[p if p >= 0 else z for p in t[:npages]] + [z] * (npages - len(t[:npages])) for t in tables]
         return self._tensor(table)
 

@@ -34,6 +34,10 @@ class Sequence:
     status: str = "waiting"  # waiting | running | finished
     num_preemptions: int = 0
     num_recycled_pages: int = 0  # leading block-table entries given back (sliding window)
+    # Hybrid models (some layers slide, some do not): the sliding layers' pages, from
+    # their own pool, one entry per block-table entry; entries behind the window are
+    # RECYCLED, so the sliding layers hold only the window's pages.
+    swa_table: list[int] = field(default_factory=list)
     # CPU offload: while preempted, the host slot of each offloaded block-table entry
     # (RECYCLED kept as is) and the number of tokens whose KV the slots hold
     host_table: list[int] | None = None
@@ -107,6 +111,7 @@ class Scheduler:
         safety_margin: float = 0.0,
         sliding_window: int | None = None,
         host_pool: HostPool | None = None,
+        kv_swa: KVCacheManager | None = None,
     ) -> None:
         self.kv = kv
         self.max_batch_tokens = max_batch_tokens
@@ -121,6 +126,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0  # computed tokens thrown away by preemption
         self.host_pool = host_pool
+        # Hybrid models: the sliding layers' page pool (``sliding_window`` is then theirs);
+        # None when every layer slides (the block table itself is recycled) or none does.
+        self.kv_swa = kv_swa
         self._pending_swap_out: list[tuple[int, int]] = []
         self._pending_offloaded: list[Sequence] = []
         self.plan_index = 0
@@ -141,6 +149,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.kv.release(seq.block_table)
         seq.block_table = []
+        self._release_swa(seq)
         seq.num_recycled_pages = 0
         self.drop_offload(seq)
         seq.status = "finished"
@@ -206,7 +215,7 @@ class Scheduler:
             if self.sliding_window:
                 self._recycle_out_of_window(seq)
             need = self.kv.pages_for(seq.num_computed + n) - len(seq.block_table)
-            while need > self.kv.num_free:
+            while not self._fits(need):
                 victim = self._pick_victim(scheduled)
                 self._preempt(victim, plan)
                 if victim is seq:
@@ -214,7 +223,7 @@ class Scheduler:
             if seq.status != "running":
                 continue
             if need > 0:
-                seq.block_table.extend(self.kv.allocate(need))
+                self._allocate(seq, need)
             self._add_row(plan, seq, n)
             scheduled.add(id(seq))
             budget -= n
@@ -227,11 +236,27 @@ class Scheduler:
         later step, and steps run in order.)"""
         dead = max(0, seq.num_computed - self.sliding_window + 1) // self.kv.page_size
         if dead > seq.num_recycled_pages:
-            table = seq.block_table
+            kv, table = (self.kv_swa, seq.swa_table) if self.kv_swa is not None else (self.kv, seq.block_table)
             pages = [p for p in table[seq.num_recycled_pages : dead] if p != RECYCLED]
             table[seq.num_recycled_pages : dead] = [RECYCLED] * (dead - seq.num_recycled_pages)
-            self.kv.release(pages)
+            kv.release(pages)
             seq.num_recycled_pages = dead
+
+    def _fits(self, need: int, reserve: float = 0.0) -> bool:
+        """Whether ``need`` more pages (per pool) can be taken now, leaving ``reserve``."""
+        if need > self.kv.num_free - reserve:
+            return False
+        return self.kv_swa is None or need <= self.kv_swa.num_free
+
+    def _allocate(self, seq: Sequence, need: int) -> None:
+        seq.block_table.extend(self.kv.allocate(need))
+        if self.kv_swa is not None:
+            seq.swa_table.extend(self.kv_swa.allocate(need))
+
+    def _release_swa(self, seq: Sequence) -> None:
+        if self.kv_swa is not None:
+            self.kv_swa.release(seq.swa_table)
+            seq.swa_table = []
 
     def _pick_victim(self, scheduled: set[int]) -> Sequence:
         for seq in reversed(self.running):
@@ -249,6 +274,7 @@ class Scheduler:
             seq.num_recycled_pages = 0
         self.kv.release(seq.block_table)
         seq.block_table = []
+        self._release_swa(seq)
         seq.num_computed = 0
         seq.num_inflight = 0
         seq.num_registered_pages = 0
@@ -333,7 +359,7 @@ class Scheduler:
             idle = not self.running and not plan.rows
             # Below the safety margin only running sequences grow; an idle engine
             # still admits, or a request that needs most of the cache would wait forever.
-            if need > kv.num_free or (not idle and kv.num_free - need < margin_pages):
+            if not self._fits(need, 0.0 if idle else margin_pages):
                 kv.release(matched)
                 break
             self.waiting.popleft()
@@ -345,7 +371,7 @@ class Scheduler:
             if seq.num_preemptions == 0:
                 seq.num_cached_prompt_tokens = seq.num_computed
                 kv.record_lookup(len(seq.prompt_ids), seq.num_computed)
-            seq.block_table.extend(kv.allocate(need))
+            self._allocate(seq, need)
             if first_hash is not None:
                 self.pending_first_page[first_hash] = seq
             seq.status = "running"

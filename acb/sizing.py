@@ -26,6 +26,10 @@ class Layout:
     sliding_window: int | None  # set only when *every* layer slides (pages are then recycled)
     prefix_caching: bool
     host_pages: int  # CPU offload pool (0: preemption recomputes)
+    # Hybrid models (sliding and full layers): the sliding layers' own page pool, sized
+    # for the windows of the running requests, not their whole history (0: no such pool)
+    swa_pages: int = 0
+    swa_layers: frozenset[int] = frozenset()
 
 
 def layout(model: torch.nn.Module, config: EngineConfig) -> Layout:
@@ -33,16 +37,28 @@ def layout(model: torch.nn.Module, config: EngineConfig) -> Layout:
     param = next(model.parameters())
     page_size = config.page_size or 16
     per_page = kv_bytes_per_token(model.config, param.dtype) * page_size
-    num_pages = config.num_blocks if config.num_blocks is not None else _cache_pages(
-        model, config, param, per_page)
+    window = getattr(text, "sliding_window", None)
+    layer_types = list(getattr(text, "layer_types", None) or [])
+    swa_layers = frozenset(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+    hybrid = window is not None and 0 < len(swa_layers) < len(layer_types)
+    max_requests = config.max_requests_per_batch or 256
+    swa_cap = 0
+    if hybrid:
+        # every running request holds at most its window's pages plus the chunk it computes
+        chunk = config.max_batch_tokens or (2048 if param.device.type == "cpu" else 8192)
+        swa_cap = max_requests * (-(-window // page_size) + 1) + -(-chunk // page_size) + 1
+    if config.num_blocks is not None:
+        num_pages = config.num_blocks
+        swa_pages = min(num_pages, swa_cap)
+    else:
+        num_pages, swa_pages = _cache_pages(model, config, param, per_page, len(swa_layers) if hybrid else 0,
+                                            swa_cap)
     positions = getattr(text, "max_position_embeddings", None) or 1 << 30
     max_model_len = min(positions, num_pages * page_size)
     # CPU: 2048 measured best on the standard workload (1024: -8 %, 4096: -12 %);
     # a bigger chunk makes fewer steps, each carrying every running decode.
     default_tokens = 2048 if param.device.type == "cpu" else 8192
     max_batch_tokens = config.max_batch_tokens or max(256, min(default_tokens, num_pages * page_size))
-    window = getattr(text, "sliding_window", None)
-    layer_types = getattr(text, "layer_types", None)
     sliding = window is not None and any(t == "sliding_attention" for t in (layer_types or ["sliding_attention"]))
     all_sliding = bool(sliding and (not layer_types or all(t == "sliding_attention" for t in layer_types)))
     if all_sliding and num_pages * page_size >= window + max_batch_tokens + 2 * page_size:
@@ -54,13 +70,19 @@ def layout(model: torch.nn.Module, config: EngineConfig) -> Layout:
     return Layout(
         page_size=page_size, num_pages=num_pages, max_batch_tokens=max_batch_tokens,
         max_requests=config.max_requests_per_batch or 256, max_model_len=max_model_len,
-        sliding_window=window if all_sliding else None,
+        sliding_window=window if all_sliding or hybrid else None,
         prefix_caching=config.allow_prefix_sharing and not sliding,
-        host_pages=_host_pages(config, per_page),
+        # offload moves whole block-table entries; hybrid models have two pools: recompute
+        host_pages=_host_pages(config, per_page) if not hybrid else _no_offload(config),
+        swa_pages=swa_pages if hybrid else 0, swa_layers=swa_layers if hybrid else frozenset(),
     )
 
 
-def _cache_pages(model, config: EngineConfig, param: torch.Tensor, per_page: int) -> int:
+def _cache_pages(model, config: EngineConfig, param: torch.Tensor, per_page: int, swa_layers: int = 0,
+                 swa_cap: int = 0) -> tuple[int, int]:
+    """(pages of the full-attention pool, pages of the sliding layers' pool) that fit the
+    memory budget. ``per_page`` covers every layer; the sliding pool, when there is one,
+    gets what its layers need at most (``swa_cap``) and the rest goes to the other."""
     if param.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(param.device)
         free -= graph_memory_reserve(model.config, param.dtype, config)
@@ -68,7 +90,26 @@ def _cache_pages(model, config: EngineConfig, param: torch.Tensor, per_page: int
         import psutil
 
         free = psutil.virtual_memory().available
-    return max(16, int(free * config.max_memory_percent) // per_page)
+    budget = int(free * config.max_memory_percent)
+    pages = max(16, budget // per_page)
+    if not swa_layers or pages <= swa_cap:
+        return pages, min(pages, swa_cap)
+    layers = _model_num_layers(model.config)
+    per_layer_page = per_page // layers
+    full = (budget - swa_cap * swa_layers * per_layer_page) // (per_layer_page * (layers - swa_layers))
+    return max(16, full), swa_cap
+
+
+def _model_num_layers(config) -> int:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return text.num_hidden_layers
+
+
+def _no_offload(config: EngineConfig) -> int:
+    if config.cpu_offload_space != 0:
+        log.warning("acb: CPU offload is not available for hybrid sliding-window models yet; "
+                    "preemption recomputes")
+    return 0
 
 
 def _host_pages(config: EngineConfig, per_page: int) -> int:

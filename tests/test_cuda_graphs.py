@@ -92,7 +92,7 @@ def _record_shapes(runner) -> list[tuple[int, int, bool]]:
     return shapes
 
 
-@pytest.mark.parametrize(("arch", "backend"), [("llama", "torch"), ("gemma2", "torch"), ("mistral", "torch"),
+@pytest.mark.parametrize(("arch", "backend"), [("llama", "torch"), ("qwen3", "torch"), ("mistral", "torch"),
                                                ("llama", "native")])
 async def test_padding_never_changes_a_token(arch, backend):
     model = tiny_model(arch)
@@ -114,6 +114,22 @@ async def test_padding_never_changes_a_token(arch, backend):
     assert shapes and all(padded for _, _, padded in shapes)
     assert any(rows not in (7, 6, 5) for rows, _, _ in shapes)
     assert all(rows in buckets and (width * 4) % 12 < 4 for rows, width, _ in shapes), shapes
+
+
+async def test_hybrid_models_are_not_padded_and_stay_exact(caplog):
+    """Gemma 2/3 keep their sliding layers in a second page pool, which the graph
+    buckets do not cover yet: padding is refused, with a warning, and tokens stay exact."""
+    model = tiny_model("gemma2")
+    prompts = random_prompts(5, 3, 20, seed=6)
+    expected = [reference_greedy(model, p, 10) for p in prompts]
+    config = acb.EngineConfig(page_size=4, num_blocks=96, q_padding_interval_size=4)
+    async with acb.Engine(model, config=config) as engine:
+        with caplog.at_level("WARNING", logger="acb"):
+            engine._runner.configure_fast_paths(engine.config, engine.max_requests, pad_on_cpu=True)
+        assert engine._runner.decode_padding is None
+        results = await _submit_all(engine, prompts, [10] * len(prompts))
+    assert "hybrid" in caplog.text
+    assert [r.token_ids for r in results] == expected
 
 
 async def test_padded_decode_shapes_repeat():
@@ -180,7 +196,7 @@ async def _run_with_graphs(graphs_cls, arch="llama", longest_prompt=30):
     return [r.token_ids for r in results], expected, graphs
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
 async def test_graph_runner_replays_each_bucket_and_keeps_parity(arch):
     got, expected, graphs = await _run_with_graphs(CpuGraphs, arch)
     assert got == expected

@@ -120,6 +120,31 @@ async def test_all_sliding_model_generates_past_the_cache_size_without_preemptio
     assert stats.free_blocks == stats.total_blocks
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2"])
+@pytest.mark.parametrize("async_batching", [True, False])
+async def test_hybrid_model_sliding_layers_keep_only_the_window(arch, async_batching):
+    """Gemma 2/3: the sliding layers (window 8) get their own page pool, sized for the
+    running requests' windows: 17 pages of 4 tokens serve 3 requests of ~150 tokens
+    (114 pages of history each layer would otherwise need), with no preemption."""
+    model = tiny_model(arch)
+    prompts = random_prompts(3, 10, 20, seed=4)
+    expected = [reference_greedy(model, p, 130) for p in prompts]
+    config = acb.EngineConfig(num_blocks=120, page_size=4, max_batch_tokens=16, max_requests_per_batch=4,
+                              async_batching=async_batching, debug_checks=True)
+    async with acb.Engine(model, config=config) as engine:
+        stats = engine.stats()
+        assert stats.sliding_total_blocks == 4 * (2 + 1) + 4 + 1 < stats.total_blocks
+        runner = engine._runner
+        sliding = sorted(engine.layout.swa_layers)
+        assert sliding and all(runner.k_cache[i].shape[1] == 18 * 4 for i in sliding)
+        results = await engine.generate_batch(prompts, max_new_tokens=130, ignore_eos=True)
+        stats = engine.stats()
+        engine.check_integrity()
+    assert [r.token_ids for r in results] == expected
+    assert stats.preemptions == 0
+    assert stats.free_blocks == stats.total_blocks and stats.sliding_free_blocks == stats.sliding_total_blocks
+
+
 async def test_hybrid_sliding_model_keeps_every_page():
     async with acb.Engine(tiny_model("gemma3"), config=acb.EngineConfig(num_blocks=20, page_size=4)) as engine:
         assert engine.max_model_len == 80  # full-attention layers need the whole history

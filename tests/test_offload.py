@@ -34,7 +34,7 @@ async def _staggered(engine, prompts, max_new):
     return [await h for h in handles]
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])
 @pytest.mark.parametrize("async_batching", [True, False])
 async def test_offload_resumes_preempted_requests_without_recompute_and_exact_tokens(arch, async_batching):
     model = tiny_model(arch)
@@ -101,6 +101,13 @@ async def test_cancelling_offloaded_requests_frees_their_host_slots():
         assert done.token_ids == expected(PROMPTS[2], 12)
 
 
+def test_hybrid_models_recompute_and_say_so(caplog):
+    with caplog.at_level(logging.WARNING, logger="acb"):
+        engine = acb.Engine(tiny_model("gemma3"), config=acb.EngineConfig(num_blocks=32, cpu_offload_space=0.01))
+    assert engine.stats().host_blocks == 0 and engine.stats().sliding_total_blocks > 0
+    assert "hybrid" in caplog.text and "recomputes" in caplog.text
+
+
 def test_pool_size_follows_the_setting_and_is_capped_at_80_percent_of_available_ram(caplog):
     model = tiny_model("llama")
     per_page = kv_bytes_per_token(model.config, torch.float32) * 16
@@ -118,7 +125,7 @@ def test_pool_size_follows_the_setting_and_is_capped_at_80_percent_of_available_
 
 @torch.inference_mode()
 def test_runner_swaps_pages_out_and_back_into_other_pages_bit_for_bit():
-    model = tiny_model("gemma3")
+    model = tiny_model("qwen3")
     runner = ModelRunner(model, num_pages=8, page_size=4, host_pages=4)
     try:
         for k, v in zip(runner.k_cache, runner.v_cache, strict=True):

@@ -103,14 +103,19 @@ def test_full_cache_preempts_the_newest_request_and_it_resumes_first():
 
 @settings(max_examples=150, deadline=None)
 @given(st.integers(0, 10_000), st.integers(6, 40), st.integers(2, 24), st.sampled_from(["fifo", "prefill_first"]),
-       st.booleans(), st.sampled_from([0, 3, 64]))
-def test_random_workloads_finish_without_leaking_pages(seed, num_pages, budget, policy, overlap, host_slots):
+       st.booleans(), st.sampled_from([0, 3, 64]), st.booleans())
+def test_random_workloads_finish_without_leaking_pages(seed, num_pages, budget, policy, overlap, host_slots,
+                                                        hybrid):
     rng = random.Random(seed)
     page_size = 4
-    kv = KVCacheManager(num_pages, page_size, enable_prefix_caching=rng.random() < 0.5)
-    host = HostPool(host_slots) if host_slots else None  # CPU offload: none, a tiny pool, a big one
+    # hybrid: a second pool for sliding layers (window 8), recycled behind the window; no
+    # prefix caching and no offload there, as the engine sets it up
+    kv = KVCacheManager(num_pages, page_size, enable_prefix_caching=not hybrid and rng.random() < 0.5)
+    host = HostPool(host_slots) if host_slots and not hybrid else None  # offload: none, tiny, big
+    kv_swa = KVCacheManager(rng.randint(6, num_pages), page_size, enable_prefix_caching=False) if hybrid else None
     s = Scheduler(kv, max_batch_tokens=budget, max_requests=rng.randint(1, 6), policy=policy,
-                  safety_margin=rng.choice([0.0, 0.15]), host_pool=host)
+                  safety_margin=rng.choice([0.0, 0.15]), host_pool=host, kv_swa=kv_swa,
+                  sliding_window=8 if hybrid else None)
     capacity = num_pages * page_size
     seqs = []
     pending = None
@@ -137,6 +142,13 @@ def test_random_workloads_finish_without_leaking_pages(seed, num_pages, budget, 
             if q.status == "running" and q.num_computed > 0:
                 assert len(q.block_table) * page_size >= q.num_computed
         kv.check_integrity([q.block_table for q in seqs if q.status != "finished"])
+        if kv_swa is not None:
+            kv_swa.check_integrity([q.swa_table for q in seqs if q.status != "finished"])
+            for q in seqs:
+                if q.status == "running":
+                    assert len(q.swa_table) == len(q.block_table)
+                    live = [p for p in q.swa_table if p >= 0]
+                    assert len(live) <= -(-(8 + budget) // page_size) + 1  # the window and a chunk
         if host is not None:
             host.check_integrity(q.host_table for q in seqs if q.host_table)
             for q in seqs:
@@ -151,6 +163,8 @@ def test_random_workloads_finish_without_leaking_pages(seed, num_pages, budget, 
     assert all(q.status == "finished" for q in seqs)
     assert kv.num_free == num_pages
     kv.check_integrity([])
+    if kv_swa is not None:
+        assert kv_swa.num_free == kv_swa.num_pages
     if host is not None:
         s.schedule()  # slots read by the last swap-ins come back with the next plan
         host.check_integrity()
