@@ -41,6 +41,7 @@ class Sequence:
     # CPU offload: while preempted, the host slot of each offloaded block-table entry
     # (RECYCLED kept as is) and the number of tokens whose KV the slots hold
     host_table: list[int] | None = None
+    host_swa: list[bool] | None = None  # hybrid models: which offloaded entries had a sliding page
     num_offloaded_tokens: int = 0
     offload_plan: int = -1  # index of the plan that offloaded it (its KV came from earlier steps)
     restored_plan: int = -1  # index of the plan that restored it
@@ -80,8 +81,10 @@ class StepPlan:
     preempted: list[Sequence]
     index: int = 0
     # CPU offload, done by the runner before the forward, swap-outs first:
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device page, host slot)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device page)
+    # (device page, host slot[, sliding page or -1]) and (host slot, device page[, sliding page or -1]):
+    # hybrid models offload an entry's sliding-layer page with it, when it has one
+    swap_out: list[tuple[int, ...]] = field(default_factory=list)
+    swap_in: list[tuple[int, ...]] = field(default_factory=list)
     offloaded: list[Sequence] = field(default_factory=list)  # whose swap-outs this step does
 
     @property
@@ -129,7 +132,7 @@ class Scheduler:
         # Hybrid models: the sliding layers' page pool (``sliding_window`` is then theirs);
         # None when every layer slides (the block table itself is recycled) or none does.
         self.kv_swa = kv_swa
-        self._pending_swap_out: list[tuple[int, int]] = []
+        self._pending_swap_out: list[tuple[int, ...]] = []
         self._pending_offloaded: list[Sequence] = []
         self.plan_index = 0
         # first-page hash -> the running sequence computing that page: requests that
@@ -159,6 +162,7 @@ class Scheduler:
         if seq.host_table is not None:
             self.host_pool.release_after_plan(s for s in seq.host_table if s >= 0)
             seq.host_table = None
+            seq.host_swa = None
             seq.num_offloaded_tokens = 0
             seq.num_recycled_pages = 0
 
@@ -297,7 +301,12 @@ class Scheduler:
             return False
         slots = iter(host.allocate(len(live)))
         seq.host_table = [RECYCLED if p == RECYCLED else next(slots) for p in entries]
-        self._pending_swap_out.extend(zip(live, (s for s in seq.host_table if s >= 0), strict=True))
+        if self.kv_swa is None:
+            self._pending_swap_out.extend(zip(live, (s for s in seq.host_table if s >= 0), strict=True))
+        else:  # hybrid: full-attention entries are never recycled; sliding ones may be
+            swa = seq.swa_table[: len(entries)]
+            seq.host_swa = [p >= 0 for p in swa]
+            self._pending_swap_out.extend(zip(entries, seq.host_table, swa, strict=True))
         self._pending_offloaded.append(seq)
         seq.num_offloaded_tokens = keep
         seq.offload_plan = self.plan_index
@@ -312,15 +321,26 @@ class Scheduler:
         n = min(seq.num_tokens - seq.num_offloaded_tokens, budget)
         extra = kv.pages_for(seq.num_offloaded_tokens + n) - len(seq.host_table)
         need = len(slots) + extra
+        swa_need = sum(seq.host_swa) + extra if seq.host_swa is not None else 0
         idle = not self.running and not plan.rows
         if need > kv.num_free or (not idle and kv.num_free - need < self.safety_margin * kv.num_pages):
+            return None
+        if self.kv_swa is not None and swa_need > self.kv_swa.num_free:
             return None
         self.waiting.popleft()
         pages = kv.allocate(need)
         it = iter(pages)
         seq.block_table = [RECYCLED if s < 0 else next(it) for s in seq.host_table]
         restored = [p for p in seq.block_table if p >= 0]
-        plan.swap_in.extend(zip(slots, restored, strict=True))
+        if seq.host_swa is None:
+            plan.swap_in.extend(zip(slots, restored, strict=True))
+        else:
+            swa_pages = self.kv_swa.allocate(swa_need)
+            swa_it = iter(swa_pages)
+            seq.swa_table = [next(swa_it) if had else RECYCLED for had in seq.host_swa]
+            plan.swap_in.extend(zip(seq.host_table, seq.block_table, seq.swa_table, strict=True))
+            seq.swa_table.extend(swa_pages[sum(seq.host_swa) :])
+            seq.host_swa = None
         seq.block_table.extend(pages[len(slots) :])
         self.host_pool.release_after_plan(slots)
         self.host_pool.num_restores += 1

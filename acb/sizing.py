@@ -72,8 +72,7 @@ def layout(model: torch.nn.Module, config: EngineConfig) -> Layout:
         max_requests=config.max_requests_per_batch or 256, max_model_len=max_model_len,
         sliding_window=window if all_sliding or hybrid else None,
         prefix_caching=config.allow_prefix_sharing and not sliding,
-        # offload moves whole block-table entries; hybrid models have two pools: recompute
-        host_pages=_host_pages(config, per_page) if not hybrid else _no_offload(config),
+        host_pages=_host_pages(config, per_page),
         swa_pages=swa_pages if hybrid else 0, swa_layers=swa_layers if hybrid else frozenset(),
     )
 
@@ -103,13 +102,6 @@ def _cache_pages(model, config: EngineConfig, param: torch.Tensor, per_page: int
 def _model_num_layers(config) -> int:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return text.num_hidden_layers
-
-
-def _no_offload(config: EngineConfig) -> int:
-    if config.cpu_offload_space != 0:
-        log.warning("acb: CPU offload is not available for hybrid sliding-window models yet; "
-                    "preemption recomputes")
-    return 0
 
 
 def _host_pages(config: EngineConfig, per_page: int) -> int:

@@ -36,7 +36,7 @@ def parity() -> bool:
     runs = [(arch, a, False, False) for arch in ARCHITECTURES for a in (True, False)]
     runs += [(arch, a, True, False) for arch in ARCHITECTURES for a in (True, False)]
     # CPU offload on CUDA: pinned host pool, asynchronous copies on the runner's stream
-    runs += [(arch, a, False, True) for arch in ("llama", "mistral", "qwen3") for a in (True, False)]
+    runs += [(arch, a, False, True) for arch in ("llama", "mistral", "gemma3") for a in (True, False)]
     prompts = random_prompts(13, 3, 40, seed=11)
     max_new = [8 + (i * 7) % 25 for i in range(len(prompts))]
     references: dict[str, list[list[int]]] = {}

@@ -34,7 +34,7 @@ async def _staggered(engine, prompts, max_new):
     return [await h for h in handles]
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3", "gemma2"])
 @pytest.mark.parametrize("async_batching", [True, False])
 async def test_offload_resumes_preempted_requests_without_recompute_and_exact_tokens(arch, async_batching):
     model = tiny_model(arch)
@@ -99,13 +99,6 @@ async def test_cancelling_offloaded_requests_frees_their_host_slots():
         assert engine.stats().offloaded_blocks == 0
         done = await engine.generate(PROMPTS[2], max_new_tokens=12, ignore_eos=True)
         assert done.token_ids == expected(PROMPTS[2], 12)
-
-
-def test_hybrid_models_recompute_and_say_so(caplog):
-    with caplog.at_level(logging.WARNING, logger="acb"):
-        engine = acb.Engine(tiny_model("gemma3"), config=acb.EngineConfig(num_blocks=32, cpu_offload_space=0.01))
-    assert engine.stats().host_blocks == 0 and engine.stats().sliding_total_blocks > 0
-    assert "hybrid" in caplog.text and "recomputes" in caplog.text
 
 
 def test_pool_size_follows_the_setting_and_is_capped_at_80_percent_of_available_ram(caplog):
@@ -179,3 +172,27 @@ def test_scheduler_offloads_the_victim_and_restores_it_into_fresh_pages():
     sched.schedule()
     host.check_integrity()
     assert host.num_free == host.num_slots
+
+
+@torch.inference_mode()
+def test_runner_swaps_hybrid_entries_with_and_without_a_sliding_page():
+    model = tiny_model("gemma3")  # layers 0 and 1 slide, layer 2 does not
+    runner = ModelRunner(model, num_pages=8, page_size=4, host_pages=4, swa_pages=5, swa_layers=frozenset({0, 1}))
+    try:
+        ps = runner.page_size
+        assert runner.k_cache[0].shape[1] == 6 * ps and runner.k_cache[2].shape[1] == 9 * ps
+        for cache in runner.k_cache + runner.v_cache:
+            cache[:, :-ps].copy_(torch.randn_like(cache[:, :-ps]))  # every page but the zero page
+        full_before = runner.k_cache[2][:, 1 * ps : 2 * ps].clone(), runner.v_cache[2][:, 4 * ps : 5 * ps].clone()
+        swa_before = runner.k_cache[0][:, 3 * ps : 4 * ps].clone()
+        # entry 1: full page 1 with sliding page 3; entry 2: full page 4, its sliding page recycled
+        runner._swap_out([(1, 0, 3), (4, 2, -1)])
+        for cache in runner.k_cache + runner.v_cache:
+            cache[:, : -ps].zero_()
+        runner._swap_in([(0, 6, 2), (2, 7, -1)])
+        assert torch.equal(runner.k_cache[2][:, 6 * ps : 7 * ps], full_before[0])
+        assert torch.equal(runner.v_cache[2][:, 7 * ps : 8 * ps], full_before[1])
+        assert torch.equal(runner.k_cache[0][:, 2 * ps : 3 * ps], swa_before)
+        assert bool((runner.k_cache[0][:, 5 * ps :] == 0).all())  # the sliding pool's zero page untouched
+    finally:
+        runner.release()

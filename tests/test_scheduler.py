@@ -108,10 +108,10 @@ def test_random_workloads_finish_without_leaking_pages(seed, num_pages, budget, 
                                                         hybrid):
     rng = random.Random(seed)
     page_size = 4
-    # hybrid: a second pool for sliding layers (window 8), recycled behind the window; no
-    # prefix caching and no offload there, as the engine sets it up
+    # hybrid: a second pool for sliding layers (window 8), recycled behind the window, and
+    # no prefix caching, as the engine sets it up
     kv = KVCacheManager(num_pages, page_size, enable_prefix_caching=not hybrid and rng.random() < 0.5)
-    host = HostPool(host_slots) if host_slots and not hybrid else None  # offload: none, tiny, big
+    host = HostPool(host_slots) if host_slots else None  # CPU offload: none, a tiny pool, a big one
     kv_swa = KVCacheManager(rng.randint(6, num_pages), page_size, enable_prefix_caching=False) if hybrid else None
     s = Scheduler(kv, max_batch_tokens=budget, max_requests=rng.randint(1, 6), policy=policy,
                   safety_margin=rng.choice([0.0, 0.15]), host_pool=host, kv_swa=kv_swa,
