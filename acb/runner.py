@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import attention, compiling, cuda_graphs
+from . import attention, compiling, cuda_graphs, offload
 from .sampling import SamplingBatch, sample
 
 log = logging.getLogger("acb")
@@ -419,61 +419,10 @@ class ModelRunner:
         return PendingOutput(event, ids_host, lp_host, started, self)
 
     # ------------------------------------------------------------------ CPU offload
-    def _page_views(self) -> list[torch.Tensor]:
-        """Per layer, K then V, viewed as [kv heads, pages, page_size * head_dim]."""
-        ps = self.page_size
-        views = []
-        for k, v in zip(self.k_cache, self.v_cache, strict=True):
-            kvh, slots, d = k.shape
-            views.append(k.view(kvh, slots // ps, ps * d))
-            views.append(v.view(kvh, slots // ps, ps * d))
-        return views
-
-    def _swap_index(self, pairs: list[tuple[int, ...]], page_at: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Device pages of the swap entries for full layers, and for sliding layers (hybrid
-        models; an entry without a sliding page reads the sliding pool's zero page)."""
-        full = self._tensor([pair[page_at] for pair in pairs])
-        if not self.swa_layers:
-            return full, None
-        return full, self._tensor([pair[2] if pair[2] >= 0 else self.swa_pages for pair in pairs])
-
     def _swap_out(self, pairs: list[tuple[int, ...]]) -> None:
         """Copy device pages into host slots (the pages may be reused right after)."""
-        full, swa = self._swap_index(pairs, 0)
-        views = self._page_views()
-        # [2L, kvh, n, ps*d] -> [n, L, 2, kvh, ps*d]: one contiguous block per page
-        staged = torch.stack([view.index_select(1, swa if i // 2 in self.swa_layers else full)
-                              for i, view in enumerate(views)])
-        staged = staged.permute(2, 0, 1, 3).reshape(len(pairs), *self.host_pool.shape[1:])
-        if self.stream is None:
-            self.host_pool.index_copy_(0, torch.tensor([pair[1] for pair in pairs]), staged)
-        else:
-            staged = staged.contiguous()
-            for j, pair in enumerate(pairs):
-                self.host_pool[pair[1]].copy_(staged[j], non_blocking=True)
+        offload.swap_out(self, pairs)
 
     def _swap_in(self, pairs: list[tuple[int, ...]]) -> None:
         """Copy host slots back into (fresh) device pages."""
-        n = len(pairs)
-        if self.stream is None:
-            staged = self.host_pool.index_select(0, torch.tensor([pair[0] for pair in pairs]))
-        else:
-            staged = torch.empty((n, *self.host_pool.shape[1:]), dtype=self.dtype, device=self.device)
-            for j, pair in enumerate(pairs):
-                staged[j].copy_(self.host_pool[pair[0]], non_blocking=True)
-        full, _ = self._swap_index(pairs, 1)
-        layers, _, kvh, width = staged.shape[1:]
-        per_view = staged.view(n, 2 * layers, kvh, width).permute(1, 2, 0, 3)  # [2L, kvh, n, ps*d]
-        with_swa = [j for j, pair in enumerate(pairs) if len(pair) > 2 and pair[2] >= 0]
-        swa_idx = self._tensor([pairs[j][2] for j in with_swa]) if self.swa_layers else None
-        swa_rows = self._tensor(with_swa) if self.swa_layers else None
-        for i, view in enumerate(self._page_views()):
-            if i // 2 in self.swa_layers:
-                if with_swa:
-                    view.index_copy_(1, swa_idx, per_view[i].index_select(1, swa_rows))
-            else:
-                view.index_copy_(1, full, per_view[i])
-        for pair in pairs:
-            self._zeroed[pair[1]] = 1
-            if len(pair) > 2 and pair[2] >= 0:
-                self._zeroed_swa[pair[2]] = 1
+        offload.swap_in(self, pairs)
