@@ -69,3 +69,28 @@ def test_prepacked_linears_compute_the_same_and_restore_the_weights_exactly():
     assert not any("forward" in m.__dict__ for m in linears)
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@torch.inference_mode()
+def test_prepacking_leaves_an_already_wrapped_linear_alone():
+    if not cpu_linear.available(torch.float32):
+        pytest.skip("oneDNN is not available in this torch build")
+    model = tiny_model("llama", seed=5)
+    hooked = model.model.layers[0].mlp.up_proj
+    original = hooked.forward
+    calls = []
+
+    def wrapper(x):  # what accelerate's hooks look like: an instance-level forward
+        calls.append(1)
+        return original(x)
+
+    hooked.forward = wrapper
+    try:
+        cpu_linear.acquire(model)
+        assert hooked.forward is wrapper and hooked.weight.numel() > 0
+        model(input_ids=torch.randint(0, 200, (1, 5)))
+        assert calls
+        cpu_linear.release(model)
+        assert hooked.forward is wrapper
+    finally:
+        del hooked.forward

@@ -62,6 +62,8 @@ class Prepacked:
             for module in model.modules():
                 if type(module) is not torch.nn.Linear or module.weight.device.type != "cpu":
                     continue
+                if "forward" in module.__dict__:  # already wrapped (an accelerate hook, ...): leave it
+                    continue
                 weight = module.weight.data
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
                 free = id(module.weight) not in shared
