@@ -31,6 +31,7 @@ from .errors import (
     InvalidRequestError,
     RequestFailedError,
     as_device_error,
+    caused,
 )
 from .handle import ChunkStream, RequestHandle
 from .inputs import prepare, sampling_params
@@ -41,11 +42,6 @@ from .runner import ModelRunner, PendingOutput, StepOutput
 from .scheduler import Scheduler, Sequence, StepPlan
 
 log = logging.getLogger("acb")
-
-
-def _caused(error: BaseException, cause: BaseException) -> BaseException:
-    error.__cause__ = cause
-    return error
 
 
 def _silence(fut: asyncio.Future) -> None:
@@ -355,10 +351,8 @@ class Engine:
         except BaseException as e:
             if not isinstance(e, asyncio.CancelledError):
                 log.exception("acb engine loop crashed")
-            error = RequestFailedError(f"the engine loop failed: {e!r}")
-            error.__cause__ = e
-            for req in list(self._live.values()):
-                self._out.fail(req, error)
+            error = caused(RequestFailedError(f"the engine loop failed: {e!r}"), e)
+            self._out.fail_all(lambda req: error)
             self._state = "stopped"
             if isinstance(e, asyncio.CancelledError):
                 raise
@@ -393,7 +387,7 @@ class Engine:
                 self._device_failed(device_error)
                 return
             log.warning("step failed: %r", e)
-            self._out.step_failed(plan, e, self.host_pool is not None)
+            self._out.step_failed(plan, e)
             return
         self._steps += 1
         self._out.apply(plan, out)
@@ -403,7 +397,7 @@ class Engine:
         (never hang). ``start()`` may be tried again."""
         log.error("acb: %s; stopping the engine", error)
         self._stop_reason = f"the engine stopped after a device failure: {error}"
-        self._out.fail_all(lambda req: _caused(
+        self._out.fail_all(lambda req: caused(
             RequestFailedError(f"request {req.request_id} failed: {error}", req.request_id), error))
         self._state = "draining"
         self._hard = True

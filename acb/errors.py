@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 
 class AcbError(Exception):
     """Base class of every error acb raises on purpose."""
@@ -43,8 +45,16 @@ class DeviceError(AcbError):
     whose cause is this error, and new submissions raise ``EngineStoppedError``."""
 
 
+E = TypeVar("E", bound=BaseException)
+
 _FATAL_MARKERS = ("CUDA error", "device-side assert", "illegal memory access", "unspecified launch failure",
                   "CUBLAS_STATUS_EXECUTION_FAILED", "CUDNN_STATUS_EXECUTION_FAILED", "ECC error")
+
+
+def caused(error: E, cause: BaseException) -> E:
+    """``error`` with ``cause`` attached as its ``__cause__`` (for errors made, not raised)."""
+    error.__cause__ = cause
+    return error
 
 
 def as_device_error(error: BaseException) -> DeviceError | None:
@@ -52,7 +62,5 @@ def as_device_error(error: BaseException) -> DeviceError | None:
     if isinstance(error, DeviceError):
         return error
     if isinstance(error, RuntimeError) and any(m in str(error) for m in _FATAL_MARKERS):
-        device_error = DeviceError(f"the device failed: {error}")
-        device_error.__cause__ = error
-        return device_error
+        return caused(DeviceError(f"the device failed: {error}"), error)
     return None

@@ -213,8 +213,6 @@ class HostPool:
         self._releasing: list[int] = []
         self.num_offloads = 0  # preemptions whose pages went to the pool
         self.num_restores = 0  # resumptions that read them back
-        self.pages_out = 0
-        self.pages_in = 0
 
     @property
     def num_free(self) -> int:
@@ -232,9 +230,6 @@ class HostPool:
 
     def release_after_plan(self, slots: Iterable[int]) -> None:
         self._releasing.extend(slots)
-
-    def release_now(self, slots: Iterable[int]) -> None:
-        self.free_slots.extend(slots)
 
     def end_plan(self) -> None:
         if self._releasing:

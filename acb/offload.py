@@ -27,19 +27,12 @@ def _page_views(runner: ModelRunner) -> list[torch.Tensor]:
     return views
 
 
-def _swap_index(runner: ModelRunner, pairs: list[tuple[int, ...]],
-                page_at: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Device pages of the swap entries for full layers, and for sliding layers (hybrid
-    models; an entry without a sliding page reads the sliding pool's zero page)."""
-    full = runner._tensor([pair[page_at] for pair in pairs])
-    if not runner.swa_layers:
-        return full, None
-    return full, runner._tensor([pair[2] if pair[2] >= 0 else runner.swa_pages for pair in pairs])
-
-
 def swap_out(runner: ModelRunner, pairs: list[tuple[int, ...]]) -> None:
     """Copy device pages into host slots (the pages may be reused right after)."""
-    full, swa = _swap_index(runner, pairs, 0)
+    full = runner._tensor([pair[0] for pair in pairs])
+    # hybrid models: an entry without a sliding page reads the sliding pool's zero page
+    swa = runner._tensor([pair[2] if pair[2] >= 0 else runner.swa_pages for pair in pairs]) \
+        if runner.swa_layers else None
     views = _page_views(runner)
     # [2L, kvh, n, ps*d] -> [n, L, 2, kvh, ps*d]: one contiguous block per page
     staged = torch.stack([view.index_select(1, swa if i // 2 in runner.swa_layers else full)
@@ -62,7 +55,7 @@ def swap_in(runner: ModelRunner, pairs: list[tuple[int, ...]]) -> None:
         staged = torch.empty((n, *runner.host_pool.shape[1:]), dtype=runner.dtype, device=runner.device)
         for j, pair in enumerate(pairs):
             staged[j].copy_(runner.host_pool[pair[0]], non_blocking=True)
-    full, _ = _swap_index(runner, pairs, 1)
+    full = runner._tensor([pair[1] for pair in pairs])
     layers, _, kvh, width = staged.shape[1:]
     per_view = staged.view(n, 2 * layers, kvh, width).permute(1, 2, 0, 3)  # [2L, kvh, n, ps*d]
     with_swa = [j for j, pair in enumerate(pairs) if len(pair) > 2 and pair[2] >= 0]

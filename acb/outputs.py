@@ -14,7 +14,7 @@ import time
 
 from .config import SamplingParams
 from .detokenizer import Detokenizer, StopMatcher
-from .errors import RequestFailedError
+from .errors import RequestFailedError, caused
 from .request import Completion, Mailbox, RequestMetrics
 from .runner import RowInput, StepInput, StepOutput
 from .sampling import SamplingBatch
@@ -90,17 +90,15 @@ class Outputs:
                 want_logprobs = want_logprobs or p.logprobs
         return StepInput(rows, SamplingBatch.from_rows(sampling_rows, want_logprobs), plan.swap_out, plan.swap_in)
 
-    def step_failed(self, plan: StepPlan, error: BaseException, offload: bool) -> None:
+    def step_failed(self, plan: StepPlan, error: BaseException) -> None:
         """Fail the requests of a step that raised (the engine goes on serving)."""
-        if offload:
+        if self.scheduler.host_pool is not None:
             self._discard_offloads_from(plan, error)
         for row in plan.rows:
             req = self.current(row.seq, row.epoch)
             if req is not None:
-                failure = RequestFailedError(f"the model step failed for request {req.request_id}: {error!r}",
-                                             req.request_id)
-                failure.__cause__ = error
-                self.fail(req, failure)
+                self.fail(req, caused(RequestFailedError(
+                    f"the model step failed for request {req.request_id}: {error!r}", req.request_id), error))
 
     def _discard_offloads_from(self, plan: StepPlan, error: BaseException) -> None:
         """A failed step may have left garbage in KV that preempted sequences offloaded
@@ -115,11 +113,9 @@ class Outputs:
             if seq.host_table is not None:
                 self.scheduler.drop_offload(seq)
             elif seq.status == "running" and seq.restored_plan > plan.index:
-                failure = RequestFailedError(
+                self.fail(req, caused(RequestFailedError(
                     f"the model step failed for request {req.request_id} (its offloaded KV came from it): {error!r}",
-                    req.request_id)
-                failure.__cause__ = error
-                self.fail(req, failure)
+                    req.request_id), error))
 
     def apply(self, plan: StepPlan, out: StepOutput) -> None:
         """Take a finished step's sampled tokens into their requests."""

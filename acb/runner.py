@@ -35,9 +35,9 @@ class RowInput:
 class StepInput:
     rows: list[RowInput]
     sampling: SamplingBatch  # one entry per sampled row, in row order
-    # CPU offload, before the forward, in this order:
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device page, host slot)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device page)
+    # CPU offload, before the forward, swap-outs first (see StepPlan for the tuples)
+    swap_out: list[tuple[int, ...]] = field(default_factory=list)
+    swap_in: list[tuple[int, ...]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -72,7 +72,7 @@ class PendingOutput:
         return StepOutput(self.ids.tolist(), self.logprobs.tolist() if self.logprobs is not None else None)
 
 
-def _model_layers_info(config) -> tuple[int, int, int]:
+def model_layers_info(config) -> tuple[int, int, int]:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     num_layers = text.num_hidden_layers
     num_heads = text.num_attention_heads
@@ -82,7 +82,7 @@ def _model_layers_info(config) -> tuple[int, int, int]:
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    num_layers, kv_heads, head_dim = _model_layers_info(config)
+    num_layers, kv_heads, head_dim = model_layers_info(config)
     return 2 * num_layers * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
@@ -94,7 +94,7 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.page_size = page_size
         self.num_pages = num_pages
-        num_layers, kv_heads, head_dim = _model_layers_info(model.config)
+        num_layers, kv_heads, head_dim = model_layers_info(model.config)
         # One extra page at the end holds zeros: padding reads point at it, so a
         # padded key is always finite (masked scores times NaN values would be NaN).
         self.null_slot = num_pages * page_size
@@ -173,7 +173,7 @@ class ModelRunner:
                                                config.decode_compile_level)
         self._varlen_forward = self._decode_forward = self.model
         if varlen or decode:
-            if getattr(self, "prepacked", False):  # inductor cannot lower oneDNN-prepacked linears;
+            if self.prepacked:  # inductor cannot lower oneDNN-prepacked linears;
                 from .kernels import cpu_linear  # it packs weights itself when it compiles for the CPU
 
                 cpu_linear.release(self.model)
@@ -249,21 +249,10 @@ class ModelRunner:
             n = len(row.tokens)
             tokens.extend(row.tokens)
             pages = row.pages
-            for p in range(row.start, row.start + n):
-                positions.append(p)
-                slots.append(pages[p // ps] * ps + p % ps)
-            for page in pages[row.start // ps : (row.start + n - 1) // ps + 1]:
-                if not self._zeroed[page]:
-                    self._zeroed[page] = 1
-                    fresh.append(page)
+            positions.extend(range(row.start, row.start + n))
+            self._place(pages, row.start, n, self._zeroed, slots, fresh)
             if swa:
-                table = row.swa_pages
-                for p in range(row.start, row.start + n):
-                    swa_slots.append(table[p // ps] * ps + p % ps)
-                for page in table[row.start // ps : (row.start + n - 1) // ps + 1]:
-                    if not self._zeroed_swa[page]:
-                        self._zeroed_swa[page] = 1
-                        swa_fresh.append(page)
+                self._place(row.swa_pages, row.start, n, self._zeroed_swa, swa_slots, swa_fresh)
             if row.carry_from >= 0:
                 carry_pos.append(q0 + n - 1)
                 carry_src.append(row.carry_from)
@@ -338,6 +327,17 @@ class ModelRunner:
         keep_t = self._tensor(keep)
         return input_ids, position_ids, keep_t, meta
 
+    def _place(self, table: list[int], start: int, n: int, zeroed: bytearray, slots: list[int],
+               fresh: list[int]) -> None:
+        """Append the slots of positions [start, start + n) under ``table``, and the pages
+        they touch that were never used before (to be zeroed)."""
+        ps = self.page_size
+        slots.extend(table[p // ps] * ps + p % ps for p in range(start, start + n))
+        for page in table[start // ps : (start + n - 1) // ps + 1]:
+            if not zeroed[page]:
+                zeroed[page] = 1
+                fresh.append(page)
+
     def _tensor(self, values: list) -> torch.Tensor:
         """Host list -> long tensor on the device; on CUDA through pinned memory, without
         making the host wait for the copy."""
@@ -375,8 +375,6 @@ class ModelRunner:
             self._swap_out(step.swap_out)
         if step.swap_in:
             self._swap_in(step.swap_in)
-        if not step.rows:
-            return StepOutput([], None)
         input_ids, position_ids, keep, meta = self._build(step)
         if self.fault_hook is not None:
             self.fault_hook(self.step_index, "forward")

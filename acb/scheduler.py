@@ -43,7 +43,6 @@ class Sequence:
     host_table: list[int] | None = None
     host_swa: list[bool] | None = None  # hybrid models: which offloaded entries had a sliding page
     num_offloaded_tokens: int = 0
-    offload_plan: int = -1  # index of the plan that offloaded it (its KV came from earlier steps)
     restored_plan: int = -1  # index of the plan that restored it
 
     @property
@@ -246,11 +245,12 @@ class Scheduler:
             kv.release(pages)
             seq.num_recycled_pages = dead
 
-    def _fits(self, need: int, reserve: float = 0.0) -> bool:
-        """Whether ``need`` more pages (per pool) can be taken now, leaving ``reserve``."""
+    def _fits(self, need: int, reserve: float = 0.0, swa_need: int | None = None) -> bool:
+        """Whether ``need`` more pages (and ``swa_need`` sliding-layer pages, by default as
+        many) can be taken now, leaving ``reserve`` pages of the main pool."""
         if need > self.kv.num_free - reserve:
             return False
-        return self.kv_swa is None or need <= self.kv_swa.num_free
+        return self.kv_swa is None or (need if swa_need is None else swa_need) <= self.kv_swa.num_free
 
     def _allocate(self, seq: Sequence, need: int) -> None:
         seq.block_table.extend(self.kv.allocate(need))
@@ -309,9 +309,7 @@ class Scheduler:
             self._pending_swap_out.extend(zip(entries, seq.host_table, swa, strict=True))
         self._pending_offloaded.append(seq)
         seq.num_offloaded_tokens = keep
-        seq.offload_plan = self.plan_index
         host.num_offloads += 1
-        host.pages_out += len(live)
         return True
 
     def _admit_offloaded(self, plan: StepPlan, seq: Sequence, budget: int) -> int | None:
@@ -323,9 +321,7 @@ class Scheduler:
         need = len(slots) + extra
         swa_need = sum(seq.host_swa) + extra if seq.host_swa is not None else 0
         idle = not self.running and not plan.rows
-        if need > kv.num_free or (not idle and kv.num_free - need < self.safety_margin * kv.num_pages):
-            return None
-        if self.kv_swa is not None and swa_need > self.kv_swa.num_free:
+        if not self._fits(need, 0.0 if idle else self.safety_margin * kv.num_pages, swa_need):
             return None
         self.waiting.popleft()
         pages = kv.allocate(need)
@@ -344,7 +340,6 @@ class Scheduler:
         seq.block_table.extend(pages[len(slots) :])
         self.host_pool.release_after_plan(slots)
         self.host_pool.num_restores += 1
-        self.host_pool.pages_in += len(slots)
         seq.num_computed = seq.num_offloaded_tokens
         seq.host_table = None
         seq.num_offloaded_tokens = 0

@@ -11,7 +11,7 @@ import torch
 
 from .config import EngineConfig
 from .cuda_graphs import graph_memory_reserve
-from .runner import kv_bytes_per_token
+from .runner import kv_bytes_per_token, model_layers_info
 
 log = logging.getLogger("acb")
 
@@ -69,7 +69,7 @@ def layout(model: torch.nn.Module, config: EngineConfig) -> Layout:
         log.info("prefix caching is off: the model has sliding-window layers")
     return Layout(
         page_size=page_size, num_pages=num_pages, max_batch_tokens=max_batch_tokens,
-        max_requests=config.max_requests_per_batch or 256, max_model_len=max_model_len,
+        max_requests=max_requests, max_model_len=max_model_len,
         sliding_window=window if all_sliding or hybrid else None,
         prefix_caching=config.allow_prefix_sharing and not sliding,
         host_pages=_host_pages(config, per_page),
@@ -93,15 +93,10 @@ def _cache_pages(model, config: EngineConfig, param: torch.Tensor, per_page: int
     pages = max(16, budget // per_page)
     if not swa_layers or pages <= swa_cap:
         return pages, min(pages, swa_cap)
-    layers = _model_num_layers(model.config)
+    layers, _, _ = model_layers_info(model.config)
     per_layer_page = per_page // layers
     full = (budget - swa_cap * swa_layers * per_layer_page) // (per_layer_page * (layers - swa_layers))
     return max(16, full), swa_cap
-
-
-def _model_num_layers(config) -> int:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return text.num_hidden_layers
 
 
 def _host_pages(config: EngineConfig, per_page: int) -> int:

@@ -36,14 +36,12 @@ def available(dtype: torch.dtype) -> bool:
 
 
 class _Packed:
-    __slots__ = ("module", "packed", "dense", "freed")
+    __slots__ = ("module", "packed", "freed")
 
-    def __init__(self, module: torch.nn.Linear, packed: torch.Tensor, dense: torch.Tensor | None,
-                 freed: bool) -> None:
+    def __init__(self, module: torch.nn.Linear, packed: torch.Tensor, freed: bool) -> None:
         self.module = module
         self.packed = packed
-        self.dense = dense  # the dense weight when it is kept (shared), else None
-        self.freed = freed
+        self.freed = freed  # the dense weight was given back (else it is shared and kept)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.module.bias
@@ -56,7 +54,7 @@ class Prepacked:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.users = 0
-        self.layers: list[_Packed] = []
+        self.layers: dict[torch.nn.Linear, _Packed] = {}
         shared = _shared_weights(model)
         with torch.no_grad():
             for module in model.modules():
@@ -67,27 +65,25 @@ class Prepacked:
                 weight = module.weight.data
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
                 free = id(module.weight) not in shared
-                entry = _Packed(module, packed, None if free else weight, free)
+                entry = _Packed(module, packed, free)
                 if free:
                     module.weight.data = torch.empty(0, dtype=weight.dtype)
                 module.forward = entry.forward  # instance attribute: shadows the class method
-                self.layers.append(entry)
+                self.layers[module] = entry
         trim_heap()  # hand the freed dense weights back to the OS
         log.info("acb: %d linear layers use prepacked oneDNN weights", len(self.layers))
 
     def dense_weight(self, module: torch.nn.Linear) -> torch.Tensor:
-        for entry in self.layers:
-            if entry.module is module:
-                return entry.packed.to_dense() if entry.freed else entry.dense
-        return module.weight.data
+        entry = self.layers.get(module)
+        return entry.packed.to_dense() if entry is not None and entry.freed else module.weight.data
 
     def restore(self) -> None:
         with torch.no_grad():
-            for entry in self.layers:
+            for entry in self.layers.values():
                 if entry.freed:
                     entry.module.weight.data = entry.packed.to_dense()
                 del entry.module.forward
-        self.layers = []
+        self.layers = {}
 
 
 def trim_heap() -> None:
@@ -148,6 +144,6 @@ def deepcopy_memo(model: torch.nn.Module) -> dict[int, object]:
     if state is None:
         return {}
     memo: dict[int, object] = {id(state): None}
-    for entry in state.layers:
+    for entry in state.layers.values():
         memo[id(entry.packed)] = None
     return memo
