@@ -6,8 +6,11 @@ writes k/v into acb's pages at the step's slot mapping, then attends:
 
 - decode rows (one query token each) together, in one batched matmul over their
   gathered pages (the gather index is built once per step and shared by all layers);
-- prefill rows one by one: a fresh prompt attends to its own k/v (no gather),
-  a continued one (chunked prefill, prefix hit) gathers its context pages.
+- prefill rows: a fresh prompt attends to its own k/v (no gather), a continued one
+  (chunked prefill, prefix hit) gathers its context pages. On float32 CPU models the
+  native kernel (``paged_decode_cpu.cpp``: causal register tiles, only the key blocks
+  a row can see) takes all fresh prompts of a step in one call and each continued
+  one in its own; elsewhere PyTorch's SDPA, row by row.
 
 The step's metadata reaches the function through a thread-local set by the model
 runner, so several engines (each with its own worker thread) can share a process.
@@ -57,6 +60,10 @@ class StepAttention:
     # tables), used by the layers in ``swa_layers``
     swa: StepAttention | None = None
     swa_layers: frozenset[int] = frozenset()
+    # float32 CPU: the native prefill kernel, and the fresh prompts' rows for it
+    # ((first, end, first, 0) per prompt: all attended in one call per layer)
+    prefill_kernel: object | None = None
+    fresh_spans: torch.Tensor | None = None
 
 
 def set_step(meta: StepAttention | None) -> None:
@@ -134,7 +141,13 @@ def paged_attention(
                               sliding_window, softcap)
         out.index_copy_(0, idx, o.to(out.dtype))
 
-    for span in meta.prefills:
+    spans = meta.prefills
+    kernel = meta.prefill_kernel
+    cap = softcap or 0.0
+    if meta.fresh_spans is not None and kernel.prefill_attention(
+            q_all, k_new, v_new, meta.fresh_spans, out, scaling, cap, sliding_window or 0):
+        spans = [span for span in spans if span.past > 0]
+    for span in spans:
         qs, qe, past = span.q_start, span.q_end, span.past
         n = qe - qs
         length = past + n
@@ -144,6 +157,9 @@ def paged_attention(
         else:
             k = _gather_pages(k_cache, span.context_pages, meta.page_size)[:, 0, :length]
             v = _gather_pages(v_cache, span.context_pages, meta.page_size)[:, 0, :length]
+            if kernel is not None and kernel.prefill_attention(
+                    q_all, k, v, torch.tensor([[qs, qe, 0, past]]), out, scaling, cap, sliding_window or 0):
+                continue
         if softcap is None and past == 0 and sliding_window is None:
             # a fresh prompt is plainly causal: the flash kernel then skips the masked
             # half instead of reading a mask for every (query, key) pair

@@ -145,11 +145,12 @@ class ModelRunner:
             self.decode_kernel = paged_decode_kernel()
         log.info("acb attention: %s decode path", "native CPU kernel" if self.decode_kernel else "PyTorch")
         self.prepacked = False
+        self._packed = None  # the model's prepacked linears (acb.kernels.cpu_linear.Prepacked)
         if self.device.type == "cpu":
             from .kernels import cpu_linear
 
             if cpu_linear.available(self.dtype):
-                cpu_linear.acquire(model)
+                self._packed = cpu_linear.acquire(model)
                 self.prepacked = True
         self.step_index = 0
         self.max_decode_blocks: int | None = None
@@ -157,6 +158,7 @@ class ModelRunner:
         # fast paths, set by configure_fast_paths: compiled forwards, decode padding, CUDA graphs
         self._varlen_forward = model
         self._decode_forward = model
+        self.fused = None  # acb.fused.FusedForward, when it stands in for the model's forward
         self.decode_padding: cuda_graphs.DecodePadding | None = None
         self.decode_graphs: cuda_graphs.DecodeGraphs | None = None
 
@@ -172,12 +174,21 @@ class ModelRunner:
         varlen, decode = compiling.path_levels(config.compile_level, config.varlen_compile_level,
                                                config.decode_compile_level)
         self._varlen_forward = self._decode_forward = self.model
+        self.fused = None
+        if not (varlen or decode) and self.prepacked and self.dtype == torch.float32:
+            from .fused import FusedForward
+            from .kernels.cpu import fused_kernels
+
+            self.fused = FusedForward.build(self.model, self._packed, fused_kernels())
+            if self.fused is not None:
+                self._varlen_forward = self._decode_forward = self.fused
         if varlen or decode:
             if self.prepacked:  # inductor cannot lower oneDNN-prepacked linears;
                 from .kernels import cpu_linear  # it packs weights itself when it compiles for the CPU
 
                 cpu_linear.release(self.model)
                 self.prepacked = False
+                self._packed = None
             for c, _ in self._saved_attn:
                 c._attn_implementation = attention.ATTN_NAME_COMPILED
             self._varlen_forward = compiling.compiled_forward(self.model, varlen)
@@ -223,6 +234,9 @@ class ModelRunner:
 
             cpu_linear.release(self.model)
             self.prepacked = False
+            self._packed = None
+        self.fused = None  # it holds the packed weights
+        self._varlen_forward = self._decode_forward = self.model
         for config, implementation in self._saved_attn:
             config._attn_implementation = implementation
 
@@ -314,6 +328,11 @@ class ModelRunner:
             meta.decode_key_pos = key_pos
             meta.decode_q_pos = (length_t - 1).unsqueeze(1)
             meta.decode_valid = (key_pos < length_t.unsqueeze(1)).view(len(lengths), 1, lmax)
+        if prefills and self.decode_kernel is not None:
+            meta.prefill_kernel = self.decode_kernel
+            fresh_spans = [(sp.q_start, sp.q_end, sp.q_start, 0) for sp in prefills if sp.past == 0]
+            if fresh_spans:
+                meta.fresh_spans = torch.tensor(fresh_spans, dtype=torch.int64)
         if swa:
             # the sliding layers' view of the same step: their own slots and page tables
             meta.swa = dataclasses.replace(

@@ -1,7 +1,9 @@
-"""The CPU decode-attention kernel (``paged_decode_cpu.cpp``), built with the system
-C++ compiler on first use and cached by torch (``~/.cache/torch_extensions``).
+"""acb's native CPU kernels: decode attention over the paged cache
+(``paged_decode_cpu.cpp``) and the fused elementwise ops of the fused forward
+(``fused_cpu.cpp``), built with the system C++ compiler on first use and cached by
+torch (``~/.cache/torch_extensions``).
 
-``ACB_CPU_KERNEL=0`` turns it off; if it cannot be built, acb logs why once and
+``ACB_CPU_KERNEL=0`` turns them off; if one cannot be built, acb logs why once and
 uses its PyTorch path."""
 
 from __future__ import annotations
@@ -13,32 +15,41 @@ from pathlib import Path
 
 log = logging.getLogger("acb")
 _lock = threading.Lock()
-_module = None
-_failed = False
+_modules: dict[str, object] = {}
+_failed: set[str] = set()
 
 
-def paged_decode_kernel():
-    """The compiled module, or None when unavailable."""
-    global _module, _failed
-    if _module is not None or _failed:
-        return _module
+def _build(name: str, source: str, cflags: list[str]):
+    """Build (or load from torch's cache) one extension; None, logged once, if it cannot be."""
+    if name in _modules or name in _failed:
+        return _modules.get(name)
     if os.environ.get("ACB_CPU_KERNEL", "1") == "0":
-        _failed = True
+        _failed.add(name)
         return None
     with _lock:
-        if _module is None and not _failed:
+        if name not in _modules and name not in _failed:
             try:
                 from torch.utils.cpp_extension import load
 
-                src = Path(__file__).with_name("paged_decode_cpu.cpp")
-                _module = load(name="acb_paged_decode_cpu", sources=[str(src)],
-                               extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-                               extra_ldflags=["-fopenmp"],
-                               verbose=False)
+                src = Path(__file__).with_name(source)
+                _modules[name] = load(name=name, sources=[str(src)], extra_cflags=cflags,
+                                      extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as e:  # no compiler, no headers, ...
-                _failed = True
-                log.warning("acb: CPU decode kernel unavailable (%s); using the PyTorch path", e)
-    return _module
+                _failed.add(name)
+                log.warning("acb: CPU kernels %s unavailable (%s); using the PyTorch path", source, e)
+    return _modules.get(name)
+
+
+def paged_decode_kernel():
+    """The compiled decode-attention module, or None when unavailable."""
+    return _build("acb_paged_decode_cpu", "paged_decode_cpu.cpp",
+                  ["-O3", "-march=native", "-fopenmp", "-ffast-math"])
+
+
+def fused_kernels():
+    """The compiled fused elementwise module (``fused_cpu.cpp``: RMSNorm, RoPE), or None.
+    No fast-math: its results must match transformers' modules."""
+    return _build("acb_fused_cpu", "fused_cpu.cpp", ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"])
 
 
 _gomp = None

@@ -1,0 +1,201 @@
+"""acb's fused CPU forward for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3).
+
+transformers' eager forward of one decoder layer is ~200 PyTorch calls (views,
+casts, the RMSNorm's six ops, RoPE's slices and concatenations, the SiLU and the
+multiply, the residual adds), each dispatched from Python and, on the CPU, each a
+parallel region of its own. On a 64-row SmolLM2 decode step, where the whole layer's
+math takes ~3 ms, that is a third of the step. This forward runs the same math on
+the same weights (the model's own modules hold them) in about a dozen calls per layer:
+
+    h = rms_norm(x)                                native kernel (acb/kernels/fused_cpu.cpp)
+    q, k, v = h @ Wq, h @ Wk, h @ Wv               oneDNN, prepacked weights (+ Qwen3's q/k norms)
+    rope_(q), rope_(k)                             native kernel, in place, bit-identical to HF's
+    a = paged attention (acb.attention)            the same function the HF forward calls
+    x = a @ Wo + x                                 one GEMM with the residual add fused
+    h = rms_norm(x)
+    m = (h @ Wup) * silu(h @ Wgate)                two GEMMs, SiLU and the product fused
+    x = m @ Wdown + x                              one GEMM with the residual add fused
+
+Only the rows whose logits are kept go through the final norm and ``lm_head``.
+
+It is used only where it is known to compute what the model does: float32 on CPU,
+every projection prepacked, decoder layers of the classes listed in
+``_WINDOW``, SiLU MLPs, plain RMSNorms, and the native kernels built.
+``ACB_CPU_FUSED=0`` turns it off (the HF forward runs, as on every other model).
+Greedy parity with transformers' ``generate`` is tested with it on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import attention
+
+log = logging.getLogger("acb")
+
+# Decoder layer classes whose forward this module reproduces, and where each keeps the
+# attention's sliding window (transformers passes it to the attention function).
+_WINDOW = {
+    "LlamaDecoderLayer": lambda attn, config: None,
+    "MistralDecoderLayer": lambda attn, config: getattr(config, "sliding_window", None),
+    "Qwen2DecoderLayer": lambda attn, config: attn.sliding_window,
+    "Qwen3DecoderLayer": lambda attn, config: attn.sliding_window,
+}
+_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
+
+
+class _Logits:
+    __slots__ = ("logits",)
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+
+
+@dataclass(slots=True)
+class _Layer:
+    attn: torch.nn.Module  # passed to the attention function (its layer_idx picks the cache)
+    ln1: tuple[torch.Tensor, float]
+    ln2: tuple[torch.Tensor, float]
+    q: tuple[torch.Tensor, torch.Tensor | None]  # (packed weight, bias)
+    k: tuple[torch.Tensor, torch.Tensor | None]
+    v: tuple[torch.Tensor, torch.Tensor | None]
+    o: tuple[torch.Tensor, torch.Tensor | None]
+    gate: tuple[torch.Tensor, torch.Tensor | None]
+    up: tuple[torch.Tensor, torch.Tensor | None]
+    down: tuple[torch.Tensor, torch.Tensor | None]
+    q_norm: tuple[torch.Tensor, float] | None
+    k_norm: tuple[torch.Tensor, float] | None
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    window: int | None
+
+
+def _norm(module: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
+    if type(module).__name__ not in _NORMS or module.weight.dtype != torch.float32:
+        return None
+    return module.weight.detach().contiguous(), float(module.variance_epsilon)
+
+
+class FusedForward:
+    """Callable like the model for acb's runner: ``(input_ids=[1, T], position_ids=[1, T],
+    attention_mask=None, use_cache=False, logits_to_keep=[K]) -> .logits [1, K, vocab]``."""
+
+    def __init__(self, model: torch.nn.Module, layers: list[_Layer], kernels) -> None:
+        base = model.model
+        self.embed = base.embed_tokens
+        self.rotary = base.rotary_emb
+        self.norm = _norm(base.norm)
+        self.lm_head = model.lm_head
+        self.layers = layers
+        self.k = kernels
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, packed, kernels) -> FusedForward | None:
+        """The fused forward over ``model`` (its linears packed by ``packed``, a
+        :class:`acb.kernels.cpu_linear.Prepacked`), or None, with the reason logged,
+        where it does not apply."""
+        reason = _unsupported(model, packed, kernels)
+        if reason:
+            log.info("acb: fused CPU forward not used (%s); transformers' forward runs", reason)
+            return None
+        config = model.config
+        layers = []
+        for layer in model.model.layers[: config.num_hidden_layers]:
+            attn, mlp = layer.self_attn, layer.mlp
+
+            def lin(m: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+                return packed.layers[m].packed, m.bias
+
+            layers.append(_Layer(
+                attn=attn, ln1=_norm(layer.input_layernorm), ln2=_norm(layer.post_attention_layernorm),
+                q=lin(attn.q_proj), k=lin(attn.k_proj), v=lin(attn.v_proj), o=lin(attn.o_proj),
+                gate=lin(mlp.gate_proj), up=lin(mlp.up_proj), down=lin(mlp.down_proj),
+                q_norm=_norm(attn.q_norm) if hasattr(attn, "q_norm") else None,
+                k_norm=_norm(attn.k_norm) if hasattr(attn, "k_norm") else None,
+                heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
+                head_dim=attn.head_dim, scaling=float(attn.scaling),
+                window=_WINDOW[type(layer).__name__](attn, config),
+            ))
+        log.info("acb: fused CPU forward over %d %s layers", len(layers), type(model.model.layers[0]).__name__)
+        return cls(model, layers, kernels)
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
+                 use_cache: bool = False, logits_to_keep: torch.Tensor | int | None = None) -> _Logits:
+        k = self.k
+        linear = torch.ops.mkldnn._linear_pointwise
+        binary = linear.binary
+        x = self.embed(input_ids[0])  # [T, hidden]
+        total = x.shape[0]
+        cos, sin = self.rotary(x.unsqueeze(0), position_ids)
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, head_dim]
+        for layer in self.layers:
+            d = layer.head_dim
+            h = k.rms_norm(x, *layer.ln1)
+            q = linear(h, *layer.q, "none", [], "")
+            kk = linear(h, *layer.k, "none", [], "")
+            v = linear(h, *layer.v, "none", [], "")
+            if layer.q_norm is not None:  # Qwen3: RMSNorm over each head, before RoPE
+                q = k.rms_norm(q.view(-1, d), *layer.q_norm).view(total, -1)
+                kk = k.rms_norm(kk.view(-1, d), *layer.k_norm).view(total, -1)
+            k.rope_(q, cos, sin, d)
+            k.rope_(kk, cos, sin, d)
+            a, _ = attention.paged_attention(
+                layer.attn,
+                q.view(total, layer.heads, d).transpose(0, 1).unsqueeze(0),
+                kk.view(total, layer.kv_heads, d).transpose(0, 1).unsqueeze(0),
+                v.view(total, layer.kv_heads, d).transpose(0, 1).unsqueeze(0),
+                None, scaling=layer.scaling, sliding_window=layer.window,
+            )
+            x = binary(a.view(total, -1), x, *layer.o, "add")
+            h = k.rms_norm(x, *layer.ln2)
+            g = linear(h, *layer.gate, "swish", [], "")
+            m = binary(h, g, *layer.up, "mul")
+            x = binary(m, x, *layer.down, "add")
+        if isinstance(logits_to_keep, int):  # transformers' convention: the last N rows, 0 = all
+            x = x[-logits_to_keep:] if logits_to_keep else x
+        elif logits_to_keep is not None:
+            x = x.index_select(0, logits_to_keep)
+        return _Logits(self.lm_head(k.rms_norm(x, *self.norm)).unsqueeze(0))
+
+
+def _unsupported(model: torch.nn.Module, packed, kernels) -> str | None:
+    """Why the fused forward cannot stand in for ``model``'s, or None."""
+    if os.environ.get("ACB_CPU_FUSED", "1") == "0":
+        return "ACB_CPU_FUSED=0"
+    if kernels is None:
+        return "the native CPU kernels are not built"
+    if packed is None:
+        return "the linear layers are not prepacked"
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    config = getattr(model, "config", None)
+    if base is None or layers is None or config is None or not isinstance(getattr(model, "lm_head", None),
+                                                                         torch.nn.Module):
+        return "not a decoder-only model with .model.layers and .lm_head"
+    if any(not hasattr(base, a) for a in ("embed_tokens", "rotary_emb", "norm")):
+        return "the model lacks embed_tokens, rotary_emb or norm"
+    if type(base.embed_tokens) is not torch.nn.Embedding or _norm(base.norm) is None:
+        return "its embedding or final norm is not the plain kind"
+    if getattr(config, "hidden_act", None) != "silu" or getattr(config, "pretraining_tp", 1) != 1:
+        return f"hidden_act {getattr(config, 'hidden_act', None)!r} (only silu)"
+    for layer in layers[: config.num_hidden_layers]:
+        name = type(layer).__name__
+        if name not in _WINDOW:
+            return f"{name} is not a Llama-family decoder layer"
+        attn, mlp = layer.self_attn, layer.mlp
+        if type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
+            return "the MLP activation is not SiLU"
+        if _norm(layer.input_layernorm) is None or _norm(layer.post_attention_layernorm) is None:
+            return "a layer norm is not a plain float32 RMSNorm"
+        if name == "Qwen3DecoderLayer" and (_norm(attn.q_norm) is None or _norm(attn.k_norm) is None):
+            return "Qwen3's q/k norms are not plain RMSNorms"
+        for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            if m not in packed.layers:
+                return "a projection is not prepacked (shared or wrapped weight)"
+    return None

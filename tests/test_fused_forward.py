@@ -1,0 +1,192 @@
+"""The CPU fast path's fused pieces against what they replace: the fused forward of
+Llama-family decoders against transformers' own forward (same step, same cache), its
+native RMSNorm and RoPE against transformers' modules, the native prefill attention
+against a float64 reference, and greedy parity of whole engines with each piece on and
+off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from acb import EngineConfig, attention
+from acb.kernels.cpu import fused_kernels, paged_decode_kernel
+from acb.runner import ModelRunner, RowInput, StepInput
+from acb.testing import random_prompts, reference_greedy, tiny_engine, tiny_model
+
+FUSED_ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+
+
+def _kernels_or_skip():
+    if fused_kernels() is None or paged_decode_kernel() is None:
+        pytest.skip("the native CPU kernels did not build here")
+
+
+def _runner(model, pages=64, page_size=8):
+    runner = ModelRunner(model, pages, page_size)
+    runner.configure_fast_paths(EngineConfig(), 16)
+    return runner
+
+
+def _logits(runner, forward, rows):
+    input_ids, position_ids, keep, meta = runner._build(StepInput(rows=rows, sampling=None))
+    attention.set_step(meta)
+    try:
+        with torch.inference_mode():
+            return forward(input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
+                           attention_mask=None, use_cache=False, logits_to_keep=keep).logits[0]
+    finally:
+        attention.set_step(None)
+
+
+@pytest.mark.parametrize("arch", FUSED_ARCHS)
+def test_fused_forward_computes_the_models_logits(arch):
+    _kernels_or_skip()
+    model = tiny_model(arch, seed=3)
+    runner = _runner(model)
+    try:
+        assert runner.fused is not None, f"{arch}: the fused forward should stand in for transformers'"
+        prompts = random_prompts(3, 5, 40, seed=7)
+        rows, pages, next_page = [], [], 0
+        for p in prompts:  # three fresh prompts in one packed step, each on its own pages
+            need = (len(p) + 1 + 7) // 8
+            pages.append(list(range(next_page, next_page + need)))
+            next_page += need
+            rows.append(RowInput(tokens=p, start=0, pages=pages[-1], carry_from=-1, sample=True))
+        want = _logits(runner, runner.model, rows)
+        got = _logits(runner, runner.fused, rows)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        # then a decode step over the cache the prefill wrote
+        nxt = want.argmax(-1).tolist()
+        rows = [RowInput(tokens=[t], start=len(p), pages=pg, carry_from=-1, sample=True)
+                for t, p, pg in zip(nxt, prompts, pages, strict=True)]
+        want = _logits(runner, runner.model, rows)
+        got = _logits(runner, runner.fused, rows)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    finally:
+        runner.release()
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_other_architectures_keep_transformers_forward(arch, caplog):
+    _kernels_or_skip()
+    caplog.set_level("INFO", logger="acb")
+    runner = _runner(tiny_model(arch))
+    try:
+        assert runner.fused is None and runner._decode_forward is runner.model
+        assert "fused CPU forward not used" in caplog.text
+    finally:
+        runner.release()
+
+
+def test_fused_forward_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("ACB_CPU_FUSED", "0")
+    runner = _runner(tiny_model("llama"))
+    try:
+        assert runner.fused is None
+    finally:
+        runner.release()
+
+
+@pytest.mark.parametrize("fused", ["1", "0"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+async def test_greedy_parity_with_the_fused_forward_on_and_off(arch, fused, monkeypatch):
+    monkeypatch.setenv("ACB_CPU_FUSED", fused)
+    prompts = random_prompts(6, 3, 50, seed=11)
+    async with tiny_engine(arch, seed=2) as engine:
+        assert (engine._runner.fused is not None) == (fused == "1" and fused_kernels() is not None)
+        got = await engine.generate_batch(prompts, max_new_tokens=12, ignore_eos=True)
+        for prompt, result in zip(prompts, got, strict=True):
+            assert result.token_ids == reference_greedy(engine.model, prompt, 12)
+
+
+def test_native_rms_norm_matches_transformers():
+    _kernels_or_skip()
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(96, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(37, 96) * 3
+    got = fused_kernels().rms_norm(x, norm.weight.detach(), norm.variance_epsilon)
+    torch.testing.assert_close(got, norm(x).detach(), rtol=1e-6, atol=1e-6)
+    strided = torch.randn(37, 200)[:, 10:106]  # rows of a wider tensor
+    torch.testing.assert_close(fused_kernels().rms_norm(strided, norm.weight.detach(), 1e-5),
+                               norm(strided.contiguous()).detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_native_rope_is_bit_identical_to_transformers():
+    _kernels_or_skip()
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    torch.manual_seed(1)
+    t, heads, kv_heads, d = 29, 6, 2, 32
+    cos, sin = torch.randn(t, d), torch.randn(t, d)
+    q, k = torch.randn(t, heads * d), torch.randn(t, kv_heads * d)
+    want_q, want_k = apply_rotary_pos_emb(q.view(1, t, heads, d).transpose(1, 2),
+                                          k.view(1, t, kv_heads, d).transpose(1, 2), cos[None], sin[None])
+    fused_kernels().rope_(q, cos, sin, d)
+    fused_kernels().rope_(k, cos, sin, d)
+    assert torch.equal(q, want_q[0].transpose(0, 1).reshape(t, -1))
+    assert torch.equal(k, want_k[0].transpose(0, 1).reshape(t, -1))
+
+
+def _attention_reference(q, k, v, past, scale, softcap, window):
+    """q [H, n, d] at positions past.., k/v [KVH, past + n, d] -> [n, H, d], in float64."""
+    groups = q.shape[0] // k.shape[0]
+    length = k.shape[1]
+    s = q.double() @ k.double().repeat_interleave(groups, 0).transpose(1, 2) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    i = torch.arange(past, length).unsqueeze(1)
+    j = torch.arange(length).unsqueeze(0)
+    allowed = j <= i
+    if window:
+        allowed &= j > i - window
+    probs = s.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return (probs @ v.double().repeat_interleave(groups, 0)).transpose(0, 1).float()
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 1, 16), (8, 8, 128), (4, 2, 32), (4, 1, 256)])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (37, 0.0), (0, 20.0)])
+def test_native_prefill_attention_matches_a_reference(heads, kv_heads, dim, window, softcap):
+    kernel = paged_decode_kernel()
+    if kernel is None:
+        pytest.skip("the native CPU kernel did not build here")
+    torch.manual_seed(heads + dim + window)
+    lengths = [1, 5, 31, 32, 33, 100, 203]  # around the 32-key blocks and 16-query items
+    total = sum(lengths) + 3
+    # packed step layout: [T, H, d] storage seen as [H, T, d], as the attention function gets it
+    q = torch.randn(total, heads, dim).transpose(0, 1)
+    k = torch.randn(total, kv_heads, dim).transpose(0, 1)
+    v = torch.randn(total, kv_heads, dim).transpose(0, 1)
+    spans, t = [], 2
+    for n in lengths:
+        spans.append((t, t + n, t, 0))
+        t += n
+    out = torch.zeros(total, heads, dim)
+    assert kernel.prefill_attention(q, k, v, torch.tensor(spans), out, dim**-0.5, softcap, window)
+    for first, end, _, _ in spans:
+        want = _attention_reference(q[:, first:end], k[:, first:end], v[:, first:end], 0, dim**-0.5, softcap, window)
+        torch.testing.assert_close(out[first:end], want, rtol=1e-5, atol=1e-5)
+    assert not out[:2].any() and not out[-1].any()  # rows outside every span untouched
+    # a continued chunk: 40 queries at positions 75.. over a separate 115-key context
+    past, n = 75, 40
+    ctx_k = torch.randn(past + n, kv_heads, dim).transpose(0, 1)
+    ctx_v = torch.randn(past + n, kv_heads, dim).transpose(0, 1)
+    out = torch.zeros(total, heads, dim)
+    assert kernel.prefill_attention(q, ctx_k, ctx_v, torch.tensor([[5, 5 + n, 0, past]]), out, dim**-0.5,
+                                    softcap, window)
+    want = _attention_reference(q[:, 5:5 + n], ctx_k, ctx_v, past, dim**-0.5, softcap, window)
+    torch.testing.assert_close(out[5:5 + n], want, rtol=1e-5, atol=1e-5)
+
+
+def test_native_prefill_attention_declines_what_it_does_not_cover():
+    kernel = paged_decode_kernel()
+    if kernel is None:
+        pytest.skip("the native CPU kernel did not build here")
+    q, k, v = torch.randn(2, 10, 24), torch.randn(1, 10, 24), torch.randn(1, 10, 24)  # head dim 24
+    out = torch.zeros(10, 2, 24)
+    assert not kernel.prefill_attention(q, k, v, torch.tensor([[0, 10, 0, 0]]), out, 0.2, 0.0, 0)
+    assert not out.any()
