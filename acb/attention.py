@@ -133,13 +133,20 @@ def paged_attention(
 
     if meta.decode_token_idx is not None:
         idx = meta.decode_token_idx
-        if meta.decode_kernel is not None:  # the runner sets it for float32 CPU models only
+        if meta.decode_kernel is not None and not meta.prefills:
+            # a decode-only step: every packed token is a decode row, in order; the
+            # kernel reads the queries in place and writes straight into the output
+            _decode_native(meta, q_all.transpose(0, 1).contiguous(), k_cache, v_cache, scaling, sliding_window,
+                           softcap, out)
+            idx = None
+        elif meta.decode_kernel is not None:  # the runner sets it for float32 CPU models only
             o = _decode_native(meta, q_all.index_select(1, idx).transpose(0, 1).contiguous(),
                                k_cache, v_cache, scaling, sliding_window, softcap)
         else:
             o = _decode_torch(meta, q_all.index_select(1, idx), k_cache, v_cache, kv_heads, scaling,
                               sliding_window, softcap)
-        out.index_copy_(0, idx, o.to(out.dtype))
+        if idx is not None:
+            out.index_copy_(0, idx, o.to(out.dtype))
 
     spans = meta.prefills
     kernel = meta.prefill_kernel
@@ -195,9 +202,12 @@ def _prefill_mask(past: int, length: int, sliding_window: int | None, device) ->
 
 
 def _decode_native(meta: StepAttention, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   scaling: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
-    """q [Bd, H, d] -> [Bd, H, d], reading keys and values straight from their pages."""
-    o = torch.empty_like(q)
+                   scaling: float, sliding_window: int | None, softcap: float | None,
+                   o: torch.Tensor | None = None) -> torch.Tensor:
+    """q [Bd, H, d] -> [Bd, H, d] (into ``o`` when given), reading keys and values
+    straight from their pages."""
+    if o is None:
+        o = torch.empty_like(q)
     meta.decode_kernel.paged_decode(q, k_cache, v_cache, meta.decode_pages, meta.decode_lengths, o,
                                     meta.page_size, scaling, softcap or 0.0, sliding_window or 0)
     return o

@@ -77,7 +77,8 @@ void rope_(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin, 
   });
 }
 
+// The GIL is released while a kernel runs: the event loop's thread keeps serving.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm over rows (float32)");
-  m.def("rope_", &rope_, "rotary embedding in place (float32)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over rows (float32)", py::call_guard<py::gil_scoped_release>());
+  m.def("rope_", &rope_, "rotary embedding in place (float32)", py::call_guard<py::gil_scoped_release>());
 }

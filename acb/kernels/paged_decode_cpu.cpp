@@ -36,10 +36,10 @@ static inline __m512 exp16(__m512 x) {
 
 // Pages are scattered, so hardware prefetch stops at each one: fetch a key's (or value's)
 // row a few positions ahead.
-template <int D>
+template <int D, int HINT = _MM_HINT_T0>
 static inline void prefetch_row(const float* base, const int64_t* pages, int64_t page_size, int64_t pos) {
   const char* row = reinterpret_cast<const char*>(base + (pages[pos / page_size] * page_size + pos % page_size) * D);
-  for (int c = 0; c < D * 4; c += 64) _mm_prefetch(row + c, _MM_HINT_T0);
+  for (int c = 0; c < D * 4; c += 64) _mm_prefetch(row + c, static_cast<_mm_hint>(HINT));
 }
 
 // One (row, kv head): G query heads of DC*16 dims over n keys starting at position
@@ -52,11 +52,13 @@ static void decode_item_avx512(const float* qrow, const float* kbase, const floa
   __m512 q[G * DC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < DC; ++c) q[g * DC + c] = _mm512_loadu_ps(qrow + g * D + c * 16);
-  constexpr int64_t AHEAD = 8;  // positions to prefetch ahead
+  constexpr int64_t AHEAD = 8;  // positions to prefetch ahead into L1
+  constexpr int64_t FAR = 32;   // and into L2
   for (int64_t i = 0; i < n; ++i) {
     const int64_t pos = first + i;
     const float* k = kbase + (pages[pos / page_size] * page_size + pos % page_size) * D;
     if (i + AHEAD < n) prefetch_row<D>(kbase, pages, page_size, pos + AHEAD);
+    if (i + FAR < n) prefetch_row<D, _MM_HINT_T1>(kbase, pages, page_size, pos + FAR);
     for (int g = 0; g < G; ++g) {
       __m512 acc = _mm512_mul_ps(q[g * DC], _mm512_loadu_ps(k));
       for (int c = 1; c < DC; ++c) acc = _mm512_fmadd_ps(q[g * DC + c], _mm512_loadu_ps(k + c * 16), acc);
@@ -92,6 +94,7 @@ static void decode_item_avx512(const float* qrow, const float* kbase, const floa
     const int64_t pos = first + i;
     const float* v = vbase + (pages[pos / page_size] * page_size + pos % page_size) * D;
     if (i + AHEAD < n) prefetch_row<D>(vbase, pages, page_size, pos + AHEAD);
+    if (i + FAR < n) prefetch_row<D, _MM_HINT_T1>(vbase, pages, page_size, pos + FAR);
     for (int g = 0; g < G; ++g) {
       const __m512 w = _mm512_set1_ps(scores[g * n + i]);
       for (int c = 0; c < DC; ++c) acc[g * DC + c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + c * 16), acc[g * DC + c]);
@@ -491,5 +494,9 @@ bool prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const tor
 #endif
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
-  m.def("prefill_attention", &prefill_attention, "causal prefill attention of fresh prompts (CPU)"); }
+// The GIL is released while a kernel runs: the event loop's thread keeps serving.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", py::call_guard<py::gil_scoped_release>());
+  m.def("prefill_attention", &prefill_attention, "causal prefill attention of prompt chunks (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+}
