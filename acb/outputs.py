@@ -75,14 +75,14 @@ class Outputs:
             seq = row.seq
             end = row.start + row.num_tokens
             if row.carry:
-                tokens = seq.token_at(row.start, end - 1) + [0]
+                tokens = (*seq.token_at(row.start, end - 1), 0)
                 carry_from = carry_index.get(id(seq), -1)
             else:
-                tokens = seq.token_at(row.start, end)
+                tokens = tuple(seq.token_at(row.start, end))
                 carry_from = -1
             npages = pages_for(end)
-            rows.append(RowInput(tokens, row.start, seq.block_table[:npages], carry_from, row.sample,
-                                 seq.swa_table[:npages] if seq.swa_table else None))
+            rows.append(RowInput(tokens, row.start, tuple(seq.block_table[:npages]), carry_from, row.sample,
+                                 tuple(seq.swa_table[:npages]) if seq.swa_table else None))
             if row.sample:
                 req = self.live.get(seq.seq_id)
                 p = req.params if req is not None else default

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -19,16 +21,22 @@ from .sampling import SamplingBatch, sample
 log = logging.getLogger("acb")
 
 
-@dataclass(slots=True)
-class RowInput:
-    """One row of a step, as the runner needs it (a snapshot: safe across threads)."""
+class RowInput(NamedTuple):
+    """One row of a step, as the runner needs it (a snapshot: safe across threads).
 
-    tokens: list[int]  # input ids; the last one is a placeholder when ``carry_from`` >= 0
+    A tuple of ints and tuples of ints on purpose: CPython's cyclic GC stops tracking
+    such tuples at its first look, so the thousands of rows a step holds while it
+    runs are never promoted to the old generation (with lists and objects they were,
+    and the full collections that triggered, each over every object torch and
+    transformers keep, made the engine's per-request cost grow with the number of
+    live requests)."""
+
+    tokens: Sequence[int]  # input ids; the last one is a placeholder when ``carry_from`` >= 0
     start: int  # position of tokens[0]
-    pages: list[int]  # the block-table prefix covering positions [0, start + len(tokens))
+    pages: Sequence[int]  # the block-table prefix covering positions [0, start + len(tokens))
     carry_from: int  # index into the previous step's sampled ids, or -1
     sample: bool
-    swa_pages: list[int] | None = None  # hybrid models: the sliding layers' block-table prefix
+    swa_pages: Sequence[int] | None = None  # hybrid models: the sliding layers' block-table prefix
 
 
 @dataclass(slots=True)

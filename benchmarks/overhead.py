@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import gc
 import pstats
 import sys
 import time
@@ -54,6 +55,16 @@ async def measure(live: int, steps: int, profile: bool) -> dict:
         while engine.stats().running < live or engine.stats().generated_tokens < live:
             await asyncio.sleep(0.001)
         prof = cProfile.Profile() if profile else None
+        gc_time = [0.0, 0.0, 0]  # seconds in CPython's cyclic GC, start of the current pass, full passes
+
+        def on_gc(phase: str, info: dict) -> None:
+            if phase == "start":
+                gc_time[1] = time.perf_counter()
+            else:
+                gc_time[0] += time.perf_counter() - gc_time[1]
+                gc_time[2] += info["generation"] == 2
+
+        gc.callbacks.append(on_gc)
         s0, cpu0, t0 = engine.stats().steps, time.process_time(), time.perf_counter()
         if prof:
             prof.enable()
@@ -62,19 +73,21 @@ async def measure(live: int, steps: int, profile: bool) -> dict:
         if prof:
             prof.disable()
         dt, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        gc.callbacks.remove(on_gc)
         n = engine.stats().steps - s0
         for h in handles:
             h.cancel()
     if prof:
         pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
     return {"live": live, "steps_per_s": n / dt, "ms_per_step": 1e3 * dt / n,
-            "us_per_step_per_request": 1e6 * dt / n / live, "cpu_s_per_wall_s": cpu / dt}
+            "us_per_step_per_request": 1e6 * dt / n / live, "cpu_s_per_wall_s": cpu / dt,
+            "gc_ms_per_step": 1e3 * gc_time[0] / n, "full_gc_passes": gc_time[2]}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--live", default="16,256,1024")
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=200)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--gc-tuned", action="store_true",
                    help="gc.freeze() and gc.set_threshold(50_000, 20, 100), as `acb serve` does")
@@ -84,11 +97,11 @@ def main() -> None:
 
         gc.freeze()
         gc.set_threshold(50_000, 20, 100)
-    print(f"{'live':>6}{'steps/s':>10}{'ms/step':>10}{'us/step/req':>13}")
+    print(f"{'live':>6}{'steps/s':>10}{'ms/step':>10}{'us/step/req':>13}{'GC ms/step':>12}{'full GCs':>10}")
     for live in map(int, args.live.split(",")):
         r = asyncio.run(measure(live, args.steps, args.profile))
-        print(f"{r['live']:>6}{r['steps_per_s']:>10.1f}{r['ms_per_step']:>10.2f}{r['us_per_step_per_request']:>13.1f}",
-              flush=True)
+        print(f"{r['live']:>6}{r['steps_per_s']:>10.1f}{r['ms_per_step']:>10.2f}{r['us_per_step_per_request']:>13.1f}"
+              f"{r['gc_ms_per_step']:>12.2f}{r['full_gc_passes']:>10}", flush=True)
 
 
 if __name__ == "__main__":
