@@ -16,7 +16,7 @@ from .config import SamplingParams
 from .detokenizer import Detokenizer, StopMatcher
 from .errors import RequestFailedError, caused
 from .request import Completion, Mailbox, RequestMetrics
-from .runner import RowInput, StepInput, StepOutput
+from .runner import StepInput, StepOutput
 from .sampling import SamplingBatch
 from .scheduler import Scheduler, Sequence, StepPlan
 
@@ -63,16 +63,15 @@ class Outputs:
         carry_index: dict[int, int] = {}
         if prev is not None:
             j = 0
-            for row in prev.rows:
+            for seq, row in prev.items():
                 if row.sample:
-                    carry_index[id(row.seq)] = j
+                    carry_index[id(seq)] = j
                     j += 1
-        rows: list[RowInput] = []
+        rows: list[tuple] = []
         sampling_rows = []
         want_logprobs = False
         pages_for = self.scheduler.kv.pages_for
-        for row in plan.rows:
-            seq = row.seq
+        for seq, row in plan.items():
             end = row.start + row.num_tokens
             if row.carry:
                 tokens = (*seq.token_at(row.start, end - 1), 0)
@@ -81,8 +80,10 @@ class Outputs:
                 tokens = tuple(seq.token_at(row.start, end))
                 carry_from = -1
             npages = pages_for(end)
-            rows.append(RowInput(tokens, row.start, tuple(seq.block_table[:npages]), carry_from, row.sample,
-                                 tuple(seq.swa_table[:npages]) if seq.swa_table else None))
+            # a plain tuple in RowInput's field order: CPython's GC untracks exact tuples
+            # of ints (not NamedTuple instances) at its first look
+            rows.append((tokens, row.start, tuple(seq.block_table[:npages]), carry_from, row.sample,
+                         tuple(seq.swa_table[:npages]) if seq.swa_table else None))
             if row.sample:
                 req = self.live.get(seq.seq_id)
                 p = req.params if req is not None else default
@@ -94,8 +95,8 @@ class Outputs:
         """Fail the requests of a step that raised (the engine goes on serving)."""
         if self.scheduler.host_pool is not None:
             self._discard_offloads_from(plan, error)
-        for row in plan.rows:
-            req = self.current(row.seq, row.epoch)
+        for seq, row in plan.items():
+            req = self.current(seq, row.epoch)
             if req is not None:
                 self.fail(req, caused(RequestFailedError(
                     f"the model step failed for request {req.request_id}: {error!r}", req.request_id), error))
@@ -105,7 +106,7 @@ class Outputs:
         (their last rows ran in it) or may not have done its swap-outs: such a
         sequence is recomputed instead, or fails if it was already restored."""
         suspects = {id(s): s for s in plan.offloaded}
-        suspects.update((id(r.seq), r.seq) for r in plan.rows if r.epoch != r.seq.epoch)
+        suspects.update((id(seq), seq) for seq, r in plan.items() if r.epoch != seq.epoch)
         for seq in suspects.values():
             req = self.current(seq)
             if req is None:
@@ -121,13 +122,12 @@ class Outputs:
         """Take a finished step's sampled tokens into their requests."""
         kv = self.scheduler.kv
         j = 0
-        for row in plan.rows:
+        for seq, row in plan.items():
             token = logprob = None
             if row.sample:
                 token = out.token_ids[j]
                 logprob = out.logprobs[j] if out.logprobs is not None else None
                 j += 1
-            seq = row.seq
             req = self.current(seq, row.epoch)
             if req is None:
                 continue  # finished, cancelled or preempted since this step was planned

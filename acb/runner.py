@@ -24,12 +24,13 @@ log = logging.getLogger("acb")
 class RowInput(NamedTuple):
     """One row of a step, as the runner needs it (a snapshot: safe across threads).
 
-    A tuple of ints and tuples of ints on purpose: CPython's cyclic GC stops tracking
-    such tuples at its first look, so the thousands of rows a step holds while it
-    runs are never promoted to the old generation (with lists and objects they were,
-    and the full collections that triggered, each over every object torch and
-    transformers keep, made the engine's per-request cost grow with the number of
-    live requests)."""
+    The engine sends each row as a plain tuple of ints and tuples of ints in this
+    order, and the runner unpacks rows by position: CPython's cyclic GC stops
+    tracking exact tuples of ints at its first look, so the thousands of rows a
+    step holds while it runs never reach its old generation. (As objects or lists
+    they did, and the full collections that triggered, each over every object torch
+    and transformers keep, made the engine's per-request cost grow with the number
+    of live requests.) This class names the fields; tests may build rows with it."""
 
     tokens: Sequence[int]  # input ids; the last one is a placeholder when ``carry_from`` >= 0
     start: int  # position of tokens[0]
@@ -41,7 +42,7 @@ class RowInput(NamedTuple):
 
 @dataclass(slots=True)
 class StepInput:
-    rows: list[RowInput]
+    rows: list[tuple]  # RowInput's fields, by position
     sampling: SamplingBatch  # one entry per sampled row, in row order
     # CPU offload, before the forward, swap-outs first (see StepPlan for the tuples)
     swap_out: list[tuple[int, ...]] = field(default_factory=list)
@@ -258,7 +259,6 @@ class ModelRunner:
         keep: list[int] = []
         carry_pos: list[int] = []
         carry_src: list[int] = []
-        decode_rows: list[int] = []
         decode_q: list[int] = []
         fresh: list[int] = []
         prefills: list[attention.PrefillSpan] = []
@@ -266,38 +266,41 @@ class ModelRunner:
         swa_slots: list[int] = []
         swa_fresh: list[int] = []
         swa_ctx: list[torch.Tensor | None] = []
-        for i, row in enumerate(step.rows):
+        lengths: list[int] = []  # decode rows' context lengths and page tables
+        tables: list[Sequence[int]] = []
+        swa_tables: list[Sequence[int] | None] = []
+        # rows are unpacked by position: the engine sends plain tuples (see RowInput)
+        for row_tokens, start, pages, carry_from, sampled, swa_pages in step.rows:
             q0 = len(tokens)
-            n = len(row.tokens)
-            tokens.extend(row.tokens)
-            pages = row.pages
-            positions.extend(range(row.start, row.start + n))
-            self._place(pages, row.start, n, self._zeroed, slots, fresh)
+            n = len(row_tokens)
+            tokens.extend(row_tokens)
+            positions.extend(range(start, start + n))
+            self._place(pages, start, n, self._zeroed, slots, fresh)
             if swa:
-                self._place(row.swa_pages, row.start, n, self._zeroed_swa, swa_slots, swa_fresh)
-            if row.carry_from >= 0:
+                self._place(swa_pages, start, n, self._zeroed_swa, swa_slots, swa_fresh)
+            if carry_from >= 0:
                 carry_pos.append(q0 + n - 1)
-                carry_src.append(row.carry_from)
-            if row.sample:
+                carry_src.append(carry_from)
+            if sampled:
                 keep.append(q0 + n - 1)
             if n == 1:
-                decode_rows.append(i)
                 decode_q.append(q0)
+                lengths.append(start + 1)
+                tables.append(pages)
+                swa_tables.append(swa_pages)
             else:
                 ctx = None
-                if row.start > 0:
-                    ctx = self._page_table([pages], row.start + n)
+                if start > 0:
+                    ctx = self._page_table([pages], start + n)
                     if swa:
-                        swa_ctx.append(self._page_table([row.swa_pages], row.start + n, self.swa_pages))
+                        swa_ctx.append(self._page_table([swa_pages], start + n, self.swa_pages))
                 elif swa:
                     swa_ctx.append(None)
-                prefills.append(attention.PrefillSpan(q0, q0 + n, row.start, ctx))
+                prefills.append(attention.PrefillSpan(q0, q0 + n, start, ctx))
         # decode rows' contexts; a decode-only step may be padded to a graph bucket
-        lengths = [step.rows[i].start + 1 for i in decode_rows]
-        tables = [step.rows[i].pages for i in decode_rows]
         width = max(lengths, default=0)
         padded = False
-        if self.decode_padding is not None and decode_rows and not prefills:
+        if self.decode_padding is not None and decode_q and not prefills:
             padded_width = self.decode_padding.pad(tokens, positions, slots, decode_q, lengths, tables)
             if padded_width is not None:
                 width, padded = padded_width, True
@@ -321,7 +324,7 @@ class ModelRunner:
             decode_token_idx=None, decode_pages=None, decode_key_pos=None, decode_q_pos=None,
             decode_valid=None, prefills=prefills, page_size=ps,
         )
-        if decode_rows:
+        if decode_q:
             meta.padded = padded
             meta.decode_pages = self._page_table(tables, width)
             lmax = meta.decode_pages.shape[1] * ps
@@ -347,8 +350,7 @@ class ModelRunner:
                 meta, slot_mapping=self._tensor(swa_slots),
                 prefills=[attention.PrefillSpan(sp.q_start, sp.q_end, sp.past, c)
                           for sp, c in zip(prefills, swa_ctx, strict=True)],
-                decode_pages=self._page_table([step.rows[i].swa_pages for i in decode_rows], width, self.swa_pages)
-                if decode_rows else None,
+                decode_pages=self._page_table(swa_tables, width, self.swa_pages) if decode_q else None,
             )
             meta.swa_layers = self.swa_layers
         keep_t = self._tensor(keep)

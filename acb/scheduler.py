@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .kv_cache import RECYCLED, HostPool, KVCacheManager, chain_hash
 
@@ -64,9 +65,10 @@ class Sequence:
         return self.prompt_ids[start:] + self.output_ids[: stop - np_]
 
 
-@dataclass(slots=True)
-class Row:
-    seq: Sequence
+class Row(NamedTuple):
+    """One row of a plan; its sequence is ``StepPlan.seqs`` at the same index (rows
+    hold no object references, one list per plan does)."""
+
     start: int  # first position computed by this row
     num_tokens: int
     sample: bool  # the row reaches the end of the sequence: sample its next token
@@ -79,6 +81,7 @@ class StepPlan:
     rows: list[Row]
     preempted: list[Sequence]
     index: int = 0
+    seqs: list[Sequence] = field(default_factory=list)  # the sequence of each row
     # CPU offload, done by the runner before the forward, swap-outs first:
     # (device page, host slot[, sliding page or -1]) and (host slot, device page[, sliding page or -1]):
     # hybrid models offload an entry's sliding-layer page with it, when it has one
@@ -89,6 +92,10 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(r.num_tokens for r in self.rows)
+
+    def items(self) -> zip:
+        """(sequence, row) pairs, in row order."""
+        return zip(self.seqs, self.rows, strict=True)
 
 
 class Scheduler:
@@ -181,8 +188,7 @@ class Scheduler:
         else:
             budget = self._continue_running(plan, budget)
             self._admit(plan, budget)
-        for row in plan.rows:
-            seq = row.seq
+        for seq, row in plan.items():
             seq.num_computed += row.num_tokens
             if row.sample:
                 seq.num_inflight += 1
@@ -201,12 +207,11 @@ class Scheduler:
     def _add_row(self, plan: StepPlan, seq: Sequence, n: int) -> None:
         end = seq.num_computed + n
         sample = end == seq.num_tokens
-        plan.rows.append(
-            Row(seq, seq.num_computed, n, sample, sample and seq.num_inflight > 0, seq.epoch)
-        )
+        plan.seqs.append(seq)
+        plan.rows.append(Row(seq.num_computed, n, sample, sample and seq.num_inflight > 0, seq.epoch))
 
     def _continue_running(self, plan: StepPlan, budget: int) -> int:
-        scheduled: set[int] = {id(r.seq) for r in plan.rows}
+        scheduled: set[int] = {id(seq) for seq in plan.seqs}
         for seq in list(self.running):
             if budget <= 0 or len(plan.rows) >= self.max_requests:
                 break

@@ -153,10 +153,10 @@ def test_scheduler_offloads_the_victim_and_restores_it_into_fresh_pages():
     while not b.host_table:
         plan = sched.schedule()
         plans.append(plan)
-        for row in plan.rows:
+        for seq, row in plan.items():
             if row.sample:
-                row.seq.num_inflight = 0
-                row.seq.output_ids.append(1)
+                seq.num_inflight = 0
+                seq.output_ids.append(1)
     # b (newest) was offloaded: its known tokens' KV minus the last one, in host slots
     assert b.status == "waiting" and b.num_offloaded_tokens == b.num_tokens - 1
     assert len([s for s in b.host_table if s >= 0]) == kv.pages_for(b.num_offloaded_tokens)
@@ -165,7 +165,7 @@ def test_scheduler_offloads_the_victim_and_restores_it_into_fresh_pages():
     slots = [s for s in b.host_table if s >= 0]
     sched.finish(a)
     plan = sched.schedule()
-    assert [r.seq for r in plan.rows] == [b] and plan.rows[0].num_tokens == 1  # only the last token
+    assert plan.seqs == [b] and plan.rows[0].num_tokens == 1  # only the last token
     assert [slot for slot, _ in plan.swap_in] == slots
     assert b.host_table is None and b.num_computed == len(b.prompt_ids) + len(b.output_ids)
     assert [page for _, page in plan.swap_in] == b.block_table[: len(plan.swap_in)]

@@ -18,8 +18,7 @@ def _seq(i, n_prompt, max_new=4):
 def _finish_step(sched, plan, rng=None, eos_p=0.0):
     """Pretend the device ran the plan: append a token per sampled row."""
     done = []
-    for row in plan.rows:
-        seq = row.seq
+    for seq, row in plan.items():
         if row.sample and seq.status == "running" and row.epoch == seq.epoch:
             seq.num_inflight -= 1
             seq.output_ids.append(7)
@@ -51,7 +50,7 @@ def test_decodes_go_first_then_new_prefills_fill_the_budget():
     _finish_step(s, s.schedule())
     s.add(b)
     plan = s.schedule()
-    assert [(r.seq.seq_id, r.num_tokens) for r in plan.rows] == [("r0", 1), ("r1", 7)]
+    assert [(seq.seq_id, r.num_tokens) for seq, r in plan.items()] == [("r0", 1), ("r1", 7)]
 
 
 def test_prefill_first_admits_new_prompts_before_decodes():
@@ -62,7 +61,7 @@ def test_prefill_first_admits_new_prompts_before_decodes():
     _finish_step(s, s.schedule())
     s.add(b)
     plan = s.schedule()
-    assert [(r.seq.seq_id, r.num_tokens) for r in plan.rows] == [("r1", 8)]
+    assert [(seq.seq_id, r.num_tokens) for seq, r in plan.items()] == [("r1", 8)]
 
 
 def test_request_cap_bounds_rows_per_step():
@@ -80,7 +79,7 @@ def test_safety_margin_holds_back_new_prefills_not_decodes():
     _finish_step(s, s.schedule())
     s.add(_seq(1, 8))  # would leave 4 free < 5 = margin
     plan = s.schedule()
-    assert [r.seq.seq_id for r in plan.rows] == ["r0"]
+    assert [seq.seq_id for seq in plan.seqs] == ["r0"]
 
 
 def test_full_cache_preempts_the_newest_request_and_it_resumes_first():
