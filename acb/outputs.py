@@ -63,28 +63,28 @@ class Outputs:
         carry_index: dict[int, int] = {}
         if prev is not None:
             j = 0
-            for seq, row in prev.items():
-                if row.sample:
+            for seq, (_, _, sample, _, _) in prev.items():
+                if sample:
                     carry_index[id(seq)] = j
                     j += 1
         rows: list[tuple] = []
         sampling_rows = []
         want_logprobs = False
         pages_for = self.scheduler.kv.pages_for
-        for seq, row in plan.items():
-            end = row.start + row.num_tokens
-            if row.carry:
-                tokens = (*seq.token_at(row.start, end - 1), 0)
+        for seq, (start, num_tokens, sample, carry, _) in plan.items():
+            end = start + num_tokens
+            if carry:
+                tokens = (*seq.token_at(start, end - 1), 0)
                 carry_from = carry_index.get(id(seq), -1)
             else:
-                tokens = tuple(seq.token_at(row.start, end))
+                tokens = tuple(seq.token_at(start, end))
                 carry_from = -1
             npages = pages_for(end)
             # a plain tuple in RowInput's field order: CPython's GC untracks exact tuples
             # of ints (not NamedTuple instances) at its first look
-            rows.append((tokens, row.start, tuple(seq.block_table[:npages]), carry_from, row.sample,
+            rows.append((tokens, start, tuple(seq.block_table[:npages]), carry_from, sample,
                          tuple(seq.swa_table[:npages]) if seq.swa_table else None))
-            if row.sample:
+            if sample:
                 req = self.live.get(seq.seq_id)
                 p = req.params if req is not None else default
                 sampling_rows.append((p.temperature, p.top_k, p.top_p, p.seed, seq.num_generated - 1))
@@ -95,8 +95,8 @@ class Outputs:
         """Fail the requests of a step that raised (the engine goes on serving)."""
         if self.scheduler.host_pool is not None:
             self._discard_offloads_from(plan, error)
-        for seq, row in plan.items():
-            req = self.current(seq, row.epoch)
+        for seq, (_, _, _, _, epoch) in plan.items():
+            req = self.current(seq, epoch)
             if req is not None:
                 self.fail(req, caused(RequestFailedError(
                     f"the model step failed for request {req.request_id}: {error!r}", req.request_id), error))
@@ -106,7 +106,7 @@ class Outputs:
         (their last rows ran in it) or may not have done its swap-outs: such a
         sequence is recomputed instead, or fails if it was already restored."""
         suspects = {id(s): s for s in plan.offloaded}
-        suspects.update((id(seq), seq) for seq, r in plan.items() if r.epoch != seq.epoch)
+        suspects.update((id(seq), seq) for seq, (_, _, _, _, epoch) in plan.items() if epoch != seq.epoch)
         for seq in suspects.values():
             req = self.current(seq)
             if req is None:
@@ -122,16 +122,16 @@ class Outputs:
         """Take a finished step's sampled tokens into their requests."""
         kv = self.scheduler.kv
         j = 0
-        for seq, row in plan.items():
+        for seq, (start, num_tokens, sample, _, epoch) in plan.items():
             token = logprob = None
-            if row.sample:
+            if sample:
                 token = out.token_ids[j]
                 logprob = out.logprobs[j] if out.logprobs is not None else None
                 j += 1
-            req = self.current(seq, row.epoch)
+            req = self.current(seq, epoch)
             if req is None:
                 continue  # finished, cancelled or preempted since this step was planned
-            done = row.start + row.num_tokens
+            done = start + num_tokens
             if kv.enable_prefix_caching and done // kv.page_size > seq.num_registered_pages:
                 seq.num_registered_pages, seq.last_page_hash = kv.register_full_pages(
                     seq.block_table, seq.token_at(0, done), seq.num_registered_pages, seq.last_page_hash, done,

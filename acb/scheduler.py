@@ -66,8 +66,11 @@ class Sequence:
 
 
 class Row(NamedTuple):
-    """One row of a plan; its sequence is ``StepPlan.seqs`` at the same index (rows
-    hold no object references, one list per plan does)."""
+    """The fields of one row of a plan, in order; its sequence is ``StepPlan.seqs`` at
+    the same index. Plans hold rows as plain tuples (``Row(*row)`` names them): exact
+    tuples of ints, which CPython's GC stops tracking at its first look, so the rows
+    of the plans in flight (one per live request) never reach its old generation. A
+    NamedTuple instance it never untracks."""
 
     start: int  # first position computed by this row
     num_tokens: int
@@ -78,7 +81,7 @@ class Row(NamedTuple):
 
 @dataclass(slots=True)
 class StepPlan:
-    rows: list[Row]
+    rows: list[tuple[int, int, bool, bool, int]]  # Row's fields, by position
     preempted: list[Sequence]
     index: int = 0
     seqs: list[Sequence] = field(default_factory=list)  # the sequence of each row
@@ -91,10 +94,10 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.rows)
+        return sum(r[1] for r in self.rows)
 
     def items(self) -> zip:
-        """(sequence, row) pairs, in row order."""
+        """(sequence, row tuple) pairs, in row order."""
         return zip(self.seqs, self.rows, strict=True)
 
 
@@ -188,9 +191,9 @@ class Scheduler:
         else:
             budget = self._continue_running(plan, budget)
             self._admit(plan, budget)
-        for seq, row in plan.items():
-            seq.num_computed += row.num_tokens
-            if row.sample:
+        for seq, (_, num_tokens, sample, _, _) in plan.items():
+            seq.num_computed += num_tokens
+            if sample:
                 seq.num_inflight += 1
         if plan.rows and self._pending_swap_out:
             # Swap-outs ride on the next step that runs: the runner copies the pages
@@ -208,7 +211,7 @@ class Scheduler:
         end = seq.num_computed + n
         sample = end == seq.num_tokens
         plan.seqs.append(seq)
-        plan.rows.append(Row(seq.num_computed, n, sample, sample and seq.num_inflight > 0, seq.epoch))
+        plan.rows.append((seq.num_computed, n, sample, sample and seq.num_inflight > 0, seq.epoch))  # a Row
 
     def _continue_running(self, plan: StepPlan, budget: int) -> int:
         scheduled: set[int] = {id(seq) for seq in plan.seqs}

@@ -15,7 +15,7 @@ from reliability_helpers import PROMPTS, expected, idle_and_free, until
 import acb
 from acb.kv_cache import HostPool, KVCacheManager
 from acb.runner import ModelRunner, kv_bytes_per_token
-from acb.scheduler import Scheduler, Sequence
+from acb.scheduler import Row, Scheduler, Sequence
 from acb.testing import random_prompts, reference_greedy, tiny_engine, tiny_model
 
 # 24 pages of 4 tokens, no safety margin: any one request fits, the running set does not.
@@ -154,7 +154,7 @@ def test_scheduler_offloads_the_victim_and_restores_it_into_fresh_pages():
         plan = sched.schedule()
         plans.append(plan)
         for seq, row in plan.items():
-            if row.sample:
+            if Row(*row).sample:
                 seq.num_inflight = 0
                 seq.output_ids.append(1)
     # b (newest) was offloaded: its known tokens' KV minus the last one, in host slots
@@ -165,7 +165,7 @@ def test_scheduler_offloads_the_victim_and_restores_it_into_fresh_pages():
     slots = [s for s in b.host_table if s >= 0]
     sched.finish(a)
     plan = sched.schedule()
-    assert plan.seqs == [b] and plan.rows[0].num_tokens == 1  # only the last token
+    assert plan.seqs == [b] and Row(*plan.rows[0]).num_tokens == 1  # only the last token
     assert [slot for slot, _ in plan.swap_in] == slots
     assert b.host_table is None and b.num_computed == len(b.prompt_ids) + len(b.output_ids)
     assert [page for _, page in plan.swap_in] == b.block_table[: len(plan.swap_in)]

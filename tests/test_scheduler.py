@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from acb.kv_cache import HostPool, KVCacheManager
-from acb.scheduler import Scheduler, Sequence
+from acb.scheduler import Row, Scheduler, Sequence
 
 
 def _seq(i, n_prompt, max_new=4):
@@ -19,6 +19,7 @@ def _finish_step(sched, plan, rng=None, eos_p=0.0):
     """Pretend the device ran the plan: append a token per sampled row."""
     done = []
     for seq, row in plan.items():
+        row = Row(*row)
         if row.sample and seq.status == "running" and row.epoch == seq.epoch:
             seq.num_inflight -= 1
             seq.output_ids.append(7)
@@ -37,7 +38,7 @@ def test_budget_splits_a_long_prompt_into_chunks():
     sizes = []
     for _ in range(3):
         plan = s.schedule()
-        sizes.append([(r.num_tokens, r.sample) for r in plan.rows])
+        sizes.append([(Row(*r).num_tokens, Row(*r).sample) for r in plan.rows])
         _finish_step(s, plan)
     assert sizes == [[(10, False)], [(10, False)], [(5, True)]]
 
@@ -50,7 +51,7 @@ def test_decodes_go_first_then_new_prefills_fill_the_budget():
     _finish_step(s, s.schedule())
     s.add(b)
     plan = s.schedule()
-    assert [(seq.seq_id, r.num_tokens) for seq, r in plan.items()] == [("r0", 1), ("r1", 7)]
+    assert [(seq.seq_id, Row(*r).num_tokens) for seq, r in plan.items()] == [("r0", 1), ("r1", 7)]
 
 
 def test_prefill_first_admits_new_prompts_before_decodes():
@@ -61,7 +62,7 @@ def test_prefill_first_admits_new_prompts_before_decodes():
     _finish_step(s, s.schedule())
     s.add(b)
     plan = s.schedule()
-    assert [(seq.seq_id, r.num_tokens) for seq, r in plan.items()] == [("r1", 8)]
+    assert [(seq.seq_id, Row(*r).num_tokens) for seq, r in plan.items()] == [("r1", 8)]
 
 
 def test_request_cap_bounds_rows_per_step():
