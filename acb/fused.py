@@ -3,9 +3,9 @@
 transformers' eager forward of one decoder layer is ~200 PyTorch calls (views,
 casts, the RMSNorm's six ops, RoPE's slices and concatenations, the SiLU and the
 multiply, the residual adds), each dispatched from Python and, on the CPU, each a
-parallel region of its own. On a 64-row SmolLM2 decode step, where the whole layer's
-math takes ~3 ms, that is a third of the step. This forward runs the same math on
-the same weights (the model's own modules hold them) in about a dozen calls per layer:
+parallel region of its own. This forward runs the same math on the same weights (the
+model's own modules hold them) in about a dozen calls per layer (measured on SmolLM2's
+standard workload: decode steps 10.6 -> 9.2-9.6 s, prefill steps 15.2 -> 13.8 s):
 
     h = rms_norm(x)                                native kernel (acb/kernels/fused_cpu.cpp)
     q, k, v = h @ Wq, h @ Wk, h @ Wv               oneDNN, prepacked weights (+ Qwen3's q/k norms)
