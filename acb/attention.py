@@ -37,6 +37,7 @@ class PrefillSpan:
     q_end: int
     past: int  # tokens of context before the row (0 = fresh prompt)
     context_pages: torch.Tensor | None  # pages holding all past + new tokens, when past > 0
+    kernel_row: torch.Tensor | None = None  # [[q_start, q_end, 0, past]] for the native kernel, when past > 0
 
 
 @dataclass(slots=True)
@@ -148,14 +149,14 @@ def paged_attention(
         if idx is not None:
             out.index_copy_(0, idx, o.to(out.dtype))
 
-    spans = meta.prefills
     kernel = meta.prefill_kernel
     cap = softcap or 0.0
-    if meta.fresh_spans is not None and kernel.prefill_attention(
-            q_all, k_new, v_new, meta.fresh_spans, out, scaling, cap, sliding_window or 0):
-        spans = [span for span in spans if span.past > 0]
-    for span in spans:
+    fresh_done = meta.fresh_spans is not None and kernel.prefill_attention(
+        q_all, k_new, v_new, meta.fresh_spans, out, scaling, cap, sliding_window or 0)
+    for span in meta.prefills:
         qs, qe, past = span.q_start, span.q_end, span.past
+        if past == 0 and fresh_done:
+            continue
         n = qe - qs
         length = past + n
         q = q_all[:, qs:qe]  # [H, n, d]
@@ -165,7 +166,7 @@ def paged_attention(
             k = _gather_pages(k_cache, span.context_pages, meta.page_size)[:, 0, :length]
             v = _gather_pages(v_cache, span.context_pages, meta.page_size)[:, 0, :length]
             if kernel is not None and kernel.prefill_attention(
-                    q_all, k, v, torch.tensor([[qs, qe, 0, past]]), out, scaling, cap, sliding_window or 0):
+                    q_all, k, v, span.kernel_row, out, scaling, cap, sliding_window or 0):
                 continue
         if softcap is None and past == 0 and sliding_window is None:
             # a fresh prompt is plainly causal: the flash kernel then skips the masked

@@ -153,14 +153,12 @@ class ModelRunner:
 
             self.decode_kernel = paged_decode_kernel()
         log.info("acb attention: %s decode path", "native CPU kernel" if self.decode_kernel else "PyTorch")
-        self.prepacked = False
         self._packed = None  # the model's prepacked linears (acb.kernels.cpu_linear.Prepacked)
         if self.device.type == "cpu":
             from .kernels import cpu_linear
 
             if cpu_linear.available(self.dtype):
                 self._packed = cpu_linear.acquire(model)
-                self.prepacked = True
         self.step_index = 0
         self.max_decode_blocks: int | None = None
         self.fast_decode_steps = 0  # steps whose decode rows ran on the native kernel
@@ -170,6 +168,11 @@ class ModelRunner:
         self.fused = None  # acb.fused.FusedForward, when it stands in for the model's forward
         self.decode_padding: cuda_graphs.DecodePadding | None = None
         self.decode_graphs: cuda_graphs.DecodeGraphs | None = None
+
+    @property
+    def prepacked(self) -> bool:
+        """Whether the model's linear layers use oneDNN-prepacked weights (CPU)."""
+        return self._packed is not None
 
     def configure_fast_paths(self, config, max_rows: int, *, pad_on_cpu: bool = False) -> None:
         """Apply an EngineConfig's ``compile_level`` (and per-path overrides) and CUDA-graph
@@ -196,7 +199,6 @@ class ModelRunner:
                 from .kernels import cpu_linear  # it packs weights itself when it compiles for the CPU
 
                 cpu_linear.release(self.model)
-                self.prepacked = False
                 self._packed = None
             for c, _ in self._saved_attn:
                 c._attn_implementation = attention.ATTN_NAME_COMPILED
@@ -242,7 +244,6 @@ class ModelRunner:
             from .kernels import cpu_linear
 
             cpu_linear.release(self.model)
-            self.prepacked = False
             self._packed = None
         self.fused = None  # it holds the packed weights
         self._varlen_forward = self._decode_forward = self.model
@@ -296,7 +297,10 @@ class ModelRunner:
                         swa_ctx.append(self._page_table([swa_pages], start + n, self.swa_pages))
                 elif swa:
                     swa_ctx.append(None)
-                prefills.append(attention.PrefillSpan(q0, q0 + n, start, ctx))
+                kernel_row = None
+                if start > 0 and self.decode_kernel is not None:
+                    kernel_row = torch.tensor([[q0, q0 + n, 0, start]], dtype=torch.int64)
+                prefills.append(attention.PrefillSpan(q0, q0 + n, start, ctx, kernel_row))
         # decode rows' contexts; a decode-only step may be padded to a graph bucket
         width = max(lengths, default=0)
         padded = False
@@ -348,7 +352,7 @@ class ModelRunner:
             # the sliding layers' view of the same step: their own slots and page tables
             meta.swa = dataclasses.replace(
                 meta, slot_mapping=self._tensor(swa_slots),
-                prefills=[attention.PrefillSpan(sp.q_start, sp.q_end, sp.past, c)
+                prefills=[dataclasses.replace(sp, context_pages=c)
                           for sp, c in zip(prefills, swa_ctx, strict=True)],
                 decode_pages=self._page_table(swa_tables, width, self.swa_pages) if decode_q else None,
             )

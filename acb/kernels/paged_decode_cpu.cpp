@@ -35,11 +35,24 @@ static inline __m512 exp16(__m512 x) {
 }
 
 // Pages are scattered, so hardware prefetch stops at each one: fetch a key's (or value's)
-// row a few positions ahead.
+// row ahead of its use.
 template <int D, int HINT = _MM_HINT_T0>
 static inline void prefetch_row(const float* base, const int64_t* pages, int64_t page_size, int64_t pos) {
   const char* row = reinterpret_cast<const char*>(base + (pages[pos / page_size] * page_size + pos % page_size) * D);
   for (int c = 0; c < D * 4; c += 64) _mm_prefetch(row + c, static_cast<_mm_hint>(HINT));
+}
+
+// The row at position first + i (of n) of one head's paged keys or values, fetching the
+// row 8 positions ahead into L1 and the one 32 ahead into L2 (the kernel was bound by
+// memory latency without the far one: 15 -> 25 GB/s at 64 rows x 1000 tokens).
+template <int D>
+static inline const float* paged_row(const float* base, const int64_t* pages, int64_t page_size, int64_t first,
+                                     int64_t i, int64_t n) {
+  constexpr int64_t AHEAD = 8, FAR = 32;
+  const int64_t pos = first + i;
+  if (i + AHEAD < n) prefetch_row<D>(base, pages, page_size, pos + AHEAD);
+  if (i + FAR < n) prefetch_row<D, _MM_HINT_T1>(base, pages, page_size, pos + FAR);
+  return base + (pages[pos / page_size] * page_size + pos % page_size) * D;
 }
 
 // One (row, kv head): G query heads of DC*16 dims over n keys starting at position
@@ -52,13 +65,8 @@ static void decode_item_avx512(const float* qrow, const float* kbase, const floa
   __m512 q[G * DC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < DC; ++c) q[g * DC + c] = _mm512_loadu_ps(qrow + g * D + c * 16);
-  constexpr int64_t AHEAD = 8;  // positions to prefetch ahead into L1
-  constexpr int64_t FAR = 32;   // and into L2
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t pos = first + i;
-    const float* k = kbase + (pages[pos / page_size] * page_size + pos % page_size) * D;
-    if (i + AHEAD < n) prefetch_row<D>(kbase, pages, page_size, pos + AHEAD);
-    if (i + FAR < n) prefetch_row<D, _MM_HINT_T1>(kbase, pages, page_size, pos + FAR);
+    const float* k = paged_row<D>(kbase, pages, page_size, first, i, n);
     for (int g = 0; g < G; ++g) {
       __m512 acc = _mm512_mul_ps(q[g * DC], _mm512_loadu_ps(k));
       for (int c = 1; c < DC; ++c) acc = _mm512_fmadd_ps(q[g * DC + c], _mm512_loadu_ps(k + c * 16), acc);
@@ -91,10 +99,7 @@ static void decode_item_avx512(const float* qrow, const float* kbase, const floa
   __m512 acc[G * DC];
   for (int j = 0; j < G * DC; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t pos = first + i;
-    const float* v = vbase + (pages[pos / page_size] * page_size + pos % page_size) * D;
-    if (i + AHEAD < n) prefetch_row<D>(vbase, pages, page_size, pos + AHEAD);
-    if (i + FAR < n) prefetch_row<D, _MM_HINT_T1>(vbase, pages, page_size, pos + FAR);
+    const float* v = paged_row<D>(vbase, pages, page_size, first, i, n);
     for (int g = 0; g < G; ++g) {
       const __m512 w = _mm512_set1_ps(scores[g * n + i]);
       for (int c = 0; c < DC; ++c) acc[g * DC + c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + c * 16), acc[g * DC + c]);
