@@ -1,14 +1,18 @@
 """examples/: the SSE server and the websocket chat app, run as real processes on the tiny model;
-the chat page itself is driven in headless Chromium when one is installed."""
+the chat page itself is driven in headless Chromium (CI installs it: .ci/run; elsewhere the browser
+test is skipped when none is installed, and fails in CI, where ``CI=true``)."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import os
 import shutil
 import signal
+import struct
 import sys
+import zlib
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import IO
@@ -102,10 +106,10 @@ class Page:
 
 
 @contextlib.asynccontextmanager
-async def browser_page(tmp_path: Path) -> AsyncIterator[Page]:
+async def browser_page(tmp_path: Path, chromium: str) -> AsyncIterator[Page]:
     port = free_port()
     proc = await asyncio.create_subprocess_exec(
-        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+        chromium, "--headless", "--window-size=1000,700", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
         f"--remote-debugging-port={port}", f"--user-data-dir={tmp_path / 'chromium'}", "about:blank",
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
     )
@@ -121,13 +125,47 @@ async def browser_page(tmp_path: Path) -> AsyncIterator[Page]:
         await proc.wait()
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no headless Chromium installed")
-async def test_chat_page_streams_an_answer_and_stops_one_in_chromium(log, tmp_path):
-    async with example("websocket_chat/app.py", log) as url, browser_page(tmp_path) as page:
+def png_size_and_colours(data: bytes) -> tuple[int, int, int]:
+    """(width, height, distinct byte values in the pixel data) of a PNG: enough to tell a
+    rendered page from a blank or broken image without an imaging library."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    pos, idat, size = 8, b"", (0, 0)
+    while pos < len(data):
+        (length,), kind = struct.unpack(">I", data[pos:pos + 4]), data[pos + 4:pos + 8]
+        body = data[pos + 8:pos + 8 + length]
+        if kind == b"IHDR":
+            size = struct.unpack(">II", body[:8])
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + length
+    return size[0], size[1], len(set(zlib.decompress(idat)))
+
+
+@pytest.fixture
+def chromium() -> str:
+    """The browser's path. CI must have it (.ci/run installs Debian's chromium): there a missing
+    browser fails the test instead of skipping it."""
+    if CHROMIUM is None:
+        if os.environ.get("CI", "").lower() in ("1", "true"):
+            pytest.fail("no Chromium installed, and CI must run the browser test (.ci/run installs it)")
+        pytest.skip("no headless Chromium installed (apt-get install chromium)")
+    return CHROMIUM
+
+
+async def test_chat_page_streams_an_answer_and_stops_one_in_chromium(log, tmp_path, chromium):
+    async with example("websocket_chat/app.py", log) as url, browser_page(tmp_path, chromium) as page:
         await page.call("Page.navigate", url=f"{url}/?prompt=Hello&max_new_tokens=12&temperature=0")
         await page.wait_until("document.body.dataset.finishReason === 'length'")
         assert await page.eval("document.querySelector('.msg.user').textContent") == "Hello"
-        assert await page.eval("document.querySelector('.msg.assistant').textContent.length") > 0
+        answer = await page.eval("document.querySelector('.msg.assistant').textContent")
+        assert answer
+        # The page as a user sees it, kept under the test's tmp dir: the answer is in the rendered DOM
+        shot = base64.b64decode((await page.call("Page.captureScreenshot", format="png"))["data"])
+        (tmp_path / "chat-page.png").write_bytes(shot)
+        width, height, colours = png_size_and_colours(shot)
+        assert width > 0 and height > 0 and colours > 2, "the screenshot is blank"
+        shown = await page.eval("document.getElementById('log').innerText")
+        assert "Hello" in shown and answer.strip()[:8] in shown
 
         # greedy: this answer runs past 900 tokens without an end-of-sequence token
         await page.call("Page.navigate", url=f"{url}/?prompt=Tell%20me%20more&max_new_tokens=900&temperature=0")
