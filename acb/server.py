@@ -18,28 +18,20 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import signal
-import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 import acb
 
-from .integrations.aiohttp import (
-    ENGINE_KEY,
-    SSE_HEADERS,
-    ApiError,
-    read_json_object,
-    setup_engine,
-    write_sse,
-)
-from .integrations.metrics import CONTENT_TYPE, ServerMetrics
-from .integrations.openai_protocol import Limits, Shaper, engine_error, parse_request
+from .integrations.aiohttp import ENGINE_KEY, SSE_HEADERS, ApiError, read_json_object, setup_engine
+from .integrations.metrics import CONTENT_TYPE
+from .integrations.openai_protocol import Limits
+from .integrations.openai_service import OpenAIService, route_error
 
 log = logging.getLogger("acb.server")
 
@@ -67,38 +59,32 @@ class ServerConfig:
         if self.drain_timeout < 0:
             raise ValueError(f"ServerConfig.drain_timeout must be >= 0, got {self.drain_timeout!r}")
 
-
-@dataclass
-class _State:
-    config: ServerConfig
-    limits: Limits
-    metrics: ServerMetrics = field(default_factory=ServerMetrics)
-    started: int = field(default_factory=lambda: int(time.time()))
+    def limits(self) -> Limits:
+        """The per-request bounds these settings give."""
+        return Limits(self.max_tokens_limit, min(self.default_max_tokens, self.max_tokens_limit))
 
 
-STATE_KEY = web.AppKey("acb_server_state", _State)
+CONFIG_KEY = web.AppKey("acb_server_config", ServerConfig)
+SERVICE_KEY = web.AppKey("acb_openai_service", OpenAIService)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every failure answers OpenAI-style JSON; the API key guards ``/v1/``."""
-    state = request.app[STATE_KEY]
     try:
-        if state.config.api_key is not None and request.path.startswith("/v1/"):
-            _check_api_key(request, state.config.api_key)
+        if request.path.startswith("/v1/"):
+            request.app[SERVICE_KEY].check_api_key(request.headers.get("Authorization"))
         return await handler(request)
     except ApiError as e:
         return e.response()
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        message = e.text or e.reason
-        if isinstance(e, web.HTTPNotFound):
-            message = f"no such route: {request.method} {request.path}"
-        elif isinstance(e, web.HTTPMethodNotAllowed):
-            message = f"method {request.method} is not allowed on {request.path} (allowed: {e.headers['Allow']})"
-        resp = ApiError(e.status, message).response()
+        if isinstance(e, (web.HTTPNotFound, web.HTTPMethodNotAllowed)):
+            resp = route_error(e.status, request.method, request.path, e.headers.get("Allow")).response()
+        else:
+            resp = ApiError(e.status, e.text or e.reason).response()
         if "Allow" in e.headers:
             resp.headers["Allow"] = e.headers["Allow"]
         return resp
@@ -107,68 +93,20 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return ApiError(500, "internal server error").response()
 
 
-def _check_api_key(request: web.Request, key: str) -> None:
-    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
-        raise ApiError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
-                       code="invalid_api_key")
-
-
-def _token_text(engine: acb.Engine) -> Callable[[int], str]:
-    tokenizer = engine.tokenizer
-    if tokenizer is None:
-        return str
-    return lambda token: tokenizer.decode([token])
-
-
 async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
-    engine = request.app[ENGINE_KEY]
-    state = request.app[STATE_KEY]
-    parsed = parse_request(await read_json_object(request), chat=chat, limits=state.limits)
-    try:
-        handle = engine.submit(parsed.prompt, **parsed.sampling)
-    except acb.AcbError as e:
-        raise engine_error(e, chat=chat) from None
-    shaper = Shaper(parsed, state.config.model_name, _token_text(engine))
-    if parsed.stream:
-        return await _stream(request, handle, shaper, state)
-    try:
-        completion = await handle
-    except acb.AcbError as e:
-        raise engine_error(e, chat=chat) from None
-    state.metrics.observe(completion)
-    return web.json_response(shaper.response(completion))
-
-
-async def _stream(request: web.Request, handle: acb.RequestHandle, shaper: Shaper, state: _State) -> web.StreamResponse:
+    answer = await request.app[SERVICE_KEY].generate(await read_json_object(request), chat=chat)
+    if isinstance(answer, dict):
+        return web.json_response(answer)
     resp = web.StreamResponse(headers=SSE_HEADERS)
     try:
         await resp.prepare(request)
-        await _send_chunks(resp, handle, shaper, state)
-        await write_sse(resp, "[DONE]")
+        async for event in answer:
+            await resp.write(event)
     except ConnectionError:
-        pass  # the client went away: the finally clause frees its pages
+        pass  # the client went away: closing the stream frees its pages
     finally:
-        handle.cancel()
+        await answer.aclose()
     return resp
-
-
-async def _send_chunks(resp: web.StreamResponse, handle: acb.RequestHandle, shaper: Shaper, state: _State) -> None:
-    try:
-        if shaper.request.chat:
-            await write_sse(resp, shaper.chunk(None, role=True))
-        async for chunk in handle:
-            if chunk.text or (shaper.request.logprobs and chunk.token_ids):
-                await write_sse(resp, shaper.chunk(chunk.text, chunk.token_ids, chunk.logprobs))
-            if chunk.finish_reason is not None:
-                await write_sse(resp, shaper.chunk(None, reason=chunk.finish_reason))
-        completion = await handle
-    except acb.AcbError as e:  # mid-stream: the status line is gone, so the error travels as an event
-        await write_sse(resp, engine_error(e, chat=shaper.request.chat).body())
-        return
-    state.metrics.observe(completion)
-    if shaper.request.include_usage:
-        await write_sse(resp, shaper.usage_chunk(completion))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -183,26 +121,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def models(request: web.Request) -> web.Response:
     """``GET /v1/models``: the one model this server serves."""
-    state = request.app[STATE_KEY]
-    card = {"id": state.config.model_name, "object": "model", "created": state.started, "owned_by": "acb"}
-    if request.match_info.get("model") not in (None, state.config.model_name):
-        raise ApiError(404, f"model {request.match_info['model']!r} does not exist", param="model",
-                       code="model_not_found")
-    if "model" in request.match_info:
-        return web.json_response(card)
-    return web.json_response({"object": "list", "data": [card]})
+    return web.json_response(request.app[SERVICE_KEY].models(request.match_info.get("model")))
 
 
 async def health(request: web.Request) -> web.Response:
     """``GET /health``: 200 while the engine takes requests, 503 otherwise."""
-    if request.app[ENGINE_KEY].is_running:
-        return web.json_response({"status": "ok"})
-    return web.json_response({"status": "unavailable"}, status=503)
+    status, body = request.app[SERVICE_KEY].health()
+    return web.json_response(body, status=status)
 
 
 async def metrics(request: web.Request) -> web.Response:
     """``GET /metrics``: Prometheus text exposition."""
-    text = request.app[STATE_KEY].metrics.render(request.app[ENGINE_KEY].stats())
+    text = request.app[SERVICE_KEY].metrics_text()
     return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
 
 
@@ -216,8 +146,9 @@ def create_app(engine: acb.Engine, config: ServerConfig | None = None) -> web.Ap
     """
     config = config or ServerConfig()
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_errors])
-    app[STATE_KEY] = _State(config, Limits(config.max_tokens_limit, min(config.default_max_tokens,
-                                                                        config.max_tokens_limit)))
+    app[SERVICE_KEY] = OpenAIService(engine, model_name=config.model_name, limits=config.limits(),
+                                   api_key=config.api_key)
+    app[CONFIG_KEY] = config
     setup_engine(app, engine, drain_timeout=config.drain_timeout)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -232,7 +163,7 @@ async def run_server(app: web.Application, host: str = "127.0.0.1", port: int = 
                      ready: Callable[[str], None] | None = None) -> None:
     """Serve ``app`` until SIGINT or SIGTERM, then shut down gracefully (the engine
     drains; a second signal stops it hard). ``ready`` gets the URL once listening."""
-    drain_timeout = app[STATE_KEY].config.drain_timeout if STATE_KEY in app else 30.0
+    drain_timeout = app[CONFIG_KEY].drain_timeout if CONFIG_KEY in app else 30.0
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=drain_timeout + 5.0)
     await runner.setup()
     loop = asyncio.get_running_loop()

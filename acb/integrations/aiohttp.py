@@ -168,11 +168,16 @@ def _engine_of(engine: acb.Engine | None, request: web.Request) -> acb.Engine:
     return engine if engine is not None else request.app[ENGINE_KEY]
 
 
-async def write_sse(resp: web.StreamResponse, data: dict[str, Any] | str, event: str | None = None) -> None:
-    """Write one server-sent event (``data`` is JSON-encoded unless it is a str)."""
+def sse_event(data: dict[str, Any] | str, event: str | None = None) -> bytes:
+    """One server-sent event as bytes (``data`` is JSON-encoded unless it is a str)."""
     payload = data if isinstance(data, str) else json.dumps(data)
     head = f"event: {event}\n" if event else ""
-    await resp.write(f"{head}data: {payload}\n\n".encode())
+    return f"{head}data: {payload}\n\n".encode()
+
+
+async def write_sse(resp: web.StreamResponse, data: dict[str, Any] | str, event: str | None = None) -> None:
+    """Write one server-sent event (``data`` is JSON-encoded unless it is a str)."""
+    await resp.write(sse_event(data, event))
 
 
 def sse_handler(engine: acb.Engine | None = None) -> Handler:
@@ -338,5 +343,5 @@ def websocket_handler(engine: acb.Engine | None = None, *, max_requests_per_sock
 
 __all__ = [
     "ENGINE_KEY", "ApiError", "api_error_from", "chunk_fields", "read_json_object", "setup_engine",
-    "sse_handler", "stop_engine", "websocket_handler", "write_sse",
+    "sse_event", "sse_handler", "stop_engine", "websocket_handler", "write_sse",
 ]
