@@ -78,6 +78,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """True when ``temperature`` is 0: the most likely token is taken at every step."""
         return self.temperature == 0.0
 
     def merged(self, overrides: dict[str, Any]) -> SamplingParams:
@@ -210,6 +211,7 @@ class EngineConfig:
 
     @property
     def effective_safety_margin(self) -> float:
+        """``safety_margin``, or the scheduler's default when it is None (0.15 for fifo, else 0)."""
         if self.safety_margin is not None:
             return self.safety_margin
         return 0.15 if self.scheduler == "fifo" else 0.0

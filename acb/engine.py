@@ -192,6 +192,7 @@ class Engine:
 
     @property
     def is_running(self) -> bool:
+        """True between ``start()`` and ``stop()``: the engine admits requests."""
         return self._state == "running"
 
     # ------------------------------------------------------------------ submission
@@ -301,6 +302,13 @@ class Engine:
             return False
 
     def stats(self) -> EngineStats:
+        """A snapshot of the engine's load, cache and counters (see ``acb.EngineStats``).
+
+        Example::
+
+            s = engine.stats()
+            print(s.running, s.waiting, s.free_blocks, s.prefix_hit_rate)
+        """
         kv = self.kv
         host = self.host_pool
         return EngineStats(

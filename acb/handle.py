@@ -85,6 +85,7 @@ class RequestHandle:
         return bool(self._cancel())
 
     def done(self) -> bool:
+        """True once the request has finished (any ``finish_reason``) or failed."""
         return self._future.done()
 
     def __aiter__(self) -> ChunkStream:

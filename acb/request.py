@@ -9,7 +9,16 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class Chunk:
-    """The new part of one request's output since the consumer's last chunk."""
+    """The new part of one request's output since the consumer's last chunk.
+
+    Attributes:
+        request_id: the request this chunk belongs to.
+        token_ids: the tokens new in this chunk (several when the consumer fell behind).
+        text: the text new in this chunk; never splits a UTF-8 character ("" without a tokenizer).
+        logprobs: one log-probability per token in ``token_ids``, when ``logprobs=True`` was asked for.
+        finish_reason: None until the request's last chunk, then ``"length"``, ``"eos"``, ``"stop"``,
+            ``"cancelled"`` or ``"timeout"``.
+    """
 
     request_id: str
     token_ids: list[int]
@@ -20,6 +29,18 @@ class Chunk:
 
 @dataclass(slots=True)
 class RequestMetrics:
+    """Timing and token counts of one request (``Completion.metrics``).
+
+    Attributes:
+        arrival_time: ``time.monotonic()`` at submission.
+        first_token_time: when the first generated token was ready (None before it).
+        finish_time: when the request ended (None while it runs).
+        num_prompt_tokens: tokens in the prompt.
+        num_generated_tokens: tokens generated.
+        num_cached_prompt_tokens: prompt tokens served from the prefix cache instead of computed.
+        num_preemptions: how often the scheduler preempted the request to make room.
+    """
+
     arrival_time: float = 0.0  # time.monotonic() at submission
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -45,7 +66,17 @@ class RequestMetrics:
 
 @dataclass(slots=True)
 class Completion:
-    """A finished request (also a cancelled one: then partial, ``finish_reason="cancelled"``)."""
+    """A finished request (also a cancelled one: then partial, ``finish_reason="cancelled"``).
+
+    Attributes:
+        request_id: the request's id.
+        prompt_token_ids: the prompt as the engine saw it (after tokenizing or the chat template).
+        token_ids: every generated token.
+        text: the generated text (stop strings excluded).
+        logprobs: one log-probability per generated token, when asked for.
+        finish_reason: why it ended (see ``Chunk.finish_reason``).
+        metrics: timings and counts (``ttft_s``, ``latency_s``, token counts).
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -116,6 +147,30 @@ class Mailbox:
 
 @dataclass(slots=True)
 class EngineStats:
+    """What ``engine.stats()`` returns: load, KV-cache occupancy and counters since start.
+
+    Attributes:
+        running: requests in the running batch.
+        waiting: requests queued for admission.
+        total_blocks: KV-cache pages in all.
+        free_blocks: pages a request can take now (never used, or cached and evictable).
+        cached_blocks: unreferenced pages kept for prefix hits (counted in ``free_blocks``).
+        used_blocks: pages held by live requests.
+        prefix_hit_rate: share of prompt tokens served from the prefix cache.
+        steps: engine steps run.
+        generated_tokens: tokens generated.
+        preemptions: times a running request was preempted to make room.
+        page_size: tokens per page.
+        max_batch_tokens: the step's token budget.
+        host_blocks: capacity of the CPU offload pool, in pages (0: offload off).
+        offloaded_blocks: pages held in that pool now.
+        offloads: preemptions whose KV went to the pool.
+        restores: resumptions that copied it back instead of recomputing.
+        recomputed_tokens: computed tokens that preemption threw away.
+        sliding_total_blocks: hybrid models: the sliding-window layers' own page pool (0: none).
+        sliding_free_blocks: free pages in that pool.
+    """
+
     running: int
     waiting: int
     total_blocks: int
