@@ -26,6 +26,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
+    return value
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -63,6 +70,9 @@ def add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="weights dtype")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-interval", type=_seconds, default=os.environ.get("ACB_LOG_INTERVAL", "10"),
+                   metavar="SECONDS", help="log a throughput/queue summary line every SECONDS while busy; 0 = never "
+                   "(default: $ACB_LOG_INTERVAL, else 10)")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # acb.testing's tiny model, for tests
     return p
 
@@ -110,7 +120,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     config = ServerConfig(
         model_name=args.model_name or default_name, api_key=args.api_key, max_tokens_limit=args.max_tokens_limit,
         default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
-        drain_timeout=args.drain_timeout,
+        drain_timeout=args.drain_timeout, log_interval=args.log_interval,
     )
 
     def ready(url: str) -> None:

@@ -37,6 +37,7 @@ from .handle import ChunkStream, RequestHandle
 from .inputs import prepare, sampling_params
 from .kv_cache import HostPool, KVCacheManager
 from .outputs import LiveRequest, Outputs
+from .progress import BatchProgress, check_progress
 from .request import Completion, EngineStats, Mailbox
 from .runner import ModelRunner, PendingOutput, StepOutput
 from .scheduler import Scheduler, Sequence, StepPlan
@@ -250,10 +251,18 @@ class Engine:
         return await self._submit(prompt, request_id, sampling, kwargs, stream=False)
 
     async def generate_batch(self, prompts: list[Any], *, sampling: SamplingParams | None = None,
-                             request_ids: list[str] | None = None, **kwargs: Any) -> list[Completion]:
+                             request_ids: list[str] | None = None, progress: bool = False,
+                             **kwargs: Any) -> list[Completion]:
         """Run several prompts; results come back in input order. Submission is
-        ordered by prompt tokens so requests sharing a prefix run close together."""
+        ordered by prompt tokens so requests sharing a prefix run close together.
+        ``progress=True`` shows a tqdm bar on stderr: requests done, generated tokens/s.
+
+        Example::
+
+            results = await engine.generate_batch(prompts, max_new_tokens=64, progress=True)
+        """
         self._check_accepting()
+        check_progress(progress)
         if not isinstance(prompts, (list, tuple)):
             raise InvalidRequestError(f"prompts must be a list, got {type(prompts).__name__}", param="prompts")
         if request_ids is not None and (not isinstance(request_ids, (list, tuple))
@@ -275,12 +284,16 @@ class Engine:
         reqs: list[LiveRequest | None] = [None] * len(prepared)
         for i in order:
             reqs[i] = self._register(*prepared[i], stream=False)
+        bar = BatchProgress(len(reqs), disable=not progress)
+        waits = [asyncio.shield(r.future) for r in reqs]
         try:
-            return list(await asyncio.gather(*(asyncio.shield(r.future) for r in reqs)))
+            return list(await asyncio.gather(*(map(bar.track, waits) if progress else waits)))
         except BaseException:
             for r in reqs:
                 self.cancel(r.request_id)
             raise
+        finally:
+            bar.close()
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a live request: its stream ends with ``finish_reason="cancelled"``

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 log = logging.getLogger("acb")
 
@@ -96,8 +97,22 @@ def _converted_gguf(folder: str, gguf_file: str) -> Path:
     if (target / "config.json").is_file():
         return target
     log.info("converting %s (first load only; cached in %s)", src, target)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    # The stages of a conversion on one bar (transformers draws the per-tensor one under it)
+    with tqdm(total=3, desc=f"acb: converting {src.name}", unit="stage", dynamic_ncols=True) as bar:
+        bar.set_postfix_str("dequantizing the weights")
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+        bar.update(1)
+        bar.set_postfix_str("reading the tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+        bar.update(1)
+        bar.set_postfix_str(f"saving to {target}")
+        _save_converted(model, tokenizer, target)
+        bar.update(1)
+    return target
+
+
+def _save_converted(model, tokenizer, target: Path) -> None:
+    """Save a dequantized model and its tokenizer as a plain HF folder at ``target``, atomically."""
     # A GGUF-loaded model refuses save_pretrained while it remembers its quantizer;
     # its weights are already plain dequantized tensors.
     model.hf_quantizer = None
@@ -115,4 +130,3 @@ def _converted_gguf(folder: str, gguf_file: str) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return target

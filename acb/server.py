@@ -32,6 +32,7 @@ from .integrations.aiohttp import ENGINE_KEY, SSE_HEADERS, ApiError, read_json_o
 from .integrations.metrics import CONTENT_TYPE
 from .integrations.openai_protocol import Limits
 from .integrations.openai_service import OpenAIService, route_error
+from .progress import log_throughput
 
 log = logging.getLogger("acb.server")
 
@@ -51,6 +52,7 @@ class ServerConfig:
     default_max_tokens: int = 256
     max_body_bytes: int = 1 << 20
     drain_timeout: float = 30.0
+    log_interval: float = 0.0  # seconds between throughput/queue lines in the log; 0 = none
 
     def __post_init__(self) -> None:
         for name in ("max_tokens_limit", "default_max_tokens", "max_body_bytes"):
@@ -58,6 +60,8 @@ class ServerConfig:
                 raise ValueError(f"ServerConfig.{name} must be >= 1, got {getattr(self, name)!r}")
         if self.drain_timeout < 0:
             raise ValueError(f"ServerConfig.drain_timeout must be >= 0, got {self.drain_timeout!r}")
+        if not isinstance(self.log_interval, (int, float)) or self.log_interval < 0:
+            raise ValueError(f"ServerConfig.log_interval must be >= 0 seconds, got {self.log_interval!r}")
 
     def limits(self) -> Limits:
         """The per-request bounds these settings give."""
@@ -136,6 +140,19 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
 
 
+def _throughput_log(engine: acb.Engine, interval: float) -> Callable[[web.Application], Any]:
+    """A cleanup context logging ``acb.progress.ThroughputSummary`` lines while the app runs
+    (added after the engine's own, so it starts once the engine has and ends before it stops)."""
+
+    async def lifetime(app: web.Application):
+        task = asyncio.ensure_future(log_throughput(engine.stats, interval, log))
+        yield
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    return lifetime
+
+
 def create_app(engine: acb.Engine, config: ServerConfig | None = None) -> web.Application:
     """The server as an aiohttp app that owns ``engine`` (started and stopped with it).
 
@@ -150,6 +167,8 @@ def create_app(engine: acb.Engine, config: ServerConfig | None = None) -> web.Ap
                                    api_key=config.api_key)
     app[CONFIG_KEY] = config
     setup_engine(app, engine, drain_timeout=config.drain_timeout)
+    if config.log_interval:
+        app.cleanup_ctx.append(_throughput_log(engine, config.log_interval))
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)

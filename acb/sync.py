@@ -11,14 +11,18 @@ from .request import Completion
 
 def generate_batch(model_or_path: Any, prompts: list[Any], *, tokenizer: Any = None,
                    config: EngineConfig | None = None, sampling: SamplingParams | None = None,
-                   gguf_file: str | None = None, **kwargs: Any) -> list[Completion]:
+                   gguf_file: str | None = None, progress: bool = False, **kwargs: Any) -> list[Completion]:
     """Run ``prompts`` through a fresh engine and return completions in input order.
+    ``progress=True`` shows a tqdm bar on stderr (requests done, generated tokens/s).
 
     Example::
 
-        results = acb.generate_batch("/models/smollm2", ["Hi", "Name a cat"], max_new_tokens=16)
+        results = acb.generate_batch("/models/smollm2", ["Hi", "Name a cat"], max_new_tokens=16, progress=True)
     """
     from .engine import Engine
+    from .progress import check_progress
+
+    check_progress(progress)
 
     try:
         asyncio.get_running_loop()
@@ -36,6 +40,6 @@ def generate_batch(model_or_path: Any, prompts: list[Any], *, tokenizer: Any = N
 
     async def run() -> list[Completion]:
         async with engine:
-            return await engine.generate_batch(prompts, **kwargs)
+            return await engine.generate_batch(prompts, progress=progress, **kwargs)
 
     return asyncio.run(run())

@@ -18,7 +18,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-async def run(engine, prompts: list[list[int]], new: int) -> dict:
+async def run(engine, prompts: list[list[int]], new: int, label: str = "warm-up") -> dict:
+    from acb.progress import BatchProgress
+
+    bar = BatchProgress(len(prompts), desc=label)
     s0 = engine.stats()
     t0 = time.perf_counter()
     ttft: list[float] = []
@@ -30,9 +33,11 @@ async def run(engine, prompts: list[list[int]], new: int) -> dict:
             if n == 0:
                 ttft.append(time.perf_counter() - start)
             n += len(chunk.token_ids)
+        bar.add(n)
         return n
 
-    generated = sum(await asyncio.gather(*(one(p) for p in prompts)))
+    with bar:
+        generated = sum(await asyncio.gather(*(one(p) for p in prompts)))
     dt = time.perf_counter() - t0
     steps = engine.stats().steps - s0.steps
     return {"tok_per_s": generated / dt, "ms_per_step": 1e3 * dt / steps, "steps": steps,
@@ -56,13 +61,13 @@ async def main(args) -> None:
         print(f"concurrency sweep: prompts of {args.prompt_len} tokens, {args.new} new tokens each")
         print(f"{'requests':>9}{'tok/s':>9}{'ms/step':>9}{'steps':>7}{'TTFT p50 s':>12}")
         for n in map(int, args.concurrency.split(",")):
-            r = await run(engine, prompts(n, args.prompt_len), args.new)
+            r = await run(engine, prompts(n, args.prompt_len), args.new, f"{n} requests")
             print(f"{n:>9}{r['tok_per_s']:>9.1f}{r['ms_per_step']:>9.0f}{r['steps']:>7}{r['ttft_p50_s']:>12.2f}",
                   flush=True)
         print(f"\nprompt-length sweep: {args.len_requests} requests, {args.new} new tokens each")
         print(f"{'length':>9}{'tok/s':>9}{'ms/step':>9}{'steps':>7}{'TTFT p50 s':>12}")
         for length in map(int, args.lengths.split(",")):
-            r = await run(engine, prompts(args.len_requests, length), args.new)
+            r = await run(engine, prompts(args.len_requests, length), args.new, f"length {length}")
             print(f"{length:>9}{r['tok_per_s']:>9.1f}{r['ms_per_step']:>9.0f}{r['steps']:>7}"
                   f"{r['ttft_p50_s']:>12.2f}", flush=True)
 

@@ -72,6 +72,7 @@ class LagTicker:
 
 def run_acb(w: Workload, config_kwargs: dict | None = None) -> dict:
     import acb
+    from acb.progress import BatchProgress
 
     model, tok = load_smollm2()
     config = acb.EngineConfig(**(config_kwargs or {}))
@@ -100,9 +101,11 @@ def run_acb(w: Workload, config_kwargs: dict | None = None) -> dict:
                     n += len(chunk.token_ids)
                     last = now
                 counts.append(n)
+                bar.add(n)
 
             steps0 = engine.stats().steps
-            with LagTicker() as ticker:
+            bar = BatchProgress(len(w.prompts), desc="acb")
+            with LagTicker() as ticker, bar:
                 t0 = time.perf_counter()
                 await asyncio.gather(*(one(i, p) for i, p in enumerate(w.prompts)))
                 elapsed = time.perf_counter() - t0
@@ -150,6 +153,7 @@ def run_hf_generate_batch(w: Workload) -> dict:
 def run_hf_generate(w: Workload, batch_size: int = 8, sort: bool = True) -> dict:
     """transformers ``generate`` in static, left-padded batches (sorted by length)."""
     import torch
+    from tqdm import tqdm
     from transformers.generation.streamers import BaseStreamer
 
     model, tok = load_smollm2()
@@ -180,7 +184,7 @@ def run_hf_generate(w: Workload, batch_size: int = 8, sort: bool = True) -> dict
     run_batch([w.prompts[order[0]]] * 2)  # warm-up
     ttft, itl, generated = [], [], 0
     t0 = time.perf_counter()
-    for b in range(0, len(order), batch_size):
+    for b in tqdm(range(0, len(order), batch_size), desc=f"hf_generate (batches of {batch_size})", unit="batch"):
         clock = Clock()
         generated += run_batch([w.prompts[i] for i in order[b : b + batch_size]], clock)
         # put() #0 is the prompt, #1 the first new tokens; every request waited since t0
