@@ -6,8 +6,10 @@
     python benchmarks/bench.py --vllm-venv ~/vllm-venv  # adds vLLM's CPU engine (or set ACB_VLLM_VENV)
     python benchmarks/bench.py --systems acb --limit 16 # quick look
 
-Each system runs in its own process, so peak RSS is its own. Prints a table and
-writes JSON (default bench-results/<workload>.json).
+Each system runs in its own process, so peak RSS is its own. Prints a table,
+writes JSON (default bench-results/<workload>.json, every TTFT and ITL sample
+included) and renders its plots next to it (bench-results/img/<workload>/, see
+plots.py; docs/img/ is rendered from the recorded runs in benchmarks/results/).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import plots  # noqa: E402
 import workloads  # noqa: E402
 
 SYSTEMS = ("acb", "hf_generate_batch", "hf_generate", "vllm")
@@ -167,11 +170,15 @@ def main() -> None:
     print(table(results, ceiling))
     out = Path(args.out or f"bench-results/{args.workload}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
+    data = {
         "date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "workload": args.workload, "limit": args.limit, "results": results, "ceiling": ceiling,
-    }, indent=2))
+    }
+    out.write_text(json.dumps(data, indent=2))
     print(f"wrote {out}")
+    if results:
+        for path in plots.render_run(data, out.parent / "img" / args.workload):
+            print(f"wrote {path}")
 
 
 if __name__ == "__main__":

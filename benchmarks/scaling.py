@@ -4,18 +4,25 @@
     python benchmarks/scaling.py --concurrency 1,4,16 --lengths 64,512
 
 Prompts are random token ids (seeded); each request generates --new tokens, EOS ignored.
+Writes the tables as JSON (default bench-results/scaling.json) and plots them
+(bench-results/img/throughput_vs_concurrency.png, see plots.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
+import platform
 import random
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import plots  # noqa: E402
 
 
 async def run(engine, prompts: list[list[int]], new: int, label: str = "warm-up") -> dict:
@@ -56,20 +63,29 @@ async def main(args) -> None:
     def prompts(n: int, length: int) -> list[list[int]]:
         return [[rng.randrange(3, 49000) for _ in range(length)] for _ in range(n)]
 
+    data = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "command": " ".join(["python", *sys.argv]),
+            "concurrency": {"prompt_len": args.prompt_len, "new_tokens": args.new, "rows": []},
+            "lengths": {"requests": args.len_requests, "new_tokens": args.new, "rows": []}}
     async with engine:
         await run(engine, prompts(4, 64), 4)  # warm-up
         print(f"concurrency sweep: prompts of {args.prompt_len} tokens, {args.new} new tokens each")
         print(f"{'requests':>9}{'tok/s':>9}{'ms/step':>9}{'steps':>7}{'TTFT p50 s':>12}")
         for n in map(int, args.concurrency.split(",")):
             r = await run(engine, prompts(n, args.prompt_len), args.new, f"{n} requests")
+            data["concurrency"]["rows"].append({"requests": n, **r})
             print(f"{n:>9}{r['tok_per_s']:>9.1f}{r['ms_per_step']:>9.0f}{r['steps']:>7}{r['ttft_p50_s']:>12.2f}",
                   flush=True)
         print(f"\nprompt-length sweep: {args.len_requests} requests, {args.new} new tokens each")
         print(f"{'length':>9}{'tok/s':>9}{'ms/step':>9}{'steps':>7}{'TTFT p50 s':>12}")
         for length in map(int, args.lengths.split(",")):
             r = await run(engine, prompts(args.len_requests, length), args.new, f"length {length}")
+            data["lengths"]["rows"].append({"length": length, **r})
             print(f"{length:>9}{r['tok_per_s']:>9.1f}{r['ms_per_step']:>9.0f}{r['steps']:>7}"
                   f"{r['ttft_p50_s']:>12.2f}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(data, indent=1))
+    print(f"wrote {args.out}\nwrote {plots.plot_scaling(data, args.out.parent / 'img')}")
 
 
 if __name__ == "__main__":
@@ -79,4 +95,5 @@ if __name__ == "__main__":
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--len-requests", type=int, default=8)
     p.add_argument("--new", type=int, default=16)
+    p.add_argument("--out", type=Path, default=Path("bench-results/scaling.json"))
     asyncio.run(main(p.parse_args()))

@@ -35,6 +35,8 @@ def summarize(name: str, w: Workload, elapsed: float, generated: int, ttft: list
         "req_per_s": len(w.prompts) / elapsed,
         "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
         "itl_p50_s": pct(itl, 50), "itl_p99_s": pct(itl, 99), "peak_rss_gib": peak_rss_gib(),
+        # every sample, for the distribution plots (benchmarks/plots.py)
+        "ttft_samples_s": [round(t, 5) for t in ttft], "itl_samples_s": [round(t, 5) for t in itl],
     }
     out.update(extra or {})
     return out
