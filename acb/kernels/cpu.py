@@ -8,6 +8,7 @@ uses its PyTorch path."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -32,7 +33,10 @@ def _build(name: str, source: str, cflags: list[str]):
                 from torch.utils.cpp_extension import load
 
                 src = Path(__file__).with_name(source)
-                _modules[name] = load(name=name, sources=[str(src)], extra_cflags=cflags,
+                # One build folder per source location: torch's ninja file names the source path,
+                # so two checkouts of acb sharing one name would rebuild each other's every load.
+                where = hashlib.sha1(str(src.parent.resolve()).encode()).hexdigest()[:8]
+                _modules[name] = load(name=f"{name}_{where}", sources=[str(src)], extra_cflags=cflags,
                                       extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as e:  # no compiler, no headers, ...
                 _failed.add(name)
