@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+from . import distributed  # tensor parallelism: acb.distributed.run_worker() for torchrun's ranks
 from .config import EngineConfig, SamplingParams
 from .engine import Engine, EngineStats
 from .errors import (
@@ -43,5 +44,6 @@ __all__ = [
     "RequestHandle",
     "RequestMetrics",
     "SamplingParams",
+    "distributed",
     "generate_batch",
 ]

@@ -69,6 +69,9 @@ def add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="GiB of host memory for preempted requests' KV pages (default: 0 = recompute)")
     p.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="weights dtype")
+    p.add_argument("--tensor-parallel-size", type=_positive, default=1,
+                   help="shard the model over N ranks: acb starts N-1 more processes (gloo on CPU, NCCL on "
+                        "CUDA); under torchrun the ranks other than 0 serve as workers (default: 1)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--log-interval", type=_seconds, default=os.environ.get("ACB_LOG_INTERVAL", "10"),
                    metavar="SECONDS", help="log a throughput/queue summary line every SECONDS while busy; 0 = never "
@@ -80,7 +83,8 @@ def add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def _build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser):
     import acb
 
-    fields = {k: getattr(args, k) for k in ("num_blocks", "max_batch_tokens", "device", "dtype", "cpu_offload_space")}
+    fields = {k: getattr(args, k) for k in ("num_blocks", "max_batch_tokens", "device", "dtype", "cpu_offload_space",
+                                            "tensor_parallel_size")}
     try:
         if args.tiny:
             from acb.testing import tiny_engine
@@ -105,6 +109,11 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from acb.server import ServerConfig, serve
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.tensor_parallel_size > 1 and int(os.environ.get("RANK", "0")) != 0:
+        from acb.distributed import run_worker  # torchrun: this rank computes, rank 0 serves
+
+        run_worker()
+        return 0
     if args.tiny and args.model_dir:
         parser.error("--tiny serves the built-in tiny model: give no MODEL_DIR")
     if args.drain_timeout < 0:

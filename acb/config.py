@@ -148,6 +148,8 @@ class EngineConfig:
     fault_hook: Any = field(default=None, repr=False, compare=False)
     varlen_compile_level: int | None = None
     decode_compile_level: int | None = None
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:
@@ -201,6 +203,16 @@ class EngineConfig:
             bad("attn_backend", f"must be one of {_ATTN_BACKENDS}")
         if self.device is not None and not isinstance(self.device, str):
             bad("device", "must be None or a device string such as 'cpu' or 'cuda:0'")
+        if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
+            bad("tensor_parallel_size", "must be an int >= 1")
+        if not _is_number(self.distributed_timeout_s) or not 0 < self.distributed_timeout_s < math.inf:
+            bad("distributed_timeout_s", "must be a finite number of seconds > 0")
+        if self.tensor_parallel_size > 1:
+            if self.compile_level or self.varlen_compile_level or self.decode_compile_level:
+                bad("compile_level", "must be 0 with tensor_parallel_size > 1 (torch.compile is not used across "
+                    "ranks yet)")
+            if self.use_cuda_graph:
+                bad("use_cuda_graph", "must not be True with tensor_parallel_size > 1 (decode steps run eagerly)")
         if self.dtype is not None and self.dtype not in ("float32", "float16", "bfloat16", "auto"):
             bad("dtype", "must be None, 'auto', 'float32', 'float16' or 'bfloat16'")
 

@@ -14,6 +14,7 @@ thread between awaits, so a cancel can never race a step's bookkeeping.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -75,8 +76,13 @@ class Engine:
         self.sampling = sampling or SamplingParams()
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.eos_token_ids = sizing.eos_ids(model, tokenizer)
-        self.device = next(model.parameters()).device
-        self.layout = sizing.layout(model, self.config)
+        self._tp = None  # acb.distributed.TensorParallel: the other ranks, when tensor-parallel
+        if self.config.tensor_parallel_size > 1:
+            from .distributed import TensorParallel
+
+            self._tp = TensorParallel(model, self.config)
+        self.device = self._tp.device if self._tp else next(model.parameters()).device
+        self.layout = self._tp.layout if self._tp else sizing.layout(model, self.config)
         self.page_size = self.layout.page_size
         self.num_pages = self.layout.num_pages
         self.max_model_len = self.layout.max_model_len
@@ -119,7 +125,14 @@ class Engine:
         from .loading import load
 
         config = config or EngineConfig()
-        model, tokenizer = load(path, gguf_file, dtype=config.dtype, device=config.device, **model_kwargs)
+        device = config.device
+        if config.tensor_parallel_size > 1:
+            # the full model stays on the host; each rank takes its share to its device
+            device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+            config = dataclasses.replace(config, device=device,
+                                         dtype=config.dtype or ("bfloat16" if device.startswith("cuda") else None))
+            device = "cpu"
+        model, tokenizer = load(path, gguf_file, dtype=config.dtype, device=device, **model_kwargs)
         return cls(model, tokenizer=tokenizer, config=config, sampling=sampling)
 
     # ------------------------------------------------------------------ lifecycle
@@ -130,10 +143,15 @@ class Engine:
             raise EngineClosedError("the engine is closed")
         if self._state in ("running", "draining"):
             return
+        if self._tp is not None and self._tp.error is not None:
+            raise EngineStoppedError(self._stop_reason or f"the engine stopped: {self._tp.error}")
         if self._runner is None:
-            self._runner = ModelRunner(self.model, self.num_pages, self.page_size, self.config.attn_backend,
-                                       host_pages=self.host_pool.num_slots if self.host_pool else 0,
-                                       swa_pages=self.layout.swa_pages, swa_layers=self.layout.swa_layers)
+            if self._tp is not None:
+                self._runner = self._tp.runner(self.layout, self.config)
+            else:
+                self._runner = ModelRunner(self.model, self.num_pages, self.page_size, self.config.attn_backend,
+                                           host_pages=self.host_pool.num_slots if self.host_pool else 0,
+                                           swa_pages=self.layout.swa_pages, swa_layers=self.layout.swa_layers)
             self._runner.fault_hook = self.config.fault_hook
             self._runner.configure_fast_paths(self.config, self.max_requests)
         if self._executor is None:
@@ -182,6 +200,8 @@ class Engine:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        if self._tp is not None:
+            self._tp.close()  # every other rank exits
         self._state = "closed"
 
     async def __aenter__(self) -> Engine:
@@ -194,12 +214,20 @@ class Engine:
     @property
     def is_running(self) -> bool:
         """True between ``start()`` and ``stop()``: the engine admits requests."""
-        return self._state == "running"
+        return self._state == "running" and (self._tp is None or self._tp.error is None)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the tensor-parallel ranks this engine started (empty with one
+        rank, or under torchrun, where the launcher owns them)."""
+        return self._tp.worker_pids if self._tp else []
 
     # ------------------------------------------------------------------ submission
     def _check_accepting(self) -> None:
         if self._state == "closed":
             raise EngineClosedError("the engine is closed")
+        if self._tp is not None and self._tp.error is not None:
+            raise EngineStoppedError(self._stop_reason or f"the engine stopped: {self._tp.error}")
         if self._state != "running":
             raise EngineStoppedError(
                 self._stop_reason or "the engine is not running: call `await engine.start()` first")

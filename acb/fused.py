@@ -18,6 +18,11 @@ standard workload: decode steps 10.6 -> 9.2-9.6 s, prefill steps 15.2 -> 13.8 s)
 
 Only the rows whose logits are kept go through the final norm and ``lm_head``.
 
+Under tensor parallelism (acb.distributed) each rank holds its share of the heads and
+of the MLP's columns; the two row-parallel GEMMs (``Wo``, ``Wdown``) then give partial
+sums, which ``row_reduce`` adds up over the ranks in place (rank 0's carries the
+residual, so the sum is the layer's output on every rank).
+
 It is used only where it is known to compute what the model does: float32 on CPU,
 every projection prepacked, decoder layers of the classes listed in
 ``_WINDOW``, SiLU MLPs, plain RMSNorms, and the native kernels built.
@@ -86,7 +91,7 @@ class FusedForward:
     """Callable like the model for acb's runner: ``(input_ids=[1, T], position_ids=[1, T],
     attention_mask=None, use_cache=False, logits_to_keep=[K]) -> .logits [1, K, vocab]``."""
 
-    def __init__(self, model: torch.nn.Module, layers: list[_Layer], kernels) -> None:
+    def __init__(self, model: torch.nn.Module, layers: list[_Layer], kernels, row_reduce=None) -> None:
         base = model.model
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
@@ -94,12 +99,13 @@ class FusedForward:
         self.lm_head = model.lm_head
         self.layers = layers
         self.k = kernels
+        self.row_reduce = row_reduce
 
     @classmethod
-    def build(cls, model: torch.nn.Module, packed, kernels) -> FusedForward | None:
+    def build(cls, model: torch.nn.Module, packed, kernels, row_reduce=None) -> FusedForward | None:
         """The fused forward over ``model`` (its linears packed by ``packed``, a
         :class:`acb.kernels.cpu_linear.Prepacked`), or None, with the reason logged,
-        where it does not apply."""
+        where it does not apply. ``row_reduce``: the tensor-parallel sum, when sharded."""
         reason = _unsupported(model, packed, kernels)
         if reason:
             log.info("acb: fused CPU forward not used (%s); transformers' forward runs", reason)
@@ -123,7 +129,7 @@ class FusedForward:
                 window=_WINDOW[type(layer).__name__](attn, config),
             ))
         log.info("acb: fused CPU forward over %d %s layers", len(layers), type(model.model.layers[0]).__name__)
-        return cls(model, layers, kernels)
+        return cls(model, layers, kernels, row_reduce)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
                  use_cache: bool = False, logits_to_keep: torch.Tensor | int | None = None) -> _Logits:
@@ -152,16 +158,28 @@ class FusedForward:
                 v.view(total, layer.kv_heads, d).transpose(0, 1).unsqueeze(0),
                 None, scaling=layer.scaling, sliding_window=layer.window,
             )
-            x = binary(a.view(total, -1), x, *layer.o, "add")
+            x = self._add_projection(a.view(total, -1), x, layer.o)
             h = k.rms_norm(x, *layer.ln2)
             g = linear(h, *layer.gate, "swish", [], "")
             m = binary(h, g, *layer.up, "mul")
-            x = binary(m, x, *layer.down, "add")
+            x = self._add_projection(m, x, layer.down)
         if isinstance(logits_to_keep, int):  # transformers' convention: the last N rows, 0 = all
             x = x[-logits_to_keep:] if logits_to_keep else x
         elif logits_to_keep is not None:
             x = x.index_select(0, logits_to_keep)
         return _Logits(self.lm_head(k.rms_norm(x, *self.norm)).unsqueeze(0))
+
+    def _add_projection(self, h: torch.Tensor, x: torch.Tensor, weight: tuple) -> torch.Tensor:
+        """``x + h @ W`` (one GEMM, the add fused); sharded, summed over the ranks, of
+        which only rank 0 adds ``x``."""
+        reduce = self.row_reduce
+        if reduce is None or reduce.rank == 0:
+            out = torch.ops.mkldnn._linear_pointwise.binary(h, x, *weight, "add")
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(h, *weight, "none", [], "")
+        if reduce is not None:
+            reduce(out)
+        return out
 
 
 def _unsupported(model: torch.nn.Module, packed, kernels) -> str | None:

@@ -166,6 +166,9 @@ class ModelRunner:
         self._varlen_forward = model
         self._decode_forward = model
         self.fused = None  # acb.fused.FusedForward, when it stands in for the model's forward
+        # tensor parallel: sums a row-parallel projection's partial output over the ranks
+        # in place (acb.distributed.sharding.RowReduce); None on a single rank
+        self.row_reduce = None
         self.decode_padding: cuda_graphs.DecodePadding | None = None
         self.decode_graphs: cuda_graphs.DecodeGraphs | None = None
 
@@ -191,7 +194,7 @@ class ModelRunner:
             from .fused import FusedForward
             from .kernels.cpu import fused_kernels
 
-            self.fused = FusedForward.build(self.model, self._packed, fused_kernels())
+            self.fused = FusedForward.build(self.model, self._packed, fused_kernels(), self.row_reduce)
             if self.fused is not None:
                 self._varlen_forward = self._decode_forward = self.fused
         if varlen or decode:
@@ -404,6 +407,28 @@ class ModelRunner:
         if self.stream is not None and self.measure_device_time:
             started = torch.cuda.Event(enable_timing=True)
             started.record(self.stream)
+        logits = self._forward(step)
+        if not step.sampling.temperature:
+            self.prev_sampled = None
+            return StepOutput([], None)
+        if self.fault_hook is not None:
+            self.fault_hook(self.step_index, "sample")
+        ids, logprobs = sample(logits, step.sampling, self.generator)
+        self.prev_sampled = ids
+        if self.stream is None:
+            return StepOutput(ids.tolist(), logprobs.tolist() if logprobs is not None else None)
+        ids_host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        ids_host.copy_(ids, non_blocking=True)
+        lp_host = None
+        if logprobs is not None:
+            lp_host = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
+            lp_host.copy_(logprobs, non_blocking=True)
+        event = torch.cuda.Event(enable_timing=started is not None)
+        event.record(self.stream)
+        return PendingOutput(event, ids_host, lp_host, started, self)
+
+    def _forward(self, step: StepInput) -> torch.Tensor:
+        """The step's offload copies and forward: the logits of its sampled rows [K, vocab]."""
         if step.swap_out:
             self._swap_out(step.swap_out)
         if step.swap_in:
@@ -430,24 +455,7 @@ class ModelRunner:
             finally:
                 attention.set_step(None)
             logits = out.logits[0]
-        if not step.sampling.temperature:
-            self.prev_sampled = None
-            return StepOutput([], None)
-        if self.fault_hook is not None:
-            self.fault_hook(self.step_index, "sample")
-        ids, logprobs = sample(logits, step.sampling, self.generator)
-        self.prev_sampled = ids
-        if self.stream is None:
-            return StepOutput(ids.tolist(), logprobs.tolist() if logprobs is not None else None)
-        ids_host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-        ids_host.copy_(ids, non_blocking=True)
-        lp_host = None
-        if logprobs is not None:
-            lp_host = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
-            lp_host.copy_(logprobs, non_blocking=True)
-        event = torch.cuda.Event(enable_timing=started is not None)
-        event.record(self.stream)
-        return PendingOutput(event, ids_host, lp_host, started, self)
+        return logits
 
     # ------------------------------------------------------------------ CPU offload
     def _swap_out(self, pairs: list[tuple[int, ...]]) -> None:

@@ -221,6 +221,9 @@ if __name__ == "__main__":
 
     print("transformers", transformers.__version__, flush=True)
     ok = parity()
+    from gpu_check_tp import tp_parity  # tensor_parallel_size=2: runs where there are 2 GPUs
+
+    ok &= tp_parity()
     print(f"parity took {time.perf_counter() - T0:.0f} s", flush=True)
     timing()
     ok &= compile_parity()

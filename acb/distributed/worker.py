@@ -1,0 +1,141 @@
+"""A rank other than 0 of a tensor-parallel engine: receive the model's share, then loop
+receive step -> forward until rank 0 says stop.
+
+acb starts these itself (``python -m acb.distributed.worker --rank R ...``, one child
+process per rank). Under ``torchrun`` every rank other than 0 calls :func:`run_worker`
+(``acb serve`` does so on its own), or runs this module with no arguments::
+
+    torchrun --nproc-per-node 2 -m acb.distributed.worker      # ranks 1.., rank 0 serves
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .. import sizing
+from ..runner import ModelRunner, StepInput
+from ..sampling import SamplingBatch
+from . import group, protocol, sharding
+
+log = logging.getLogger("acb")
+
+
+def run_worker(rank: int | None = None, size: int | None = None, store_address: str | None = None,
+               timeout_s: float = 120.0) -> None:
+    """Serve as rank ``rank`` (not 0) of a tensor-parallel engine until rank 0 closes it.
+
+    With no arguments the rank, world size and rendezvous come from ``torchrun``'s
+    environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``)::
+
+        import acb
+        if int(os.environ["RANK"]) != 0:
+            acb.distributed.run_worker()      # returns when rank 0's engine closes
+        else:
+            engine = acb.Engine.from_pretrained(path, config=acb.EngineConfig(tensor_parallel_size=2))
+    """
+    timeout = timedelta(seconds=timeout_s)
+    if store_address is None:
+        if not group.launched_by_torchrun():
+            raise RuntimeError("run_worker() without arguments needs torchrun's RANK, WORLD_SIZE, MASTER_ADDR "
+                               "and MASTER_PORT")
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store, _, _ = next(dist.rendezvous("env://", rank, size, timeout=timeout))
+    else:
+        host, port = store_address.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), size, False, timeout=timeout)
+    if not rank:
+        raise ValueError("run_worker serves the ranks other than 0; rank 0 is the engine's process")
+    store.set(group.READY_KEY.format(rank), "1")
+    ctrl = group.control_group(store, rank, size, timeout)
+    start = group.broadcast_object(ctrl)
+    torch.set_num_threads(start["threads"])
+    device = _device(torch.device(start["device"]), rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    data = group.step_group(store, rank, size, device, timeout, ctrl)
+    config = start["engine_config"]
+    model = sharding.skeleton(start["model_class"], sharding.shard_config(start["config"], size), start["dtype"])
+    with torch.no_grad():
+        for _, tensor in sharding.tensors(model):
+            ctrl.recv([tensor], 0, 0).wait()
+    model.to(device)
+    reduce = sharding.RowReduce(data, rank)
+    sharding.install(model, reduce)
+    group.agree_capacity(ctrl, sizing.layout(model, config))
+    layout = group.broadcast_object(ctrl)
+    args, kwargs = group.runner_args(layout, config)
+    runner = ModelRunner(model, *args, **kwargs)
+    runner.row_reduce = reduce
+    runner.configure_fast_paths(config, layout.max_requests)
+    channel = protocol.Channel(data, device)
+    store.set(group.SERVING_KEY.format(rank), "1")
+    _serve(runner, channel)
+
+
+def _device(rank0: torch.device, rank: int) -> torch.device:
+    if rank0.type != "cuda":
+        return rank0
+    if "LOCAL_RANK" in os.environ:
+        return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    return torch.device("cuda", (rank0.index or 0) + rank)
+
+
+def _serve(runner: ModelRunner, channel: protocol.Channel) -> None:
+    nothing = SamplingBatch([], [], [], [], False)
+    stream = torch.cuda.stream(runner.stream) if runner.stream is not None else contextlib.nullcontext()
+    try:
+        with torch.inference_mode(), stream:
+            while True:
+                op, message = channel.receive()
+                if op == protocol.OP_STOP:
+                    break
+                if op == protocol.OP_STEP:
+                    rows, swap_out, swap_in = protocol.unpack(message)
+                    runner._forward(StepInput(rows, nothing, swap_out, swap_in))
+    finally:
+        runner.release()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """End this process once the engine's process is gone, however it ended (a watch
+    thread: ``PR_SET_PDEATHSIG`` would fire when the *thread* that started us exits)."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="acb-parent-watch", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m acb.distributed.worker",
+                                     description="A rank other than 0 of an acb tensor-parallel engine.")
+    parser.add_argument("--rank", type=int)
+    parser.add_argument("--size", type=int)
+    parser.add_argument("--store", help="host:port of rank 0's store (default: torchrun's environment)")
+    parser.add_argument("--parent", type=int, help="the engine's process id: exit with it")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds any collective may take")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s acb rank {args.rank}: %(message)s")
+    if args.parent is not None:
+        _exit_with_parent(args.parent)
+    try:
+        run_worker(args.rank, args.size, args.store, args.timeout)
+    except RuntimeError as e:  # rank 0 went away or timed out: the group is over
+        log.error("tensor-parallel rank stopped: %s", e)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
