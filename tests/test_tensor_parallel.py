@@ -58,7 +58,10 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+# Each case starts its own rank process (5-15 s here, more on a busy machine): llama in
+# the default suite, the other architectures in CI's extras step
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen2", marks=pytest.mark.extras),
+                                  pytest.param("mistral", marks=pytest.mark.extras)])
 async def test_tp2_greedy_equals_one_rank_and_transformers(arch, monkeypatch):
     if arch == "qwen2":  # transformers' forward, its row-parallel projections summed by hooks
         monkeypatch.setenv("ACB_CPU_FUSED", "0")
@@ -108,6 +111,7 @@ async def test_killed_rank_fails_requests_and_stops_the_engine():
     assert _children() <= before  # rank 1 is gone and reaped: no zombie, no orphan
 
 
+@pytest.mark.extras
 async def test_serve_with_two_ranks_answers_an_openai_request(tmp_path):
     port = free_port()
     with open(tmp_path / "server.log", "w") as log:
