@@ -40,6 +40,7 @@ def smollm2() -> tuple[str, str]:
 
 
 def cache_dir() -> Path:
+    """Where converted GGUF checkpoints are kept: ``$ACB_CACHE_DIR``, else ``~/.cache/acb``."""
     return Path(os.environ.get("ACB_CACHE_DIR", Path.home() / ".cache" / "acb"))
 
 
