@@ -123,6 +123,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, chat=True)
 
 
+async def tokenize(request: web.Request) -> web.Response:
+    """``POST /tokenize`` (vLLM's extension): text or chat messages to token ids."""
+    return web.json_response(request.app[SERVICE_KEY].tokenize(await read_json_object(request)))
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """``POST /detokenize`` (vLLM's extension): token ids to text."""
+    return web.json_response(request.app[SERVICE_KEY].detokenize(await read_json_object(request)))
+
+
 async def models(request: web.Request) -> web.Response:
     """``GET /v1/models``: the one model this server serves."""
     return web.json_response(request.app[SERVICE_KEY].models(request.match_info.get("model")))
@@ -172,6 +182,8 @@ def create_app(engine: acb.Engine, config: ServerConfig | None = None) -> web.Ap
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/models/{model}", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

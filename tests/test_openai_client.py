@@ -48,8 +48,8 @@ async def test_chat_whole_and_streamed_with_usage(client):
 
 async def test_errors_map_to_the_clients_exceptions(client):
     with pytest.raises(openai.BadRequestError) as bad:
-        await client.chat.completions.create(model="tiny", messages=CHAT, n=2)
-    assert bad.value.body["param"] == "n"
+        await client.chat.completions.create(model="tiny", messages=CHAT, logprobs=True, top_logprobs=30)
+    assert bad.value.body["param"] == "top_logprobs"
     wrong_key = client.with_options(api_key="nope")
     with pytest.raises(openai.AuthenticationError):
         await wrong_key.models.list()

@@ -78,17 +78,20 @@ async def test_chat_completion_answers_with_an_assistant_message(server):
     assert body["usage"]["completion_tokens"] == 6
 
 
-async def test_chat_stream_sends_role_first_then_content_then_usage(server):
+async def test_chat_stream_sends_role_with_the_first_token_then_content_then_usage(server):
     _, session, _ = server
-    request = {"messages": CHAT, "max_tokens": 8, "temperature": 0}
+    request = {"messages": CHAT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": True}
     _, whole = await post(session, "/v1/chat/completions", request)
     async with session.post("/v1/chat/completions", json={**request, "stream": True,
                                                           "stream_options": {"include_usage": True}}) as resp:
         chunks = await sse_json(resp)
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    first = chunks[0]["choices"][0]["delta"]
+    assert first["role"] == "assistant" and chunks[0]["choices"][0]["logprobs"]["content"]  # with the 1st token
+    assert whole["choices"][0]["message"]["content"].startswith(first["content"])
     assert all(c["object"] == "chat.completion.chunk" for c in chunks[:-1])
+    assert all(c["usage"] is None for c in chunks[:-2])
     assert text_of(chunks, chat=True) == whole["choices"][0]["message"]["content"]
-    assert chunks[-3]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    assert chunks[-3]["choices"][0]["finish_reason"] == "length"
     assert chunks[-2]["choices"] == [] and chunks[-2]["usage"] == whole["usage"]
     assert chunks[-1] == "[DONE]"
 
@@ -184,21 +187,36 @@ async def test_malformed_json_is_400_in_openai_shape(server):
     ("/v1/completions", "max_tokens", "ten"),
     ("/v1/completions", "max_tokens", True),
     ("/v1/completions", "temperature", "hot"),
-    ("/v1/completions", "temperature", 3.5),
+    ("/v1/completions", "temperature", -0.5),
     ("/v1/completions", "top_p", 0),
     ("/v1/completions", "seed", -1),
     ("/v1/completions", "stop", 5),
     ("/v1/completions", "stream", "yes"),
     ("/v1/completions", "prompt", 5),
-    ("/v1/completions", "prompt", ["a", "b"]),
-    ("/v1/completions", "n", 2),
-    ("/v1/completions", "logprobs", 9),
-    ("/v1/completions", "temprature", 0.5),
+    ("/v1/completions", "prompt", ["a", 5]),
+    ("/v1/completions", "n", 0),
+    ("/v1/completions", "best_of", 3),
+    ("/v1/completions", "logprobs", 21),
+    ("/v1/completions", "presence_penalty", 2.5),
+    ("/v1/completions", "repetition_penalty", 0),
+    ("/v1/completions", "min_p", 1.5),
+    ("/v1/completions", "logit_bias", {"x": 1}),
+    ("/v1/completions", "use_beam_search", True),
+    ("/v1/completions", "include_stop_str_in_output", True),
+    ("/v1/completions", "prompt_logprobs", 1),
+    ("/v1/completions", "suffix", "tail"),
+    ("/v1/completions", "guided_grammar", "root ::= 'a'"),
+    ("/v1/completions", "structured_outputs", {"grammar": "root ::= 'a'"}),
+    ("/v1/completions", "response_format", {"type": "xml"}),
+    ("/v1/completions", "stream_options", 5),
     ("/v1/chat/completions", "messages", "hi"),
     ("/v1/chat/completions", "messages", [{"content": "no role"}]),
-    ("/v1/chat/completions", "n", 2),
     ("/v1/chat/completions", "logprobs", 3),
-    ("/v1/chat/completions", "tools", []),
+    ("/v1/chat/completions", "top_logprobs", 21),
+    ("/v1/chat/completions", "echo", True),
+    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("/v1/chat/completions", "tool_choice", "required"),
+    ("/v1/chat/completions", "modalities", ["audio"]),
 ])
 async def test_bad_field_is_400_naming_it_and_the_server_goes_on(server, path, field, value):
     _, session, _ = server

@@ -1,17 +1,22 @@
 """The OpenAI completions and chat-completions wire format: request bodies checked
 field by field into engine keywords, and response objects shaped as OpenAI's.
 
-Every bad field raises :class:`~acb.integrations.aiohttp.ApiError` (400) whose
-message and ``param`` name the field.
+Parsing is tolerant, as vLLM's: a field this server does not know is ignored (and
+logged once per name); a known field whose value acb cannot honour raises
+:class:`~acb.integrations.aiohttp.ApiError` (400) whose message and ``param`` name it.
+docs/serving.md tables every field.
 
 Example::
 
     request = parse_request(body, chat=True, limits=Limits())
-    handle = engine.submit(request.prompt, **request.sampling)
+    handle = engine.submit(request.prompts[0], **request.sampling)
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
 import math
 import time
 import uuid
@@ -23,14 +28,37 @@ import acb
 
 from .aiohttp import ApiError
 
-_COMMON = frozenset({
-    "model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options", "user",
-    "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-    "top_k", "ignore_eos", "stop_token_ids",  # extensions, as in vLLM
+log = logging.getLogger("acb.server")
+
+_ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(acb.SamplingParams))
+
+# Accepted and without effect here (documented in docs/serving.md); anything not in the
+# tables below is unknown: ignored and logged once.
+_IGNORED = frozenset({
+    "user", "metadata", "store", "service_tier", "parallel_tool_calls", "prediction", "priority", "request_id",
+    "safety_identifier", "prompt_cache_key", "reasoning_effort", "verbosity", "web_search_options",
+    "guided_decoding_backend", "guided_whitespace_pattern", "length_penalty", "spaces_between_special_tokens",
+    "cache_salt", "kv_transfer_params", "vllm_xargs", "mm_processor_kwargs", "documents", "chat_template",
 })
-_COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
-_CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "max_completion_tokens"}
+_COMMON = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
+    "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "response_format",
+    # vLLM's extensions
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "use_beam_search",
+    "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs", "allowed_token_ids", "bad_words",
+    "truncate_prompt_tokens", "return_tokens_as_token_ids", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "structured_outputs", "add_special_tokens", "best_of", "echo",
+}) | _IGNORED
+_COMPLETION_FIELDS = _COMMON | {"prompt", "suffix"}
+_CHAT_FIELDS = _COMMON | {
+    "messages", "top_logprobs", "max_completion_tokens", "tools", "tool_choice", "functions", "function_call",
+    "modalities", "audio", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+}
 _FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+# Engine keyword -> the wire field it came from, for errors the engine raises.
+_WIRE_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs": "logprobs"}
+_MAX_LOGPROBS = 20
+_warned_unknown: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -39,18 +67,29 @@ class Limits:
 
     max_tokens_limit: int = 4096
     default_max_tokens: int = 256  # chat requests without max_tokens (completions default to 16, as OpenAI)
+    max_n: int = 128  # choices per request (n times the prompts of a completions request)
 
 
 @dataclass
 class ParsedRequest:
-    """A checked request: the engine prompt and keywords plus how to answer."""
+    """A checked request: the engine prompts and keywords plus how to answer.
+
+    ``prompts`` holds one prompt per completions prompt (chat: the one message list);
+    ``template`` the chat template's keywords when the request set any."""
 
     chat: bool
-    prompt: Any
+    prompts: list[Any]
     sampling: dict[str, Any]
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0
+    echo: bool = False
+    tokens_as_ids: bool = False
+    n: int = 1
+    template: dict[str, Any] | None = None
+    wire_names: dict[str, str] = field(default_factory=dict)
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -69,12 +108,15 @@ def _int(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
     return value
 
 
-def _float(body: dict, name: str, lo: float, hi: float, *, open_low: bool = False) -> float | None:
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _float(body: dict, name: str, lo: float, hi: float = math.inf, *, open_low: bool = False) -> float | None:
     value = body.get(name)
     if value is None:
         return None
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value > hi or value < lo or (open_low and value == lo):
+    if not _number(value) or value > hi or value < lo or (open_low and value == lo):
         raise _bad(name, f"must be a number in {'(' if open_low else '['}{lo}, {hi}], got {value!r}")
     return float(value)
 
@@ -91,17 +133,15 @@ def _token_ids(value: Any) -> bool:
         isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-def _completion_prompt(body: dict) -> Any:
+def _completion_prompts(body: dict) -> list[Any]:
     if "prompt" not in body:
         raise _bad("prompt", "is required")
     prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _token_ids(prompt[0])):
-        prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) or _token_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _token_ids(p) for p in prompt):
         return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise _bad("prompt", "must be a single prompt: batches of prompts are not supported (send one request each)")
-    raise _bad("prompt", "must be a string or a list of token ids")
+    raise _bad("prompt", "must be a string, a list of token ids, or a non-empty list of those")
 
 
 def _content(i: int, content: Any) -> str:
@@ -137,85 +177,275 @@ def _stop(body: dict) -> list[str] | None:
         return None
     if isinstance(stop, str):
         stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise _bad("stop", f"must be a non-empty string or a list of non-empty strings, got {body['stop']!r}")
-    return stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise _bad("stop", f"must be a string or a list of strings, got {body['stop']!r}")
+    return [s for s in stop if s] or None
 
 
-def _unsupported(body: dict) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _float(body, name, -2.0, 2.0):
-            raise _bad(name, "is not supported (only 0)")
-    if body.get("logit_bias") not in (None, {}):
-        raise _bad("logit_bias", "is not supported")
-    if _bool(body, "echo"):
-        raise _bad("echo", "is not supported (only false)")
-    _int(body, "best_of", 1, 1)  # only 1
-    if body.get("suffix") is not None:
-        raise _bad("suffix", "is not supported")
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise _bad("user", "must be a string")
-    if body.get("model") is not None and not isinstance(body["model"], str):
-        raise _bad("model", "must be a string")
+def _note_unknown(body: dict, known: frozenset[str], route: str) -> None:
+    for name in sorted(set(body) - known):
+        if name not in _warned_unknown:
+            _warned_unknown.add(name)
+            log.warning("ignoring the unknown request field %r (first seen on %s; logged once)", name, route)
 
 
-def parse_request(body: dict[str, Any], *, chat: bool, limits: Limits) -> ParsedRequest:
-    """Check an OpenAI request body; return the engine prompt and keywords."""
-    unknown = sorted(set(body) - (_CHAT_FIELDS if chat else _COMPLETION_FIELDS))
-    if unknown:
-        raise _bad(unknown[0], "is not a recognized field of this endpoint")
-    _unsupported(body)
-    n = _int(body, "n", 1)
-    if n is not None and n != 1:
-        raise _bad("n", f"must be 1: one choice per request is supported, got {n}")
-    stream = bool(_bool(body, "stream"))
-    options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or not isinstance(options.get("include_usage",
-                                                                                            False), bool)):
-        raise _bad("stream_options", "must be an object like {'include_usage': true}")
+def _refuse_unhonourable(body: dict, chat: bool) -> None:
+    """400 for known fields set to something acb cannot do."""
+    if _bool(body, "use_beam_search"):
+        raise _bad("use_beam_search", "is not supported (beam search)")
+    if _bool(body, "include_stop_str_in_output"):
+        raise _bad("include_stop_str_in_output", "is not supported: the stop string is never included")
+    if _bool(body, "skip_special_tokens") is False:
+        raise _bad("skip_special_tokens", "is not supported: special tokens are always skipped in text")
+    if body.get("prompt_logprobs") not in (None, 0):
+        raise _bad("prompt_logprobs", "is not supported (only generated tokens get logprobs)")
+    for name in ("allowed_token_ids", "bad_words", "guided_grammar", "truncate_prompt_tokens", "suffix", "audio",
+                 "functions"):
+        if body.get(name) not in (None, [], ""):
+            raise _bad(name, "is not supported")
+    if body.get("tools"):
+        raise _bad("tools", "is not supported: acb does not do tool calling")
+    if body.get("tool_choice") not in (None, "none", "auto") or body.get("function_call") not in (None, "none",
+                                                                                                      "auto"):
+        raise _bad("tool_choice" if "tool_choice" in body else "function_call", "is not supported (no tools)")
+    if body.get("modalities") not in (None, ["text"]):
+        raise _bad("modalities", "must be ['text']: acb generates text only")
+    if _bool(body, "add_special_tokens") is not None and body["add_special_tokens"] != (not chat):
+        raise _bad("add_special_tokens", f"is not supported (only {not chat}, the default)")
+    if chat and _bool(body, "echo"):
+        raise _bad("echo", "is not supported on chat completions")
+    if not chat and _bool(body, "echo") and body.get("logprobs") is not None:
+        raise _bad("echo", "with 'logprobs' needs prompt logprobs, which acb does not compute")
+    for name in ("model", "user"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise _bad(name, "must be a string")
+
+
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise _bad("logit_bias", f"must be an object of token id -> bias, got {bias!r}")
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise _bad("logit_bias", f"keys must be token ids, got {key!r}") from None
+        if token < 0 or not _number(value):
+            raise _bad("logit_bias", f"must map non-negative token ids to numbers, got {key!r}: {value!r}")
+        out[token] = max(-100.0, min(100.0, float(value)))  # OpenAI's range, clamped as vLLM does
+    return out or None
+
+
+def _json_schema_value(name: str, value: Any) -> dict | str:
+    if isinstance(value, str):
+        try:
+            json.loads(value)
+        except ValueError as e:
+            raise _bad(name, f"is not valid JSON: {e}") from None
+        return value
+    if not isinstance(value, dict):
+        raise _bad(name, f"must be a JSON schema object, got {value!r}")
+    return value
+
+
+_ANY_JSON_OBJECT = {"type": "object", "additionalProperties": True}
+
+
+def _structured(body: dict) -> tuple[str, str, Any] | None:
+    """(wire field, engine keyword, value) of the one output constraint the request asks for."""
+    found: list[tuple[str, str, Any]] = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            found.append(("response_format", "json_schema", _ANY_JSON_OBJECT))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict):
+                raise _bad("response_format", "of type 'json_schema' needs a 'json_schema' object")
+            schema = spec.get("schema", spec.get("json_schema"))
+            found.append(("response_format", "json_schema",
+                          _ANY_JSON_OBJECT if schema is None else _json_schema_value("response_format", schema)))
+        elif kind != "text":
+            raise _bad("response_format", f"type must be 'text', 'json_object' or 'json_schema', got {fmt!r}")
+    if body.get("guided_json") is not None:
+        found.append(("guided_json", "json_schema", _json_schema_value("guided_json", body["guided_json"])))
+    if body.get("guided_regex") is not None:
+        found.append(("guided_regex", "regex", body["guided_regex"]))
+    if body.get("guided_choice") is not None:
+        found.append(("guided_choice", "choice", body["guided_choice"]))
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise _bad("structured_outputs", "must be an object like {'json': schema} or {'regex': ...}")
+        for key, value in outputs.items():
+            if key == "json" and value is not None:
+                found.append(("structured_outputs", "json_schema", _json_schema_value("structured_outputs", value)))
+            elif key == "json_object" and value:
+                found.append(("structured_outputs", "json_schema", _ANY_JSON_OBJECT))
+            elif key in ("regex", "choice") and value is not None:
+                found.append(("structured_outputs", key, value))
+            elif key in ("grammar", "structural_tag") and value is not None:
+                raise _bad("structured_outputs", f"'{key}' is not supported (json, json_object, regex or choice)")
+    if len(found) > 1:
+        raise _bad(found[1][0], f"conflicts with '{found[0][0]}': ask for one output constraint")
+    if not found:
+        return None
+    wire, key, value = found[0]
+    if key == "regex" and not isinstance(value, str):
+        raise _bad(wire, f"regex must be a string, got {value!r}")
+    if key == "choice" and not (isinstance(value, list) and value and all(isinstance(c, str) for c in value)):
+        raise _bad(wire, f"choice must be a non-empty list of strings, got {value!r}")
+    return found[0]
+
+
+def _logprobs(body: dict, chat: bool) -> tuple[bool, int]:
+    """(chosen-token logprobs wanted, alternatives per token)."""
+    if chat:
+        want = bool(_bool(body, "logprobs"))
+        top = _int(body, "top_logprobs", 0, _MAX_LOGPROBS) or 0
+        if top and not want:
+            raise _bad("top_logprobs", "needs 'logprobs': true")
+        return want, top
+    top = _int(body, "logprobs", 0, _MAX_LOGPROBS)
+    return top is not None, top or 0
+
+
+def _template_options(body: dict) -> dict[str, Any] | None:
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise _bad("chat_template_kwargs", "must be an object")
+    generation = _bool(body, "add_generation_prompt")
+    continue_final = _bool(body, "continue_final_message")
+    if not kwargs and generation in (None, True) and not continue_final:
+        return None
+    if continue_final and generation:
+        raise _bad("continue_final_message", "and 'add_generation_prompt' cannot both be true")
+    return {**(kwargs or {}), "add_generation_prompt": not continue_final if generation is None else generation,
+            "continue_final_message": bool(continue_final)}
+
+
+def _engine_keywords(body: dict, chat: bool, limits: Limits, n: int,
+                     default_temperature: float | None) -> tuple[dict[str, Any], dict[str, str]]:
+    """The sampling keywords (only those set to something other than the neutral value,
+    so a client that spells out defaults works with any engine) and their wire names."""
     limit_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, limit_name, 1)
     if max_tokens is None:
         max_tokens = min(limits.default_max_tokens if chat else 16, limits.max_tokens_limit)
     elif max_tokens > limits.max_tokens_limit:
         raise _bad(limit_name, f"is {max_tokens}, more than this server allows ({limits.max_tokens_limit})")
-    if chat:
-        want_logprobs = bool(_bool(body, "logprobs"))
-        if _int(body, "top_logprobs", 0, 20):
-            raise _bad("top_logprobs", "is not supported: only the chosen token's logprob is returned (use 0)")
-    else:
-        want_logprobs = _int(body, "logprobs", 0, 5) is not None
+    top_k = body.get("top_k")
+    if top_k == -1:  # vLLM's spelling of "off"
+        top_k = 0
     sampling: dict[str, Any] = {
         "max_new_tokens": max_tokens,
-        "temperature": _float(body, "temperature", 0.0, 2.0),
+        "temperature": _float(body, "temperature", 0.0),
         "top_p": _float(body, "top_p", 0.0, 1.0, open_low=True),
-        "top_k": _int(body, "top_k", 0),
+        "top_k": _int({"top_k": top_k}, "top_k", 0) or None,
+        "min_p": _float(body, "min_p", 0.0, 1.0) or None,
         "seed": _int(body, "seed", 0, 2**63 - 1),
         "stop": _stop(body),
-        "ignore_eos": _bool(body, "ignore_eos"),
-        "logprobs": want_logprobs,
+        "ignore_eos": _bool(body, "ignore_eos") or None,
+        "presence_penalty": _float(body, "presence_penalty", -2.0, 2.0) or None,
+        "frequency_penalty": _float(body, "frequency_penalty", -2.0, 2.0) or None,
+        "repetition_penalty": _float(body, "repetition_penalty", 0.0, open_low=True),
+        "min_new_tokens": _int(body, "min_tokens", 0) or None,
+        "logit_bias": _logit_bias(body),
+        "n": n if n > 1 else None,
     }
+    if sampling["repetition_penalty"] == 1.0:
+        sampling["repetition_penalty"] = None
+    want, top = _logprobs(body, chat)
+    sampling["logprobs"] = want or None
+    sampling["top_logprobs"] = top or None
     if body.get("stop_token_ids") is not None:
         ids = body["stop_token_ids"]
-        if not (_token_ids(ids) and all(t >= 0 for t in ids)):
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                for t in ids):
             raise _bad("stop_token_ids", "must be a list of non-negative integers")
-        sampling["stop_token_ids"] = ids
+        sampling["stop_token_ids"] = ids or None
+    wire = {**_WIRE_NAMES, "max_new_tokens": limit_name}
+    if chat:
+        wire["top_logprobs"] = "top_logprobs"
+    constraint = _structured(body)
+    if constraint is not None:
+        wire_name, key, value = constraint
+        sampling[key] = value
+        wire[key] = wire_name
     sampling = {k: v for k, v in sampling.items() if v is not None}
-    sampling.setdefault("temperature", 1.0)  # OpenAI's default, not the engine's greedy one
+    if default_temperature is not None:
+        sampling.setdefault("temperature", default_temperature)
+    for key in sampling:
+        if key not in _ENGINE_FIELDS:
+            name = wire.get(key, key)
+            raise _bad(name, f"is not supported by this engine build (no SamplingParams.{key})")
+    return sampling, wire
+
+
+def parse_request(body: dict[str, Any], *, chat: bool, limits: Limits,
+                  default_temperature: float | None = 1.0) -> ParsedRequest:
+    """Check an OpenAI request body; return the engine prompts and keywords.
+
+    ``default_temperature`` is what a request without ``temperature`` gets: OpenAI's 1.0,
+    or None to leave it to the engine (the model's ``generation_config``)."""
+    _note_unknown(body, _CHAT_FIELDS if chat else _COMPLETION_FIELDS, "/v1/chat/completions" if chat
+                  else "/v1/completions")
+    _refuse_unhonourable(body, chat)
+    prompts = [_chat_messages(body)] if chat else _completion_prompts(body)
+    n = _int(body, "n", 1) or 1
+    best_of = _int(body, "best_of", 1)
+    if best_of is not None and best_of != n:
+        raise _bad("best_of", f"must equal n ({n}): acb returns every sequence it samples")
+    if n * len(prompts) > limits.max_n:
+        raise _bad("n", f"asks for {n * len(prompts)} choices, more than this server allows ({limits.max_n})")
+    stream = bool(_bool(body, "stream"))
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _bad("stream_options", "must be an object like {'include_usage': true}")
+    options = options or {}
+    for name in ("include_usage", "continuous_usage_stats"):
+        if not isinstance(options.get(name, False), (bool, type(None))):
+            raise _bad("stream_options", f"'{name}' must be a boolean")
+    sampling, wire = _engine_keywords(body, chat, limits, n, default_temperature)
+    include_usage = bool(options.get("include_usage"))
     return ParsedRequest(
-        chat=chat, prompt=_chat_messages(body) if chat else _completion_prompt(body), sampling=sampling,
-        stream=stream, include_usage=bool(options and options.get("include_usage")), logprobs=want_logprobs,
+        chat=chat, prompts=prompts, sampling=sampling, stream=stream, include_usage=include_usage,
+        continuous_usage=include_usage and bool(options.get("continuous_usage_stats")),
+        logprobs=bool(sampling.get("logprobs")), top_logprobs=sampling.get("top_logprobs", 0),
+        echo=bool(_bool(body, "echo")), tokens_as_ids=bool(_bool(body, "return_tokens_as_token_ids")), n=n,
+        template=_template_options(body) if chat else None, wire_names=wire,
         id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
     )
 
 
-def engine_error(error: acb.AcbError, *, chat: bool) -> ApiError:
+def prompt_token_ids(request: ParsedRequest, prompt: Any, engine: acb.Engine) -> list[int]:
+    """One prompt as the token ids the engine will run (chat: through the template with
+    the request's options), so the server knows its length and text up front."""
+    from acb.errors import InvalidRequestError
+    from acb.inputs import tokenize
+
+    if request.template is not None and engine.tokenizer is not None:
+        try:
+            out = engine.tokenizer.apply_chat_template(prompt, tokenize=True, **request.template)
+        except Exception as e:
+            raise InvalidRequestError(f"chat prompt could not be templated: {e}", param="prompt") from e
+        prompt = list(out["input_ids"] if hasattr(out, "keys") else out)
+    return tokenize(prompt, engine.tokenizer, engine.vocab_size)
+
+
+def engine_error(error: acb.AcbError, *, chat: bool, wire_names: dict[str, str] | None = None) -> ApiError:
     """An engine error in OpenAI's terms (field names as the client sent them)."""
     from .aiohttp import api_error_from
 
     api = api_error_from(error)
-    api.message = api.message.replace("max_new_tokens", "max_tokens")
-    api.param = {"max_new_tokens": "max_tokens", "prompt": "messages" if chat else "prompt"}.get(api.param, api.param)
+    names = {**_WIRE_NAMES, **(wire_names or {}), "prompt": "messages" if chat else "prompt"}
+    if api.param in names:
+        api.message = api.message.replace(api.param, names[api.param]) if api.param != "prompt" else api.message
+        api.param = names[api.param]
     return api
 
 
@@ -223,66 +453,123 @@ def finish_reason(reason: str | None) -> str | None:
     return _FINISH_REASONS.get(reason, reason) if reason is not None else None
 
 
-def usage(completion: acb.Completion) -> dict[str, int]:
-    prompt, generated = len(completion.prompt_token_ids), len(completion.token_ids)
+def _usage(prompt: int, generated: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
 
-class Shaper:
-    """Builds one request's response objects (whole, or chunk by chunk when streaming)."""
+def choices_of(completion: acb.Completion) -> list[acb.Completion]:
+    """A completion's choices (one unless it was asked for ``n`` > 1)."""
+    return list(getattr(completion, "choices", None) or [completion])
 
-    def __init__(self, request: ParsedRequest, model: str, token_text: Callable[[int], str]) -> None:
+
+def usage(completions: list[acb.Completion]) -> dict[str, int]:
+    """Usage over the request's prompts: each prompt counted once, every choice's tokens."""
+    return _usage(sum(len(c.prompt_token_ids) for c in completions),
+                  sum(len(choice.token_ids) for c in completions for choice in choices_of(c)))
+
+
+@dataclass
+class _Choice:
+    text_offset: int = 0
+    generated: int = 0
+    started: bool = False
+
+
+class Shaper:
+    """Builds one request's response objects (whole, or chunk by chunk when streaming).
+
+    ``prompt_texts`` are the prompts' texts (for ``echo``) and ``prompt_lengths``
+    their token counts, one per prompt; choice ``i`` of prompt ``p`` is index ``p * n + i``."""
+
+    def __init__(self, request: ParsedRequest, model: str, token_text: Callable[[int], str],
+                 prompt_texts: list[str] | None = None, prompt_lengths: list[int] | None = None) -> None:
         self.request = request
         self.model = model
-        self.token_text = token_text
-        self.text_offset = 0
+        self.token_text = (lambda t: f"token_id:{t}") if request.tokens_as_ids else token_text
+        self.prompt_texts = prompt_texts or [""] * len(request.prompts)
+        self.prompt_lengths = prompt_lengths or [0] * len(request.prompts)
+        self.choices: dict[int, _Choice] = {}
+        self.obj = "chat.completion.chunk" if request.chat else "text_completion"
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.request.id, "object": obj, "created": self.request.created, "model": self.model,
                 "system_fingerprint": None}
 
-    def logprobs(self, token_ids: list[int], logprobs: list[float] | None) -> dict[str, Any] | None:
+    def _alternatives(self, top: dict[int, float]) -> list[tuple[str, float]]:
+        return [(self.token_text(t), lp) for t, lp in sorted(top.items(), key=lambda kv: -kv[1])]
+
+    def logprobs(self, state: _Choice, token_ids: list[int], logprobs: list[float] | None,
+                 top_logprobs: list[dict[int, float]] | None = None) -> dict[str, Any] | None:
+        """The OpenAI ``logprobs`` object of these tokens (chat or completions shape)."""
         if not self.request.logprobs or logprobs is None:
             return None
         tokens = [self.token_text(t) for t in token_ids]
+        tops = [self._alternatives(top) for top in top_logprobs] if top_logprobs else None
         if self.request.chat:
-            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
-                                for s, lp in zip(tokens, logprobs)]}
+            return {"content": [
+                {"token": s, "logprob": lp, "bytes": list(s.encode()),
+                 "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode())}
+                                  for a, alp in (tops[i] if tops else [])]}
+                for i, (s, lp) in enumerate(zip(tokens, logprobs))]}
         offsets = []
         for s in tokens:
-            offsets.append(self.text_offset)
-            self.text_offset += len(s)
-        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+            offsets.append(state.text_offset)
+            state.text_offset += len(s)
+        return {"tokens": tokens, "token_logprobs": list(logprobs),
+                "top_logprobs": [dict(alts) for alts in tops] if tops else None, "text_offset": offsets}
 
-    def response(self, completion: acb.Completion) -> dict[str, Any]:
-        """The non-streaming answer."""
-        choice: dict[str, Any] = {"index": 0}
-        if self.request.chat:
-            choice["message"] = {"role": "assistant", "content": completion.text}
-        else:
-            choice["text"] = completion.text
-        choice["logprobs"] = self.logprobs(completion.token_ids, completion.logprobs)
-        choice["finish_reason"] = finish_reason(completion.finish_reason)
-        obj = "chat.completion" if self.request.chat else "text_completion"
-        return {**self._head(obj), "choices": [choice], "usage": usage(completion)}
-
-    def chunk(self, text: str | None, token_ids: list[int] = (), logprobs: list[float] | None = None,
-              reason: str | None = None, *, role: bool = False) -> dict[str, Any]:
-        """One streaming chunk: ``role=True`` is chat's opening delta; ``text=None`` an empty delta."""
-        choice: dict[str, Any] = {"index": 0}
-        if self.request.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-            if text is not None:
+    def _choice(self, index: int, text: str, reason: str | None, logprobs: dict | None,
+                *, first: bool) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
+        if self.request.chat and self.request.stream:
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if text or first:
                 delta["content"] = text
             choice["delta"] = delta
+        elif self.request.chat:
+            choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = text or ""
-        choice["logprobs"] = self.logprobs(list(token_ids), logprobs) if token_ids else None
+            choice["text"] = text
+        choice["logprobs"] = logprobs
         choice["finish_reason"] = finish_reason(reason)
-        obj = "chat.completion.chunk" if self.request.chat else "text_completion"
-        return {**self._head(obj), "choices": [choice]}
+        return choice
 
-    def usage_chunk(self, completion: acb.Completion) -> dict[str, Any]:
+    def response(self, completions: list[acb.Completion]) -> dict[str, Any]:
+        """The non-streaming answer over every prompt's completion."""
+        choices = []
+        for p, completion in enumerate(completions):
+            for i, one in enumerate(choices_of(completion)):
+                state = _Choice(text_offset=len(self.prompt_texts[p]) if self.request.echo else 0)
+                text = (self.prompt_texts[p] if self.request.echo else "") + one.text
+                lp = self.logprobs(state, one.token_ids, one.logprobs, getattr(one, "top_logprobs", None))
+                choices.append(self._choice(p * self.request.n + i, text, one.finish_reason, lp, first=False))
+        obj = "chat.completion" if self.request.chat else "text_completion"
+        return {**self._head(obj), "choices": choices, "usage": usage(completions)}
+
+    def chunk(self, prompt_index: int, chunk: acb.Chunk) -> dict[str, Any] | None:
+        """One engine chunk as a streaming chunk (None when it carries nothing to send).
+        A choice's first chunk carries chat's role (and completions' echoed prompt):
+        it goes out with the first generated token, not before prefill."""
+        index = prompt_index * self.request.n + getattr(chunk, "index", 0)
+        state = self.choices.setdefault(index, _Choice())
+        first = not state.started
+        text = chunk.text
+        if first and self.request.echo:
+            text = self.prompt_texts[prompt_index] + text
+            state.text_offset = len(self.prompt_texts[prompt_index])
+        state.generated += len(chunk.token_ids)
+        lp = (self.logprobs(state, chunk.token_ids, chunk.logprobs, getattr(chunk, "top_logprobs", None))
+              if chunk.token_ids else None)
+        if not (first or text or lp or chunk.finish_reason):
+            return None
+        state.started = True
+        out = {**self._head(self.obj),
+               "choices": [self._choice(index, text, chunk.finish_reason, lp, first=first and self.request.chat)]}
+        if self.request.include_usage:
+            out["usage"] = (_usage(self.prompt_lengths[prompt_index], state.generated)
+                            if self.request.continuous_usage else None)
+        return out
+
+    def usage_chunk(self, completions: list[acb.Completion]) -> dict[str, Any]:
         """The closing chunk of ``stream_options.include_usage``: no choices, only usage."""
-        obj = "chat.completion.chunk" if self.request.chat else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": usage(completion)}
+        return {**self._head(self.obj), "choices": [], "usage": usage(completions)}

@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -30,7 +31,7 @@ import acb
 
 from .aiohttp import SSE_HEADERS, ApiError, sse_event
 from .metrics import ServerMetrics
-from .openai_protocol import Limits, Shaper, engine_error, parse_request
+from .openai_protocol import Limits, ParsedRequest, Shaper, engine_error, parse_request, prompt_token_ids
 
 
 def route_error(status: int, method: str, path: str, allowed: str | None = None) -> ApiError:
@@ -38,6 +39,38 @@ def route_error(status: int, method: str, path: str, allowed: str | None = None)
     if status == 404:
         return ApiError(404, f"no such route: {method} {path}")
     return ApiError(405, f"method {method} is not allowed on {path} (allowed: {allowed})")
+
+
+async def _merged(handles: list[acb.RequestHandle]) -> AsyncGenerator[tuple[int, acb.Chunk], None]:
+    """(prompt index, chunk) from every handle as they come; closing it early cancels them all."""
+    if len(handles) == 1:
+        async for chunk in handles[0]:
+            yield 0, chunk
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, handle: acb.RequestHandle) -> None:
+        try:
+            async for chunk in handle:
+                queue.put_nowait((i, chunk, None))
+        except Exception as e:
+            queue.put_nowait((i, None, e))
+        queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        live = len(tasks)
+        while live:
+            i, chunk, error = await queue.get()
+            if error is not None:
+                raise error
+            if chunk is None:
+                live -= 1
+            else:
+                yield i, chunk
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _token_text(engine: acb.Engine) -> Callable[[int], str]:
@@ -79,41 +112,110 @@ class OpenAIService:
         """Answer a ``/v1/completions`` (``chat=False``) or ``/v1/chat/completions`` body:
         the response object, or for ``stream: true`` an async generator of SSE events.
         Closing that generator early (a client that went away) cancels the request."""
-        parsed = parse_request(body, chat=chat, limits=self.limits)
-        try:
-            handle = self.engine.submit(parsed.prompt, **parsed.sampling)
-        except acb.AcbError as e:
-            raise engine_error(e, chat=chat) from None
-        shaper = Shaper(parsed, self.model_name, _token_text(self.engine))
+        parsed = parse_request(body, chat=chat, limits=self.limits, default_temperature=self._default_temperature())
+        handles, prompts = self._submit_all(parsed)
+        token_text = _token_text(self.engine)
+        texts = [self._prompt_text(p, ids) for p, ids in zip(parsed.prompts, prompts)] if parsed.echo else None
+        shaper = Shaper(parsed, self.model_name, token_text, texts, [len(ids) for ids in prompts])
         if parsed.stream:
-            return self._events(handle, shaper)
+            return self._events(handles, shaper)
         try:
-            completion = await handle
+            completions = list(await asyncio.gather(*handles))
         except acb.AcbError as e:
-            raise engine_error(e, chat=chat) from None
-        self.metrics.observe(completion)
-        return shaper.response(completion)
+            raise engine_error(e, chat=chat, wire_names=parsed.wire_names) from None
+        finally:
+            for handle in handles:
+                handle.cancel()  # a no-op once finished; a failed or abandoned request frees its pages
+        for completion in completions:
+            self.metrics.observe(completion)
+        return shaper.response(completions)
 
-    async def _events(self, handle: acb.RequestHandle, shaper: Shaper) -> AsyncGenerator[bytes, None]:
+    def _default_temperature(self) -> float | None:
+        """OpenAI's 1.0 for a request without ``temperature``, unless the model's
+        generation_config says how to sample (as vLLM: then the engine applies it)."""
+        model = getattr(self.engine, "generation_defaults", None) or {}
+        return None if ("temperature" in model or "do_sample" in model) else 1.0
+
+    def _submit_all(self, parsed: ParsedRequest) -> tuple[list[acb.RequestHandle], list[list[int]]]:
+        """One engine request per prompt, all or none (a refused one cancels those before it)."""
+        handles: list[acb.RequestHandle] = []
+        prompts: list[list[int]] = []
         try:
-            if shaper.request.chat:
-                yield sse_event(shaper.chunk(None, role=True))
-            async for chunk in handle:
-                if chunk.text or (shaper.request.logprobs and chunk.token_ids):
-                    yield sse_event(shaper.chunk(chunk.text, chunk.token_ids, chunk.logprobs))
-                if chunk.finish_reason is not None:
-                    yield sse_event(shaper.chunk(None, reason=chunk.finish_reason))
-            completion = await handle
+            for prompt in parsed.prompts:
+                prompts.append(prompt_token_ids(parsed, prompt, self.engine))
+                handles.append(self.engine.submit(prompts[-1], **parsed.sampling))
+        except acb.AcbError as e:
+            for handle in handles:
+                handle.cancel()
+            raise engine_error(e, chat=parsed.chat, wire_names=parsed.wire_names) from None
+        return handles, prompts
+
+    def _prompt_text(self, prompt: Any, ids: list[int]) -> str:
+        """A completions prompt as text, for ``echo`` (token ids are decoded)."""
+        if isinstance(prompt, str):
+            return prompt
+        tokenizer = self.engine.tokenizer
+        return tokenizer.decode(ids) if tokenizer is not None else ""
+
+    async def _events(self, handles: list[acb.RequestHandle], shaper: Shaper) -> AsyncGenerator[bytes, None]:
+        parsed = shaper.request
+        try:
+            async for i, chunk in _merged(handles):
+                event = shaper.chunk(i, chunk)
+                if event is not None:
+                    yield sse_event(event)
+            completions = [await handle for handle in handles]
         except acb.AcbError as e:  # mid-stream: the status line is gone, so the error travels as an event
-            yield sse_event(engine_error(e, chat=shaper.request.chat).body())
+            yield sse_event(engine_error(e, chat=parsed.chat, wire_names=parsed.wire_names).body())
             yield sse_event("[DONE]")
             return
         finally:
-            handle.cancel()  # a no-op once finished; frees the pages of an abandoned stream at once
-        self.metrics.observe(completion)
-        if shaper.request.include_usage:
-            yield sse_event(shaper.usage_chunk(completion))
+            for handle in handles:
+                handle.cancel()  # a no-op once finished; frees the pages of an abandoned stream at once
+        for completion in completions:
+            self.metrics.observe(completion)
+        if parsed.include_usage:
+            yield sse_event(shaper.usage_chunk(completions))
         yield sse_event("[DONE]")
+
+    def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /tokenize`` (vLLM's extension): ``{"prompt": str}`` or ``{"messages": [...]}``
+        (with ``add_special_tokens``, ``add_generation_prompt``) to token ids."""
+        tokenizer = self._tokenizer()
+        try:
+            if "messages" in body:
+                parsed = parse_request({**body, "max_tokens": 1}, chat=True, limits=self.limits)
+                options = parsed.template or {"add_generation_prompt": True}
+                out = tokenizer.apply_chat_template(parsed.prompts[0], tokenize=True, **options)
+                ids = list(out["input_ids"] if hasattr(out, "keys") else out)
+            else:
+                prompt = body.get("prompt")
+                if not isinstance(prompt, str):
+                    raise ApiError(400, "'prompt' must be a string (or send 'messages')", param="prompt")
+                special = body.get("add_special_tokens", True)
+                if not isinstance(special, bool):
+                    raise ApiError(400, "'add_special_tokens' must be a boolean", param="add_special_tokens")
+                ids = list(tokenizer(prompt, add_special_tokens=special)["input_ids"])
+        except ApiError:
+            raise
+        except Exception as e:
+            raise ApiError(400, f"could not tokenize: {e}", param="messages" if "messages" in body
+                           else "prompt") from None
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": None}
+
+    def detokenize(self, body: dict[str, Any]) -> dict[str, str]:
+        """``POST /detokenize`` (vLLM's extension): ``{"tokens": [ids]}`` to ``{"prompt": text}``."""
+        tokens = body.get("tokens")
+        vocab = self.engine.vocab_size
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                   for t in tokens):
+            raise ApiError(400, f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
+        return {"prompt": self._tokenizer().decode(tokens)}
+
+    def _tokenizer(self) -> Any:
+        if self.engine.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer")
+        return self.engine.tokenizer
 
     def models(self, model: str | None = None) -> dict[str, Any]:
         """``GET /v1/models`` (``model=None``) or ``GET /v1/models/{model}``."""
