@@ -35,7 +35,7 @@ from .errors import (
     caused,
 )
 from .handle import ChunkStream, RequestHandle
-from .inputs import prepare, sampling_params
+from .inputs import prepare, sampling_params, tokenize
 from .kv_cache import HostPool, KVCacheManager
 from .outputs import LiveRequest, Outputs
 from .progress import BatchProgress, check_progress
@@ -322,6 +322,12 @@ class Engine:
             raise
         finally:
             bar.close()
+
+    def tokenize(self, prompt: Any) -> list[int]:
+        """The token ids ``prompt`` (text, token ids or chat messages) runs as; bad input
+        raises ``InvalidRequestError`` naming it. Servers use it to know a prompt's length
+        and text before its first token."""
+        return tokenize(prompt, self.tokenizer, self.vocab_size)
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a live request: its stream ends with ``finish_reason="cancelled"``

@@ -53,3 +53,24 @@ async def test_errors_map_to_the_clients_exceptions(client):
     wrong_key = client.with_options(api_key="nope")
     with pytest.raises(openai.AuthenticationError):
         await wrong_key.models.list()
+
+
+async def test_vllm_style_extra_body_and_unknown_fields_are_accepted(client):
+    answer = await client.completions.create(
+        model="tiny", prompt=["hello", "there"], max_tokens=4, temperature=0, echo=True,
+        extra_body={"repetition_penalty": 1.0, "top_k": -1, "some_new_field": {"x": 1}})
+    assert [c.index for c in answer.choices] == [0, 1]
+    assert answer.choices[0].text.startswith("hello") and answer.choices[1].text.startswith("there")
+    assert 2 <= answer.usage.completion_tokens <= 8
+
+
+async def test_chat_stream_with_continuous_usage(client):
+    stream = await client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True,
+                                                            "stream_options": {"include_usage": True,
+                                                                               "continuous_usage_stats": True}})
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.usage.completion_tokens for c in chunks if c.choices][-1] == 5
+    assert chunks[-1].usage.completion_tokens == 5

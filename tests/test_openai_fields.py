@@ -169,7 +169,7 @@ async def test_completion_logprobs_have_the_legacy_shape(server):
                                                        "ignore_eos": True, "echo": False})
     lp = body["choices"][0]["logprobs"]
     assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
-    assert "".join(lp["tokens"]) == body["choices"][0]["text"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == 4 and lp["top_logprobs"] is None
     assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(4)]
 
 
@@ -295,11 +295,16 @@ VLLM_BENCH = [
         {"type": "text", "text": RANDOM_PROMPT}]}], "max_completion_tokens": 16, "stream": True,
         "stream_options": {"include_usage": True}, "ignore_eos": True}),
 ]
-GUIDELLM = ("/v1/chat/completions", {
-    "model": "smollm2", "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-    "max_completion_tokens": 16, "ignore_eos": True, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "1 0 m0 Finish medical want almost away until. Its culture song reveal return "
-                                 "finally affect.\nPush page seem quickly actually memory than."}]}]})
+GUIDELLM_TEXT = ("1 0 m0 Finish medical want almost away until. Its culture song reveal return finally affect.\n"
+                 "Push page seem quickly actually memory than.")
+GUIDELLM = [
+    ("/v1/chat/completions", {"model": "smollm2", "stream": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}, "max_completion_tokens": 16, "ignore_eos": True,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": GUIDELLM_TEXT}]}]}),
+    ("/v1/completions", {"model": "smollm2", "stream": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}, "max_tokens": 16, "ignore_eos": True,
+        "prompt": GUIDELLM_TEXT}),
+]
 
 
 def client_side_view(chunks: list, chat: bool) -> tuple[str, int | None, int]:
@@ -318,7 +323,7 @@ def client_side_view(chunks: list, chat: bool) -> tuple[str, int | None, int]:
     return text, tokens, before_first
 
 
-@pytest.mark.parametrize(("path", "body"), [*VLLM_BENCH, GUIDELLM])
+@pytest.mark.parametrize(("path", "body"), [*VLLM_BENCH, *GUIDELLM])
 async def test_load_generator_requests_succeed(server, path, body):
     session, _ = server
     async with session.post(path, json=body) as resp:

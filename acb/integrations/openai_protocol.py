@@ -425,16 +425,13 @@ def parse_request(body: dict[str, Any], *, chat: bool, limits: Limits,
 def prompt_token_ids(request: ParsedRequest, prompt: Any, engine: acb.Engine) -> list[int]:
     """One prompt as the token ids the engine will run (chat: through the template with
     the request's options), so the server knows its length and text up front."""
-    from acb.errors import InvalidRequestError
-    from acb.inputs import tokenize
-
     if request.template is not None and engine.tokenizer is not None:
         try:
             out = engine.tokenizer.apply_chat_template(prompt, tokenize=True, **request.template)
         except Exception as e:
-            raise InvalidRequestError(f"chat prompt could not be templated: {e}", param="prompt") from e
+            raise acb.InvalidRequestError(f"chat prompt could not be templated: {e}", param="prompt") from e
         prompt = list(out["input_ids"] if hasattr(out, "keys") else out)
-    return tokenize(prompt, engine.tokenizer, engine.vocab_size)
+    return engine.tokenize(prompt)
 
 
 def engine_error(error: acb.AcbError, *, chat: bool, wire_names: dict[str, str] | None = None) -> ApiError:

@@ -185,9 +185,7 @@ class OpenAIService:
         try:
             if "messages" in body:
                 parsed = parse_request({**body, "max_tokens": 1}, chat=True, limits=self.limits)
-                options = parsed.template or {"add_generation_prompt": True}
-                out = tokenizer.apply_chat_template(parsed.prompts[0], tokenize=True, **options)
-                ids = list(out["input_ids"] if hasattr(out, "keys") else out)
+                ids = prompt_token_ids(parsed, parsed.prompts[0], self.engine)
             else:
                 prompt = body.get("prompt")
                 if not isinstance(prompt, str):
@@ -196,11 +194,10 @@ class OpenAIService:
                 if not isinstance(special, bool):
                     raise ApiError(400, "'add_special_tokens' must be a boolean", param="add_special_tokens")
                 ids = list(tokenizer(prompt, add_special_tokens=special)["input_ids"])
-        except ApiError:
-            raise
-        except Exception as e:
-            raise ApiError(400, f"could not tokenize: {e}", param="messages" if "messages" in body
-                           else "prompt") from None
+        except acb.InvalidRequestError as e:
+            raise engine_error(e, chat="messages" in body) from None
+        except (TypeError, ValueError) as e:  # what the tokenizer itself refuses
+            raise ApiError(400, f"could not tokenize: {e}", param="prompt") from None
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": None}
 
     def detokenize(self, body: dict[str, Any]) -> dict[str, str]:
