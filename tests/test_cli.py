@@ -23,7 +23,11 @@ def test_console_script_points_at_main():
 
 
 @pytest.mark.parametrize("argv", [[], ["serve", "--port", "70000"], ["serve", "--tiny", "some/dir"],
-                                  ["serve", "/no/such/model/dir"], ["serve", "--tiny", "--cpu-offload-space", "-1"]])
+                                  ["serve", "/no/such/model/dir"], ["serve", "--tiny", "--cpu-offload-space", "-1"],
+                                  ["serve", "--tiny", "--num-replicas", "2"],  # Ray options need --ray
+                                  ["serve", "--tiny", "--ray", "--port", "0"],
+                                  ["serve", "--tiny", "--ray", "--target-queue-depth", "8"],
+                                  ["serve", "--tiny", "--ray", "--num-replicas", "3", "--max-replicas", "2"]])
 def test_bad_command_lines_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)

@@ -92,6 +92,11 @@ async def read_json_object(request: web.Request) -> dict[str, Any]:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge as e:
         raise ApiError(413, f"request body too large: {e.text}") from None
+    return json_object(raw)
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A raw request body as a JSON object, or a 400 :class:`ApiError` saying why not."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -342,6 +347,6 @@ def websocket_handler(engine: acb.Engine | None = None, *, max_requests_per_sock
 
 
 __all__ = [
-    "ENGINE_KEY", "ApiError", "api_error_from", "chunk_fields", "read_json_object", "setup_engine",
+    "ENGINE_KEY", "ApiError", "api_error_from", "chunk_fields", "json_object", "read_json_object", "setup_engine",
     "sse_event", "sse_handler", "stop_engine", "websocket_handler", "write_sse",
 ]

@@ -1,0 +1,268 @@
+"""Ray Serve: many acb engines behind one OpenAI-compatible endpoint, on one machine
+or a cluster (``pip install acb[ray]``).
+
+Each replica of :class:`AcbDeployment` builds and owns one :class:`acb.Engine` (from a
+model path, or a factory called inside the replica) and serves the routes of ``acb
+serve`` (``/v1/completions``, ``/v1/chat/completions`` with SSE streaming,
+``/v1/models``, ``/health``, ``/metrics``) through the same
+:class:`~acb.integrations.openai_service.OpenAIService`, so parsing, response shapes
+and errors are identical. Ray Serve routes each request to one replica (a stream
+stays on the replica it started on), autoscales on the replicas' queue depth (their
+ongoing requests), restarts a replica whose actor or engine died, and drains a
+replica before stopping it. Every answer names its replica in ``x-acb-replica``.
+
+Example::
+
+    import ray
+    from ray import serve
+    from acb.integrations.ray import build_app
+
+    ray.init()  # or ray.init(address="auto") on a cluster started with `ray start --head`
+    serve.start(http_options={"host": "0.0.0.0", "port": 8000})
+    serve.run(build_app("/models/llama", num_replicas=2, ray_actor_options={"num_gpus": 1}))
+    # OpenAI clients: base_url="http://HOST:8000/v1"
+"""
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from ray import serve
+from ray.serve.request_router import FIFOMixin, LocalityMixin, PendingRequest, RequestRouter, RunningReplica
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+import acb
+
+from .aiohttp import ApiError, json_object, stop_engine
+from .metrics import CONTENT_TYPE
+from .openai_protocol import Limits
+from .openai_service import SSE_HEADERS, OpenAIService, route_error
+
+log = logging.getLogger("acb.integrations.ray")
+
+REPLICA_HEADER = "x-acb-replica"
+ModelSource = str | os.PathLike | Callable[..., acb.Engine]
+
+api = FastAPI(title="acb", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@api.exception_handler(ApiError)
+async def _api_error(request: Request, error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+@api.exception_handler(HTTPException)
+async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+    allowed = (error.headers or {}).get("Allow")
+    if error.status_code in (404, 405):
+        api_error = route_error(error.status_code, request.method, request.url.path, allowed)
+    else:
+        api_error = ApiError(error.status_code, str(error.detail))
+    return JSONResponse(api_error.body(), status_code=api_error.status, headers=error.headers)
+
+
+@api.exception_handler(Exception)
+async def _bug(request: Request, error: Exception) -> JSONResponse:
+    log.exception("unhandled error in %s %s", request.method, request.url.path)
+    return JSONResponse(ApiError(500, "internal server error").body(), status_code=500)
+
+
+class _EventStream(StreamingResponse):
+    """SSE whose request is cancelled however the response ends: a finished stream,
+    a client that went away, or Ray cancelling the call."""
+
+    def __init__(self, events: Any, headers: dict[str, str]) -> None:
+        super().__init__(events, headers=headers)
+        self._events = events
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+
+
+def _build_engine(model: ModelSource, gguf_file: str | None, engine_config: acb.EngineConfig | None) -> acb.Engine:
+    if callable(model):
+        engine = model() if engine_config is None else model(config=engine_config)
+        if not isinstance(engine, acb.Engine):
+            raise TypeError(f"the model factory must return an acb.Engine, got {type(engine).__name__}")
+        return engine
+    return acb.Engine.from_pretrained(os.fspath(model), gguf_file=gguf_file, config=engine_config)
+
+
+@serve.ingress(api)
+class AcbDeployment:
+    """One Ray Serve replica: one acb engine and the OpenAI routes over it.
+
+    Built by :func:`build_app`; use that rather than binding this class yourself.
+    """
+
+    async def __init__(self, model: ModelSource, gguf_file: str | None = None,
+                       engine_config: acb.EngineConfig | None = None, *, model_name: str = "acb",
+                       api_key: str | None = None, limits: Limits | None = None,
+                       max_body_bytes: int = 1 << 20, drain_timeout: float = 30.0) -> None:
+        self.engine = _build_engine(model, gguf_file, engine_config)
+        self.service = OpenAIService(self.engine, model_name=model_name, limits=limits, api_key=api_key)
+        self.max_body_bytes = max_body_bytes
+        self.drain_timeout = drain_timeout
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        await self.engine.start()
+
+    def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        return {**(extra or {}), REPLICA_HEADER: self.replica}
+
+    async def _generate(self, request: Request, *, chat: bool) -> Response:
+        self.service.check_api_key(request.headers.get("Authorization"))
+        raw = await request.body()
+        if len(raw) > self.max_body_bytes:
+            raise ApiError(413, f"request body too large: {len(raw)} bytes, at most {self.max_body_bytes}")
+        answer = await self.service.generate(json_object(raw), chat=chat)
+        if isinstance(answer, dict):
+            return JSONResponse(answer, headers=self._headers())
+        return _EventStream(answer, self._headers(SSE_HEADERS))
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        """``POST /v1/completions``."""
+        return await self._generate(request, chat=False)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        """``POST /v1/chat/completions``."""
+        return await self._generate(request, chat=True)
+
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        """``GET /v1/models``."""
+        self.service.check_api_key(request.headers.get("Authorization"))
+        return JSONResponse(self.service.models(), headers=self._headers())
+
+    @api.get("/v1/models/{model:path}")
+    async def model(self, model: str, request: Request) -> Response:
+        """``GET /v1/models/{model}``."""
+        self.service.check_api_key(request.headers.get("Authorization"))
+        return JSONResponse(self.service.models(model), headers=self._headers())
+
+    @api.get("/health")
+    async def health(self) -> Response:
+        """``GET /health``: this replica's engine."""
+        status, body = self.service.health()
+        return JSONResponse(body, status_code=status, headers=self._headers())
+
+    @api.get("/metrics")
+    async def metrics(self) -> Response:
+        """``GET /metrics``: this replica's Prometheus text (its queue, its KV pages)."""
+        return Response(self.service.metrics_text(), headers=self._headers({"Content-Type": CONTENT_TYPE}))
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: a replica whose engine stopped is restarted."""
+        if not self.engine.is_running:
+            raise RuntimeError("the acb engine of this replica is not running")
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What the replica reports to routers: its queue depth and free KV pages."""
+        stats = self.engine.stats()
+        return {"queue_depth": stats.running + stats.waiting, "free_kv_pages": stats.free_blocks}
+
+    async def __del__(self) -> None:
+        """Ray Serve calls this once running requests are done (scale-down, redeploy,
+        shutdown): stop the engine cleanly and free it."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            await stop_engine(engine, self.drain_timeout)
+            await engine.aclose()
+
+
+class FreePagesRouter(FIFOMixin, LocalityMixin, RequestRouter):
+    """Ray Serve request router for acb replicas: the two replicas reporting the most
+    free KV pages (``record_routing_stats``) are the candidates, and Serve sends the
+    request to the one with the shorter queue among them (as its default
+    power-of-two-choices router does, which picks its two at random).
+
+    Example::
+
+        build_app(model, num_replicas=4, request_router=FreePagesRouter)
+    """
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        ids = self.apply_locality_routing(pending_request=pending_request)
+        replicas = [self._replicas[i] for i in ids] if ids else list(candidate_replicas)
+        replicas.sort(key=lambda r: (-r.routing_stats.get("free_kv_pages", 0), r.routing_stats.get("queue_depth", 0)))
+        return [replicas[:2]] if replicas else []
+
+
+def build_app(model: ModelSource, *, num_replicas: int | None = None,
+              autoscaling_config: dict[str, Any] | None = None, engine_config: acb.EngineConfig | None = None,
+              gguf_file: str | None = None, model_name: str | None = None, api_key: str | None = None,
+              max_tokens_limit: int = 4096, default_max_tokens: int = 256, max_body_bytes: int = 1 << 20,
+              drain_timeout: float = 30.0, ray_actor_options: dict[str, Any] | None = None,
+              max_ongoing_requests: int = 256, request_router: type | None = None,
+              name: str = "AcbDeployment") -> serve.Application:
+    """A Ray Serve application serving ``model`` over the OpenAI routes; run it with
+    ``serve.run(app)`` (or ``acb serve --ray``).
+
+    ``model`` is a local model folder or file (with ``gguf_file`` as in
+    ``Engine.from_pretrained``), or a factory returning an :class:`acb.Engine`, called
+    inside each replica as ``factory()`` or, with ``engine_config``,
+    ``factory(config=engine_config)``. Give ``num_replicas`` (default 1) or
+    ``autoscaling_config`` (Ray Serve's: ``min_replicas``, ``max_replicas``,
+    ``target_ongoing_requests`` = the queue depth per replica to aim for,
+    ``upscale_delay_s``, ``downscale_delay_s``, ...), not both. ``ray_actor_options``
+    reserves each replica's resources (default ``{"num_cpus": 1}``; e.g.
+    ``{"num_gpus": 1}``). ``max_ongoing_requests`` caps the requests Serve sends one
+    replica at once (its engine batches them). Running streams get ``drain_timeout``
+    seconds to finish when a replica is scaled down or redeployed.
+    ``request_router`` picks a Ray Serve request router class (e.g.
+    :class:`FreePagesRouter`; default: Serve's power-of-two-choices on queue depth).
+
+    Example::
+
+        app = build_app("/models/smollm2", gguf_file="model.gguf",
+                        autoscaling_config={"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 32})
+        serve.run(app, route_prefix="/")
+    """
+    if num_replicas is not None and autoscaling_config is not None:
+        raise ValueError("give num_replicas or autoscaling_config, not both "
+                         "(autoscaling_config's min_replicas/max_replicas bound the replica count)")
+    if num_replicas is not None and num_replicas < 1:
+        raise ValueError(f"num_replicas must be >= 1, got {num_replicas!r}")
+    if autoscaling_config is not None and not isinstance(autoscaling_config, dict):
+        raise ValueError(f"autoscaling_config must be a dict of Ray Serve AutoscalingConfig fields, "
+                         f"got {type(autoscaling_config).__name__}")
+    if drain_timeout < 0:
+        raise ValueError(f"drain_timeout must be >= 0, got {drain_timeout!r}")
+    if max_ongoing_requests < 1:
+        raise ValueError(f"max_ongoing_requests must be >= 1, got {max_ongoing_requests!r}")
+    if not callable(model) and not os.path.exists(os.fspath(model)):
+        raise FileNotFoundError(f"model {os.fspath(model)!r} does not exist (give a model folder or file, "
+                                "or a factory returning an acb.Engine)")
+    if model_name is None:
+        model_name = "acb" if callable(model) else \
+            os.path.basename(os.path.normpath(gguf_file or os.fspath(model))).removesuffix(".gguf")
+    limits = Limits(max_tokens_limit, min(default_max_tokens, max_tokens_limit))
+    options: dict[str, Any] = {
+        "name": name,
+        "ray_actor_options": ray_actor_options if ray_actor_options is not None else {"num_cpus": 1},
+        "max_ongoing_requests": max_ongoing_requests,
+        # Ray waits for running requests before calling __del__; past this it kills the replica.
+        "graceful_shutdown_wait_loop_s": 0.5,
+        "graceful_shutdown_timeout_s": drain_timeout + 10.0,
+    }
+    if autoscaling_config is not None:
+        options["autoscaling_config"] = autoscaling_config
+    else:
+        options["num_replicas"] = num_replicas or 1
+    if request_router is not None:
+        options["request_router_config"] = {"request_router_class": request_router,
+                                            "request_routing_stats_period_s": 1.0}
+    deployment = serve.deployment(AcbDeployment).options(**options)
+    return deployment.bind(model, gguf_file, engine_config, model_name=model_name, api_key=api_key, limits=limits,
+                           max_body_bytes=max_body_bytes, drain_timeout=drain_timeout)
+
+
+__all__ = ["REPLICA_HEADER", "AcbDeployment", "FreePagesRouter", "build_app"]

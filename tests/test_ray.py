@@ -1,0 +1,220 @@
+"""acb.integrations.ray: a local Ray Serve app of 2 tiny-model replicas (half a CPU
+each), shared by every test of this module (Ray's start-up is the slow part)."""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+import aiohttp
+import openai
+import pytest
+import ray
+from ray import serve
+
+import acb
+from acb.integrations.ray import REPLICA_HEADER, build_app
+from acb.testing import random_prompts, tiny_engine
+
+pytestmark = pytest.mark.extras
+
+APP = "acb"
+CONFIG = acb.EngineConfig(num_blocks=64, page_size=8)
+LONG = 400  # tokens: a stream that runs well past the test's reads
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _deploy(num_replicas: int) -> None:
+    app = build_app(tiny_engine, num_replicas=num_replicas, engine_config=CONFIG,
+                    ray_actor_options={"num_cpus": 0.5}, drain_timeout=20.0)
+    serve.run(app, name=APP, route_prefix="/")
+
+
+@pytest.fixture(scope="module")
+def url():
+    # Build (or load) the native kernels here first, so the replicas only load them.
+    asyncio.run(_reference([[1, 2, 3]], 2))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    port = _free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        _deploy(2)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+async def _reference(prompts: list, max_tokens: int) -> list[str]:
+    async with tiny_engine(config=CONFIG) as engine:
+        done = await asyncio.gather(*(engine.generate(p, max_new_tokens=max_tokens, temperature=0.0,
+                                                      ignore_eos=True) for p in prompts))
+    return [c.text for c in done]
+
+
+async def _complete(session: aiohttp.ClientSession, url: str, prompt, max_tokens: int) -> tuple[str, str]:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        answer = await resp.json()
+        assert answer["usage"]["completion_tokens"] == max_tokens
+        return answer["choices"][0]["text"], resp.headers[REPLICA_HEADER]
+
+
+async def _replica_metrics(session: aiohttp.ClientSession, url: str, replica: str) -> dict[str, float]:
+    """One replica's /metrics (Serve routes each GET to some replica: ask until it is that one)."""
+    for _ in range(200):
+        async with session.get(f"{url}/metrics") as resp:
+            if resp.headers[REPLICA_HEADER] == replica:
+                text = await resp.text()
+                return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                        if line and not line.startswith("#") and "{" not in line}
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"replica {replica} never answered /metrics")
+
+
+async def _open_stream(session: aiohttp.ClientSession, url: str, prompt, max_tokens: int):
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    resp = await session.post(f"{url}/v1/completions", json=body)
+    assert resp.status == 200, await resp.text()
+    first = await resp.content.readline()
+    assert first.startswith(b"data: "), first
+    return resp
+
+
+async def _read_stream(resp: aiohttp.ClientResponse) -> tuple[bool, int]:
+    """(ended with [DONE], completion tokens from the usage chunk; 0 if none)."""
+    done, tokens = False, 0
+    try:
+        async for line in resp.content:
+            if line.startswith(b"data: [DONE]"):
+                done = True
+            elif line.startswith(b"data: "):
+                event = json.loads(line[6:])
+                tokens = (event.get("usage") or {}).get("completion_tokens", tokens)
+    except aiohttp.ClientError:
+        pass
+    finally:
+        resp.release()
+    return done, tokens
+
+
+async def test_a_burst_is_answered_with_a_single_engines_tokens_over_both_replicas(url):
+    prompts = random_prompts(16, 3, 12, seed=3)
+    expected = await _reference(prompts, 12)
+    async with aiohttp.ClientSession() as session:
+        answers = await asyncio.gather(*(_complete(session, url, p, 12) for p in prompts))
+    assert [text for text, _ in answers] == expected
+    assert len({replica for _, replica in answers}) == 2  # both replicas served part of the burst
+
+
+async def test_openai_client_streams_and_completes_against_the_ray_app(url):
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
+    try:
+        assert [m.id for m in (await client.models.list()).data] == ["acb"]
+        messages = [{"role": "user", "content": "Hello"}]
+        whole = await client.chat.completions.create(model="acb", messages=messages, max_tokens=8, temperature=0)
+        stream = await client.chat.completions.create(model="acb", messages=messages, max_tokens=8, temperature=0,
+                                                      stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        assert text == whole.choices[0].message.content and whole.usage.completion_tokens >= 1
+        with pytest.raises(openai.BadRequestError) as error:
+            await client.completions.create(model="acb", prompt="x", max_tokens=0)
+        assert error.value.body["param"] == "max_tokens"
+    finally:
+        await client.close()
+
+
+async def test_a_disconnect_frees_the_pages_on_the_replica_that_served_it(url):
+    async with aiohttp.ClientSession() as session:
+        replicas = set()
+        while len(replicas) < 2:
+            async with session.get(f"{url}/health") as resp:
+                replicas.add(resp.headers[REPLICA_HEADER])
+        before = {r: await _replica_metrics(session, url, r) for r in replicas}
+        resp = await _open_stream(session, url, "a long story", LONG)
+        replica = resp.headers[REPLICA_HEADER]
+        resp.close()  # the client goes away mid-stream
+        for _ in range(600):
+            stats = await _replica_metrics(session, url, replica)
+            if stats["acb_requests_running"] == 0 and stats["acb_requests_waiting"] == 0:
+                break
+            await asyncio.sleep(0.05)
+    assert stats["acb_kv_free_blocks"] == stats["acb_kv_total_blocks"]
+    # Cancelled on its replica, not run to its end:
+    assert stats["acb_generated_tokens_total"] - before[replica]["acb_generated_tokens_total"] < LONG
+
+
+def _kill(replica: str) -> None:
+    actor = ray.get_actor(f"SERVE_REPLICA::{APP}#AcbDeployment#{replica}", namespace="serve")
+    ray.kill(actor, no_restart=True)
+
+
+async def test_killing_a_replica_fails_only_its_requests_and_the_app_serves_again(url):
+    async with aiohttp.ClientSession() as session:
+        streams = {}
+        for i in range(12):  # until both replicas run a stream
+            resp = await _open_stream(session, url, f"story {i}", LONG)
+            streams.setdefault(resp.headers[REPLICA_HEADER], []).append(resp)
+            if len(streams) == 2 and i >= 3:
+                break
+        assert len(streams) == 2, streams.keys()
+        victim, survivor = sorted(streams)
+        _kill(victim)
+        lost = await asyncio.gather(*(_read_stream(r) for r in streams[victim]))
+        kept = await asyncio.gather(*(_read_stream(r) for r in streams[survivor]))
+        assert all(not done for done, _ in lost)
+        assert kept == [(True, LONG)] * len(streams[survivor])
+        # Ray restarts the dead replica: requests are answered, by a new replica among them.
+        seen: set[str] = set()
+        deadline = time.monotonic() + 300  # a bound on waiting, not a speed check: the replica imports torch
+        while not seen - {victim, survivor} and time.monotonic() < deadline:
+            try:
+                seen.add((await _complete(session, url, "again", 4))[1])
+            except (AssertionError, aiohttp.ClientError):
+                pass
+            await asyncio.sleep(0.5)
+        assert seen - {victim, survivor}, seen
+
+
+async def test_scaling_down_lets_running_streams_finish(url):
+    async with aiohttp.ClientSession() as session:
+        streams = [await _open_stream(session, url, f"drain {i}", LONG) for i in range(4)]
+        scale = asyncio.get_running_loop().run_in_executor(None, _deploy, 1)
+        results = await asyncio.gather(*(_read_stream(r) for r in streams))
+        await scale
+        assert results == [(True, LONG)] * len(streams)
+        await _complete(session, url, "after", 4)  # the remaining replica serves
+
+
+async def test_acb_serve_ray_serves_the_openai_routes_and_exits_0_on_sigint(url):
+    """Last: the command's app takes the module's place on the same Ray cluster and port."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "acb.cli", "serve", "--tiny", "--ray", "--num-blocks", "64", "--replica-cpus", "0.5",
+        "--ray-address", ray.get_runtime_context().gcs_address, "--port", url.rsplit(":", 1)[1],
+        stdout=asyncio.subprocess.PIPE, env=env)
+    try:
+        while True:  # Ray may log to stdout first
+            line = await asyncio.wait_for(proc.stdout.readline(), 300)
+            assert line, "acb serve --ray exited before serving"
+            if b"acb: serving" in line:
+                break
+        assert b"acb: serving 'acb-tiny'" in line, line
+        async with aiohttp.ClientSession() as session, session.get(f"{url}/v1/models") as resp:
+            assert (await resp.json())["data"][0]["id"] == "acb-tiny"
+        proc.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(proc.wait(), 120) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
