@@ -147,8 +147,11 @@ def _serve_ray(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         from acb.integrations.ray import build_app
     except ImportError as e:
         parser.error(f"--ray needs Ray Serve ({e}): pip install 'acb[ray]'")
+    own_ray = args.ray_address is None and not os.environ.get("RAY_ADDRESS")
     try:
         source, gguf_file, config, name = _model_source(args)
+        if own_ray and not callable(source) and not os.path.exists(source):  # replicas open it on this machine
+            raise FileNotFoundError(f"no such model folder or file: {source}")
         scaling: dict = {"num_replicas": args.num_replicas}
         if args.max_replicas is not None:
             scaling = {"autoscaling_config": {"min_replicas": args.num_replicas, "max_replicas": args.max_replicas,
@@ -160,7 +163,6 @@ def _serve_ray(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
                         ray_actor_options={"num_cpus": args.replica_cpus, "num_gpus": args.replica_gpus}, **scaling)
     except (ValueError, FileNotFoundError, OSError) as e:
         parser.error(str(e))
-    own_ray = args.ray_address is None and not os.environ.get("RAY_ADDRESS")
     ray.init(address=args.ray_address)  # None: $RAY_ADDRESS if set, else a local Ray instance
     serve.start(http_options={"host": args.host, "port": args.port})
     stop = threading.Event()

@@ -16,7 +16,7 @@ import ray
 from ray import serve
 
 import acb
-from acb.integrations.ray import REPLICA_HEADER, build_app
+from acb.integrations.ray import REPLICA_HEADER, FreePagesRouter, build_app
 from acb.testing import random_prompts, tiny_engine
 
 pytestmark = pytest.mark.extras
@@ -34,7 +34,7 @@ def _free_port() -> int:
 
 def _deploy(num_replicas: int) -> None:
     app = build_app(tiny_engine, num_replicas=num_replicas, engine_config=CONFIG,
-                    ray_actor_options={"num_cpus": 0.5}, drain_timeout=20.0)
+                    ray_actor_options={"num_cpus": 0.5}, drain_timeout=20.0, request_router=FreePagesRouter)
     serve.run(app, name=APP, route_prefix="/")
 
 
@@ -106,6 +106,20 @@ async def _read_stream(resp: aiohttp.ClientResponse) -> tuple[bool, int]:
     finally:
         resp.release()
     return done, tokens
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"num_replicas": 2, "autoscaling_config": {"max_replicas": 2}}, "num_replicas or autoscaling_config"),
+    ({"num_replicas": 0}, "num_replicas"),
+    ({"autoscaling_config": 4}, "autoscaling_config"),
+    ({"drain_timeout": -1}, "drain_timeout"),
+    ({"max_ongoing_requests": 0}, "max_ongoing_requests"),
+])
+def test_build_app_names_the_bad_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        build_app(tiny_engine, **kwargs)
+    with pytest.raises(TypeError, match="model must be"):
+        build_app(42)
 
 
 async def test_a_burst_is_answered_with_a_single_engines_tokens_over_both_replicas(url):

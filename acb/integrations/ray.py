@@ -206,8 +206,9 @@ def build_app(model: ModelSource, *, num_replicas: int | None = None,
     """A Ray Serve application serving ``model`` over the OpenAI routes; run it with
     ``serve.run(app)`` (or ``acb serve --ray``).
 
-    ``model`` is a local model folder or file (with ``gguf_file`` as in
-    ``Engine.from_pretrained``), or a factory returning an :class:`acb.Engine`, called
+    ``model`` is a model folder or file (with ``gguf_file`` as in
+    ``Engine.from_pretrained``; opened inside each replica, so the path must exist on
+    every node that runs one), or a factory returning an :class:`acb.Engine`, called
     inside each replica as ``factory()`` or, with ``engine_config``,
     ``factory(config=engine_config)``. Give ``num_replicas`` (default 1) or
     ``autoscaling_config`` (Ray Serve's: ``min_replicas``, ``max_replicas``,
@@ -238,9 +239,9 @@ def build_app(model: ModelSource, *, num_replicas: int | None = None,
         raise ValueError(f"drain_timeout must be >= 0, got {drain_timeout!r}")
     if max_ongoing_requests < 1:
         raise ValueError(f"max_ongoing_requests must be >= 1, got {max_ongoing_requests!r}")
-    if not callable(model) and not os.path.exists(os.fspath(model)):
-        raise FileNotFoundError(f"model {os.fspath(model)!r} does not exist (give a model folder or file, "
-                                "or a factory returning an acb.Engine)")
+    if not callable(model) and not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a model folder or file, or a factory returning an acb.Engine, "
+                        f"got {type(model).__name__}")
     if model_name is None:
         model_name = "acb" if callable(model) else \
             os.path.basename(os.path.normpath(gguf_file or os.fspath(model))).removesuffix(".gguf")
