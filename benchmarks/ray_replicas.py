@@ -57,6 +57,19 @@ async def _load(url: str, prompts: list[list[int]], new: int) -> dict:
     }
 
 
+async def _in_process(folder: str, gguf_file: str, prompts: list[list[int]], new: int) -> dict:
+    """The same load on one engine in this process, no HTTP, no Ray: what Ray adds."""
+    async with acb.Engine.from_pretrained(folder, gguf_file=gguf_file, config=acb.EngineConfig(device="cpu")) as eng:
+        await asyncio.gather(*(eng.generate(p, max_new_tokens=4) for p in prompts[:4]))  # warm-up
+        start = time.perf_counter()
+        done = await asyncio.gather(*(eng.generate(p, max_new_tokens=new, temperature=0.0, ignore_eos=True)
+                                      for p in prompts))
+        wall = time.perf_counter() - start
+    return {"replicas": "in-process engine, no Ray", "wall_s": round(wall, 2),
+            "requests_per_s": round(len(done) / wall, 3),
+            "generated_tokens_per_s": round(sum(len(c.token_ids) for c in done) / wall, 1)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--replicas", default="1,2", help="replica counts to compare (default: 1,2)")
@@ -64,18 +77,22 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     p.add_argument("--new", type=int, default=32, help="generated tokens per request")
+    p.add_argument("--baseline", action="store_true", help="first run the load on one in-process engine")
     p.add_argument("--out", default="bench-results/ray_replicas.json")
     args = p.parse_args()
     folder, gguf_file = smollm2()
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 30000) for _ in range(args.prompt)] for _ in range(args.requests)]
+    results = []
+    if args.baseline:
+        results.append(asyncio.run(_in_process(folder, gguf_file, prompts, args.new)))
+        print(json.dumps(results[-1]), flush=True)
     ray.init(num_cpus=max(1, int(args.cpus)), include_dashboard=False, log_to_driver=False)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
-    results = []
     try:
         for n in (int(x) for x in args.replicas.split(",")):
             app = build_app(folder, gguf_file=gguf_file, num_replicas=n, engine_config=acb.EngineConfig(device="cpu"),

@@ -25,6 +25,7 @@ Example::
 
 import logging
 import os
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -192,6 +193,7 @@ class FreePagesRouter(FIFOMixin, LocalityMixin, RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         ids = self.apply_locality_routing(pending_request=pending_request)
         replicas = [self._replicas[i] for i in ids] if ids else list(candidate_replicas)
+        random.shuffle(replicas)  # ties (idle replicas) spread at random
         replicas.sort(key=lambda r: (-r.routing_stats.get("free_kv_pages", 0), r.routing_stats.get("queue_depth", 0)))
         return [replicas[:2]] if replicas else []
 
