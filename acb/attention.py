@@ -12,12 +12,18 @@ writes k/v into acb's pages at the step's slot mapping, then attends:
   a row can see) takes all fresh prompts of a step in one call and each continued
   one in its own; elsewhere PyTorch's SDPA, row by row.
 
+That is the ``native`` and ``torch`` backends. The ``triton`` backend (CUDA; see
+``acb/kernels/triton_attention.py``) writes the step's k/v with one kernel, then attends
+every decode row in one launch (pages read in place, split-K) and every prefill row in
+another (block tables, no per-prompt loop). :func:`resolve_backend` picks one per engine.
+
 The step's metadata reaches the function through a thread-local set by the model
 runner, so several engines (each with its own worker thread) can share a process.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 
@@ -65,6 +71,66 @@ class StepAttention:
     # ((first, end, first, 0) per prompt: all attended in one call per layer)
     prefill_kernel: object | None = None
     fresh_spans: torch.Tensor | None = None
+    # the Triton backend: its kernels module, and the step's prefill rows for it
+    # (acb.kernels.triton_attention.PrefillRows); decode rows then use it when
+    # ``decode_kernel`` is set (the block table fits max_blocks_per_request)
+    triton: object | None = None
+    triton_prefill: object | None = None
+
+
+BACKENDS = ("auto", "native", "torch", "triton", "flash_attn")
+
+
+def triton_unavailable(device: torch.device) -> str | None:
+    """Why the Triton kernels cannot run on ``device``, or None when they can: on CUDA,
+    or on CPU under ``TRITON_INTERPRET=1`` (Triton's interpreter: for tests, slow)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "the triton package is not installed (pip install triton)"
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        from .kernels import triton_attention
+
+        if triton_attention.INTERPRETED:
+            return None
+        return "TRITON_INTERPRET=1 was set after acb's Triton kernels were imported"
+    return f"the Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on CPU, for tests); the model is on {device}"
+
+
+def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The attention backend that serves ``EngineConfig.attn_backend=requested`` for a
+    model of ``dtype`` on ``device``: ``native`` (float32 CPU), ``triton`` or ``torch``.
+    ``auto`` picks Triton on CUDA (PyTorch when triton is missing), the native kernels
+    on float32 CPU models, PyTorch otherwise. A backend that cannot run here raises
+    ``ValueError`` naming ``attn_backend`` and why."""
+    device = torch.device(device)
+
+    def refuse(why: str) -> ValueError:
+        return ValueError(f"EngineConfig.attn_backend={requested!r} cannot run here: {why}")
+
+    if requested == "auto":
+        if device.type == "cuda":
+            return "triton" if triton_unavailable(device) is None else "torch"
+        return "native" if device.type == "cpu" and dtype == torch.float32 else "torch"
+    if requested == "native" and not (device.type == "cpu" and dtype == torch.float32):
+        raise refuse(f"the native kernels serve float32 models on CPU; this model is {dtype} on {device}")
+    if requested == "triton":
+        why = triton_unavailable(device)
+        if why is not None:
+            raise refuse(why)
+    if requested == "flash_attn":
+        try:
+            import flash_attn  # noqa: F401
+        except ImportError:
+            raise refuse("the flash-attn package is not installed") from None
+        # flash-attn's paged kernels want [pages, page_size, kv_heads, head_dim] caches with
+        # page_size a multiple of 256; acb's pages are [kv_heads, slots, head_dim]
+        raise refuse("acb's paged KV layout is not flash-attn's (use 'triton' or 'auto' on CUDA)")
+    if requested not in BACKENDS:
+        raise refuse(f"unknown backend; choose from {BACKENDS}")
+    return requested
 
 
 def set_step(meta: StepAttention | None) -> None:
@@ -123,6 +189,9 @@ def paged_attention(
     groups = num_heads // kv_heads
     if scaling is None:
         scaling = head_dim**-0.5
+    if meta.triton is not None:
+        return _triton_attention(meta, query[0], key[0], value[0], k_cache, v_cache, scaling, sliding_window,
+                                 softcap), None
 
     k_new = key[0]  # [kvh, T, d]
     v_new = value[0]
@@ -190,6 +259,29 @@ def paged_attention(
         out[qs:qe] = o.transpose(0, 1)
 
     return out.unsqueeze(0), None
+
+
+def _triton_attention(meta: StepAttention, q_all: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, scaling: float, sliding_window: int | None,
+                      softcap: float | None) -> torch.Tensor:
+    """The Triton backend: q [H, T, d], new k/v [kvh, T, d] -> [1, T, H, d]. Three launches
+    per layer (k/v write, decode rows, prefill rows), none per row."""
+    kernels = meta.triton
+    kernels.write_kv(k_new, v_new, k_cache, v_cache, meta.slot_mapping)
+    num_heads, total, head_dim = q_all.shape
+    out = q_all.new_empty(total, num_heads, head_dim)
+    idx = meta.decode_token_idx
+    if idx is not None and meta.decode_kernel is not None:
+        kernels.paged_decode(q_all, out, k_cache, v_cache, idx, meta.decode_pages, meta.decode_lengths,
+                             meta.page_size, scaling, softcap, sliding_window)
+    elif idx is not None:  # wider than max_blocks_per_request: PyTorch's path
+        o = _decode_torch(meta, q_all.index_select(1, idx), k_cache, v_cache, k_new.shape[0], scaling,
+                          sliding_window, softcap)
+        out.index_copy_(0, idx, o.to(out.dtype))
+    if meta.triton_prefill is not None:
+        kernels.paged_prefill(q_all, out, k_cache, v_cache, meta.triton_prefill, meta.page_size, scaling, softcap,
+                              sliding_window)
+    return out.unsqueeze(0)
 
 
 def _prefill_mask(past: int, length: int, sliding_window: int | None, device) -> torch.Tensor:

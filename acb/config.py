@@ -13,7 +13,7 @@ from typing import Any
 from .errors import InvalidRequestError
 
 _SCHEDULERS = ("fifo", "prefill_first")
-_ATTN_BACKENDS = ("auto", "native", "torch", "flash_attn")
+_ATTN_BACKENDS = ("auto", "native", "torch", "triton", "flash_attn")  # acb.attention.BACKENDS
 
 
 def _is_int(value: Any) -> bool:
@@ -108,7 +108,9 @@ class EngineConfig:
     default half the free device memory, or available RAM on CPU, allocated lazily on CPU),
     ``max_batch_tokens`` (default 2048 on CPU, 8192 on GPU), ``max_requests_per_batch``
     (default 256), ``scheduler``, ``safety_margin``, ``allow_prefix_sharing``,
-    ``async_batching``, ``attn_backend`` (``auto`` | ``native`` | ``torch``), ``device``,
+    ``async_batching``, ``attn_backend`` (``auto`` | ``native`` | ``torch`` | ``triton`` |
+    ``flash_attn``: ``auto`` is Triton on CUDA, native on float32 CPU, PyTorch otherwise; the
+    engine refuses a backend that cannot run where it is, see ``acb.attention.resolve_backend``), ``device``,
     ``dtype``, ``debug_checks`` (integrity check whenever the engine goes idle),
     ``cpu_offload_space`` (GiB of host memory that preempted requests' KV pages go to, so
     they resume without recompute; 0 = recompute, None = the cap, 80 % of available RAM).
@@ -121,9 +123,9 @@ class EngineConfig:
     to buckets of ``q_padding_interval_size`` rows and ``kv_padding_interval_size`` context
     tokens (0: a default); CUDA only: on CPU it logs a warning and decode steps run eagerly.
     ``max_blocks_per_request`` bounds the block table of the decode fast path (the native CPU
-    kernel that reads pages in place): a step whose decode rows span more pages runs the
-    PyTorch decode path; 0 turns the fast path off; None (default) sets no bound. On CUDA
-    the decode path is PyTorch's either way (flash-attn's paged kernel is not wired yet).
+    kernel or the Triton kernel, both reading pages in place): a step whose decode rows span
+    more pages runs the PyTorch decode path; 0 turns the fast path off; None (default) sets
+    no bound.
     """
 
     page_size: int | None = None

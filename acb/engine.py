@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import sizing
+from . import attention, sizing
 from .config import EngineConfig, SamplingParams
 from .errors import (
     AcbError,
@@ -76,6 +76,9 @@ class Engine:
         self.sampling = sampling or SamplingParams()
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.eos_token_ids = sizing.eos_ids(model, tokenizer)
+        # refuses (ValueError naming attn_backend) a backend that cannot run here, now
+        self.attn_backend = attention.resolve_backend(self.config.attn_backend, next(model.parameters()).device,
+                                                      next(model.parameters()).dtype)
         self._tp = None  # acb.distributed.TensorParallel: the other ranks, when tensor-parallel
         if self.config.tensor_parallel_size > 1:
             from .distributed import TensorParallel
@@ -149,7 +152,7 @@ class Engine:
             if self._tp is not None:
                 self._runner = self._tp.runner(self.layout, self.config)
             else:
-                self._runner = ModelRunner(self.model, self.num_pages, self.page_size, self.config.attn_backend,
+                self._runner = ModelRunner(self.model, self.num_pages, self.page_size, self.attn_backend,
                                            host_pages=self.host_pool.num_slots if self.host_pool else 0,
                                            swa_pages=self.layout.swa_pages, swa_layers=self.layout.swa_layers)
             self._runner.fault_hook = self.config.fault_hook
@@ -369,6 +372,7 @@ class Engine:
             recomputed_tokens=self.scheduler.num_recomputed_tokens,
             sliding_total_blocks=self.kv_swa.num_pages if self.kv_swa else 0,
             sliding_free_blocks=self.kv_swa.num_free if self.kv_swa else 0,
+            attn_backend=self._runner.attn_backend if self._runner is not None else self.attn_backend,
         )
 
     # ------------------------------------------------------------------ the loop

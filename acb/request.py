@@ -190,3 +190,4 @@ class EngineStats:
     recomputed_tokens: int = 0  # computed tokens preemption threw away (to be recomputed)
     sliding_total_blocks: int = 0  # hybrid models: the sliding layers' own page pool (0: none)
     sliding_free_blocks: int = 0
+    attn_backend: str = ""  # the attention backend serving the engine: native | triton | torch

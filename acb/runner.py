@@ -145,14 +145,25 @@ class ModelRunner:
             c._attn_implementation = attention.ATTN_NAME
         self.fault_hook = None  # test hook: callable(step_index, stage) that may raise
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.decode_kernel = None
+        self.decode_kernel = None  # the native CPU kernels' module (backend "native")
+        self.triton = None  # acb.kernels.triton_attention (backend "triton")
         self.measure_device_time = False  # CUDA: time each step on the device (benchmarks)
         self.device_busy_ms = 0.0
-        if self.device.type == "cpu" and self.dtype == torch.float32 and attn_backend in ("auto", "native"):
+        # the backend serving this runner: "native" | "triton" | "torch" (ValueError if the
+        # requested one cannot run here)
+        self.attn_backend = attention.resolve_backend(attn_backend, self.device, self.dtype)
+        if self.attn_backend == "native":
             from .kernels.cpu import paged_decode_kernel
 
             self.decode_kernel = paged_decode_kernel()
-        log.info("acb attention: %s decode path", "native CPU kernel" if self.decode_kernel else "PyTorch")
+            if self.decode_kernel is None:  # could not be built (logged): PyTorch's path
+                self.attn_backend = "torch"
+        elif self.attn_backend == "triton":
+            from .kernels import triton_attention
+
+            self.triton = triton_attention
+        log.info("acb attention backend: %s (attn_backend=%r on %s, %s)", self.attn_backend, attn_backend,
+                 self.device, self.dtype)
         self._packed = None  # the model's prepacked linears (acb.kernels.cpu_linear.Prepacked)
         if self.device.type == "cpu":
             from .kernels import cpu_linear
@@ -184,7 +195,7 @@ class ModelRunner:
         # The decode fast path (the native kernel reading pages in place) serves steps whose
         # block table is at most this wide; 0 turns it off, None means no bound.
         self.max_decode_blocks = config.max_blocks_per_request
-        if self.decode_kernel is not None and self.max_decode_blocks == 0:
+        if self.attn_backend != "torch" and self.max_decode_blocks == 0:
             log.info("acb attention: decode fast path off (max_blocks_per_request=0); PyTorch decode path")
         varlen, decode = compiling.path_levels(config.compile_level, config.varlen_compile_level,
                                                config.decode_compile_level)
@@ -209,12 +220,15 @@ class ModelRunner:
             self._decode_forward = compiling.compiled_forward(self.model, decode)
             log.info("acb: torch.compile on: varlen path level %d %s, decode path level %d %s", varlen,
                      compiling.compile_kwargs(varlen), decode, compiling.compile_kwargs(decode))
+        cuda = self.stream is not None
         wanted = cuda_graphs.graphs_requested(config.use_cuda_graph, config.q_padding_interval_size,
-                                              config.kv_padding_interval_size)
-        graphs = wanted and self.stream is not None
+                                              config.kv_padding_interval_size, cuda)
+        graphs = wanted and cuda
         if (graphs or pad_on_cpu) and self.swa_layers:
-            log.warning("acb: CUDA graphs are not used for hybrid sliding-window models yet (two page pools); "
-                        "decode steps run eagerly")
+            # a warning when asked for explicitly; by default (on CUDA) it is just the path taken
+            log.log(logging.INFO if config.use_cuda_graph is None and not pad_on_cpu else logging.WARNING,
+                    "acb: CUDA graphs are not used for hybrid sliding-window models yet (two page pools); "
+                    "decode steps run eagerly")
             graphs = pad_on_cpu = False
         if wanted and not graphs and not pad_on_cpu:
             log.warning("acb: CUDA graphs need a CUDA device; on %s decode steps run eagerly and unpadded "
@@ -229,12 +243,26 @@ class ModelRunner:
                 config.kv_padding_interval_size, ps, scratch_slot=self.null_slot + ps - 1)
         if graphs:
             self.decode_graphs = cuda_graphs.DecodeGraphs(self._decode_forward, self.k_cache, self.v_cache,
-                                                          self.page_size, max_rows, self.model.config, self.stream)
+                                                          self.page_size, max_rows, self.model.config, self.stream,
+                                                          triton=self.triton, generator=self.generator)
+            with torch.inference_mode(), torch.cuda.stream(self.stream):
+                self.check_graphs(config.kv_padding_interval_size)
         if self.decode_padding is None:
             log.info("acb decode steps: eager, unpadded")
         else:
             log.info("acb decode steps: padded to row buckets %s, %s", self.decode_padding.buckets,
                      "replayed from CUDA graphs" if graphs else "eager")
+
+    def check_graphs(self, kv_interval: int = 0) -> bool:
+        """The start-up self-check of ``decode_graphs``: a captured padding-only step must
+        replay what the eager forward computes. On failure: a warning, and decode steps
+        run eagerly and unpadded."""
+        why = self.decode_graphs.self_check(self.num_pages, self.null_slot + self.page_size - 1, kv_interval)
+        if why is None:
+            return True
+        log.warning("acb: CUDA graph self-check failed (%s); decode steps run eagerly", why)
+        self.decode_graphs = self.decode_padding = None
+        return False
 
     def release(self) -> None:
         """Give back the KV memory and the model's attention setting."""
@@ -273,6 +301,10 @@ class ModelRunner:
         lengths: list[int] = []  # decode rows' context lengths and page tables
         tables: list[Sequence[int]] = []
         swa_tables: list[Sequence[int] | None] = []
+        triton = self.triton is not None
+        prefill_rows: list[tuple[int, int, int]] = []  # Triton: (first token, tokens, past) per prefill row
+        prefill_tables: list[Sequence[int]] = []
+        swa_prefill_tables: list[Sequence[int] | None] = []
         # rows are unpacked by position: the engine sends plain tuples (see RowInput)
         for row_tokens, start, pages, carry_from, sampled, swa_pages in step.rows:
             q0 = len(tokens)
@@ -292,6 +324,11 @@ class ModelRunner:
                 lengths.append(start + 1)
                 tables.append(pages)
                 swa_tables.append(swa_pages)
+            elif triton:  # every prefill row reads its keys through its block table
+                prefill_rows.append((q0, n, start))
+                prefill_tables.append(pages)
+                swa_prefill_tables.append(swa_pages)
+                prefills.append(attention.PrefillSpan(q0, q0 + n, start, None))
             else:
                 ctx = None
                 if start > 0:
@@ -339,13 +376,18 @@ class ModelRunner:
             length_t = self._tensor(lengths)
             meta.decode_lengths = length_t
             fits = self.max_decode_blocks is None or meta.decode_pages.shape[1] <= self.max_decode_blocks
-            meta.decode_kernel = self.decode_kernel if fits else None
+            meta.decode_kernel = (self.triton if triton else self.decode_kernel) if fits else None
             if meta.decode_kernel is not None:
                 self.fast_decode_steps += 1
-            key_pos = torch.arange(lmax, device=dev).unsqueeze(0)
-            meta.decode_key_pos = key_pos
-            meta.decode_q_pos = (length_t - 1).unsqueeze(1)
-            meta.decode_valid = (key_pos < length_t.unsqueeze(1)).view(len(lengths), 1, lmax)
+            else:  # PyTorch's decode path: masks over the gathered pages
+                key_pos = torch.arange(lmax, device=dev).unsqueeze(0)
+                meta.decode_key_pos = key_pos
+                meta.decode_q_pos = (length_t - 1).unsqueeze(1)
+                meta.decode_valid = (key_pos < length_t.unsqueeze(1)).view(len(lengths), 1, lmax)
+        if triton:
+            meta.triton = self.triton
+            if prefill_rows:
+                meta.triton_prefill = self._prefill_rows(prefill_rows, prefill_tables)
         if prefills and self.decode_kernel is not None:
             meta.prefill_kernel = self.decode_kernel
             fresh_spans = [(sp.q_start, sp.q_end, sp.q_start, 0) for sp in prefills if sp.past == 0]
@@ -355,9 +397,11 @@ class ModelRunner:
             # the sliding layers' view of the same step: their own slots and page tables
             meta.swa = dataclasses.replace(
                 meta, slot_mapping=self._tensor(swa_slots),
-                prefills=[dataclasses.replace(sp, context_pages=c)
-                          for sp, c in zip(prefills, swa_ctx, strict=True)],
+                prefills=prefills if triton else [dataclasses.replace(sp, context_pages=c)
+                                                  for sp, c in zip(prefills, swa_ctx, strict=True)],
                 decode_pages=self._page_table(swa_tables, width, self.swa_pages) if decode_q else None,
+                triton_prefill=self._prefill_rows(prefill_rows, swa_prefill_tables, self.swa_pages)
+                if prefill_rows else None,
             )
             meta.swa_layers = self.swa_layers
         keep_t = self._tensor(keep)
@@ -373,6 +417,14 @@ class ModelRunner:
             if not zeroed[page]:
                 zeroed[page] = 1
                 fresh.append(page)
+
+    def _prefill_rows(self, rows: list[tuple[int, int, int]], tables: list[Sequence[int]], zero: int | None = None):
+        """The Triton prefill kernel's view of a step's prefill rows (one per page pool)."""
+        from .kernels.triton_attention import PrefillRows
+
+        width = max(start + n for _, n, start in rows)
+        programs = PrefillRows.programs_for([n for _, n, _ in rows])
+        return PrefillRows(self._tensor(rows), self._page_table(tables, width, zero), self._tensor(programs))
 
     def _tensor(self, values: list) -> torch.Tensor:
         """Host list -> long tensor on the device; on CUDA through pinned memory, without
@@ -407,13 +459,13 @@ class ModelRunner:
         if self.stream is not None and self.measure_device_time:
             started = torch.cuda.Event(enable_timing=True)
             started.record(self.stream)
-        logits = self._forward(step)
+        logits, sampled = self._forward(step)
         if not step.sampling.temperature:
             self.prev_sampled = None
             return StepOutput([], None)
         if self.fault_hook is not None:
             self.fault_hook(self.step_index, "sample")
-        ids, logprobs = sample(logits, step.sampling, self.generator)
+        ids, logprobs = sampled if sampled is not None else sample(logits, step.sampling, self.generator)
         self.prev_sampled = ids
         if self.stream is None:
             return StepOutput(ids.tolist(), logprobs.tolist() if logprobs is not None else None)
@@ -427,8 +479,9 @@ class ModelRunner:
         event.record(self.stream)
         return PendingOutput(event, ids_host, lp_host, started, self)
 
-    def _forward(self, step: StepInput) -> torch.Tensor:
-        """The step's offload copies and forward: the logits of its sampled rows [K, vocab]."""
+    def _forward(self, step: StepInput) -> tuple[torch.Tensor | None, tuple | None]:
+        """The step's offload copies and forward: (the logits of its sampled rows [K, vocab],
+        None), or (None, (ids, logprobs)) when a CUDA graph sampled them too."""
         if step.swap_out:
             self._swap_out(step.swap_out)
         if step.swap_in:
@@ -436,12 +489,18 @@ class ModelRunner:
         input_ids, position_ids, keep, meta = self._build(step)
         if self.fault_hook is not None:
             self.fault_hook(self.step_index, "forward")
-        logits = None
-        if meta.padded and self.decode_graphs is not None:
-            logits = self.decode_graphs.run(input_ids, position_ids, meta)  # None: run eagerly
-            if logits is not None:
-                logits = logits.index_select(0, keep)  # padding rows' logits are dropped
-        if logits is None:
+        logits = sampled = None
+        if meta.padded and self.decode_graphs is not None and step.sampling.temperature:
+            mode = cuda_graphs.sampling_mode(step.sampling)
+            out = self.decode_graphs.run(input_ids, position_ids, meta, mode, self._graph_params(step, mode))
+            if out is not None:  # padding rows' results are dropped
+                logits, ids, logprobs = out
+                if logits is not None:
+                    logits = logits.index_select(0, keep)
+                else:
+                    sampled = ids.index_select(0, keep), logprobs.index_select(0, keep) if logprobs is not None \
+                        else None
+        if logits is None and sampled is None:
             forward = self._varlen_forward if meta.prefills else self._decode_forward
             attention.set_step(meta)
             try:
@@ -455,7 +514,24 @@ class ModelRunner:
             finally:
                 attention.set_step(None)
             logits = out.logits[0]
-        return logits
+        return logits, sampled
+
+    def _graph_params(self, step: StepInput, mode: str | None) -> torch.Tensor | None:
+        """A sampling graph's static inputs for ``step``: [3, rows] (temperature, top-k,
+        top-p) per padded row, greedy for rows that do not sample; through pinned memory,
+        without a host wait. None for modes that do not read them."""
+        if mode is None or not mode.startswith("sample"):
+            return None
+        rows = self.decode_padding.pad_rows(len(step.rows))
+        params = [[0.0] * rows, [0.0] * rows, [1.0] * rows]
+        b = step.sampling
+        sampled_rows = (i for i, row in enumerate(step.rows) if row[4])
+        for j, i in enumerate(sampled_rows):
+            params[0][i], params[1][i], params[2][i] = b.temperature[j], float(b.top_k[j]), b.top_p[j]
+        host = torch.tensor(params, dtype=torch.float32)
+        if self.stream is None:
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     # ------------------------------------------------------------------ CPU offload
     def _swap_out(self, pairs: list[tuple[int, ...]]) -> None:

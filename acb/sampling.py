@@ -80,9 +80,15 @@ def sample(
 def _filter_top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Mask everything outside each row's top-k and top-p nucleus with -inf."""
     vocab = scores.shape[1]
-    sorted_scores, _ = scores.sort(dim=-1, descending=True)
     k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=scores.device)
     p = torch.tensor(top_p, device=scores.device, dtype=scores.dtype)
+    return filter_top_k_top_p(scores, k, p)
+
+
+def filter_top_k_top_p(scores: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """:func:`_filter_top_k_top_p` with the bounds as device tensors (``k`` in 1..vocab):
+    no host value, so a CUDA graph can hold it."""
+    sorted_scores, _ = scores.sort(dim=-1, descending=True)
     probs = torch.softmax(sorted_scores, dim=-1)
     # tokens before position j hold (cum - probs[j]); keep j while that is < p
     before = probs.cumsum(dim=-1) - probs

@@ -84,7 +84,7 @@ def _cache_pages(model, config: EngineConfig, param: torch.Tensor, per_page: int
     gets what its layers need at most (``swa_cap``) and the rest goes to the other."""
     if param.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(param.device)
-        free -= graph_memory_reserve(model.config, param.dtype, config)
+        free -= graph_memory_reserve(model.config, param.dtype, config, cuda=True)
     else:
         import psutil
 

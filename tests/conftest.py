@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import os
 
-import pytest
+# Triton's interpreter runs acb's Triton kernels on CPU tensors (tests/test_triton_kernels.py
+# and the engine's attn_backend="triton" tests). Triton reads this when a kernel is
+# defined, so it must be set before anything imports acb.kernels.triton_attention.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 from acb.testing import tiny_model, tiny_tokenizer
 

@@ -177,9 +177,20 @@ class FailingCapture(CpuGraphs):
         raise RuntimeError("operation not permitted when stream is capturing")
 
 
-async def _run_with_graphs(graphs_cls, arch="llama", longest_prompt=30):
-    """Greedy outputs and expected ones with decode steps padded and run through
-    ``graphs_cls``: static buffers, metadata derived from them, the shared logits buffer."""
+def _cpu_graphs(engine, graphs_cls):
+    """Pad the engine's decode steps and run them through ``graphs_cls`` (CUDA stood in for)."""
+    runner = engine._runner
+    runner.configure_fast_paths(engine.config, engine.max_requests, pad_on_cpu=True)
+    runner.decode_graphs = graphs_cls(runner._decode_forward, runner.k_cache, runner.v_cache, runner.page_size,
+                                      engine.max_requests, engine.model.config, None, triton=runner.triton,
+                                      generator=runner.generator)
+    return runner.decode_graphs
+
+
+async def _run_with_graphs(graphs_cls, arch="llama", longest_prompt=30, **sampling):
+    """Outputs and greedy expected ones with decode steps padded and run through
+    ``graphs_cls``: static buffers, metadata derived from them, sampling in the graph,
+    the shared output buffers."""
     model = tiny_model(arch)
     prompts = random_prompts(7, 3, longest_prompt, seed=9)
     max_new = [6 + (i * 5) % 17 for i in range(len(prompts))]
@@ -187,12 +198,9 @@ async def _run_with_graphs(graphs_cls, arch="llama", longest_prompt=30):
     config = acb.EngineConfig(page_size=4, num_blocks=96, max_requests_per_batch=16, attn_backend="torch",
                               q_padding_interval_size=4, kv_padding_interval_size=12)
     async with acb.Engine(model, config=config) as engine:
-        runner = engine._runner
-        runner.configure_fast_paths(engine.config, engine.max_requests, pad_on_cpu=True)
-        graphs = graphs_cls(runner._decode_forward, runner.k_cache, runner.v_cache, runner.page_size,
-                            engine.max_requests, model.config, None)
-        runner.decode_graphs = graphs
-        results = await _submit_all(engine, prompts, max_new)
+        graphs = _cpu_graphs(engine, graphs_cls)
+        handles = [engine.submit(p, max_new_tokens=n, ignore_eos=True, **sampling) for p, n in zip(prompts, max_new)]
+        results = [await h for h in handles]
     return [r.token_ids for r in results], expected, graphs
 
 
@@ -203,7 +211,7 @@ async def test_graph_runner_replays_each_bucket_and_keeps_parity(arch):
     assert graphs.graphs and not graphs.failed
     replays = sum(g.graph.replays for g in graphs.graphs.values())
     assert replays > 2 * len(graphs.graphs), "buckets were captured but hardly reused"
-    assert all(rows in decode_buckets(16, 4) for rows, _ in graphs.graphs)
+    assert all(rows in decode_buckets(16, 4) and mode == "greedy" for rows, _, mode in graphs.graphs)
 
 
 async def test_a_failed_capture_falls_back_to_eager_and_says_so(caplog):
@@ -219,8 +227,83 @@ async def test_contexts_wider_than_the_graph_cap_run_eagerly(monkeypatch):
     got, expected, graphs = await _run_with_graphs(CpuGraphs, longest_prompt=10)  # contexts up to 32
     assert got == expected
     assert graphs.graphs and graphs.skipped
-    assert all(width * 4 <= 24 for _, width in graphs.graphs)
+    assert all(width * 4 <= 24 for _, width, _ in graphs.graphs)
     assert all(width * 4 > 24 for _, width in graphs.skipped)
+
+
+async def test_sampled_rows_are_sampled_inside_the_graph():
+    # top_k=1 makes sampling deterministic: it must pick the greedy token, inside the graph
+    got, expected, graphs = await _run_with_graphs(CpuGraphs, temperature=0.8, top_k=1, top_p=0.9)
+    assert got == expected
+    assert graphs.graphs and all(mode == "sample" for _, _, mode in graphs.graphs)
+
+
+async def test_logprobs_come_out_of_the_graph():
+    model = tiny_model("llama")
+    prompt = random_prompts(1, 5, 5, seed=3)[0]
+    config = acb.EngineConfig(page_size=4, num_blocks=32, attn_backend="torch", q_padding_interval_size=4)
+    async with acb.Engine(model, config=config) as engine:
+        eager = await engine.generate(prompt, max_new_tokens=6, ignore_eos=True, logprobs=True)
+        graphs = _cpu_graphs(engine, CpuGraphs)
+        graphed = await engine.generate(prompt, max_new_tokens=6, ignore_eos=True, logprobs=True)
+    assert graphed.token_ids == eager.token_ids
+    assert graphed.logprobs == pytest.approx(eager.logprobs, abs=1e-4)
+    assert {mode for _, _, mode in graphs.graphs} == {"greedy+logprobs"}
+
+
+async def test_seeded_rows_sample_outside_the_graph_and_stay_reproducible():
+    model = tiny_model("llama")
+    prompts = random_prompts(3, 4, 9, seed=4)
+    config = acb.EngineConfig(page_size=4, num_blocks=64, attn_backend="torch", q_padding_interval_size=4)
+    kwargs = dict(max_new_tokens=8, ignore_eos=True, temperature=1.0, seed=123)
+    async with acb.Engine(model, config=config) as engine:
+        eager = await engine.generate_batch(prompts, **kwargs)
+        graphs = _cpu_graphs(engine, CpuGraphs)
+        graphed = await engine.generate_batch(prompts, **kwargs)
+    assert [r.token_ids for r in graphed] == [r.token_ids for r in eager]
+    assert graphs.graphs and all(mode is None for _, _, mode in graphs.graphs)
+
+
+def test_graph_sampling_follows_the_eager_rules():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50)
+    # rows: greedy, top_k=1, top_k=3, top_p tiny, temperature below the minimum
+    params = torch.tensor([[0.0, 0.7, 1.3, 1.0, 1e-7], [0, 1, 3, 0, 0], [1.0, 1.0, 1.0, 1e-6, 1.0]])
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        ids, logprobs = cuda_graphs.graph_sample(logits, params, "sample+logprobs", gen)
+        top = logits.argmax(-1)
+        assert ids[[0, 1, 3, 4]].tolist() == top[[0, 1, 3, 4]].tolist()
+        assert ids[2].item() in logits[2].topk(3).indices.tolist()
+        torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).gather(1, ids[:, None])[:, 0])
+    ids, logprobs = cuda_graphs.graph_sample(logits, params, "greedy", gen)
+    assert ids.tolist() == logits.argmax(-1).tolist() and logprobs.numel() == 0
+
+
+class WrongReplay(CpuGraphs):
+    """A capture that replays something else than it recorded."""
+
+    def _record(self, graph, work) -> None:
+        def wrong():
+            work()
+            self.logits.add_(1.0)
+
+        graph.work = wrong
+
+
+@pytest.mark.parametrize(("graphs_cls", "passes"), [(CpuGraphs, True), (WrongReplay, False), (FailingCapture, False)])
+async def test_graph_self_check_keeps_graphs_only_when_replay_matches_eager(graphs_cls, passes, caplog):
+    model = tiny_model("llama")
+    config = acb.EngineConfig(page_size=4, num_blocks=32, attn_backend="torch", q_padding_interval_size=4)
+    async with acb.Engine(model, config=config) as engine:
+        _cpu_graphs(engine, graphs_cls)
+        with caplog.at_level(logging.WARNING, logger="acb"):
+            assert engine._runner.check_graphs() is passes
+        assert (engine._runner.decode_graphs is not None) is passes
+        assert (engine._runner.decode_padding is not None) is passes
+        out = await engine.generate([5, 6, 7], max_new_tokens=4, ignore_eos=True)
+    assert out.token_ids == reference_greedy(model, [5, 6, 7], 4)
+    assert ("self-check failed" in caplog.text) is not passes
 
 
 # ------------------------------------------------------------------ settings, logging, memory
@@ -269,6 +352,10 @@ def test_graph_memory_is_reserved_only_when_graphs_are_asked_for():
     auto = cuda_graphs.graph_memory_reserve(cfg, torch.bfloat16, acb.EngineConfig(kv_padding_interval_size=64,
                                                                                  max_requests_per_batch=64))
     assert 0 < small < auto
+    # on a CUDA device graphs are on unless turned off
+    assert cuda_graphs.graph_memory_reserve(cfg, torch.bfloat16, acb.EngineConfig(), cuda=True) > 0
+    assert cuda_graphs.graph_memory_reserve(cfg, torch.bfloat16, acb.EngineConfig(use_cuda_graph=False),
+                                            cuda=True) == 0
     # one layer's gathered keys and values at the largest bucket and context, at least
     assert small >= 2 * 2 * 16 * cuda_graphs.MAX_GRAPH_KV_TOKENS * 16 * 2
 

@@ -34,7 +34,8 @@ def test_scheduling_core_is_plain_python(module):
 
 @pytest.mark.parametrize("module", ["runner.py", "attention.py", "sampling.py", "kernels/cpu.py", "cuda_graphs.py",
                                     "compiling.py", "offload.py", "kernels/cpu_linear.py", "distributed/group.py",
-                                    "distributed/protocol.py", "distributed/sharding.py", "distributed/worker.py"])
+                                    "distributed/protocol.py", "distributed/sharding.py", "distributed/worker.py",
+                                    "kernels/triton_attention.py"])
 def test_device_side_never_imports_the_engine_or_integrations(module):
     names = imported_modules(ACB / module)
     assert not any("engine" in n or "integrations" in n or "server" in n for n in names), names

@@ -295,7 +295,7 @@ class TPModelRunner(ModelRunner):
     def configure_fast_paths(self, config, max_rows: int, *, pad_on_cpu: bool = False) -> None:
         super().configure_fast_paths(runner_config(config, warn=True), max_rows)
 
-    def _forward(self, step: StepInput) -> torch.Tensor:
+    def _forward(self, step: StepInput) -> tuple:
         tp = self.tp
         with tp.lock:
             tp.check()

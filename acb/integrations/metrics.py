@@ -99,6 +99,9 @@ class ServerMetrics:
         lines += _metric("acb_offloads_total", "counter", "Preemptions whose KV went to the CPU offload pool.",
                          stats.offloads)
         lines += _metric("acb_restores_total", "counter", "Resumptions that copied offloaded KV back.", stats.restores)
+        lines += ["# HELP acb_attention_backend_info The attention backend serving the engine (label).",
+                  "# TYPE acb_attention_backend_info gauge",
+                  f'acb_attention_backend_info{{backend="{stats.attn_backend}"}} 1']
         lines += ["# HELP acb_requests_finished_total Finished requests by finish reason.",
                   "# TYPE acb_requests_finished_total counter"]
         lines += [f'acb_requests_finished_total{{finish_reason="{reason}"}} {count}'
