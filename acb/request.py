@@ -169,6 +169,8 @@ class EngineStats:
         recomputed_tokens: computed tokens that preemption threw away.
         sliding_total_blocks: hybrid models: the sliding-window layers' own page pool (0: none).
         sliding_free_blocks: free pages in that pool.
+        attn_backend: the attention backend serving the engine (``native``, ``triton`` or
+            ``torch``; see ``EngineConfig.attn_backend``).
     """
 
     running: int

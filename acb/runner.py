@@ -60,15 +60,12 @@ class PendingOutput:
     when ``event`` completes. The engine polls ``ready()`` from the event loop (never
     blocking it) and then takes ``result()``, which no longer waits."""
 
-    __slots__ = ("event", "ids", "logprobs", "started", "runner")
+    __slots__ = ("event", "ids", "logprobs")
 
-    def __init__(self, event, ids: torch.Tensor, logprobs: torch.Tensor | None, started=None,
-                 runner: ModelRunner | None = None) -> None:
+    def __init__(self, event, ids: torch.Tensor, logprobs: torch.Tensor | None) -> None:
         self.event = event
         self.ids = ids
         self.logprobs = logprobs
-        self.started = started  # a timing event at the step's start, when measuring
-        self.runner = runner
 
     def ready(self) -> bool:
         return bool(self.event.query())
@@ -76,8 +73,6 @@ class PendingOutput:
     def result(self) -> StepOutput:
         self.event.synchronize()  # a no-op once ready() said so; surfaces device errors (the
         # engine classifies them with errors.as_device_error)
-        if self.started is not None:
-            self.runner.device_busy_ms += self.started.elapsed_time(self.event)
         return StepOutput(self.ids.tolist(), self.logprobs.tolist() if self.logprobs is not None else None)
 
 
@@ -147,8 +142,6 @@ class ModelRunner:
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.decode_kernel = None  # the native CPU kernels' module (backend "native")
         self.triton = None  # acb.kernels.triton_attention (backend "triton")
-        self.measure_device_time = False  # CUDA: time each step on the device (benchmarks)
-        self.device_busy_ms = 0.0
         # the backend serving this runner: "native" | "triton" | "torch" (ValueError if the
         # requested one cannot run here)
         self.attn_backend = attention.resolve_backend(attn_backend, self.device, self.dtype)
@@ -455,10 +448,6 @@ class ModelRunner:
             raise
 
     def _execute(self, step: StepInput) -> StepOutput | PendingOutput:
-        started = None
-        if self.stream is not None and self.measure_device_time:
-            started = torch.cuda.Event(enable_timing=True)
-            started.record(self.stream)
         logits, sampled = self._forward(step)
         if not step.sampling.temperature:
             self.prev_sampled = None
@@ -475,9 +464,9 @@ class ModelRunner:
         if logprobs is not None:
             lp_host = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
             lp_host.copy_(logprobs, non_blocking=True)
-        event = torch.cuda.Event(enable_timing=started is not None)
+        event = torch.cuda.Event()
         event.record(self.stream)
-        return PendingOutput(event, ids_host, lp_host, started, self)
+        return PendingOutput(event, ids_host, lp_host)
 
     def _forward(self, step: StepInput) -> tuple[torch.Tensor | None, tuple | None]:
         """The step's offload copies and forward: (the logits of its sampled rows [K, vocab],

@@ -231,6 +231,23 @@ async def test_contexts_wider_than_the_graph_cap_run_eagerly(monkeypatch):
     assert all(width * 4 > 24 for _, width in graphs.skipped)
 
 
+async def test_graphs_replay_the_triton_kernels():
+    """The graph body on the Triton backend (what runs on CUDA), under the interpreter:
+    decode rows through the Triton decode kernel reading the static page table."""
+    pytest.importorskip("triton", reason="triton is installed by scripts/setup.sh")
+    model = tiny_model("llama")
+    prompts = random_prompts(3, 3, 6, seed=12)
+    expected = [reference_greedy(model, p, 5) for p in prompts]
+    config = acb.EngineConfig(page_size=4, num_blocks=32, attn_backend="triton", q_padding_interval_size=2,
+                              kv_padding_interval_size=8)
+    async with acb.Engine(model, config=config) as engine:
+        graphs = _cpu_graphs(engine, CpuGraphs)
+        assert graphs.triton is not None
+        results = await engine.generate_batch(prompts, max_new_tokens=5, ignore_eos=True)
+    assert [r.token_ids for r in results] == expected
+    assert graphs.graphs and sum(g.graph.replays for g in graphs.graphs.values()) > len(graphs.graphs)
+
+
 async def test_sampled_rows_are_sampled_inside_the_graph():
     # top_k=1 makes sampling deterministic: it must pick the greedy token, inside the graph
     got, expected, graphs = await _run_with_graphs(CpuGraphs, temperature=0.8, top_k=1, top_p=0.9)
