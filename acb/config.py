@@ -119,9 +119,11 @@ class EngineConfig:
     dynamic; 2 max-autotune-no-cudagraphs, dynamic; 3 the same, static);
     ``varlen_compile_level`` / ``decode_compile_level`` (None: ``compile_level``) override it
     for steps holding a prefill chunk and for decode-only steps. ``use_cuda_graph`` (None:
-    on when a padding interval is set) replays decode-only steps from CUDA graphs, padded
-    to buckets of ``q_padding_interval_size`` rows and ``kv_padding_interval_size`` context
-    tokens (0: a default); CUDA only: on CPU it logs a warning and decode steps run eagerly.
+    on for CUDA devices once a start-up self-check passes, and when a padding interval is
+    set) replays whole decode-only steps, sampling included, from CUDA graphs, padded to
+    buckets of ``q_padding_interval_size`` rows and ``kv_padding_interval_size`` context
+    tokens (0: a default); CUDA only: on CPU, True or a padding interval logs a warning and
+    decode steps run eagerly.
     ``max_blocks_per_request`` bounds the block table of the decode fast path (the native CPU
     kernel or the Triton kernel, both reading pages in place): a step whose decode rows span
     more pages runs the PyTorch decode path; 0 turns the fast path off; None (default) sets
