@@ -189,7 +189,8 @@ async def test_top_logprobs_list_k_alternatives_per_token(server, chat):
     if chat:
         request, path = {"messages": CHAT, "logprobs": True, "top_logprobs": 3}, "/v1/chat/completions"
     else:
-        request, path = {"prompt": "hi", "logprobs": 3}, "/v1/completions"
+        # token ids as keys: two tokens that decode alike (partial UTF-8) would share a dict key
+        request, path = {"prompt": "hi", "logprobs": 3, "return_tokens_as_token_ids": True}, "/v1/completions"
     request.update(max_tokens=4, ignore_eos=True, temperature=0)
     _, body = await post(session, path, request)
     lp = body["choices"][0]["logprobs"]
