@@ -41,8 +41,9 @@ log = logging.getLogger("acb")
 
 READY_KEY = "acb/tp/ready/{}"  # a rank joined the store
 SERVING_KEY = "acb/tp/serving/{}"  # a rank built its runner and waits for steps
-# Building a rank's runner may compile acb's native kernels (minutes on a busy machine
-# the first time): the ranks then wait for each other on the store, not in a collective.
+# Starting a rank (importing torch) and building its runner (compiling acb's native
+# kernels) can take minutes on a busy machine: the ranks wait for each other on the
+# store for that, not in a collective.
 START_TIMEOUT_S = 900.0
 
 
@@ -51,9 +52,11 @@ def launched_by_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def control_group(store, rank: int, size: int, timeout: timedelta):
-    """The gloo group for start-up (pickled objects, weights: CPU tensors)."""
-    return dist.ProcessGroupGloo(dist.PrefixStore("acb/tp/gloo", store), rank, size, timeout)
+def control_group(store, rank: int, size: int):
+    """The gloo group of start-up (pickled objects, weights) and, on CPU, of the steps,
+    whose collectives each pass the step timeout; start-up waits up to START_TIMEOUT_S."""
+    return dist.ProcessGroupGloo(dist.PrefixStore("acb/tp/gloo", store), rank, size,
+                                 timedelta(seconds=START_TIMEOUT_S))
 
 
 def step_group(store, rank: int, size: int, device: torch.device, timeout: timedelta, control):
@@ -154,8 +157,7 @@ class TensorParallel:
     # ------------------------------------------------------------------ start-up
     def _start(self, model: torch.nn.Module, config: EngineConfig) -> None:
         store = self._rendezvous()
-        self.ctrl = control_group(store, 0, self.size, self.timeout)
-        self.data = step_group(store, 0, self.size, self.device, self.timeout, self.ctrl)
+        self.ctrl = control_group(store, 0, self.size)
         threads = self._threads
         if self.device.type == "cpu":
             threads = max(1, self._threads // self.size)  # the ranks share this machine's cores
@@ -163,10 +165,11 @@ class TensorParallel:
         dtype = next(model.parameters()).dtype
         broadcast_object(self.ctrl, dict(
             model_class=type(model), config=model.config, dtype=dtype, engine_config=runner_config(config),
-            device=str(self.device), threads=threads))
+            device=str(self.device), threads=threads, timeout=self.timeout))
+        self.data = step_group(store, 0, self.size, self.device, self.timeout, self.ctrl)
         self.model = sharding.build_local(model, self.size, 0, self.device)
         self._send_weights(model)
-        self.reduce = sharding.RowReduce(self.data, 0)
+        self.reduce = sharding.RowReduce(self.data, 0, self.timeout)
         sharding.install(self.model, self.reduce)
         layout = sizing.layout(self.model, config)
         pages, host_pages = agree_capacity(self.ctrl, layout)
@@ -174,7 +177,7 @@ class TensorParallel:
             layout = sizing.layout(self.model, dataclasses.replace(config, num_blocks=pages))
         self.layout = dataclasses.replace(layout, host_pages=host_pages)
         broadcast_object(self.ctrl, self.layout)
-        self.channel = protocol.Channel(self.data, self.device)
+        self.channel = protocol.Channel(self.data, self.device, self.timeout)
         self._wait_for(SERVING_KEY, max(START_TIMEOUT_S, self.timeout.total_seconds()))
         log.info("acb: tensor parallel over %d ranks (%s, %s); %d KV pages per rank", self.size,
                  "spawned" if self.procs else "torchrun", self.device, self.layout.num_pages)
@@ -186,17 +189,16 @@ class TensorParallel:
                 raise ValueError(f"tensor_parallel_size={self.size}: under torchrun the engine runs on rank 0 of "
                                  f"a world of that size (RANK={os.environ['RANK']}, WORLD_SIZE={world}); the "
                                  f"other ranks run acb.distributed.run_worker()")
-            self.store, _, _ = next(dist.rendezvous("env://", 0, world, timeout=self.timeout))
+            self.store, _, _ = next(dist.rendezvous("env://", 0, world, timeout=timedelta(seconds=START_TIMEOUT_S)))
             return self.store
-        store = self.store = dist.TCPStore("127.0.0.1", 0, self.size, True, timeout=self.timeout,
-                                           wait_for_workers=False)
+        store = self.store = dist.TCPStore("127.0.0.1", 0, self.size, True,
+                                           timeout=timedelta(seconds=START_TIMEOUT_S), wait_for_workers=False)
         for rank in range(1, self.size):
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "acb.distributed.worker", "--rank", str(rank), "--size", str(self.size),
-                 "--store", f"127.0.0.1:{store.port}", "--parent", str(os.getpid()),
-                 "--timeout", str(self.timeout.total_seconds())],
+                 "--store", f"127.0.0.1:{store.port}", "--parent", str(os.getpid())],
                 stdin=subprocess.DEVNULL))
-        self._wait_for(READY_KEY, self.timeout.total_seconds())
+        self._wait_for(READY_KEY, max(START_TIMEOUT_S, self.timeout.total_seconds()))
         return store
 
     def _wait_for(self, key: str, timeout_s: float) -> None:

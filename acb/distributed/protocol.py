@@ -18,6 +18,7 @@ only compute: their rows sample nothing, so they keep no logits.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from datetime import timedelta
 
 import torch
 
@@ -85,13 +86,14 @@ class Channel:
     the ranks' device (so a collective's size is known to every rank), grown by a
     resize message when a step needs more."""
 
-    def __init__(self, group, device: torch.device, capacity: int = 1 << 14) -> None:
+    def __init__(self, group, device: torch.device, timeout: timedelta, capacity: int = 1 << 14) -> None:
         self.group = group
         self.device = device
+        self.timeout = timeout
         self.buffer = torch.zeros(capacity, dtype=torch.int32, device=device)
 
     def _broadcast(self) -> None:
-        self.group.broadcast(self.buffer, 0).wait()
+        self.group.broadcast(self.buffer, 0, self.timeout).wait()
 
     def _grow(self, length: int) -> None:
         self.buffer = torch.zeros(1 << (length - 1).bit_length(), dtype=torch.int32, device=self.device)

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import copy
 import re
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 # model_type -> the decoder families whose sharded config is their per-rank shape
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -140,12 +142,14 @@ def build_local(model: torch.nn.Module, size: int, rank: int, device: torch.devi
 class RowReduce:
     """Sums a row-parallel projection's partial output over the group, in place."""
 
-    def __init__(self, group, rank: int) -> None:
+    def __init__(self, group, rank: int, timeout: timedelta) -> None:
         self.group = group
         self.rank = rank
+        self.options = dist.AllreduceOptions()
+        self.options.timeout = timeout
 
     def __call__(self, tensor: torch.Tensor) -> None:
-        self.group.allreduce([tensor]).wait()
+        self.group.allreduce([tensor], self.options).wait()
 
     def hook(self, module, inputs, output: torch.Tensor) -> None:
         self(output)

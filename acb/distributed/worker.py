@@ -30,8 +30,7 @@ from . import group, protocol, sharding
 log = logging.getLogger("acb")
 
 
-def run_worker(rank: int | None = None, size: int | None = None, store_address: str | None = None,
-               timeout_s: float = 120.0) -> None:
+def run_worker(rank: int | None = None, size: int | None = None, store_address: str | None = None) -> None:
     """Serve as rank ``rank`` (not 0) of a tensor-parallel engine until rank 0 closes it.
 
     With no arguments the rank, world size and rendezvous come from ``torchrun``'s
@@ -43,7 +42,7 @@ def run_worker(rank: int | None = None, size: int | None = None, store_address: 
         else:
             engine = acb.Engine.from_pretrained(path, config=acb.EngineConfig(tensor_parallel_size=2))
     """
-    timeout = timedelta(seconds=timeout_s)
+    timeout = timedelta(seconds=group.START_TIMEOUT_S)  # until rank 0 sends the engine's own
     if store_address is None:
         if not group.launched_by_torchrun():
             raise RuntimeError("run_worker() without arguments needs torchrun's RANK, WORLD_SIZE, MASTER_ADDR "
@@ -56,8 +55,9 @@ def run_worker(rank: int | None = None, size: int | None = None, store_address: 
     if not rank:
         raise ValueError("run_worker serves the ranks other than 0; rank 0 is the engine's process")
     store.set(group.READY_KEY.format(rank), "1")
-    ctrl = group.control_group(store, rank, size, timeout)
+    ctrl = group.control_group(store, rank, size)
     start = group.broadcast_object(ctrl)
+    timeout = start["timeout"]
     torch.set_num_threads(start["threads"])
     device = _device(torch.device(start["device"]), rank)
     if device.type == "cuda":
@@ -69,7 +69,7 @@ def run_worker(rank: int | None = None, size: int | None = None, store_address: 
         for _, tensor in sharding.tensors(model):
             ctrl.recv([tensor], 0, 0).wait()
     model.to(device)
-    reduce = sharding.RowReduce(data, rank)
+    reduce = sharding.RowReduce(data, rank, timeout)
     sharding.install(model, reduce)
     group.agree_capacity(ctrl, sizing.layout(model, config))
     layout = group.broadcast_object(ctrl)
@@ -77,7 +77,7 @@ def run_worker(rank: int | None = None, size: int | None = None, store_address: 
     runner = ModelRunner(model, *args, **kwargs)
     runner.row_reduce = reduce
     runner.configure_fast_paths(config, layout.max_requests)
-    channel = protocol.Channel(data, device)
+    channel = protocol.Channel(data, device, timeout)
     store.set(group.SERVING_KEY.format(rank), "1")
     _serve(runner, channel)
 
@@ -124,13 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int)
     parser.add_argument("--store", help="host:port of rank 0's store (default: torchrun's environment)")
     parser.add_argument("--parent", type=int, help="the engine's process id: exit with it")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds any collective may take")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s acb rank {args.rank}: %(message)s")
     if args.parent is not None:
         _exit_with_parent(args.parent)
     try:
-        run_worker(args.rank, args.size, args.store, args.timeout)
+        run_worker(args.rank, args.size, args.store)
     except RuntimeError as e:  # rank 0 went away or timed out: the group is over
         log.error("tensor-parallel rank stopped: %s", e)
         return 1
