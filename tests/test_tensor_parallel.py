@@ -67,19 +67,20 @@ async def test_tp2_greedy_equals_one_rank_and_transformers(arch, monkeypatch):
         monkeypatch.setenv("ACB_CPU_FUSED", "0")
     model = tiny_model(arch)
     prompts = workload()
-    engine = acb.Engine(model, tokenizer=tiny_tokenizer(), config=tp_config())
-    assert torch.get_num_threads() == 1 and len(engine.worker_pids) == 1
-    async with engine:
-        tp_tokens, cancelled = await run_workload(engine, prompts)
-        stats = engine.stats()
-        assert stats.free_blocks == stats.total_blocks  # cancelled and finished pages are back
+    async with acb.Engine(model, tokenizer=tiny_tokenizer(), config=tp_config(tensor_parallel_size=1)) as one:
+        # built while the one-rank engine holds the model (its linear weights prepacked)
+        engine = acb.Engine(model, tokenizer=tiny_tokenizer(), config=tp_config())
+        assert torch.get_num_threads() == 1 and len(engine.worker_pids) == 1
+        async with engine:
+            tp_tokens, cancelled = await run_workload(engine, prompts)
+            stats = engine.stats()
+            assert stats.free_blocks == stats.total_blocks  # cancelled and finished pages are back
+        assert not psutil.pid_exists(engine.worker_pids[0]) or \
+            psutil.Process(engine.worker_pids[0]).status() == psutil.STATUS_ZOMBIE  # aclose ended rank 1
+        one_tokens, _ = await run_workload(one, prompts)
     assert cancelled == "cancelled"
     if arch != "mistral":  # its 8-token window recycles pages (no preemption) and turns prefix caching off
         assert stats.preemptions > 0 and stats.prefix_hit_rate > 0
-    assert not psutil.pid_exists(engine.worker_pids[0]) or \
-        psutil.Process(engine.worker_pids[0]).status() == psutil.STATUS_ZOMBIE  # aclose ended rank 1
-    async with acb.Engine(model, tokenizer=tiny_tokenizer(), config=tp_config(tensor_parallel_size=1)) as one:
-        one_tokens, _ = await run_workload(one, prompts)
     assert tp_tokens == one_tokens
     for prompt, tokens in zip(prompts, tp_tokens, strict=True):
         assert tokens == reference_greedy(model, prompt, NEW_TOKENS)

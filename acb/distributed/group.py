@@ -217,7 +217,7 @@ class TensorParallel:
 
     def _send_weights(self, model: torch.nn.Module) -> None:
         splitter = sharding.Splitter(model.config, model.base_model_prefix, self.size)
-        full = dict(sharding.tensors(model))
+        full = sharding.full_tensors(model)
         with torch.no_grad():
             for name, _ in sharding.tensors(self.model):
                 for rank in range(1, self.size):

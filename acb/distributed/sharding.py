@@ -29,6 +29,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .. import attention
+
 # model_type -> the decoder families whose sharded config is their per-rank shape
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 # the plan of those families, for a config that carries none
@@ -112,9 +114,20 @@ def tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(model.named_parameters()) + list(model.named_buffers())
 
 
+def full_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full model's tensors by name, dense even while another engine holds its
+    linear weights prepacked."""
+    from ..kernels import cpu_linear
+
+    full = dict(tensors(model))
+    full.update(cpu_linear.dense_state_dict(model) or {})
+    return full
+
+
 def skeleton(model_class: type, config, dtype: torch.dtype) -> torch.nn.Module:
     """``model_class`` built from ``config`` with uninitialised CPU tensors (no random
     init: every tensor is about to be overwritten)."""
+    attention.register()  # the config may name acb's attention (a model an engine holds)
     with torch.device("meta"):
         model = model_class._from_config(config, dtype=dtype)
     model.to_empty(device="cpu")
@@ -127,7 +140,7 @@ def build_local(model: torch.nn.Module, size: int, rank: int, device: torch.devi
     are shared with ``model`` (no copy on the same device); sharded ones are copies."""
     local = skeleton(type(model), shard_config(model.config, size), next(model.parameters()).dtype)
     splitter = Splitter(model.config, model.base_model_prefix, size)
-    full = dict(tensors(model))
+    full = full_tensors(model)
     with torch.no_grad():
         for name, target in tensors(local):
             piece = splitter.piece(name, full[name], rank).to(device)
