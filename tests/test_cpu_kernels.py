@@ -94,3 +94,27 @@ def test_prepacking_leaves_an_already_wrapped_linear_alone():
         assert hooked.forward is wrapper
     finally:
         del hooked.forward
+
+
+def test_a_kernel_build_killed_midway_does_not_hang_later_loads(tmp_path):
+    """torch marks a build in progress with a ``lock`` file only the builder removes; one killed
+    midway used to leave every later engine start waiting forever. A fresh process must load the
+    kernel past such a file (removing it), within the test's timeout."""
+    import subprocess
+    import sys
+
+    script = (
+        "import hashlib, pathlib\n"
+        "from torch.utils.cpp_extension import _get_build_directory\n"
+        "from acb.kernels import cpu\n"
+        "src = pathlib.Path(cpu.__file__).parent.resolve()\n"
+        "ext = 'acb_fused_cpu_' + hashlib.sha1(str(src).encode()).hexdigest()[:8]\n"
+        "lock = pathlib.Path(_get_build_directory(ext, False)) / 'lock'\n"
+        "lock.touch()\n"
+        "assert cpu.fused_kernels() is not None\n"
+        "assert not lock.exists()\n"
+        "print('loaded')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr
+    assert "loaded" in done.stdout and "did not finish" in done.stderr

@@ -8,6 +8,7 @@ uses its PyTorch path."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -18,6 +19,32 @@ log = logging.getLogger("acb")
 _lock = threading.Lock()
 _modules: dict[str, object] = {}
 _failed: set[str] = set()
+
+
+@contextlib.contextmanager
+def _builder_lock(ext: str):
+    """Hold an OS file lock on the extension's build folder while torch builds or loads it.
+
+    torch marks a build in progress with a ``lock`` file that only the builder removes: a build
+    killed midway (Ctrl-C, OOM, a killed test) leaves it, and every later load waits on it forever.
+    The OS drops our ``flock`` when its holder dies, so whoever holds it knows any ``lock`` file
+    there was left by a dead build, and removes it."""
+    try:
+        import fcntl
+
+        from torch.utils.cpp_extension import _get_build_directory
+
+        folder = Path(_get_build_directory(ext, verbose=False))
+    except (ImportError, OSError):  # no fcntl (Windows) or torch moved its private helper
+        yield
+        return
+    with open(folder / "acb.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = folder / "lock"
+        if stale.exists():
+            log.warning("acb: removing %s, left by a kernel build that did not finish", stale)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 def _build(name: str, source: str, cflags: list[str]):
@@ -36,8 +63,10 @@ def _build(name: str, source: str, cflags: list[str]):
                 # One build folder per source location: torch's ninja file names the source path,
                 # so two checkouts of acb sharing one name would rebuild each other's every load.
                 where = hashlib.sha1(str(src.parent.resolve()).encode()).hexdigest()[:8]
-                _modules[name] = load(name=f"{name}_{where}", sources=[str(src)], extra_cflags=cflags,
-                                      extra_ldflags=["-fopenmp"], verbose=False)
+                ext = f"{name}_{where}"
+                with _builder_lock(ext):
+                    _modules[name] = load(name=ext, sources=[str(src)], extra_cflags=cflags,
+                                          extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as e:  # no compiler, no headers, ...
                 _failed.add(name)
                 log.warning("acb: CPU kernels %s unavailable (%s); using the PyTorch path", source, e)
