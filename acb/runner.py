@@ -479,7 +479,10 @@ class ModelRunner:
         if self.fault_hook is not None:
             self.fault_hook(self.step_index, "forward")
         logits = sampled = None
-        if meta.padded and self.decode_graphs is not None and step.sampling.temperature:
+        # graphs replay the Triton decode kernel: not for a step max_blocks_per_request sends
+        # to PyTorch's path
+        graphed = self.triton is None or meta.decode_kernel is not None
+        if meta.padded and graphed and self.decode_graphs is not None and step.sampling.temperature:
             mode = cuda_graphs.sampling_mode(step.sampling)
             out = self.decode_graphs.run(input_ids, position_ids, meta, mode, self._graph_params(step, mode))
             if out is not None:  # padding rows' results are dropped

@@ -248,6 +248,21 @@ async def test_graphs_replay_the_triton_kernels():
     assert graphs.graphs and sum(g.graph.replays for g in graphs.graphs.values()) > len(graphs.graphs)
 
 
+async def test_max_blocks_per_request_keeps_wide_steps_out_of_triton_graphs():
+    pytest.importorskip("triton", reason="triton is installed by scripts/setup.sh")
+    model = tiny_model("llama")
+    prompts = random_prompts(2, 3, 6, seed=13)
+    expected = [reference_greedy(model, p, 4) for p in prompts]
+    config = acb.EngineConfig(page_size=4, num_blocks=32, attn_backend="triton", q_padding_interval_size=2,
+                              kv_padding_interval_size=8, max_blocks_per_request=0)
+    async with acb.Engine(model, config=config) as engine:
+        graphs = _cpu_graphs(engine, CpuGraphs)
+        results = await engine.generate_batch(prompts, max_new_tokens=4, ignore_eos=True)
+        fast_steps = engine._runner.fast_decode_steps
+    assert [r.token_ids for r in results] == expected
+    assert not graphs.graphs and fast_steps == 0
+
+
 async def test_sampled_rows_are_sampled_inside_the_graph():
     # top_k=1 makes sampling deterministic: it must pick the greedy token, inside the graph
     got, expected, graphs = await _run_with_graphs(CpuGraphs, temperature=0.8, top_k=1, top_p=0.9)
