@@ -160,6 +160,8 @@ def graph_memory_reserve(model_config, dtype: torch.dtype, engine_config, cuda: 
     the largest bucket and :data:`MAX_GRAPH_KV_TOKENS`, plus the shared logits buffer.
     0 when the engine config does not ask for graphs (on a CUDA device when ``cuda``)."""
     c = engine_config
+    if c.tensor_parallel_size > 1:  # tensor-parallel ranks run decode steps eagerly
+        return 0
     if not graphs_requested(c.use_cuda_graph, c.q_padding_interval_size, c.kv_padding_interval_size, cuda):
         return 0
     max_rows = c.max_requests_per_batch or 256  # the engine's default cap

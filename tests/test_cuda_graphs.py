@@ -388,6 +388,8 @@ def test_graph_memory_is_reserved_only_when_graphs_are_asked_for():
     assert cuda_graphs.graph_memory_reserve(cfg, torch.bfloat16, acb.EngineConfig(), cuda=True) > 0
     assert cuda_graphs.graph_memory_reserve(cfg, torch.bfloat16, acb.EngineConfig(use_cuda_graph=False),
                                             cuda=True) == 0
+    assert cuda_graphs.graph_memory_reserve(cfg, torch.bfloat16, acb.EngineConfig(tensor_parallel_size=2),
+                                            cuda=True) == 0
     # one layer's gathered keys and values at the largest bucket and context, at least
     assert small >= 2 * 2 * 16 * cuda_graphs.MAX_GRAPH_KV_TOKENS * 16 * 2
 
