@@ -1,5 +1,6 @@
-"""The engine: one asyncio task that admits requests, plans steps, runs them on a
+"""The engine: one event-loop task that admits requests, plans steps, runs them on a
 worker thread (never blocking the event loop) and fans tokens out to mailboxes.
+It waits with anyio primitives, so it runs under asyncio (uvloop too) and trio.
 
 The loop, with async batching on::
 
@@ -13,13 +14,13 @@ thread between awaits, so a cancel can never race a step's bookkeeping.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 import logging
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import anyio
 import torch
 
 from . import attention, sizing
@@ -34,25 +35,22 @@ from .errors import (
     as_device_error,
     caused,
 )
+from .eventloop import LoopHandle
 from .handle import ChunkStream, RequestHandle
 from .inputs import prepare, sampling_params, tokenize
 from .kv_cache import HostPool, KVCacheManager
 from .outputs import LiveRequest, Outputs
 from .progress import BatchProgress, check_progress
-from .request import Completion, EngineStats, Mailbox
+from .request import Completion, EngineStats, Mailbox, Outcome
 from .runner import ModelRunner, PendingOutput, StepOutput
 from .scheduler import Scheduler, Sequence, StepPlan
 
 log = logging.getLogger("acb")
 
 
-def _silence(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()
-
-
 class Engine:
-    """An asyncio continuous-batching engine over a paged KV cache.
+    """A continuous-batching engine over a paged KV cache, for asyncio (uvloop too)
+    and trio programs alike (anyio).
 
     Example::
 
@@ -104,9 +102,10 @@ class Engine:
         self._live = self._out.live  # request id -> LiveRequest
         self._runner: ModelRunner | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task | None = None
-        self._wakeup: asyncio.Event | None = None
+        self._loop: LoopHandle | None = None
+        self._task: Any = None  # the asyncio task of the loop (trio: None, a system task)
+        self._finished: anyio.Event | None = None  # set when the loop task has ended
+        self._wakeup: anyio.Event | None = None
         self._state = "stopped"  # stopped | running | draining | closed
         self._hard = False
         self._arrivals = itertools.count()
@@ -140,8 +139,8 @@ class Engine:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        """Start the engine loop on the running event loop (allocates the KV cache
-        the first time)."""
+        """Start the engine loop on the running event loop, asyncio or trio (allocates
+        the KV cache the first time)."""
         if self._state == "closed":
             raise EngineClosedError("the engine is closed")
         if self._state in ("running", "draining"):
@@ -159,12 +158,13 @@ class Engine:
             self._runner.configure_fast_paths(self.config, self.max_requests)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acb-step")
-        self._loop = asyncio.get_running_loop()
-        self._wakeup = asyncio.Event()
+        self._loop = LoopHandle()
+        self._wakeup = anyio.Event()
+        self._finished = anyio.Event()
         self._hard = False
         self._stop_reason = None
         self._state = "running"
-        self._task = self._loop.create_task(self._run(), name="acb-engine")
+        self._task = self._loop.spawn(self._run, "acb-engine")
 
     async def stop(self, hard: bool = False) -> None:
         """Stop admitting. Graceful: finish everything queued and running. Hard: end
@@ -178,9 +178,7 @@ class Engine:
             for req in list(self._live.values()):
                 self._out.fail(req, error)
         self._wakeup.set()
-        task = self._task
-        if task is not None:
-            await asyncio.shield(task)
+        await self._finished.wait()  # cancelling this wait leaves the loop draining
         self._task = None
         self._state = "stopped"
 
@@ -242,8 +240,7 @@ class Engine:
 
     def _register(self, request_id: str, ids: list[int], params: SamplingParams, stream: bool) -> LiveRequest:
         seq = Sequence(request_id, ids, params.max_new_tokens, arrival=next(self._arrivals))
-        future = self._loop.create_future()
-        future.add_done_callback(_silence)
+        future = Outcome()
         mailbox = Mailbox(request_id, params.logprobs) if stream else None
         stop_ids = frozenset(params.stop_token_ids)
         req = LiveRequest(request_id, seq, params, mailbox, future, self.tokenizer, stop_ids)
@@ -315,10 +312,27 @@ class Engine:
         reqs: list[LiveRequest | None] = [None] * len(prepared)
         for i in order:
             reqs[i] = self._register(*prepared[i], stream=False)
+        if not reqs:
+            return []
         bar = BatchProgress(len(reqs), disable=not progress)
-        waits = [asyncio.shield(r.future) for r in reqs]
+        settled = anyio.Event()
+        left = [len(reqs)]
+
+        def on_done(outcome: Outcome) -> None:
+            left[0] -= 1
+            if outcome.exception() is None:
+                if progress:
+                    bar.done(outcome.result())
+            else:
+                settled.set()  # one failed: raise it now
+            if left[0] == 0:
+                settled.set()
+
         try:
-            return list(await asyncio.gather(*(map(bar.track, waits) if progress else waits)))
+            for r in reqs:
+                r.future.add_done_callback(on_done)
+            await settled.wait()
+            return [r.future.result() for r in reqs]
         except BaseException:
             for r in reqs:
                 self.cancel(r.request_id)
@@ -338,18 +352,12 @@ class Engine:
         req = self._live.get(request_id)
         if req is None:
             return False
-        if self._loop is not None and not self._in_loop_thread():
+        if self._loop is not None and not self._loop.in_loop_thread():
             self._loop.call_soon_threadsafe(self.cancel, request_id)
             return True
         text = self._out.flush_text(req)
         self._out.finish(req, "cancelled", text)
         return True
-
-    def _in_loop_thread(self) -> bool:
-        try:
-            return asyncio.get_running_loop() is self._loop
-        except RuntimeError:
-            return False
 
     def stats(self) -> EngineStats:
         """A snapshot of the engine's load, cache and counters (see ``acb.EngineStats``).
@@ -377,7 +385,8 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
     async def _run(self) -> None:
-        inflight: tuple[StepPlan, asyncio.Future] | None = None
+        inflight: tuple[StepPlan, Future] | None = None
+        cancelled = anyio.get_cancelled_exc_class()
         try:
             while True:
                 if self._hard:
@@ -389,7 +398,7 @@ class Engine:
                     plan = self.scheduler.schedule()
                     if plan.rows:
                         step = self._out.step_input(plan, inflight[0] if inflight else None, self.sampling)
-                        fut = self._loop.run_in_executor(self._executor, self._runner.execute, step)
+                        fut = self._executor.submit(self._runner.execute, step)
                         launched = (plan, fut)
                         if not self.config.async_batching:
                             await self._complete(launched)
@@ -403,43 +412,47 @@ class Engine:
                     if not self.scheduler.has_work():
                         if self.config.debug_checks:
                             self.check_integrity()
-                        self._wakeup.clear()
-                        await self._wakeup.wait()
+                        # nothing else runs between the check and the new event, so a
+                        # submission either saw work or sets this event
+                        self._wakeup = wakeup = anyio.Event()
+                        await wakeup.wait()
                 else:
-                    await asyncio.sleep(0)  # let consumers and submitters run
+                    await anyio.sleep(0)  # let consumers and submitters run
         except BaseException as e:
-            if not isinstance(e, asyncio.CancelledError):
+            if not isinstance(e, cancelled):
                 log.exception("acb engine loop crashed")
             error = caused(RequestFailedError(f"the engine loop failed: {e!r}"), e)
             self._out.fail_all(lambda req: error)
             self._state = "stopped"
-            if isinstance(e, asyncio.CancelledError):
+            if isinstance(e, cancelled):
                 raise
         finally:
-            if inflight is not None:
-                try:
-                    await asyncio.shield(inflight[1])  # never leave the worker mid-step
-                except BaseException:
-                    pass
-            if self._hard:
-                for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
-                    self.scheduler.finish(seq)
-                if self._stop_reason is not None:  # ended by a device failure, not by stop()
-                    self._state = "stopped"
+            try:
+                if inflight is not None:
+                    with anyio.CancelScope(shield=True):
+                        try:
+                            await self._loop.wait_future(inflight[1])  # never leave the worker mid-step
+                        except Exception:
+                            pass
+                if self._hard:
+                    for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+                        self.scheduler.finish(seq)
+                    if self._stop_reason is not None:  # ended by a device failure, not by stop()
+                        self._state = "stopped"
+            finally:
+                self._finished.set()  # stop() waits for this
 
-    async def _complete(self, launched: tuple[StepPlan, asyncio.Future]) -> None:
+    async def _complete(self, launched: tuple[StepPlan, Future]) -> None:
         plan, fut = launched
         try:
-            out: StepOutput | PendingOutput = await asyncio.shield(fut)
+            out: StepOutput | PendingOutput = await self._loop.wait_future(fut)
             if isinstance(out, PendingOutput):
                 # The step is queued on the device: poll its event without blocking
                 # the loop (sub-millisecond sleeps keep latency low for short steps).
                 while not out.ready():
-                    await asyncio.sleep(self._poll_interval)
+                    await anyio.sleep(self._poll_interval)
                 out = out.result()
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:
+        except Exception as e:
             self._steps += 1
             device_error = as_device_error(e)
             if device_error is not None:

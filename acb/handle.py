@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Generator
 from typing import Any
 
-from .request import Chunk, Completion, Mailbox
+import anyio
+
+from .request import Chunk, Completion, Mailbox, Outcome
 
 
 class ChunkStream:
     """Async iterator over one request's chunks. Leaving it early (``break``, an
-    exception, or cancellation of the consuming task) cancels the request."""
+    exception, or cancellation of the consuming task or of its anyio cancel scope)
+    cancels the request."""
 
     __slots__ = ("_mailbox", "_cancel", "_done", "__weakref__")
 
@@ -28,11 +30,11 @@ class ChunkStream:
             raise StopAsyncIteration
         try:
             chunk = await self._mailbox.get()
-        except asyncio.CancelledError:
-            self._abandon()
-            raise
-        except BaseException:
-            self._done = True
+        except BaseException as e:
+            if isinstance(e, anyio.get_cancelled_exc_class()):
+                self._abandon()
+            else:
+                self._done = True
             raise
         if chunk is None:
             self._done = True
@@ -73,7 +75,7 @@ class RequestHandle:
 
     __slots__ = ("request_id", "_mailbox", "_future", "_cancel")
 
-    def __init__(self, request_id: str, mailbox: Mailbox | None, future: asyncio.Future,
+    def __init__(self, request_id: str, mailbox: Mailbox | None, future: Outcome,
                  cancel: Callable[[], Any]) -> None:
         self.request_id = request_id
         self._mailbox = mailbox
@@ -97,9 +99,9 @@ class RequestHandle:
 
     async def _wait(self) -> Completion:
         try:
-            return await asyncio.shield(self._future)
-        except asyncio.CancelledError:
-            if not self._future.done():
+            return await self._future.wait()
+        except BaseException:
+            if not self._future.done():  # the waiter was cancelled, not the request
                 self._cancel()
             raise
 

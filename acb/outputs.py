@@ -9,13 +9,12 @@ also takes it out of the scheduler (its pages come back at once).
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from .config import SamplingParams
 from .detokenizer import Detokenizer, StopMatcher
 from .errors import RequestFailedError, caused
-from .request import Completion, Mailbox, RequestMetrics
+from .request import Completion, Mailbox, Outcome, RequestMetrics
 from .runner import StepInput, StepOutput
 from .sampling import SamplingBatch
 from .scheduler import Scheduler, Sequence, StepPlan
@@ -26,7 +25,7 @@ class LiveRequest:
                  "text_parts", "logprobs", "metrics", "stop_ids", "finish_reason")
 
     def __init__(self, request_id: str, seq: Sequence, params: SamplingParams,
-                 mailbox: Mailbox | None, future: asyncio.Future, tokenizer, stop_ids: frozenset[int]):
+                 mailbox: Mailbox | None, future: Outcome, tokenizer, stop_ids: frozenset[int]):
         self.request_id = request_id
         self.seq = seq
         self.params = params

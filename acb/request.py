@@ -3,8 +3,11 @@ mailbox that merges deltas for consumers that fall behind."""
 
 from __future__ import annotations
 
-import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
 
 
 @dataclass(slots=True)
@@ -93,7 +96,7 @@ class Mailbox:
     chunk, so memory is bounded by the request's tokens, not by the steps taken."""
 
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "error", "final_taken",
-                 "_ready")
+                 "_waiter")
 
     def __init__(self, request_id: str, want_logprobs: bool) -> None:
         self.request_id = request_id
@@ -103,7 +106,13 @@ class Mailbox:
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
         self.final_taken = False
-        self._ready = asyncio.Event()
+        self._waiter: anyio.Event | None = None  # made only while the consumer waits
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            waiter.set()
 
     def put(self, token_ids: list[int], text: str, logprobs: list[float] | None,
             finish_reason: str | None = None) -> None:
@@ -114,11 +123,11 @@ class Mailbox:
             self.logprobs.extend(logprobs)
         if finish_reason is not None:
             self.finish_reason = finish_reason
-        self._ready.set()
+        self._wake()
 
     def fail(self, error: BaseException) -> None:
         self.error = error
-        self._ready.set()
+        self._wake()
 
     async def get(self) -> Chunk | None:
         """Wait for output, then take all of it as one chunk; None once the final
@@ -141,8 +150,69 @@ class Mailbox:
                 return None
             if self.error is not None:
                 raise self.error
-            self._ready.clear()
-            await self._ready.wait()
+            self._waiter = waiter = anyio.Event()
+            await waiter.wait()
+
+
+class Outcome:
+    """A request's final ``Completion`` or error: the engine's stand-in for an
+    ``asyncio.Future`` that any anyio backend (asyncio, trio) can await. Set on the
+    event loop's thread only."""
+
+    __slots__ = ("_result", "_error", "_done", "_event", "_callbacks")
+
+    def __init__(self) -> None:
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._done = False
+        self._event: anyio.Event | None = None  # made only when someone waits
+        self._callbacks: list[Callable[[Outcome], None]] | None = None
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, result: Any) -> None:
+        self._result = result
+        self._settle()
+
+    def set_exception(self, error: BaseException) -> None:
+        self._error = error
+        self._settle()
+
+    def _settle(self) -> None:
+        if self._done:
+            raise RuntimeError("the outcome is already set")
+        self._done = True
+        if self._event is not None:
+            self._event.set()
+        for callback in self._callbacks or ():
+            callback(self)
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self) -> Any:
+        """The result, or raise the error (only once ``done()``)."""
+        if not self._done:
+            raise RuntimeError("the outcome is not set yet")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def add_done_callback(self, callback: Callable[[Outcome], None]) -> None:
+        """Call ``callback(self)`` once set (at once if it already is)."""
+        if self._done:
+            callback(self)
+        else:
+            self._callbacks = [*(self._callbacks or ()), callback]
+
+    async def wait(self) -> Any:
+        """Wait until set, then return the result or raise the error."""
+        if not self._done:
+            if self._event is None:
+                self._event = anyio.Event()
+            await self._event.wait()
+        return self.result()
 
 
 @dataclass(slots=True)

@@ -26,3 +26,17 @@ def tokenizer():
 def llama():
     return tiny_model("llama")
 
+
+
+def pytest_collection_modifyitems(items):
+    """Tests marked ``anyio`` run under anyio's plugin (its ``anyio_backend`` fixture
+    picks asyncio, uvloop or trio), not under pytest-asyncio's auto mode, which
+    claims every coroutine test: such items are handed back as plain test functions."""
+    from pytest_asyncio.plugin import PytestAsyncioFunction
+
+    for i, item in enumerate(items):
+        if isinstance(item, PytestAsyncioFunction) and item.get_closest_marker("anyio") is not None:
+            items[i] = pytest.Function.from_parent(
+                item.parent, name=item.name, callspec=getattr(item, "callspec", None), callobj=item.obj,
+                fixtureinfo=item._fixtureinfo, keywords=item.keywords, originalname=item.originalname,
+            )

@@ -1,9 +1,12 @@
-"""Every behaviour API.md promises, through the public names only."""
+"""Every behaviour API.md promises, through the public names only, on asyncio,
+uvloop and trio (anyio's pytest plugin runs each coroutine test on every backend)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 
+import anyio
 import pytest
 
 import acb
@@ -12,21 +15,24 @@ from acb.testing import reference_greedy, tiny_engine, tiny_model
 PROMPT = [5, 17, 33, 60, 91, 120]
 
 
-@pytest.fixture(scope="module", params=["asyncio", "uvloop"])
-def event_loop_policy(request):
-    """Every API behaviour here is checked on the default loop and on uvloop."""
-    if request.param == "uvloop":
-        import uvloop
+pytestmark = pytest.mark.anyio
 
-        return uvloop.EventLoopPolicy()
-    return asyncio.DefaultEventLoopPolicy()
+
+@pytest.fixture(scope="module", params=[
+    pytest.param(("asyncio", {}), id="asyncio"),
+    pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
+    pytest.param(("trio", {}), id="trio"),
+])
+def anyio_backend(request):
+    """Every API behaviour here is checked on asyncio's default loop, on uvloop and on trio."""
+    return request.param
 
 
 async def _wait_until(pred, timeout=10.0):
-    deadline = asyncio.get_running_loop().time() + timeout
+    deadline = anyio.current_time() + timeout
     while not pred():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.001)
+        assert anyio.current_time() < deadline, "condition not reached"
+        await anyio.sleep(0.001)
 
 
 def _all_pages_free(engine: acb.Engine) -> bool:
@@ -264,6 +270,39 @@ async def test_cancel_by_break_frees_pages_and_leaves_others_intact():
 
 
 async def test_cancel_by_task_cancellation():
+    """Cancelling the consuming task (an anyio cancel scope: task.cancel() on asyncio,
+    trio's own cancellation on trio) cancels its request: streaming or awaiting."""
+    async with tiny_engine() as engine:
+        started = anyio.Event()
+
+        async def consume():
+            async for _ in engine.stream(PROMPT, max_new_tokens=400, ignore_eos=True):
+                started.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            await started.wait()
+            tg.cancel_scope.cancel()
+        await _wait_until(lambda: _all_pages_free(engine))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(engine.generate, PROMPT, max_new_tokens=400, ignore_eos=True))
+            await _wait_until(lambda: engine.stats().running == 1)
+            tg.cancel_scope.cancel()
+        await _wait_until(lambda: _all_pages_free(engine))
+
+        batch = [PROMPT, [7, 8, 9]]
+        with anyio.move_on_after(0.05) as scope:  # a deadline cancels a whole batch
+            await engine.generate_batch(batch, max_new_tokens=1000, ignore_eos=True)
+        assert scope.cancelled_caught
+        await _wait_until(lambda: _all_pages_free(engine))
+
+
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {}), ("asyncio", {"use_uvloop": True})],
+                         ids=["asyncio", "uvloop"])
+async def test_cancel_by_asyncio_task_cancel():
+    """asyncio's own ``task.cancel()`` on a task that streams or awaits (trio has no
+    task objects: test_cancel_by_task_cancellation covers its cancel scopes)."""
     async with tiny_engine() as engine:
         started = asyncio.Event()
 
@@ -337,9 +376,8 @@ async def test_invalid_request_error_names_its_field(kwargs, param):
         assert info.value.param == "prompt"
 
 
-def test_runs_under_anyio_asyncio_backend():
-    import anyio
-
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_runs_as_a_plain_anyio_program(backend):
     async def main():
         async with tiny_engine() as engine:
             async with anyio.create_task_group() as tg:
@@ -352,7 +390,7 @@ def test_runs_under_anyio_asyncio_backend():
                     tg.start_soon(one, i)
             return results
 
-    results = anyio.run(main, backend="asyncio")
+    results = anyio.run(main, backend=backend)
     assert sorted(results) == [0, 1, 2, 3] and all(len(v) == 4 for v in results.values())
 
 
@@ -365,10 +403,13 @@ def test_every_engine_setting_is_active(caplog):
     assert "not active" not in caplog.text
 
 
-async def test_engine_serves_on_the_loop_under_test(event_loop_policy):
-    loop = asyncio.get_running_loop()
-    if type(event_loop_policy).__module__.startswith("uvloop"):
-        assert type(loop).__module__.startswith("uvloop")
+async def test_engine_serves_on_the_loop_under_test(anyio_backend):
+    from acb.eventloop import current_backend
+
+    name, options = anyio_backend
+    assert current_backend() == name
+    if options.get("use_uvloop"):
+        assert type(asyncio.get_running_loop()).__module__.startswith("uvloop")
     async with tiny_engine() as engine:
         assert len((await engine.generate(PROMPT, max_new_tokens=3, ignore_eos=True)).token_ids) == 3
 

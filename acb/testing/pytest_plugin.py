@@ -5,7 +5,15 @@
 - ``acb_tokenizer``: the byte-level tokenizer;
 - ``acb_engine_factory``: ``async with acb_engine_factory(**EngineConfig fields) as engine``
   works under pytest-asyncio and anyio's plugin alike;
-- ``acb_engine``: a started engine (pytest-asyncio), stopped after the test.
+- ``acb_engine``: a started engine, closed after the test. It runs on the test's own
+  event loop: anyio's plugin (whichever ``anyio_backend``: asyncio, uvloop, trio) when
+  the test uses it, else pytest-asyncio's.
+
+Example::
+
+    @pytest.mark.anyio
+    async def test_my_app(acb_engine):
+        assert (await acb_engine.generate("hi", max_new_tokens=4)).token_ids
 """
 
 from __future__ import annotations
@@ -30,13 +38,29 @@ def acb_engine_factory():
     return tiny_engine
 
 
+async def _started_engine():
+    async with tiny_engine() as engine:
+        yield engine
+
+
+@pytest.fixture
+def acb_engine(request):
+    # A plain fixture that runs the async one on the right runner itself: an async
+    # fixture would be claimed by pytest-asyncio (auto mode takes them all) even for
+    # a test that anyio's plugin runs on trio.
+    if "anyio_backend" in request.fixturenames:
+        from anyio.pytest_plugin import extract_backend_and_options, get_runner
+
+        name, options = extract_backend_and_options(request.getfixturevalue("anyio_backend"))
+        with get_runner(name, options) as runner:
+            yield from runner.run_asyncgen_fixture(_started_engine, {})
+    else:
+        yield request.getfixturevalue("_acb_asyncio_engine")
+
+
 try:
     import pytest_asyncio
 except ImportError:  # pragma: no cover - pytest-asyncio is optional for users
     pass
 else:
-
-    @pytest_asyncio.fixture
-    async def acb_engine():
-        async with tiny_engine() as engine:
-            yield engine
+    _acb_asyncio_engine = pytest_asyncio.fixture(_started_engine, name="_acb_asyncio_engine")
