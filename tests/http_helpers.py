@@ -76,6 +76,31 @@ async def sse_json(resp: aiohttp.ClientResponse) -> list[Any]:
     return out
 
 
+async def sse_matches_generate(session: aiohttp.ClientSession, url: str, engine: acb.Engine) -> None:
+    """POST a 12-token request to the SSE route at ``url``: its events must add up to what
+    ``engine.generate`` gives for the same request, the last one alone with a finish_reason."""
+    async with session.post(url, json={"prompt": "hello", "max_new_tokens": 12}) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        chunks = await sse_json(resp)
+    assert len(chunks) > 1 and [c["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1]["finish_reason"] == "length"
+    expected = await engine.generate("hello", max_new_tokens=12)
+    assert "".join(c["text"] for c in chunks) == expected.text
+    assert [t for c in chunks for t in c["token_ids"]] == expected.token_ids
+
+
+async def abandon_websocket_requests(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
+                                     n: int = 3) -> None:
+    """Start ``n`` requests (``body``, ids 0..n-1) on a fresh websocket at ``url``, wait for
+    the first message, then close the socket with the requests still live."""
+    ws = await session.ws_connect(url)
+    for i in range(n):
+        await ws.send_json({"type": "generate", "id": i, "prompt": f"p{i}", **body})
+    await ws.receive()
+    await ws.close()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -8,7 +8,14 @@ import json
 import aiohttp
 import pytest
 from aiohttp import WSCloseCode, WSMsgType, web
-from http_helpers import running_app, sse_events, sse_json, wait_pages_free
+from http_helpers import (
+    abandon_websocket_requests,
+    running_app,
+    sse_events,
+    sse_json,
+    sse_matches_generate,
+    wait_pages_free,
+)
 
 import acb
 from acb.integrations.aiohttp import ENGINE_KEY, setup_engine, sse_handler, stop_engine, websocket_handler
@@ -36,15 +43,7 @@ async def served():
 # ---------------------------------------------------------------- server-sent events
 async def test_sse_streams_chunks_that_add_up_to_the_completion(served):
     url, engine, session = served
-    async with session.post(f"{url}/generate", json={"prompt": "hello", "max_new_tokens": 12}) as resp:
-        assert resp.status == 200
-        assert resp.headers["Content-Type"].startswith("text/event-stream")
-        chunks = await sse_json(resp)
-    assert [c["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
-    assert chunks[-1]["finish_reason"] == "length"
-    expected = await engine.generate("hello", max_new_tokens=12)
-    assert "".join(c["text"] for c in chunks) == expected.text
-    assert [t for c in chunks for t in c["token_ids"]] == expected.token_ids
+    await sse_matches_generate(session, f"{url}/generate", engine)
 
 
 async def test_sse_passes_sampling_keywords_and_logprobs(served):
@@ -171,11 +170,7 @@ async def test_websocket_disconnect_cancels_every_live_request(handler_cancellat
     engine = app[ENGINE_KEY]
     async with running_app(app, handler_cancellation=handler_cancellation) as url:
         async with aiohttp.ClientSession() as session:
-            ws = await session.ws_connect(f"{url}/ws")
-            for i in range(3):
-                await ws.send_json({"type": "generate", "id": i, "prompt": f"p{i}", **LONG})
-            await ws.receive_json()
-            await ws.close()
+            await abandon_websocket_requests(session, f"{url}/ws", LONG)
         await wait_pages_free(engine)
         assert engine.stats().generated_tokens < 3000
 
@@ -225,8 +220,8 @@ def test_integrations_and_server_use_only_the_public_api():
     from pathlib import Path
 
     root = Path(acb.__file__).parent
-    allowed = {"acb", "acb.integrations.aiohttp", "acb.integrations.metrics", "acb.integrations.openai_protocol",
-               "acb.integrations.openai_service"}
+    allowed = {"acb", "acb.integrations.aiohttp", "acb.integrations.common", "acb.integrations.metrics",
+               "acb.integrations.openai_protocol", "acb.integrations.openai_service", "acb.integrations.starlette"}
     files = {p: allowed for p in [*root.glob("integrations/*.py"), root / "server.py"]}
     files[root / "cli.py"] = allowed | {"acb.server", "acb.loading", "acb.testing", "acb.integrations.ray"}
     for path, ok in files.items():

@@ -1,6 +1,6 @@
-"""examples/: the SSE server and the websocket chat app, run as real processes on the tiny model;
-the chat page itself is driven in headless Chromium (CI installs it: .ci/run; elsewhere the browser
-test is skipped when none is installed, and fails in CI, where ``CI=true``)."""
+"""examples/: the SSE server, the FastAPI app and the websocket chat app, run as real processes on the
+tiny model; the chat page itself is driven in headless Chromium (CI installs it: .ci/run; elsewhere the
+browser test is skipped when none is installed, and fails in CI, where ``CI=true``)."""
 
 from __future__ import annotations
 
@@ -51,12 +51,26 @@ async def example(script: str, log: IO[str]) -> AsyncIterator[str]:
             await proc.wait()
 
 
+async def streams_a_chat_answer(session: aiohttp.ClientSession, url: str) -> None:
+    async with session.post(f"{url}/generate", json={"prompt": CHAT, "max_new_tokens": 8}) as resp:
+        chunks = await sse_json(resp)
+    assert chunks[-1]["finish_reason"] == "length"
+    assert sum(len(c["token_ids"]) for c in chunks) == 8
+
+
 async def test_sse_server_example_streams_a_chat_answer(log):
     async with example("sse_server.py", log) as url, aiohttp.ClientSession() as session:
-        async with session.post(f"{url}/generate", json={"prompt": CHAT, "max_new_tokens": 8}) as resp:
-            chunks = await sse_json(resp)
-        assert chunks[-1]["finish_reason"] == "length"
-        assert sum(len(c["token_ids"]) for c in chunks) == 8
+        await streams_a_chat_answer(session, url)
+
+
+async def test_fastapi_example_streams_answers_and_reports_metrics(log):
+    async with example("fastapi_app.py", log) as url, aiohttp.ClientSession() as session:
+        await streams_a_chat_answer(session, url)
+        async with session.post(f"{url}/ask", json={"question": "hi", "max_new_tokens": 4}) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["finish_reason"] in ("length", "eos")
+        async with session.get(f"{url}/metrics") as resp:
+            assert 'acb_requests_finished_total{finish_reason="length"} 1' in await resp.text()
 
 
 async def test_websocket_chat_example_serves_the_page_and_streams(log):

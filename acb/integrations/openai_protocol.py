@@ -26,7 +26,7 @@ from typing import Any
 
 import acb
 
-from .aiohttp import ApiError
+from .common import ApiError
 
 log = logging.getLogger("acb.server")
 
@@ -436,7 +436,7 @@ def prompt_token_ids(request: ParsedRequest, prompt: Any, engine: acb.Engine) ->
 
 def engine_error(error: acb.AcbError, *, chat: bool, wire_names: dict[str, str] | None = None) -> ApiError:
     """An engine error in OpenAI's terms (field names as the client sent them)."""
-    from .aiohttp import api_error_from
+    from .common import api_error_from
 
     api = api_error_from(error)
     names = {**_WIRE_NAMES, **(wire_names or {}), "prompt": "messages" if chat else "prompt"}

@@ -29,7 +29,7 @@ from typing import Any
 
 import acb
 
-from .aiohttp import SSE_HEADERS, ApiError, sse_event
+from .common import SSE_HEADERS, ApiError, sse_event
 from .metrics import ServerMetrics
 from .openai_protocol import Limits, ParsedRequest, Shaper, engine_error, parse_request, prompt_token_ids
 

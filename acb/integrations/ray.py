@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 import acb
 
-from .aiohttp import ApiError, json_object, stop_engine
+from .common import ApiError, json_object, stop_engine
 from .metrics import CONTENT_TYPE
 from .openai_protocol import Limits
 from .openai_service import SSE_HEADERS, OpenAIService, route_error
