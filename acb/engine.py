@@ -159,8 +159,8 @@ class Engine:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acb-step")
         self._loop = LoopHandle()
-        self._wakeup = anyio.Event()
-        self._finished = anyio.Event()
+        self._wakeup = self._loop.Event()
+        self._finished = self._loop.Event()
         self._hard = False
         self._stop_reason = None
         self._state = "running"
@@ -240,8 +240,8 @@ class Engine:
 
     def _register(self, request_id: str, ids: list[int], params: SamplingParams, stream: bool) -> LiveRequest:
         seq = Sequence(request_id, ids, params.max_new_tokens, arrival=next(self._arrivals))
-        future = Outcome()
-        mailbox = Mailbox(request_id, params.logprobs) if stream else None
+        future = Outcome(self._loop.Event)
+        mailbox = Mailbox(request_id, params.logprobs, self._loop.Event) if stream else None
         stop_ids = frozenset(params.stop_token_ids)
         req = LiveRequest(request_id, seq, params, mailbox, future, self.tokenizer, stop_ids)
         self._live[request_id] = req
@@ -315,7 +315,7 @@ class Engine:
         if not reqs:
             return []
         bar = BatchProgress(len(reqs), disable=not progress)
-        settled = anyio.Event()
+        settled = self._loop.Event()
         left = [len(reqs)]
 
         def on_done(outcome: Outcome) -> None:
@@ -414,7 +414,7 @@ class Engine:
                             self.check_integrity()
                         # nothing else runs between the check and the new event, so a
                         # submission either saw work or sets this event
-                        self._wakeup = wakeup = anyio.Event()
+                        self._wakeup = wakeup = self._loop.Event()
                         await wakeup.wait()
                 else:
                     await anyio.sleep(0)  # let consumers and submitters run

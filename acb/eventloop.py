@@ -53,11 +53,14 @@ def current_backend() -> str:
 class LoopHandle:
     """The event loop that called ``Engine.start()``, as the engine needs it."""
 
-    __slots__ = ("backend", "thread", "call_soon_threadsafe", "_loop")
+    __slots__ = ("backend", "thread", "call_soon_threadsafe", "Event", "_loop")
 
     def __init__(self) -> None:
         self.backend = current_backend()
         self.thread = threading.get_ident()
+        # anyio's Event class for this backend: ``anyio.Event()`` looks the backend up on
+        # every call; the class itself does not (per-chunk waits cost what asyncio's do)
+        self.Event: type[anyio.Event] = type(anyio.Event())
         if self.backend == "asyncio":
             self._loop = asyncio.get_running_loop()
             self.call_soon_threadsafe: Callable[..., Any] = self._loop.call_soon_threadsafe
@@ -84,7 +87,7 @@ class LoopHandle:
         """The result of a ``concurrent.futures.Future`` from a worker thread, awaited
         without blocking the loop. Cancelling the wait leaves the work running."""
         if not future.done():
-            done = anyio.Event()
+            done = self.Event()
             wake = self.call_soon_threadsafe
 
             def on_done(_: Future) -> None:

@@ -96,9 +96,10 @@ class Mailbox:
     chunk, so memory is bounded by the request's tokens, not by the steps taken."""
 
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "error", "final_taken",
-                 "_waiter")
+                 "_waiter", "_new_event")
 
-    def __init__(self, request_id: str, want_logprobs: bool) -> None:
+    def __init__(self, request_id: str, want_logprobs: bool,
+                 new_event: Callable[[], anyio.Event] = anyio.Event) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = []
         self.text: list[str] = []
@@ -107,6 +108,7 @@ class Mailbox:
         self.error: BaseException | None = None
         self.final_taken = False
         self._waiter: anyio.Event | None = None  # made only while the consumer waits
+        self._new_event = new_event
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -150,7 +152,7 @@ class Mailbox:
                 return None
             if self.error is not None:
                 raise self.error
-            self._waiter = waiter = anyio.Event()
+            self._waiter = waiter = self._new_event()
             await waiter.wait()
 
 
@@ -159,14 +161,15 @@ class Outcome:
     ``asyncio.Future`` that any anyio backend (asyncio, trio) can await. Set on the
     event loop's thread only."""
 
-    __slots__ = ("_result", "_error", "_done", "_event", "_callbacks")
+    __slots__ = ("_result", "_error", "_done", "_event", "_callbacks", "_new_event")
 
-    def __init__(self) -> None:
+    def __init__(self, new_event: Callable[[], anyio.Event] = anyio.Event) -> None:
         self._result: Any = None
         self._error: BaseException | None = None
         self._done = False
         self._event: anyio.Event | None = None  # made only when someone waits
         self._callbacks: list[Callable[[Outcome], None]] | None = None
+        self._new_event = new_event
 
     def done(self) -> bool:
         return self._done
@@ -210,7 +213,7 @@ class Outcome:
         """Wait until set, then return the result or raise the error."""
         if not self._done:
             if self._event is None:
-                self._event = anyio.Event()
+                self._event = self._new_event()
             await self._event.wait()
         return self.result()
 
