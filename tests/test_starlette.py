@@ -22,7 +22,7 @@ LONG = {"max_new_tokens": 1000, "ignore_eos": True}  # far longer than any test 
 
 
 def make_app(engine: acb.Engine) -> FastAPI:
-    app = FastAPI(lifespan=engine_lifespan(engine, drain_timeout=5.0))
+    app = FastAPI(lifespan=engine_lifespan(engine, drain_timeout=30.0))
     app.add_api_route("/generate", sse_route(), methods=["POST"])
     app.add_api_websocket_route("/ws", websocket_route())
     app.add_api_route("/metrics", metrics_route())
