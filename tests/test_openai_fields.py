@@ -232,15 +232,17 @@ async def test_a_sampling_field_means_what_the_engine_keyword_means(server, wire
         assert set(expected.token_ids) == {7}
 
 
-async def test_a_field_the_engine_lacks_is_400_naming_the_wire_field(server):
+@pytest.mark.parametrize(("body", "param"), [
+    ({"max_tokens": 10**5}, "max_tokens"),
+    ({"logit_bias": {"999999": 5}}, "logit_bias"),
+    ({"min_tokens": 5000, "max_tokens": 10}, "min_tokens"),
+    ({"guided_regex": "("}, "guided_regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": "{not json"}}}, "response_format"),
+])
+async def test_what_the_engine_refuses_is_400_naming_the_wire_field(server, body, param):
     session, _ = server
-    missing = [(w, e) for w, e in [("min_tokens", "min_new_tokens"), ("presence_penalty", "presence_penalty")]
-               if e not in ENGINE_FIELDS]
-    for wire, _ in missing:
-        status, body = await post(session, "/v1/completions", {"prompt": "hi", wire: 1})
-        assert status == 400 and body["error"]["param"] == wire
-    status, body = await post(session, "/v1/completions", {"prompt": "hi", "max_tokens": 10**5})
-    assert status == 400 and body["error"]["param"] == "max_tokens"
+    status, error = await post(session, "/v1/completions", {"prompt": "hi", **body})
+    assert status == 400 and error["error"]["param"] == param, error
 
 
 @needs("n")

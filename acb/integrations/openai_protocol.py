@@ -357,6 +357,8 @@ def _engine_keywords(body: dict, chat: bool, limits: Limits, n: int,
         "logit_bias": _logit_bias(body),
         "n": n if n > 1 else None,
     }
+    if (sampling["min_new_tokens"] or 0) > max_tokens:
+        raise _bad("min_tokens", f"({sampling['min_new_tokens']}) must be at most {limit_name} ({max_tokens})")
     if sampling["repetition_penalty"] == 1.0:
         sampling["repetition_penalty"] = None
     want, top = _logprobs(body, chat)
