@@ -6,7 +6,9 @@ Both validate at construction and raise ``ValueError`` naming the field.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -24,24 +26,73 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+# What a request may leave unset (None) for the engine's default SamplingParams and then
+# the model's generation_config to supply.
+FROM_GENERATION_CONFIG = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "do_sample")
+
+
+def _logit_bias(bias: Any) -> dict[int, float] | None:
+    """``logit_bias`` as {token id: finite bias}; JSON's string keys ("50256") are accepted."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise InvalidRequestError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}",
+                                  param="logit_bias")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        if not _is_int(token) or token < 0:
+            raise InvalidRequestError(f"logit_bias keys must be token ids (ints >= 0), got {key!r}",
+                                      param="logit_bias")
+        if not _is_number(value) or not math.isfinite(value):
+            raise InvalidRequestError(f"logit_bias[{key!r}] must be a finite number, got {value!r}",
+                                      param="logit_bias")
+        out[token] = float(value)
+    return out or None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample and when to stop (the model side).
+
+    ``None`` means unset: the engine's default SamplingParams, then the model's
+    ``generation_config`` fill it (see ``resolved``); ``max_new_tokens=None`` runs to the
+    engine's context limit. Sampling: ``temperature`` (0 = greedy), ``do_sample``,
+    ``top_k`` (0 = off), ``top_p`` (1 = off), ``min_p`` (0 = off), ``seed``. Logit
+    processors, in transformers' order: ``logit_bias`` ({token id: bias} added to the
+    logits), ``repetition_penalty`` (1 = off; over prompt and output, as transformers),
+    ``presence_penalty`` / ``frequency_penalty`` (0 = off; over the output, as OpenAI and
+    vLLM), ``min_new_tokens`` (EOS and ``stop_token_ids`` masked until then). Output:
+    ``logprobs`` (the chosen token's), ``top_logprobs`` (k alternatives per token), ``n``
+    (choices forked from one prompt). Structured output (at most one): ``json_schema``
+    (dict or JSON string), ``regex``, ``choice`` (list of strings).
 
     Example::
 
         params = acb.SamplingParams(max_new_tokens=32, temperature=0.7, top_p=0.9, seed=1)
     """
 
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+    max_new_tokens: int | None = 64
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float | None = None
+    min_new_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    do_sample: bool | None = None
+    n: int = 1
+    json_schema: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and stored as tuples so params stay hashable.
@@ -61,25 +112,102 @@ class SamplingParams:
                 f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}"
             )
         object.__setattr__(self, "stop_token_ids", tuple(ids))
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise InvalidRequestError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
-        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        if not _is_number(self.top_p) or not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.max_new_tokens is not None and (not _is_int(self.max_new_tokens) or self.max_new_tokens < 1):
+            raise InvalidRequestError(
+                f"max_new_tokens must be None (until the context limit) or an int >= 1, got {self.max_new_tokens!r}",
+                param="max_new_tokens")
+        self._check_number("temperature", lambda v: v >= 0, "a finite number >= 0 (0 = greedy)")
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 0):
+            raise InvalidRequestError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}", param="top_k")
+        self._check_number("top_p", lambda v: 0 < v <= 1, "in (0, 1] (1 = off)")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
-            raise InvalidRequestError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if not isinstance(self.logprobs, bool):
-            raise InvalidRequestError(f"logprobs must be a bool, got {self.logprobs!r}")
+            raise InvalidRequestError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}", param="seed")
+        for name in ("ignore_eos", "logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be a bool, got {getattr(self, name)!r}", param=name)
+        if self.do_sample is not None and not isinstance(self.do_sample, bool):
+            raise InvalidRequestError(f"do_sample must be None or a bool, got {self.do_sample!r}", param="do_sample")
+        for name, low in (("top_logprobs", 0), ("min_new_tokens", 0), ("n", 1)):
+            value = getattr(self, name)
+            if not _is_int(value) or value < low:
+                raise InvalidRequestError(f"{name} must be an int >= {low}, got {value!r}", param=name)
+        self._check_number("repetition_penalty", lambda v: v > 0, "a finite number > 0 (1 = off)")
+        self._check_number("presence_penalty", lambda v: True, "a finite number (0 = off)")
+        self._check_number("frequency_penalty", lambda v: True, "a finite number (0 = off)")
+        self._check_number("min_p", lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)")
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        self._check_structure()
+
+    def _check_number(self, name: str, ok: Any, what: str) -> None:
+        value = getattr(self, name)
+        if value is not None and (not _is_number(value) or not math.isfinite(value) or not ok(value)):
+            raise InvalidRequestError(f"{name} must be {what}, got {value!r}", param=name)
+
+    def _check_structure(self) -> None:
+        """json_schema / regex / choice: at most one, each well formed."""
+        given = [name for name in ("json_schema", "regex", "choice") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise InvalidRequestError(f"give at most one of json_schema, regex and choice, got {given}",
+                                      param=given[1])
+        schema = self.json_schema
+        if isinstance(schema, str):
+            try:
+                parsed = json.loads(schema)
+            except ValueError as e:
+                raise InvalidRequestError(f"json_schema is not valid JSON: {e}", param="json_schema") from e
+            if not isinstance(parsed, (dict, bool)):
+                raise InvalidRequestError("json_schema must be a JSON object", param="json_schema")
+        elif schema is not None and not isinstance(schema, dict):
+            raise InvalidRequestError(f"json_schema must be a dict or a JSON string, got {type(schema).__name__}",
+                                      param="json_schema")
+        if self.regex is not None:
+            if not isinstance(self.regex, str) or not self.regex:
+                raise InvalidRequestError(f"regex must be a non-empty str, got {self.regex!r}", param="regex")
+            try:
+                re.compile(self.regex)
+            except re.error as e:
+                raise InvalidRequestError(f"regex does not compile: {e}", param="regex") from e
+        if self.choice is not None:
+            choice = self.choice
+            if (not isinstance(choice, (list, tuple)) or not choice
+                    or not all(isinstance(c, str) and c for c in choice)):
+                raise InvalidRequestError(f"choice must be a non-empty list of non-empty strings, got {choice!r}",
+                                          param="choice")
+            object.__setattr__(self, "choice", tuple(choice))
+
+    @property
+    def structured(self) -> bool:
+        """Whether the output is constrained by json_schema, regex or choice."""
+        return self.json_schema is not None or self.regex is not None or self.choice is not None
 
     @property
     def greedy(self) -> bool:
-        """True when ``temperature`` is 0: the most likely token is taken at every step."""
-        return self.temperature == 0.0
+        """Whether this request picks the most likely token (after ``resolved``)."""
+        return not self.temperature
+
+    def resolved(self, default: SamplingParams, generation: dict[str, Any]) -> SamplingParams:
+        """Fill what this request leaves unset (None) from ``default`` (the engine's
+        SamplingParams), then from ``generation`` (what the model's generation_config
+        sets), as transformers' ``generate`` does; the result holds concrete values.
+
+        ``do_sample`` unset means: sample when a temperature > 0 was asked for (by the
+        request or the engine's default), else follow the model's ``do_sample``."""
+        values = {name: getattr(self, name) if getattr(self, name) is not None else getattr(default, name)
+                  for name in FROM_GENERATION_CONFIG}
+        do_sample = values["do_sample"]
+        if do_sample is None:
+            temperature = values["temperature"]
+            do_sample = temperature > 0 if temperature is not None else bool(generation.get("do_sample"))
+        for name, off in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0),
+                          ("repetition_penalty", 1.0)):
+            if values[name] is None:
+                values[name] = generation.get(name) if generation.get(name) is not None else off
+        if not do_sample:
+            values["temperature"] = 0.0
+        elif values["temperature"] == 0:
+            raise InvalidRequestError("do_sample=True needs a temperature > 0", param="temperature")
+        values["do_sample"] = do_sample
+        return dataclasses.replace(self, **values)
 
     def merged(self, overrides: dict[str, Any]) -> SamplingParams:
         """Return a copy with ``overrides`` applied; unknown keys raise ``InvalidRequestError``."""

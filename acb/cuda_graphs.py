@@ -172,8 +172,10 @@ def graph_memory_reserve(model_config, dtype: torch.dtype, engine_config, cuda: 
 
 def sampling_mode(batch) -> str | None:
     """How a decode step's sampling is captured: ``greedy`` or ``sample`` (+ ``+logprobs``);
-    None when the graph holds the forward only (a seeded row: sampled eagerly after)."""
-    if not batch.temperature or any(seed is not None for seed in batch.seeds):
+    None when the graph holds the forward only (a seeded row, logit processors or top
+    logprobs: sampled eagerly after)."""
+    if (not batch.temperature or any(seed is not None for seed in batch.seeds) or batch.controls is not None
+            or batch.top_logprobs):
         return None
     sampled = any(t >= MIN_TEMPERATURE for t in batch.temperature)
     return ("sample" if sampled else "greedy") + ("+logprobs" if batch.want_logprobs else "")

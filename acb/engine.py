@@ -37,13 +37,14 @@ from .errors import (
 )
 from .eventloop import LoopHandle
 from .handle import ChunkStream, RequestHandle
-from .inputs import prepare, sampling_params, tokenize
+from .inputs import generation_defaults, prepare, sampling_params, tokenize
 from .kv_cache import HostPool, KVCacheManager
 from .outputs import LiveRequest, Outputs
 from .progress import BatchProgress, check_progress
 from .request import Completion, EngineStats, Mailbox, Outcome
 from .runner import ModelRunner, PendingOutput, StepOutput
 from .scheduler import Scheduler, Sequence, StepPlan
+from .structured import Grammars
 
 log = logging.getLogger("acb")
 
@@ -72,6 +73,8 @@ class Engine:
         for name in self.config.inactive_settings():
             log.warning("acb: EngineConfig.%s is accepted but not active yet; it has no effect", name)
         self.sampling = sampling or SamplingParams()
+        # what the model's generation_config sets for fields a request leaves unset
+        self.generation_defaults = generation_defaults(model)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.eos_token_ids = sizing.eos_ids(model, tokenizer)
         # refuses (ValueError naming attn_backend) a backend that cannot run here, now
@@ -98,7 +101,8 @@ class Engine:
             policy=self.config.scheduler, safety_margin=self.config.effective_safety_margin,
             sliding_window=self.layout.sliding_window, host_pool=self.host_pool, kv_swa=self.kv_swa,
         )
-        self._out = Outputs(self.scheduler, self.eos_token_ids)
+        self._out = Outputs(self.scheduler, self.eos_token_ids, self.vocab_size)
+        self._grammars = Grammars(tokenizer, self.vocab_size, self.eos_token_ids)
         self._live = self._out.live  # request id -> LiveRequest
         self._runner: ModelRunner | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -234,16 +238,21 @@ class Engine:
                 self._stop_reason or "the engine is not running: call `await engine.start()` first")
 
     def _prepare(self, prompt: Any, request_id: str | None, sampling: SamplingParams | None,
-                 overrides: dict[str, Any]) -> tuple[str, list[int], SamplingParams]:
-        return prepare(prompt, request_id, sampling_params(self.sampling, sampling, overrides), self.tokenizer,
-                       self.vocab_size, self.max_model_len, self._live)
+                 overrides: dict[str, Any]) -> tuple[str, list[int], SamplingParams, Any]:
+        """(request id, prompt ids, resolved params, grammar matcher or None), or InvalidRequestError."""
+        params = sampling_params(self.sampling, sampling, overrides, self.generation_defaults)
+        rid, ids, params = prepare(prompt, request_id, params, self.tokenizer, self.vocab_size, self.max_model_len,
+                                   self._live)
+        return rid, ids, params, self._grammars.matcher(params) if params.structured else None
 
-    def _register(self, request_id: str, ids: list[int], params: SamplingParams, stream: bool) -> LiveRequest:
+    def _register(self, request_id: str, ids: list[int], params: SamplingParams, matcher: Any,
+                  stream: bool) -> LiveRequest:
         seq = Sequence(request_id, ids, params.max_new_tokens, arrival=next(self._arrivals))
         future = Outcome(self._loop.Event)
-        mailbox = Mailbox(request_id, params.logprobs, self._loop.Event) if stream else None
+        mailbox = Mailbox(request_id, params.logprobs, self._loop.Event, params.top_logprobs > 0) if stream else None
         stop_ids = frozenset(params.stop_token_ids)
-        req = LiveRequest(request_id, seq, params, mailbox, future, self.tokenizer, stop_ids)
+        req = LiveRequest(request_id, seq, params, mailbox, future, self.tokenizer, stop_ids, self.eos_token_ids,
+                          matcher)
         self._live[request_id] = req
         self.scheduler.add(seq)
         self._wakeup.set()
@@ -258,8 +267,8 @@ class Engine:
     def _submit(self, prompt: Any, request_id: str | None, sampling: SamplingParams | None,
                 kwargs: dict[str, Any], stream: bool) -> RequestHandle:
         self._check_accepting()
-        rid, ids, params = self._prepare(prompt, request_id, sampling, kwargs)
-        req = self._register(rid, ids, params, stream)
+        rid, ids, params, matcher = self._prepare(prompt, request_id, sampling, kwargs)
+        req = self._register(rid, ids, params, matcher, stream)
         return RequestHandle(rid, req.mailbox, req.future, lambda: self.cancel(rid))
 
     def stream(self, prompt: Any, *, request_id: str | None = None, sampling: SamplingParams | None = None,
@@ -391,20 +400,32 @@ class Engine:
             while True:
                 if self._hard:
                     break
-                launched = None
+                launched = masks = None
                 if self.scheduler.has_work():
                     if self._omp_reset is not None:
                         self._omp_reset()
                     plan = self.scheduler.schedule()
                     if plan.rows:
-                        step = self._out.step_input(plan, inflight[0] if inflight else None, self.sampling)
+                        step = self._out.step_input(plan, inflight[0] if inflight else None)
+                        controls = step.sampling.controls
+                        masks = controls.token_mask if controls is not None else None
                         fut = self._executor.submit(self._runner.execute, step)
                         launched = (plan, fut)
                         if not self.config.async_batching:
+                            if masks is not None:
+                                masks.fill()
                             await self._complete(launched)
-                            launched = None
+                            launched = masks = None
                 if inflight is not None:
-                    await self._complete(inflight)
+                    try:
+                        await self._complete(inflight)
+                    finally:
+                        # the launched step's structured-output masks need every earlier
+                        # token accepted: they are filled now, while its forward runs
+                        if masks is not None:
+                            masks.fill()
+                elif masks is not None:
+                    masks.fill()
                 inflight = launched
                 if inflight is None:
                     if self._state == "draining" and not self._live:

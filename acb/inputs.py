@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Container
 from collections.abc import Sequence as SequenceABC
@@ -10,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .config import SamplingParams
+from .config import FROM_GENERATION_CONFIG, SamplingParams
 from .errors import InvalidRequestError
 
 
@@ -63,14 +64,28 @@ def tokenize(prompt: Any, tokenizer: Any, vocab_size: int) -> list[int]:
     return list(ids)
 
 
+def generation_defaults(model: Any) -> dict[str, Any]:
+    """What the model's ``generation_config`` sets among the sampling fields a request
+    may leave unset (``do_sample``, ``temperature``, ``top_k``, ...)."""
+    gen = getattr(model, "generation_config", None)
+    if gen is None:
+        return {}
+    # transformers 5 leaves unset fields None; older versions hold their defaults, so
+    # only what differs from a fresh GenerationConfig counts as the model's choice
+    values = gen.to_diff_dict() if hasattr(gen, "to_diff_dict") else vars(gen)
+    return {name: values[name] for name in FROM_GENERATION_CONFIG if values.get(name) is not None}
+
+
 def sampling_params(default: SamplingParams, sampling: SamplingParams | None,
-                    overrides: dict[str, Any]) -> SamplingParams:
-    """``sampling`` (or the engine's ``default``) with keyword ``overrides`` applied."""
+                    overrides: dict[str, Any], generation: dict[str, Any] | None = None) -> SamplingParams:
+    """``sampling`` (or the engine's ``default``) with keyword ``overrides`` applied, and
+    what is still unset taken from ``default`` and then from ``generation`` (the model's
+    generation_config)."""
     if sampling is not None and not isinstance(sampling, SamplingParams):
         raise InvalidRequestError(f"sampling must be an acb.SamplingParams, got {type(sampling).__name__}")
     base = sampling or default
     try:
-        return base.merged(overrides)
+        return base.merged(overrides).resolved(default, generation or {})
     except InvalidRequestError:
         raise
     except (TypeError, ValueError) as e:
@@ -85,7 +100,20 @@ def prepare(prompt: Any, request_id: str | None, params: SamplingParams, tokeniz
         raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids instead", param="stop")
     for t in params.stop_token_ids:
         if t >= vocab_size:
-            raise InvalidRequestError(f"stop_token_ids: {t} is out of the vocabulary")
+            raise InvalidRequestError(f"stop_token_ids: {t} is out of the vocabulary", param="stop_token_ids")
+    for t in params.logit_bias or ():
+        if t >= vocab_size:
+            raise InvalidRequestError(f"logit_bias: token id {t} is out of the vocabulary (0..{vocab_size - 1})",
+                                      param="logit_bias")
+    if params.top_logprobs > vocab_size:
+        raise InvalidRequestError(f"top_logprobs ({params.top_logprobs}) exceeds the vocabulary ({vocab_size})",
+                                  param="top_logprobs")
+    if params.max_new_tokens is None:  # until the context limit
+        if len(ids) >= max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) leaves no room to generate: this engine holds {max_model_len}",
+                param="prompt")
+        params = dataclasses.replace(params, max_new_tokens=max_model_len - len(ids))
     total = len(ids) + params.max_new_tokens
     if total > max_model_len:
         raise InvalidRequestError(

@@ -9,23 +9,33 @@ also takes it out of the scheduler (its pages come back at once).
 
 from __future__ import annotations
 
+import logging
 import time
+from typing import Any
 
 from .config import SamplingParams
 from .detokenizer import Detokenizer, StopMatcher
 from .errors import RequestFailedError, caused
 from .request import Completion, Mailbox, Outcome, RequestMetrics
 from .runner import StepInput, StepOutput
-from .sampling import SamplingBatch
+from .sampling import Controls, SamplingBatch
 from .scheduler import Scheduler, Sequence, StepPlan
+from .structured import TokenMasks
+
+log = logging.getLogger("acb")
+
+# the sampling row of a row whose request has left: greedy, its token is dropped
+_STALE_ROW = (0.0, 0, 1.0, None, 0)
 
 
 class LiveRequest:
     __slots__ = ("request_id", "seq", "params", "mailbox", "future", "detok", "stopper",
-                 "text_parts", "logprobs", "metrics", "stop_ids", "finish_reason")
+                 "text_parts", "logprobs", "top_logprobs", "metrics", "stop_ids", "finish_reason",
+                 "controlled", "penalized", "min_length_banned", "matcher")
 
     def __init__(self, request_id: str, seq: Sequence, params: SamplingParams,
-                 mailbox: Mailbox | None, future: Outcome, tokenizer, stop_ids: frozenset[int]):
+                 mailbox: Mailbox | None, future: Outcome, tokenizer, stop_ids: frozenset[int],
+                 eos_ids: frozenset[int] = frozenset(), matcher: Any = None):
         self.request_id = request_id
         self.seq = seq
         self.params = params
@@ -35,15 +45,23 @@ class LiveRequest:
         self.stopper = StopMatcher(params.stop)
         self.text_parts: list[str] = []
         self.logprobs: list[float] | None = [] if params.logprobs else None
+        self.top_logprobs: list[dict[int, float]] | None = [] if params.top_logprobs else None
+        # logit processors: whether any applies, and which tokens min_new_tokens holds back
+        p = params
+        self.penalized = p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
+        self.min_length_banned = tuple(sorted(stop_ids | (frozenset() if p.ignore_eos else eos_ids)))
+        self.matcher = matcher  # structured output: the grammar matcher (acb.structured)
+        self.controlled = bool(self.penalized or p.logit_bias or p.min_p or p.min_new_tokens or matcher)
         self.metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(seq.prompt_ids))
         self.stop_ids = stop_ids
         self.finish_reason: str | None = None
 
 
 class Outputs:
-    def __init__(self, scheduler: Scheduler, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, scheduler: Scheduler, eos_token_ids: frozenset[int], vocab_size: int = 0) -> None:
         self.scheduler = scheduler
         self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
         self.live: dict[str, LiveRequest] = {}
         self.generated = 0
 
@@ -55,7 +73,7 @@ class Outputs:
             return None
         return req
 
-    def step_input(self, plan: StepPlan, prev: StepPlan | None, default: SamplingParams) -> StepInput:
+    def step_input(self, plan: StepPlan, prev: StepPlan | None) -> StepInput:
         """The runner's view of ``plan``. A row whose last token is still in flight
         (sampled by ``prev``, not yet seen here) takes it from ``prev``'s output on the
         device (``carry_from``)."""
@@ -69,6 +87,8 @@ class Outputs:
         rows: list[tuple] = []
         sampling_rows = []
         want_logprobs = False
+        top_logprobs = 0
+        controlled: list[tuple[int, LiveRequest, int]] = []  # (sampled row, request, carry_from)
         pages_for = self.scheduler.kv.pages_for
         for seq, (start, num_tokens, sample, carry, _) in plan.items():
             end = start + num_tokens
@@ -85,10 +105,49 @@ class Outputs:
                          tuple(seq.swa_table[:npages]) if seq.swa_table else None))
             if sample:
                 req = self.live.get(seq.seq_id)
-                p = req.params if req is not None else default
+                if req is None or req.seq is not seq:  # stale row: its token is dropped
+                    sampling_rows.append(_STALE_ROW)
+                    continue
+                p = req.params
+                if req.controlled:
+                    controlled.append((len(sampling_rows), req, carry_from))
                 sampling_rows.append((p.temperature, p.top_k, p.top_p, p.seed, seq.num_generated - 1))
                 want_logprobs = want_logprobs or p.logprobs
-        return StepInput(rows, SamplingBatch.from_rows(sampling_rows, want_logprobs), plan.swap_out, plan.swap_in)
+                top_logprobs = max(top_logprobs, p.top_logprobs)
+        controls = self._controls(controlled, len(sampling_rows)) if controlled else None
+        batch = SamplingBatch.from_rows(sampling_rows, want_logprobs, top_logprobs, controls)
+        return StepInput(rows, batch, plan.swap_out, plan.swap_in)
+
+    def _controls(self, controlled: list[tuple[int, LiveRequest, int]], num_rows: int) -> Controls:
+        """The logit processors of the step's sampled rows that use any."""
+        c = Controls([], [], [], [], [], [], [], [], [])
+        min_p = [0.0] * num_rows
+        masked: list[int] = []
+        matchers = []
+        for row, req, carry_from in controlled:
+            if req.matcher is not None:
+                masked.append(row)
+                matchers.append(req.matcher)
+            p = req.params
+            seq = req.seq
+            if req.penalized:
+                c.penalized.append(row)
+                c.history.append(seq.token_at(0, len(seq.prompt_ids) + len(seq.output_ids)))
+                c.num_prompt.append(len(seq.prompt_ids))
+                c.carry.append(carry_from)
+                c.repetition.append(p.repetition_penalty)
+                c.presence.append(p.presence_penalty)
+                c.frequency.append(p.frequency_penalty)
+            if p.logit_bias:
+                c.bias.extend((row, token, bias) for token, bias in p.logit_bias.items())
+            if seq.num_generated - 1 < p.min_new_tokens:
+                c.banned.extend((row, token) for token in req.min_length_banned)
+            min_p[row] = p.min_p
+        if any(min_p):
+            c.min_p = min_p
+        if masked:
+            c.token_mask = TokenMasks(masked, matchers, self.vocab_size)
+        return c
 
     def step_failed(self, plan: StepPlan, error: BaseException) -> None:
         """Fail the requests of a step that raised (the engine goes on serving)."""
@@ -122,10 +181,12 @@ class Outputs:
         kv = self.scheduler.kv
         j = 0
         for seq, (start, num_tokens, sample, _, epoch) in plan.items():
-            token = logprob = None
+            token = logprob = top = None
             if sample:
                 token = out.token_ids[j]
                 logprob = out.logprobs[j] if out.logprobs is not None else None
+                if out.top_ids is not None:
+                    top = (out.top_ids[j], out.top_logprobs[j])
                 j += 1
             req = self.current(seq, epoch)
             if req is None:
@@ -139,14 +200,20 @@ class Outputs:
                 seq.num_inflight -= 1
                 seq.output_ids.append(token)
                 self.generated += 1
-                self.on_token(req, token, logprob)
+                self.on_token(req, token, logprob, top)
 
-    def on_token(self, req: LiveRequest, token: int, logprob: float | None) -> None:
+    def on_token(self, req: LiveRequest, token: int, logprob: float | None,
+                 top: tuple[list[int], list[float]] | None = None) -> None:
         seq = req.seq
         params = req.params
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = time.monotonic()
         finish = None
+        if req.matcher is not None and not req.matcher.is_terminated():
+            if not req.matcher.accept_token(token):
+                log.warning("acb: request %s: token %d breaks its grammar", req.request_id, token)
+            if req.matcher.is_terminated():
+                finish = "stop"  # the grammar is complete (its stop token, or ignore_eos)
         if token in req.stop_ids:
             finish = "stop"
         elif not params.ignore_eos and token in self.eos_token_ids:
@@ -165,12 +232,17 @@ class Outputs:
         if req.logprobs is not None and logprob is not None:
             req.logprobs.append(logprob)
         lp = [logprob] if (params.logprobs and logprob is not None) else None
+        alternatives = None
+        if req.top_logprobs is not None and top is not None:
+            k = params.top_logprobs
+            alternatives = [dict(zip(top[0][:k], top[1][:k], strict=True))]
+            req.top_logprobs.extend(alternatives)
         if finish is None:
             req.text_parts.append(text)
             if req.mailbox is not None:
-                req.mailbox.put([token], text, lp)
+                req.mailbox.put([token], text, lp, top_logprobs=alternatives)
         else:
-            self.finish(req, finish, text, [token], lp)
+            self.finish(req, finish, text, [token], lp, alternatives)
 
     def flush_text(self, req: LiveRequest) -> str:
         """Text held back by the detokenizer and the stop matcher, for a request that
@@ -183,14 +255,14 @@ class Outputs:
         return text
 
     def finish(self, req: LiveRequest, reason: str, text: str, token_ids: list[int] | None = None,
-               logprobs: list[float] | None = None) -> None:
+               logprobs: list[float] | None = None, top_logprobs: list[dict[int, float]] | None = None) -> None:
         self.live.pop(req.request_id, None)
         self.scheduler.finish(req.seq)
         req.finish_reason = reason
         req.text_parts.append(text)
         req.metrics.finish_time = time.monotonic()
         if req.mailbox is not None:
-            req.mailbox.put(token_ids or [], text, logprobs, reason)
+            req.mailbox.put(token_ids or [], text, logprobs, reason, top_logprobs)
         if not req.future.done():
             req.future.set_result(self.completion(req))
 
@@ -218,4 +290,5 @@ class Outputs:
         return Completion(
             request_id=req.request_id, prompt_token_ids=list(seq.prompt_ids), token_ids=list(seq.output_ids),
             text="".join(req.text_parts), logprobs=req.logprobs, finish_reason=req.finish_reason, metrics=m,
+            top_logprobs=req.top_logprobs,
         )

@@ -28,6 +28,8 @@ class Chunk:
     text: str
     logprobs: list[float] | None = None
     finish_reason: str | None = None
+    index: int = 0  # which of the request's ``n`` choices this chunk belongs to
+    top_logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob} alternatives
 
 
 @dataclass(slots=True)
@@ -88,6 +90,15 @@ class Completion:
     logprobs: list[float] | None
     finish_reason: str | None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    top_logprobs: list[dict[int, float]] | None = None  # per token, when ``top_logprobs`` was asked for
+    index: int = 0  # which choice this is (``n`` > 1)
+    # every choice of the request, this one first among them when n == 1; with n > 1 the
+    # Completion ``generate`` returns describes choice 0 and lists all n here
+    choices: list[Completion] = field(default_factory=list, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.choices:
+            self.choices.append(self)
 
 
 class Mailbox:
@@ -95,15 +106,18 @@ class Mailbox:
     the consumer: deltas accumulate here and the next read takes them all as one
     chunk, so memory is bounded by the request's tokens, not by the steps taken."""
 
-    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "error", "final_taken",
-                 "_waiter", "_new_event")
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "top_logprobs", "finish_reason", "error",
+                 "final_taken", "index", "_waiter", "_new_event")
 
     def __init__(self, request_id: str, want_logprobs: bool,
-                 new_event: Callable[[], anyio.Event] = anyio.Event) -> None:
+                 new_event: Callable[[], anyio.Event] = anyio.Event, want_top_logprobs: bool = False,
+                 index: int = 0) -> None:
         self.request_id = request_id
+        self.index = index
         self.token_ids: list[int] = []
         self.text: list[str] = []
         self.logprobs: list[float] | None = [] if want_logprobs else None
+        self.top_logprobs: list[dict[int, float]] | None = [] if want_top_logprobs else None
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
         self.final_taken = False
@@ -117,12 +131,14 @@ class Mailbox:
             waiter.set()
 
     def put(self, token_ids: list[int], text: str, logprobs: list[float] | None,
-            finish_reason: str | None = None) -> None:
+            finish_reason: str | None = None, top_logprobs: list[dict[int, float]] | None = None) -> None:
         self.token_ids.extend(token_ids)
         if text:
             self.text.append(text)
         if logprobs is not None and self.logprobs is not None:
             self.logprobs.extend(logprobs)
+        if top_logprobs is not None and self.top_logprobs is not None:
+            self.top_logprobs.extend(top_logprobs)
         if finish_reason is not None:
             self.finish_reason = finish_reason
         self._wake()
@@ -136,17 +152,8 @@ class Mailbox:
         chunk has been taken. Raises the request's error after the output that
         came before it has been taken."""
         while True:
-            if self.token_ids or self.text or (self.finish_reason and not self.final_taken):
-                chunk = Chunk(
-                    self.request_id, self.token_ids, "".join(self.text),
-                    self.logprobs, self.finish_reason,
-                )
-                self.token_ids = []
-                self.text = []
-                if self.logprobs is not None:
-                    self.logprobs = []
-                if self.finish_reason is not None:
-                    self.final_taken = True
+            chunk = self.take()
+            if chunk is not None:
                 return chunk
             if self.final_taken:
                 return None
@@ -154,6 +161,22 @@ class Mailbox:
                 raise self.error
             self._waiter = waiter = self._new_event()
             await waiter.wait()
+
+    def take(self) -> Chunk | None:
+        """All output waiting now as one chunk, or None if there is none."""
+        if not (self.token_ids or self.text or (self.finish_reason and not self.final_taken)):
+            return None
+        chunk = Chunk(self.request_id, self.token_ids, "".join(self.text), self.logprobs, self.finish_reason,
+                      self.index, self.top_logprobs)
+        self.token_ids = []
+        self.text = []
+        if self.logprobs is not None:
+            self.logprobs = []
+        if self.top_logprobs is not None:
+            self.top_logprobs = []
+        if self.finish_reason is not None:
+            self.final_taken = True
+        return chunk
 
 
 class Outcome:

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from . import attention, compiling, cuda_graphs, offload
-from .sampling import SamplingBatch, sample
+from .sampling import SamplingBatch, sample, top_alternatives
 
 log = logging.getLogger("acb")
 
@@ -53,6 +53,8 @@ class StepInput:
 class StepOutput:
     token_ids: list[int]  # one per sampled row
     logprobs: list[float] | None
+    top_ids: list[list[int]] | None = None  # per sampled row: the k most likely tokens
+    top_logprobs: list[list[float]] | None = None  # and their logprobs
 
 
 class PendingOutput:
@@ -60,12 +62,14 @@ class PendingOutput:
     when ``event`` completes. The engine polls ``ready()`` from the event loop (never
     blocking it) and then takes ``result()``, which no longer waits."""
 
-    __slots__ = ("event", "ids", "logprobs")
+    __slots__ = ("event", "ids", "logprobs", "top")
 
-    def __init__(self, event, ids: torch.Tensor, logprobs: torch.Tensor | None) -> None:
+    def __init__(self, event, ids: torch.Tensor, logprobs: torch.Tensor | None,
+                 top: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.event = event
         self.ids = ids
         self.logprobs = logprobs
+        self.top = top  # top-logprob ids and values, in pinned host memory
 
     def ready(self) -> bool:
         return bool(self.event.query())
@@ -73,7 +77,20 @@ class PendingOutput:
     def result(self) -> StepOutput:
         self.event.synchronize()  # a no-op once ready() said so; surfaces device errors (the
         # engine classifies them with errors.as_device_error)
-        return StepOutput(self.ids.tolist(), self.logprobs.tolist() if self.logprobs is not None else None)
+        return _step_output(self.ids, self.logprobs, self.top)
+
+
+def _step_output(ids: torch.Tensor, logprobs: torch.Tensor | None,
+                 top: tuple[torch.Tensor, torch.Tensor] | None) -> StepOutput:
+    return StepOutput(ids.tolist(), logprobs.tolist() if logprobs is not None else None,
+                      top[0].tolist() if top is not None else None, top[1].tolist() if top is not None else None)
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    """Start copying a device tensor into pinned host memory (done when the step's event is)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 def model_layers_info(config) -> tuple[int, int, int]:
@@ -337,7 +354,8 @@ class ModelRunner:
         # decode rows' contexts; a decode-only step may be padded to a graph bucket
         width = max(lengths, default=0)
         padded = False
-        if self.decode_padding is not None and decode_q and not prefills:
+        # (not with forked choices: their rows share the leader's logits row)
+        if self.decode_padding is not None and decode_q and not prefills and len(keep) == len(decode_q):
             padded_width = self.decode_padding.pad(tokens, positions, slots, decode_q, lengths, tables)
             if padded_width is not None:
                 width, padded = padded_width, True
@@ -454,19 +472,20 @@ class ModelRunner:
             return StepOutput([], None)
         if self.fault_hook is not None:
             self.fault_hook(self.step_index, "sample")
-        ids, logprobs = sampled if sampled is not None else sample(logits, step.sampling, self.generator)
+        if sampled is not None:
+            ids, logprobs = sampled
+        else:
+            ids, logprobs = sample(logits, step.sampling, self.generator, self.prev_sampled)
+        top = top_alternatives(logits, step.sampling.top_logprobs) if step.sampling.top_logprobs else None
         self.prev_sampled = ids
         if self.stream is None:
-            return StepOutput(ids.tolist(), logprobs.tolist() if logprobs is not None else None)
-        ids_host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-        ids_host.copy_(ids, non_blocking=True)
-        lp_host = None
-        if logprobs is not None:
-            lp_host = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
-            lp_host.copy_(logprobs, non_blocking=True)
+            return _step_output(ids, logprobs, top)
+        ids_host = _to_pinned(ids)
+        lp_host = _to_pinned(logprobs) if logprobs is not None else None
+        top_host = (_to_pinned(top[0]), _to_pinned(top[1])) if top is not None else None
         event = torch.cuda.Event()
         event.record(self.stream)
-        return PendingOutput(event, ids_host, lp_host)
+        return PendingOutput(event, ids_host, lp_host, top_host)
 
     def _forward(self, step: StepInput) -> tuple[torch.Tensor | None, tuple | None]:
         """The step's offload copies and forward: (the logits of its sampled rows [K, vocab],

@@ -1,19 +1,53 @@
-"""Batched per-request sampling: greedy, temperature, top-k, top-p, seeds, logprobs.
+"""Batched per-request sampling: logit processors, greedy, temperature, top-k,
+top-p, min-p, seeds, logprobs and top logprobs.
 
 One pass for the whole batch. Random choice uses the exponential-race trick
 (``argmax(p / q)`` with ``q ~ Exp(1)``), which samples from ``p`` without a
 cumulative sum or a device->host sync. A seeded request draws its noise from a
 generator seeded by ``(seed, token index)``, so its tokens do not depend on what
-else shares the batch.
+else shares the batch: every processor and warper below works row by row.
+
+The processors run in transformers' order (``logit_bias``, repetition penalty,
+then acb's OpenAI-style presence / frequency penalties, minimum length, then the
+structured-output token mask); the warpers (temperature, top-k, top-p, min-p)
+only for sampled rows. A batch without any control (``SamplingBatch.controls`` is
+None) skips all of it: the per-step cost stays that of plain sampling.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 MIN_TEMPERATURE = 1e-5
+
+
+@dataclass(slots=True)
+class Controls:
+    """Per-row logit processors of one step, for the batch rows that use them.
+
+    ``penalized`` rows have a token history (prompt and output ids known on the host;
+    ``carry`` >= 0 appends the previous step's sampled id at that index, still on the
+    device) and their ``repetition`` / ``presence`` / ``frequency`` penalties.
+    ``banned`` and ``bias`` are (row, token[, bias]) triples; ``min_p`` is per batch row.
+    ``token_mask``, when set, blocks until the structured-output masks of this step are
+    computed (the engine fills them while the forward runs) and returns (rows, packed
+    int32 bitmask [len(rows), ceil(vocab / 32)]: bit ``t % 32`` of word ``t // 32``
+    allows token ``t``)."""
+
+    penalized: list[int]
+    history: list[list[int]]
+    num_prompt: list[int]
+    carry: list[int]
+    repetition: list[float]
+    presence: list[float]
+    frequency: list[float]
+    banned: list[tuple[int, int]]
+    bias: list[tuple[int, int, float]]
+    min_p: list[float] | None = None
+    token_mask: Callable[[], tuple[list[int], torch.Tensor] | None] | None = None
 
 
 @dataclass(slots=True)
@@ -23,12 +57,16 @@ class SamplingBatch:
     top_p: list[float]
     seeds: list[int | None]  # per row: None, or the seed mixed with the token index
     want_logprobs: bool
+    top_logprobs: int = 0  # alternatives per row (the most any row asks for)
+    controls: Controls | None = None
 
     @classmethod
-    def from_rows(cls, rows: list[tuple[float, int, float, int | None, int]], want_logprobs: bool):
+    def from_rows(cls, rows: list[tuple[float, int, float, int | None, int]], want_logprobs: bool,
+                  top_logprobs: int = 0, controls: Controls | None = None) -> SamplingBatch:
         """rows: (temperature, top_k, top_p, seed, token_index)."""
         seeds = [None if s is None else _mix(s, i) for (_, _, _, s, i) in rows]
-        return cls([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], seeds, want_logprobs)
+        return cls([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], seeds, want_logprobs,
+                   top_logprobs, controls)
 
 
 def _mix(seed: int, index: int) -> int:
@@ -40,24 +78,27 @@ def _mix(seed: int, index: int) -> int:
 
 
 def sample(
-    logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None
+    logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None,
+    prev_sampled: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Return (token ids [B], logprobs of those ids [B] or None)."""
+    """Return (token ids [B], logprobs of those ids [B] or None). Logprobs are the
+    model's (before any processor or warper), as vLLM and OpenAI report them.
+    ``prev_sampled`` is the previous step's sampled ids (for in-flight history)."""
     logits = logits.float()
+    raw = logits
+    if batch.controls is not None:
+        logits = process(logits, batch.controls, prev_sampled)
     ids = logits.argmax(dim=-1)
     # Below MIN_TEMPERATURE sampling is greedy: logits / 1e-40 overflow float32 to inf/NaN.
     sampled_rows = [i for i, t in enumerate(batch.temperature) if t >= MIN_TEMPERATURE]
     if sampled_rows:
         rows = torch.tensor(sampled_rows, device=logits.device)
-        sub = logits.index_select(0, rows)
-        temp = torch.tensor([batch.temperature[i] for i in sampled_rows], device=logits.device)
-        sub = sub / temp.unsqueeze(1)
-        vocab = sub.shape[1]
-        top_k = [batch.top_k[i] for i in sampled_rows]
-        top_p = [batch.top_p[i] for i in sampled_rows]
-        if any(0 < k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-            sub = _filter_top_k_top_p(sub, top_k, top_p)
+        min_p = batch.controls.min_p if batch.controls is not None else None
+        sub = warp(logits.index_select(0, rows), [batch.temperature[i] for i in sampled_rows],
+                   [batch.top_k[i] for i in sampled_rows], [batch.top_p[i] for i in sampled_rows],
+                   [min_p[i] for i in sampled_rows] if min_p is not None else None)
         probs = torch.softmax(sub, dim=-1)
+        vocab = sub.shape[1]
         noise = torch.empty_like(probs)
         unseeded = [j for j, i in enumerate(sampled_rows) if batch.seeds[i] is None]
         if unseeded:
@@ -73,12 +114,93 @@ def sample(
         ids = ids.index_copy(0, rows, choice)
     logprobs = None
     if batch.want_logprobs:
-        logprobs = torch.log_softmax(logits, dim=-1).gather(1, ids.unsqueeze(1)).squeeze(1)
+        logprobs = torch.log_softmax(raw, dim=-1).gather(1, ids.unsqueeze(1)).squeeze(1)
     return ids, logprobs
 
 
+def top_alternatives(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most likely tokens of each row and their logprobs (the model's, like
+    ``sample``'s logprobs): (ids [B, k], logprobs [B, k]), most likely first."""
+    values, ids = torch.log_softmax(logits.float(), dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
+    return ids, values
+
+
+def process(logits: torch.Tensor, c: Controls, prev_sampled: torch.Tensor | None = None) -> torch.Tensor:
+    """Apply the logit processors of ``c`` to float32 ``logits`` [B, V] (a new tensor)."""
+    logits = logits.clone()
+    dev = logits.device
+    if c.bias:
+        rows, toks, values = zip(*c.bias, strict=True)
+        logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(toks, device=dev)),
+                          torch.tensor(values, device=dev), accumulate=True)
+    if c.penalized:
+        rows = torch.tensor(c.penalized, device=dev)
+        logits[rows] = _penalize(logits.index_select(0, rows), c, prev_sampled)
+    if c.banned:
+        rows, toks = zip(*c.banned, strict=True)
+        logits[torch.tensor(rows, device=dev), torch.tensor(toks, device=dev)] = float("-inf")
+    if c.token_mask is not None:
+        masked = c.token_mask()
+        if masked is not None and masked[0]:
+            rows = torch.tensor(masked[0], device=dev)
+            allowed = unpack_bitmask(masked[1].to(dev), logits.shape[1])
+            logits[rows] = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))
+    return logits
+
+
+def _penalize(scores: torch.Tensor, c: Controls, prev_sampled: torch.Tensor | None) -> torch.Tensor:
+    """Repetition penalty over each row's whole history (transformers'
+    RepetitionPenaltyLogitsProcessor), then presence and frequency penalties over its
+    output tokens (OpenAI's definition, as vLLM applies them)."""
+    dev = scores.device
+    rows, vocab = scores.shape
+    width = max(len(h) for h in c.history) + 1
+    # pad with ``vocab``: those counts land in an extra column that is dropped
+    hist = torch.tensor([h + [vocab] * (width - len(h)) for h in c.history], device=dev)
+    carried = [(r, len(h), src) for r, (h, src) in enumerate(zip(c.history, c.carry, strict=True)) if src >= 0]
+    if carried and prev_sampled is not None:
+        r, pos, src = (torch.tensor(v, device=dev) for v in zip(*carried, strict=True))
+        hist[r, pos] = prev_sampled.index_select(0, src)
+    counts = torch.zeros(rows, vocab + 1, device=dev).scatter_add_(1, hist, torch.ones(hist.shape, device=dev))
+    seen = counts[:, :vocab] > 0
+    rep = torch.tensor(c.repetition, device=dev).unsqueeze(1)
+    scores = torch.where(seen, torch.where(scores < 0, scores * rep, scores / rep), scores)
+    in_output = torch.arange(width, device=dev).unsqueeze(0) >= torch.tensor(c.num_prompt, device=dev).unsqueeze(1)
+    out_counts = torch.zeros(rows, vocab + 1, device=dev).scatter_add_(1, hist, in_output.float())[:, :vocab]
+    frequency = torch.tensor(c.frequency, device=dev).unsqueeze(1)
+    presence = torch.tensor(c.presence, device=dev).unsqueeze(1)
+    return scores - frequency * out_counts - presence * (out_counts > 0).float()
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Packed int32 bitmask [R, W] -> bool [R, vocab] (tokens past 32 * W are blocked:
+    a model's vocabulary may have padding rows no tokenizer id names)."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().view(bitmask.shape[0], -1)
+    if bits.shape[1] >= vocab:
+        return bits[:, :vocab]
+    pad = torch.zeros(bits.shape[0], vocab - bits.shape[1], dtype=torch.bool, device=bits.device)
+    return torch.cat([bits, pad], dim=1)
+
+
+def warp(scores: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float],
+         min_p: list[float] | None = None) -> torch.Tensor:
+    """transformers' warpers for sampled rows, in its order: temperature, top-k, top-p, min-p."""
+    dev = scores.device
+    scores = scores / torch.tensor(temperature, device=dev).unsqueeze(1)
+    vocab = scores.shape[1]
+    if any(0 < k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        scores = _filter_top_k_top_p(scores, top_k, top_p)
+    if min_p is not None and any(min_p):
+        probs = torch.softmax(scores, dim=-1)
+        floor = torch.tensor(min_p, device=dev).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        scores = scores.masked_fill(probs < floor, float("-inf"))
+    return scores
+
+
 def _filter_top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Mask everything outside each row's top-k and top-p nucleus with -inf."""
+    """Mask everything outside each row's top-k, then outside the top-p nucleus of what
+    is left (transformers applies top-p after top-k), with -inf."""
     vocab = scores.shape[1]
     k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=scores.device)
     p = torch.tensor(top_p, device=scores.device, dtype=scores.dtype)
@@ -89,7 +211,8 @@ def filter_top_k_top_p(scores: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -
     """:func:`_filter_top_k_top_p` with the bounds as device tensors (``k`` in 1..vocab):
     no host value, so a CUDA graph can hold it."""
     sorted_scores, _ = scores.sort(dim=-1, descending=True)
-    probs = torch.softmax(sorted_scores, dim=-1)
+    beyond_k = torch.arange(scores.shape[1], device=scores.device).unsqueeze(0) >= k.unsqueeze(1)
+    probs = torch.softmax(sorted_scores.masked_fill(beyond_k, float("-inf")), dim=-1)
     # tokens before position j hold (cum - probs[j]); keep j while that is < p
     before = probs.cumsum(dim=-1) - probs
     nucleus = (before < p.unsqueeze(1)).sum(dim=-1).clamp_min(1)

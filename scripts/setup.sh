@@ -9,7 +9,7 @@ PY=${PYTHON:-python3}
 EXTRAS=0
 [ "${1:-}" = "--extras" ] && EXTRAS=1
 $PY -m pip install -q --disable-pip-version-check "torch==2.13.0"
-$PY -m pip install -q --disable-pip-version-check -e ".[test,serve,gguf,docs,fastapi]" "torch==2.13.0"
+$PY -m pip install -q --disable-pip-version-check -e ".[test,serve,gguf,docs,fastapi,structured]" "torch==2.13.0"
 # Triton: the CUDA attention kernels, tested on CPU by its interpreter (the CPU torch
 # wheel does not bring it)
 $PY -m pip install -q --disable-pip-version-check "triton==3.9.0"

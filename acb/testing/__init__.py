@@ -145,14 +145,16 @@ def random_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
 
 
 def reference_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int,
-                     eos: bool = False) -> list[int]:
+                     eos: bool = False, **generate_kwargs: Any) -> list[int]:
     """transformers' own ``generate`` (greedy) on a private copy of ``model``: the
-    reference acb must equal token for token."""
+    reference acb must equal token for token. ``generate_kwargs`` go to ``generate``
+    (e.g. ``repetition_penalty=1.3``)."""
     ref = _reference_copy(model)
     ids = torch.tensor([prompt_ids], device=next(ref.parameters()).device)
     kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=0)
     if not eos:
         kwargs.update(eos_token_id=None, min_new_tokens=max_new_tokens)
+    kwargs.update(generate_kwargs)
     with torch.inference_mode():
         out = ref.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
     return out[0, len(prompt_ids):].tolist()
