@@ -14,7 +14,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -30,7 +29,6 @@ from .common import ApiError
 
 log = logging.getLogger("acb.server")
 
-_ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(acb.SamplingParams))
 
 # Accepted and without effect here (documented in docs/serving.md); anything not in the
 # tables below is unknown: ignored and logged once.
@@ -381,10 +379,6 @@ def _engine_keywords(body: dict, chat: bool, limits: Limits, n: int,
     sampling = {k: v for k, v in sampling.items() if v is not None}
     if default_temperature is not None:
         sampling.setdefault("temperature", default_temperature)
-    for key in sampling:
-        if key not in _ENGINE_FIELDS:
-            name = wire.get(key, key)
-            raise _bad(name, f"is not supported by this engine build (no SamplingParams.{key})")
     return sampling, wire
 
 
@@ -456,15 +450,10 @@ def _usage(prompt: int, generated: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
 
-def choices_of(completion: acb.Completion) -> list[acb.Completion]:
-    """A completion's choices (one unless it was asked for ``n`` > 1)."""
-    return list(getattr(completion, "choices", None) or [completion])
-
-
 def usage(completions: list[acb.Completion]) -> dict[str, int]:
     """Usage over the request's prompts: each prompt counted once, every choice's tokens."""
     return _usage(sum(len(c.prompt_token_ids) for c in completions),
-                  sum(len(choice.token_ids) for c in completions for choice in choices_of(c)))
+                  sum(len(choice.token_ids) for c in completions for choice in c.choices))
 
 
 @dataclass
@@ -537,10 +526,10 @@ class Shaper:
         """The non-streaming answer over every prompt's completion."""
         choices = []
         for p, completion in enumerate(completions):
-            for i, one in enumerate(choices_of(completion)):
+            for i, one in enumerate(completion.choices):
                 state = _Choice(text_offset=len(self.prompt_texts[p]) if self.request.echo else 0)
                 text = (self.prompt_texts[p] if self.request.echo else "") + one.text
-                lp = self.logprobs(state, one.token_ids, one.logprobs, getattr(one, "top_logprobs", None))
+                lp = self.logprobs(state, one.token_ids, one.logprobs, one.top_logprobs)
                 choices.append(self._choice(p * self.request.n + i, text, one.finish_reason, lp, first=False))
         obj = "chat.completion" if self.request.chat else "text_completion"
         return {**self._head(obj), "choices": choices, "usage": usage(completions)}
@@ -549,7 +538,7 @@ class Shaper:
         """One engine chunk as a streaming chunk (None when it carries nothing to send).
         A choice's first chunk carries chat's role (and completions' echoed prompt):
         it goes out with the first generated token, not before prefill."""
-        index = prompt_index * self.request.n + getattr(chunk, "index", 0)
+        index = prompt_index * self.request.n + chunk.index
         state = self.choices.setdefault(index, _Choice())
         first = not state.started
         text = chunk.text
@@ -557,7 +546,7 @@ class Shaper:
             text = self.prompt_texts[prompt_index] + text
             state.text_offset = len(self.prompt_texts[prompt_index])
         state.generated += len(chunk.token_ids)
-        lp = (self.logprobs(state, chunk.token_ids, chunk.logprobs, getattr(chunk, "top_logprobs", None))
+        lp = (self.logprobs(state, chunk.token_ids, chunk.logprobs, chunk.top_logprobs)
               if chunk.token_ids else None)
         if not (first or text or lp or chunk.finish_reason):
             return None

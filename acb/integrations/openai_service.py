@@ -133,7 +133,7 @@ class OpenAIService:
     def _default_temperature(self) -> float | None:
         """OpenAI's 1.0 for a request without ``temperature``, unless the model's
         generation_config says how to sample (as vLLM: then the engine applies it)."""
-        model = getattr(self.engine, "generation_defaults", None) or {}
+        model = self.engine.generation_defaults
         return None if ("temperature" in model or "do_sample" in model) else 1.0
 
     def _submit_all(self, parsed: ParsedRequest) -> tuple[list[acb.RequestHandle], list[list[int]]]:
