@@ -39,9 +39,9 @@ from .eventloop import LoopHandle
 from .handle import ChunkStream, RequestHandle
 from .inputs import generation_defaults, prepare, sampling_params, tokenize
 from .kv_cache import HostPool, KVCacheManager
-from .outputs import LiveRequest, Outputs
+from .outputs import Choices, LiveRequest, Outputs
 from .progress import BatchProgress, check_progress
-from .request import Completion, EngineStats, Mailbox, Outcome
+from .request import ChoicesMailbox, Completion, EngineStats, Mailbox, Outcome
 from .runner import ModelRunner, PendingOutput, StepOutput
 from .scheduler import Scheduler, Sequence, StepPlan
 from .structured import Grammars
@@ -242,21 +242,67 @@ class Engine:
         """(request id, prompt ids, resolved params, grammar matcher or None), or InvalidRequestError."""
         params = sampling_params(self.sampling, sampling, overrides, self.generation_defaults)
         rid, ids, params = prepare(prompt, request_id, params, self.tokenizer, self.vocab_size, self.max_model_len,
-                                   self._live)
+                                   self._out)
+        if params.n > 1:
+            self._check_choices(params)
         return rid, ids, params, self._grammars.matcher(params) if params.structured else None
 
     def _register(self, request_id: str, ids: list[int], params: SamplingParams, matcher: Any,
-                  stream: bool) -> LiveRequest:
-        seq = Sequence(request_id, ids, params.max_new_tokens, arrival=next(self._arrivals))
-        future = Outcome(self._loop.Event)
+                  stream: bool) -> LiveRequest | Choices:
+        if params.n > 1:
+            return self._register_choices(request_id, ids, params, stream)
         mailbox = Mailbox(request_id, params.logprobs, self._loop.Event, params.top_logprobs > 0) if stream else None
-        stop_ids = frozenset(params.stop_token_ids)
-        req = LiveRequest(request_id, seq, params, mailbox, future, self.tokenizer, stop_ids, self.eos_token_ids,
-                          matcher)
-        self._live[request_id] = req
-        self.scheduler.add(seq)
+        req = self._live_request(request_id, ids, params, matcher, mailbox)
+        self.scheduler.add(req.seq)
         self._wakeup.set()
         return req
+
+    def _live_request(self, key: str, ids: list[int], params: SamplingParams, matcher: Any,
+                      mailbox: Mailbox | None) -> LiveRequest:
+        seq = Sequence(key, ids, params.max_new_tokens, arrival=next(self._arrivals))
+        future = Outcome(self._loop.Event)
+        stop_ids = frozenset(params.stop_token_ids)
+        req = LiveRequest(key, seq, params, mailbox, future, self.tokenizer, stop_ids, self.eos_token_ids, matcher)
+        self._live[key] = req
+        return req
+
+    def _register_choices(self, request_id: str, ids: list[int], params: SamplingParams, stream: bool) -> Choices:
+        """n > 1: one sequence per choice (``request_id#i``); choice 0 prefills the prompt
+        and the others fork from it (Scheduler._fork). With a seed, choice i samples with
+        a seed of its own derived from it."""
+        mailbox = ChoicesMailbox(request_id, params.n, params.logprobs, params.top_logprobs > 0,
+                                 self._loop.Event) if stream else None
+        members = []
+        for i in range(params.n):
+            p = params
+            if params.seed is not None and i:
+                p = dataclasses.replace(params, seed=(params.seed + i * 0x9E3779B97F4A7C15) % 2**63)
+            matcher = self._grammars.matcher(p) if p.structured else None
+            req = self._live_request(f"{request_id}#{i}", ids, p, matcher, mailbox.members[i] if stream else None)
+            req.index = i
+            members.append(req)
+        group = Choices(request_id, members, mailbox, Outcome(self._loop.Event))
+        for req in members:
+            req.group = group
+            req.seq.status = "forking"
+        leader = members[0].seq
+        leader.forks = [m.seq for m in members[1:]]
+        self._out.groups[request_id] = group
+        self.scheduler.add(leader)
+        self._wakeup.set()
+        return group
+
+    def _check_choices(self, params: SamplingParams) -> None:
+        """n > 1 forks choices from one prefilled prompt, all in the step that prefills it."""
+        why = None
+        if params.n > self.max_requests:
+            why = f"is more than the rows one step can hold ({self.max_requests}: max_requests_per_batch)"
+        elif self.kv_swa is not None:
+            why = "is not supported for hybrid sliding-window models (two page pools) yet"
+        elif self.config.tensor_parallel_size > 1:
+            why = "is not supported with tensor_parallel_size > 1 yet"
+        if why is not None:
+            raise InvalidRequestError(f"n={params.n} {why}", param="n")
 
     def submit(self, prompt: Any, *, request_id: str | None = None, sampling: SamplingParams | None = None,
                **kwargs: Any) -> RequestHandle:
@@ -269,7 +315,7 @@ class Engine:
         self._check_accepting()
         rid, ids, params, matcher = self._prepare(prompt, request_id, sampling, kwargs)
         req = self._register(rid, ids, params, matcher, stream)
-        return RequestHandle(rid, req.mailbox, req.future, lambda: self.cancel(rid))
+        return RequestHandle(rid, req.mailbox, req.future, lambda index=None: self.cancel(rid, index))
 
     def stream(self, prompt: Any, *, request_id: str | None = None, sampling: SamplingParams | None = None,
                **kwargs: Any) -> ChunkStream:
@@ -355,9 +401,14 @@ class Engine:
         and text before its first token."""
         return tokenize(prompt, self.tokenizer, self.vocab_size)
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str, index: int | None = None) -> bool:
         """Cancel a live request: its stream ends with ``finish_reason="cancelled"``
-        and its pages are released at once. Returns False if it is not live."""
+        and its pages are released at once. With ``n`` > 1 every choice is cancelled,
+        or only choice ``index``. Returns False if it is not live."""
+        group = self._out.groups.get(request_id)
+        if group is not None:
+            members = group.members if index is None else group.members[index:index + 1] if index >= 0 else []
+            return any([self.cancel(m.request_id) for m in members])
         req = self._live.get(request_id)
         if req is None:
             return False

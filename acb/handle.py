@@ -7,7 +7,7 @@ from typing import Any
 
 import anyio
 
-from .request import Chunk, Completion, Mailbox, Outcome
+from .request import ChoicesMailbox, Chunk, Completion, Mailbox, Outcome
 
 
 class ChunkStream:
@@ -17,7 +17,7 @@ class ChunkStream:
 
     __slots__ = ("_mailbox", "_cancel", "_done", "__weakref__")
 
-    def __init__(self, mailbox: Mailbox, cancel: Callable[[], None]) -> None:
+    def __init__(self, mailbox: Mailbox | ChoicesMailbox, cancel: Callable[[], None]) -> None:
         self._mailbox = mailbox
         self._cancel = cancel
         self._done = False
@@ -39,7 +39,7 @@ class ChunkStream:
         if chunk is None:
             self._done = True
             raise StopAsyncIteration
-        if chunk.finish_reason is not None:
+        if chunk.finish_reason is not None and self._mailbox.finished:  # with n > 1: every choice's
             self._done = True
         return chunk
 
@@ -75,16 +75,17 @@ class RequestHandle:
 
     __slots__ = ("request_id", "_mailbox", "_future", "_cancel")
 
-    def __init__(self, request_id: str, mailbox: Mailbox | None, future: Outcome,
+    def __init__(self, request_id: str, mailbox: Mailbox | ChoicesMailbox | None, future: Outcome,
                  cancel: Callable[[], Any]) -> None:
         self.request_id = request_id
         self._mailbox = mailbox
         self._future = future
         self._cancel = cancel
 
-    def cancel(self) -> bool:
-        """Cancel the request; returns False if it had already ended."""
-        return bool(self._cancel())
+    def cancel(self, index: int | None = None) -> bool:
+        """Cancel the request (with ``n`` > 1: every choice, or only choice ``index``);
+        returns False if it had already ended."""
+        return bool(self._cancel() if index is None else self._cancel(index))
 
     def done(self) -> bool:
         """True once the request has finished (any ``finish_reason``) or failed."""

@@ -105,6 +105,13 @@ class KVCacheManager:
                 else:
                     self.free_pages.append(page)
 
+    def share(self, pages: Iterable[int]) -> None:
+        """Take one more reference to each page in use (a forked sequence holds them too)."""
+        for page in pages:
+            if page >= 0:
+                assert self.refcount[page] > 0, f"page {page} shared while not in use"
+                self.refcount[page] += 1
+
     def _forget(self, page: int) -> None:
         key = self.page_key.pop(page, None)
         if key is not None and self.hash_to_page.get(key[0]) == page:

@@ -31,7 +31,7 @@ _STALE_ROW = (0.0, 0, 1.0, None, 0)
 class LiveRequest:
     __slots__ = ("request_id", "seq", "params", "mailbox", "future", "detok", "stopper",
                  "text_parts", "logprobs", "top_logprobs", "metrics", "stop_ids", "finish_reason",
-                 "controlled", "penalized", "min_length_banned", "matcher")
+                 "controlled", "penalized", "min_length_banned", "matcher", "group", "index")
 
     def __init__(self, request_id: str, seq: Sequence, params: SamplingParams,
                  mailbox: Mailbox | None, future: Outcome, tokenizer, stop_ids: frozenset[int],
@@ -50,11 +50,40 @@ class LiveRequest:
         p = params
         self.penalized = p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
         self.min_length_banned = tuple(sorted(stop_ids | (frozenset() if p.ignore_eos else eos_ids)))
+        self.group: Choices | None = None  # n > 1: the request this choice belongs to
+        self.index = 0
         self.matcher = matcher  # structured output: the grammar matcher (acb.structured)
         self.controlled = bool(self.penalized or p.logit_bias or p.min_p or p.min_new_tokens or matcher)
         self.metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(seq.prompt_ids))
         self.stop_ids = stop_ids
         self.finish_reason: str | None = None
+
+
+class Choices:
+    """A request with ``n`` > 1: one LiveRequest per choice, one mailbox and one future
+    for the caller (the Completion of choice 0, ``choices`` listing all)."""
+
+    __slots__ = ("request_id", "members", "mailbox", "future")
+
+    def __init__(self, request_id: str, members: list[LiveRequest], mailbox, future: Outcome) -> None:
+        self.request_id = request_id
+        self.members = members
+        self.mailbox = mailbox
+        self.future = future
+
+    def member_done(self) -> bool:
+        """Complete the request's future once every choice has ended; True then."""
+        if not all(m.future.done() for m in self.members):
+            return False
+        if not self.future.done():
+            errors = [m.future.exception() for m in self.members if m.future.exception() is not None]
+            if errors:
+                self.future.set_exception(errors[0])
+            else:
+                choices = [m.future.result() for m in self.members]
+                choices[0].choices = choices
+                self.future.set_result(choices[0])
+        return True
 
 
 class Outputs:
@@ -63,7 +92,16 @@ class Outputs:
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.live: dict[str, LiveRequest] = {}
+        self.groups: dict[str, Choices] = {}  # requests with n > 1, by request id
         self.generated = 0
+
+    def __contains__(self, request_id: str) -> bool:
+        """Whether ``request_id`` names a live request."""
+        return request_id in self.live or request_id in self.groups
+
+    def _member_done(self, req: LiveRequest) -> None:
+        if req.group is not None and req.group.member_done():
+            self.groups.pop(req.group.request_id, None)
 
     def current(self, seq: Sequence, epoch: int | None = None) -> LiveRequest | None:
         """The live request that ``seq`` belongs to, if any (and, given an epoch, only if
@@ -116,7 +154,7 @@ class Outputs:
                 top_logprobs = max(top_logprobs, p.top_logprobs)
         controls = self._controls(controlled, len(sampling_rows)) if controlled else None
         batch = SamplingBatch.from_rows(sampling_rows, want_logprobs, top_logprobs, controls)
-        return StepInput(rows, batch, plan.swap_out, plan.swap_in)
+        return StepInput(rows, batch, plan.swap_out, plan.swap_in, plan.copy_pages)
 
     def _controls(self, controlled: list[tuple[int, LiveRequest, int]], num_rows: int) -> Controls:
         """The logit processors of the step's sampled rows that use any."""
@@ -265,6 +303,7 @@ class Outputs:
             req.mailbox.put(token_ids or [], text, logprobs, reason, top_logprobs)
         if not req.future.done():
             req.future.set_result(self.completion(req))
+        self._member_done(req)
 
     def fail(self, req: LiveRequest, error: BaseException) -> None:
         self.live.pop(req.request_id, None)
@@ -274,6 +313,11 @@ class Outputs:
             req.mailbox.fail(error)
         if not req.future.done():
             req.future.set_exception(error)
+        if req.group is not None:  # a failed choice fails its request: the others with it
+            for other in req.group.members:
+                if other.request_id in self.live:
+                    self.fail(other, error)
+        self._member_done(req)
 
     def fail_all(self, error_for) -> None:
         """Fail every live request with ``error_for(request)``."""
@@ -288,7 +332,8 @@ class Outputs:
         m.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
         m.num_preemptions = seq.num_preemptions
         return Completion(
-            request_id=req.request_id, prompt_token_ids=list(seq.prompt_ids), token_ids=list(seq.output_ids),
+            request_id=req.group.request_id if req.group is not None else req.request_id,
+            prompt_token_ids=list(seq.prompt_ids), token_ids=list(seq.output_ids),
             text="".join(req.text_parts), logprobs=req.logprobs, finish_reason=req.finish_reason, metrics=m,
-            top_logprobs=req.top_logprobs,
+            top_logprobs=req.top_logprobs, index=req.index,
         )

@@ -147,6 +147,11 @@ class Mailbox:
         self.error = error
         self._wake()
 
+    @property
+    def finished(self) -> bool:
+        """Whether the final chunk has been taken."""
+        return self.final_taken
+
     async def get(self) -> Chunk | None:
         """Wait for output, then take all of it as one chunk; None once the final
         chunk has been taken. Raises the request's error after the output that
@@ -239,6 +244,43 @@ class Outcome:
                 self._event = self._new_event()
             await self._event.wait()
         return self.result()
+
+
+class ChoicesMailbox:
+    """The mailboxes of a request's ``n`` choices, read as one stream: their chunks
+    interleave (``Chunk.index`` tells them apart, each choice's own order kept) and it
+    ends after every choice's final chunk."""
+
+    __slots__ = ("members", "_new_event", "_next")
+
+    def __init__(self, request_id: str, n: int, want_logprobs: bool, want_top_logprobs: bool,
+                 new_event: Callable[[], anyio.Event] = anyio.Event) -> None:
+        self._new_event = new_event
+        self.members = [Mailbox(request_id, want_logprobs, new_event, want_top_logprobs, i) for i in range(n)]
+        self._next = 0  # round robin: a fast choice does not starve the others' chunks
+
+    @property
+    def finished(self) -> bool:
+        return all(m.final_taken for m in self.members)
+
+    async def get(self) -> Chunk | None:
+        """The next chunk of any choice; None once every final chunk has been taken."""
+        n = len(self.members)
+        while True:
+            for k in range(n):
+                chunk = self.members[(self._next + k) % n].take()
+                if chunk is not None:
+                    self._next = (self._next + k + 1) % n
+                    return chunk
+            if self.finished:
+                return None
+            for m in self.members:
+                if m.error is not None and not m.final_taken:
+                    raise m.error
+            waiter = self._new_event()
+            for m in self.members:  # whichever choice gets output first wakes this reader
+                m._waiter = waiter
+            await waiter.wait()
 
 
 @dataclass(slots=True)

@@ -47,6 +47,7 @@ class StepInput:
     # CPU offload, before the forward, swap-outs first (see StepPlan for the tuples)
     swap_out: list[tuple[int, ...]] = field(default_factory=list)
     swap_in: list[tuple[int, ...]] = field(default_factory=list)
+    copy_pages: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write: (source, fresh page)
 
 
 @dataclass(slots=True)
@@ -319,6 +320,9 @@ class ModelRunner:
         for row_tokens, start, pages, carry_from, sampled, swa_pages in step.rows:
             q0 = len(tokens)
             n = len(row_tokens)
+            if n == 0:  # a forked choice: it samples from the logits of the row before it
+                keep.append(q0 - 1)
+                continue
             tokens.extend(row_tokens)
             positions.extend(range(start, start + n))
             self._place(pages, start, n, self._zeroed, slots, fresh)
@@ -494,6 +498,8 @@ class ModelRunner:
             self._swap_out(step.swap_out)
         if step.swap_in:
             self._swap_in(step.swap_in)
+        if step.copy_pages:
+            self._copy_pages(step.copy_pages)
         input_ids, position_ids, keep, meta = self._build(step)
         if self.fault_hook is not None:
             self.fault_hook(self.step_index, "forward")
@@ -543,6 +549,19 @@ class ModelRunner:
         if self.stream is None:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
+
+    def _copy_pages(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write of shared partial pages (forked choices): every layer's K and V
+        of each source page into its fresh page, before this step writes to it."""
+        ps = self.page_size
+        src = self._tensor([p for p, _ in pairs])
+        dst = self._tensor([p for _, p in pairs])
+        for cache in (*self.k_cache, *self.v_cache):
+            kvh, num_slots, d = cache.shape
+            pages = cache.view(kvh, num_slots // ps, ps * d)
+            pages[:, dst] = pages[:, src]
+        for _, page in pairs:
+            self._zeroed[page] = 1  # written whole: never zero it
 
     # ------------------------------------------------------------------ CPU offload
     def _swap_out(self, pairs: list[tuple[int, ...]]) -> None:

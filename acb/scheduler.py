@@ -45,6 +45,9 @@ class Sequence:
     host_swa: list[bool] | None = None  # hybrid models: which offloaded entries had a sliding page
     num_offloaded_tokens: int = 0
     restored_plan: int = -1  # index of the plan that restored it
+    # n > 1: the other choices of the request, forked from this one when its prompt is
+    # prefilled (they share its pages; see Scheduler._fork)
+    forks: list[Sequence] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -91,6 +94,9 @@ class StepPlan:
     swap_out: list[tuple[int, ...]] = field(default_factory=list)
     swap_in: list[tuple[int, ...]] = field(default_factory=list)
     offloaded: list[Sequence] = field(default_factory=list)  # whose swap-outs this step does
+    # copy-on-write, before the forward: (source page, fresh page) for a shared partial
+    # page that a row is about to write into
+    copy_pages: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -159,6 +165,19 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status == "waiting":
             self.waiting.remove(seq)
+        elif seq.status == "forking":  # a choice cancelled before its fork
+            for leader in self.waiting:
+                if leader.forks and seq in leader.forks:
+                    leader.forks.remove(seq)
+            for leader in self.running:
+                if leader.forks and seq in leader.forks:
+                    leader.forks.remove(seq)
+        if seq.forks:  # its other choices are not forked yet: the next one prefills for them
+            heir, *rest = seq.forks
+            heir.forks = rest or None
+            heir.status = "waiting"
+            self.waiting.appendleft(heir)
+            seq.forks = None
         self.kv.release(seq.block_table)
         seq.block_table = []
         self._release_swa(seq)
@@ -212,6 +231,44 @@ class Scheduler:
         sample = end == seq.num_tokens
         plan.seqs.append(seq)
         plan.rows.append((seq.num_computed, n, sample, sample and seq.num_inflight > 0, seq.epoch))  # a Row
+        if sample and seq.forks and seq.num_generated == 0:
+            self._fork(plan, seq, end)
+
+    def _fork(self, plan: StepPlan, leader: Sequence, end: int) -> None:
+        """The leader's prompt is computed by this row: its other choices take references
+        to its pages (the shared partial last page is copied when one of them first writes
+        to it) and sample their first token from the same logits, in rows of no tokens
+        right after the leader's."""
+        for seq in leader.forks:
+            seq.block_table = list(leader.block_table)
+            self.kv.share(seq.block_table)
+            seq.num_computed = end
+            seq.num_cached_prompt_tokens = leader.num_cached_prompt_tokens
+            seq.status = "running"
+            self._insert_running(seq)
+            plan.seqs.append(seq)
+            plan.rows.append((end, 0, True, False, seq.epoch))
+        leader.forks = None
+
+    def _copy_on_write(self, seq: Sequence, plan: StepPlan) -> None:
+        """Give ``seq`` its own copy of its partial last page if another sequence holds it
+        too (forked choices), before a row writes into it. The caller counted the page."""
+        if seq.num_computed % self.kv.page_size == 0:
+            return
+        i = seq.num_computed // self.kv.page_size
+        page = seq.block_table[i]
+        if page >= 0 and self.kv.refcount[page] > 1:
+            fresh = self.kv.allocate(1)[0]
+            plan.copy_pages.append((page, fresh))
+            self.kv.release([page])
+            seq.block_table[i] = fresh
+
+    def _shares_partial_page(self, seq: Sequence) -> bool:
+        ps = self.kv.page_size
+        if seq.num_computed % ps == 0 or seq.num_computed // ps >= len(seq.block_table):
+            return False
+        page = seq.block_table[seq.num_computed // ps]
+        return page >= 0 and self.kv.refcount[page] > 1
 
     def _continue_running(self, plan: StepPlan, budget: int) -> int:
         scheduled: set[int] = {id(seq) for seq in plan.seqs}
@@ -226,17 +283,21 @@ class Scheduler:
             if self.sliding_window:
                 self._recycle_out_of_window(seq)
             need = self.kv.pages_for(seq.num_computed + n) - len(seq.block_table)
-            while not self._fits(need):
+            cow = self._shares_partial_page(seq)
+            while not self._fits(need + cow):
                 victim = self._pick_victim(scheduled)
                 self._preempt(victim, plan)
                 if victim is seq:
                     break
             if seq.status != "running":
                 continue
+            if cow:
+                self._copy_on_write(seq, plan)
             if need > 0:
                 self._allocate(seq, need)
+            before = len(plan.seqs)
             self._add_row(plan, seq, n)
-            scheduled.add(id(seq))
+            scheduled.update(id(s) for s in plan.seqs[before:])  # with any choices forked from it
             budget -= n
         return budget
 
