@@ -19,10 +19,16 @@ another (block tables, no per-prompt loop). :func:`resolve_backend` picks one pe
 
 The step's metadata reaches the function through a thread-local set by the model
 runner, so several engines (each with its own worker thread) can share a process.
+
+The model's config names acb's attention only inside acb's steps (:func:`route`):
+everywhere else -- the user's own ``model(...)`` or ``model.generate(...)`` beside a
+running engine, on any thread -- it reports the model's own implementation, masks
+included, as if no engine held it.
 """
 
 from __future__ import annotations
 
+import copyreg
 import os
 import threading
 from dataclasses import dataclass
@@ -131,6 +137,61 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) ->
     if requested not in BACKENDS:
         raise refuse(f"unknown backend; choose from {BACKENDS}")
     return requested
+
+
+# id of each routed config -> how many engines route it
+_routes: dict[int, int] = {}
+_routed_classes: dict[type, type] = {}
+
+
+def _routed_impl(config) -> str | None:
+    if torch.compiler.is_compiling():  # acb compiles only its own step forward
+        return ATTN_NAME_COMPILED
+    if getattr(_local, "meta", None) is not None:  # inside an acb step, on its worker thread
+        return ATTN_NAME
+    return config._attn_implementation_internal
+
+
+def _set_impl(config, value) -> None:
+    type(config).__mro__[1]._attn_implementation.fset(config, value)
+
+
+def _reduce_as_base(self, protocol):
+    """Pickle (and deep-copy) a routed config as its own class: routing is process-local."""
+    return copyreg.__newobj__, (type(self).__mro__[1],), self.__dict__.copy()
+
+
+def route(config) -> None:
+    """Make ``config`` name acb's attention inside acb's steps (on the thread running
+    one) and its own implementation everywhere else. Counted: each engine over the
+    model routes it once and :func:`unroute`s it once."""
+    if id(config) in _routes:
+        _routes[id(config)] += 1
+        return
+    base = type(config)
+    cls = _routed_classes.get(base)
+    if cls is None:
+        # a subclass whose one difference is this property: a data descriptor of the
+        # class decides, so an instance attribute could not do it
+        cls = type(base.__name__, (base,), {
+            "_attn_implementation": property(_routed_impl, _set_impl), "__module__": base.__module__,
+            "__qualname__": base.__qualname__, "__reduce_ex__": _reduce_as_base,
+        })
+        _routed_classes[base] = cls
+    config.__class__ = cls
+    _routes[id(config)] = 1
+
+
+def unroute(config) -> None:
+    """Undo one :func:`route`; the last one gives the config its own class back."""
+    count = _routes.get(id(config))
+    if count is None:
+        return
+    if count > 1:
+        _routes[id(config)] = count - 1
+        return
+    del _routes[id(config)]
+    config.__class__ = type(config).__mro__[1]
 
 
 def set_step(meta: StepAttention | None) -> None:

@@ -121,6 +121,7 @@ class Engine:
 
             self._omp_reset = release_calling_thread_omp_pool
         self._stop_reason: str | None = None
+        self._hooked: str | None = None  # why the model's own forward runs, as of the last step
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -145,8 +146,7 @@ class Engine:
     async def start(self) -> None:
         """Start the engine loop on the running event loop, asyncio or trio (allocates
         the KV cache the first time)."""
-        if self._state == "closed":
-            raise EngineClosedError("the engine is closed")
+        self._check_not_closed()
         if self._state in ("running", "draining"):
             return
         if self._tp is not None and self._tp.error is not None:
@@ -172,7 +172,9 @@ class Engine:
 
     async def stop(self, hard: bool = False) -> None:
         """Stop admitting. Graceful: finish everything queued and running. Hard: end
-        now; every unfinished request raises ``EngineStoppedError``."""
+        now; every unfinished request raises ``EngineStoppedError``. After ``aclose()``
+        it raises ``EngineClosedError``."""
+        self._check_not_closed()
         if self._state not in ("running", "draining"):
             return
         self._state = "draining"
@@ -228,9 +230,12 @@ class Engine:
         return self._tp.worker_pids if self._tp else []
 
     # ------------------------------------------------------------------ submission
-    def _check_accepting(self) -> None:
+    def _check_not_closed(self) -> None:
         if self._state == "closed":
             raise EngineClosedError("the engine is closed")
+
+    def _check_accepting(self) -> None:
+        self._check_not_closed()
         if self._tp is not None and self._tp.error is not None:
             raise EngineStoppedError(self._stop_reason or f"the engine stopped: {self._tp.error}")
         if self._state != "running":
@@ -315,7 +320,7 @@ class Engine:
         self._check_accepting()
         rid, ids, params, matcher = self._prepare(prompt, request_id, sampling, kwargs)
         req = self._register(rid, ids, params, matcher, stream)
-        return RequestHandle(rid, req.mailbox, req.future, lambda index=None: self.cancel(rid, index))
+        return RequestHandle(rid, req.mailbox, req.future, lambda index=None: self._cancel(rid, index))
 
     def stream(self, prompt: Any, *, request_id: str | None = None, sampling: SamplingParams | None = None,
                **kwargs: Any) -> ChunkStream:
@@ -390,7 +395,7 @@ class Engine:
             return [r.future.result() for r in reqs]
         except BaseException:
             for r in reqs:
-                self.cancel(r.request_id)
+                self._cancel(r.request_id)
             raise
         finally:
             bar.close()
@@ -404,16 +409,21 @@ class Engine:
     def cancel(self, request_id: str, index: int | None = None) -> bool:
         """Cancel a live request: its stream ends with ``finish_reason="cancelled"``
         and its pages are released at once. With ``n`` > 1 every choice is cancelled,
-        or only choice ``index``. Returns False if it is not live."""
+        or only choice ``index``. Returns False if it is not live; raises
+        ``EngineClosedError`` after ``aclose()``."""
+        self._check_not_closed()
+        return self._cancel(request_id, index)
+
+    def _cancel(self, request_id: str, index: int | None = None) -> bool:
         group = self._out.groups.get(request_id)
         if group is not None:
             members = group.members if index is None else group.members[index:index + 1] if index >= 0 else []
-            return any([self.cancel(m.request_id) for m in members])
+            return any([self._cancel(m.request_id) for m in members])
         req = self._live.get(request_id)
         if req is None:
             return False
         if self._loop is not None and not self._loop.in_loop_thread():
-            self._loop.call_soon_threadsafe(self.cancel, request_id)
+            self._loop.call_soon_threadsafe(self._cancel, request_id)
             return True
         text = self._out.flush_text(req)
         self._out.finish(req, "cancelled", text)
@@ -455,9 +465,12 @@ class Engine:
                 if self.scheduler.has_work():
                     if self._omp_reset is not None:
                         self._omp_reset()
+                    hooked, refresh = self._check_model()
                     plan = self.scheduler.schedule()
                     if plan.rows:
                         step = self._out.step_input(plan, inflight[0] if inflight else None)
+                        step.plain = hooked is not None
+                        step.refresh = refresh
                         controls = step.sampling.controls
                         masks = controls.token_mask if controls is not None else None
                         fut = self._executor.submit(self._runner.execute, step)
@@ -536,6 +549,38 @@ class Engine:
         self._steps += 1
         self._out.apply(plan, out)
 
+    def _check_model(self) -> tuple[str | None, bool]:
+        """Has the model changed since the last step (hooks, forwards, weights)? When it
+        has, KV cached for prefix hits was computed by another model: forget it."""
+        if self._tp is not None:  # the ranks run shards copied at construction, not the model object
+            return None, False
+        hooked, changed = self._runner.check_model()
+        if changed or hooked != self._hooked:
+            if hooked != self._hooked:
+                log.info("acb: %s", f"{hooked}: the model's own forward runs" if hooked
+                         else "the model's fast paths are back on")
+            self._hooked = hooked
+            self.kv.forget_prefixes()
+        return hooked, changed
+
+    async def reload_weights(self) -> None:
+        """Take the model as it is now: after weights written through ``.data`` (which
+        PyTorch's version counter does not see), or any change acb should take as the
+        new model. Waits for the step in flight, repacks every weight, rebuilds the fast
+        paths and forgets the prefix cache; the next step computes with the new weights.
+
+        Replacing parameters, ``load_state_dict`` and in-place edits (``weight.mul_``,
+        ``weight.copy_``) need no call: acb sees them before the next step.
+        """
+        self._check_not_closed()
+        if self._tp is not None:
+            raise NotImplementedError("reload_weights() with tensor_parallel_size > 1: the ranks hold shards "
+                                      "copied when the engine was built; build a new engine over the new weights")
+        if self._runner is None:
+            return  # nothing packed yet: start() takes the weights as they are
+        await self._loop.wait_future(self._executor.submit(self._runner.refresh_weights, True))
+        self.kv.forget_prefixes()
+
     def _device_failed(self, error: DeviceError) -> None:
         """The device is unusable: fail every unfinished request and stop the loop
         (never hang). ``start()`` may be tried again."""
@@ -548,6 +593,7 @@ class Engine:
 
     def check_integrity(self) -> None:
         """Assert the cache's invariants against the live requests' block tables."""
+        self._check_not_closed()
         tables = [r.seq.block_table for r in self._live.values()]
         self.kv.check_integrity(tables)
         if self.kv_swa is not None:

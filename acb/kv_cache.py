@@ -178,6 +178,13 @@ class KVCacheManager:
             self._forget(page)
             self.free_pages.append(page)
 
+    def forget_prefixes(self) -> None:
+        """Forget every registered prefix (the model changed: its KV is another model's).
+        Cached pages become free; pages in use stay with their requests, unshared."""
+        self.evict_all_cached()
+        for page in list(self.page_key):
+            self._forget(page)
+
     # -- checks ------------------------------------------------------------------------
     def check_integrity(self, block_tables: Iterable[Sequence[int]] = ()) -> None:
         """Raise AssertionError unless free + used + cached == total and every

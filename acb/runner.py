@@ -17,6 +17,7 @@ import torch
 
 from . import attention, compiling, cuda_graphs, offload
 from .sampling import SamplingBatch, sample, top_alternatives
+from .watch import ModelWatch
 
 log = logging.getLogger("acb")
 
@@ -48,6 +49,8 @@ class StepInput:
     swap_out: list[tuple[int, ...]] = field(default_factory=list)
     swap_in: list[tuple[int, ...]] = field(default_factory=list)
     copy_pages: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write: (source, fresh page)
+    plain: bool = False  # run the model's own forward (no fused forward, compiled forward or graph)
+    refresh: bool = False  # the weights changed: rebuild the fast paths first (ModelRunner.check_model)
 
 
 @dataclass(slots=True)
@@ -153,9 +156,9 @@ class ModelRunner:
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
         if text is not None and text is not model.config:
             configs.append(text)
-        self._saved_attn = [(c, c._attn_implementation) for c in configs]
+        self._routed = configs  # acb's attention inside acb's steps only (see attention.route)
         for c in configs:
-            c._attn_implementation = attention.ATTN_NAME
+            attention.route(c)
         self.fault_hook = None  # test hook: callable(step_index, stage) that may raise
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.decode_kernel = None  # the native CPU kernels' module (backend "native")
@@ -193,6 +196,11 @@ class ModelRunner:
         self.row_reduce = None
         self.decode_padding: cuda_graphs.DecodePadding | None = None
         self.decode_graphs: cuda_graphs.DecodeGraphs | None = None
+        self._want_fused = False
+        self._graph_rows = 0
+        self._graph_kv_interval = 0
+        self.watch = ModelWatch(model, self._own_forward)
+        self.plain_steps = 0  # steps that ran the model's own forward (a hook, a replaced forward)
 
     @property
     def prepacked(self) -> bool:
@@ -212,21 +220,14 @@ class ModelRunner:
                                                config.decode_compile_level)
         self._varlen_forward = self._decode_forward = self.model
         self.fused = None
-        if not (varlen or decode) and self.prepacked and self.dtype == torch.float32:
-            from .fused import FusedForward
-            from .kernels.cpu import fused_kernels
-
-            self.fused = FusedForward.build(self.model, self._packed, fused_kernels(), self.row_reduce)
-            if self.fused is not None:
-                self._varlen_forward = self._decode_forward = self.fused
+        self._want_fused = not (varlen or decode) and self.prepacked and self.dtype == torch.float32
+        self._build_fused()
         if varlen or decode:
             if self.prepacked:  # inductor cannot lower oneDNN-prepacked linears;
                 from .kernels import cpu_linear  # it packs weights itself when it compiles for the CPU
 
                 cpu_linear.release(self.model)
                 self._packed = None
-            for c, _ in self._saved_attn:
-                c._attn_implementation = attention.ATTN_NAME_COMPILED
             self._varlen_forward = compiling.compiled_forward(self.model, varlen)
             self._decode_forward = compiling.compiled_forward(self.model, decode)
             log.info("acb: torch.compile on: varlen path level %d %s, decode path level %d %s", varlen,
@@ -252,12 +253,10 @@ class ModelRunner:
             self.decode_padding = cuda_graphs.DecodePadding(
                 cuda_graphs.decode_buckets(max_rows, config.q_padding_interval_size),
                 config.kv_padding_interval_size, ps, scratch_slot=self.null_slot + ps - 1)
-        if graphs:
-            self.decode_graphs = cuda_graphs.DecodeGraphs(self._decode_forward, self.k_cache, self.v_cache,
-                                                          self.page_size, max_rows, self.model.config, self.stream,
-                                                          triton=self.triton, generator=self.generator)
-            with torch.inference_mode(), torch.cuda.stream(self.stream):
-                self.check_graphs(config.kv_padding_interval_size)
+        self._graph_rows = max_rows if graphs else 0
+        self._graph_kv_interval = config.kv_padding_interval_size
+        self._build_graphs()
+        self.watch.snapshot()  # the model as the fast paths now see it (prepacked or not)
         if self.decode_padding is None:
             log.info("acb decode steps: eager, unpadded")
         else:
@@ -275,6 +274,53 @@ class ModelRunner:
         self.decode_graphs = self.decode_padding = None
         return False
 
+    def _own_forward(self, module: torch.nn.Module):
+        """The instance ``forward`` acb set on ``module`` (a prepacked linear's), or None."""
+        entry = self._packed.layers.get(module) if self._packed is not None else None
+        return entry.bound if entry is not None else None
+
+    def _build_fused(self) -> None:
+        """(Re)build the fused CPU forward over the model's current modules and weights."""
+        if not self._want_fused:
+            return
+        from .fused import FusedForward
+        from .kernels.cpu import fused_kernels
+
+        self.fused = FusedForward.build(self.model, self._packed, fused_kernels(), self.row_reduce)
+        self._varlen_forward = self._decode_forward = self.fused or self.model
+
+    def _build_graphs(self) -> None:
+        """(Re)create the CUDA-graph set (graphs are captured lazily, per bucket): a
+        captured graph holds the weights' addresses of its capture."""
+        self.decode_graphs = None
+        if self._graph_rows and self.decode_padding is not None:  # (None: the self-check failed once)
+            self.decode_graphs = cuda_graphs.DecodeGraphs(self._decode_forward, self.k_cache, self.v_cache,
+                                                          self.page_size, self._graph_rows, self.model.config,
+                                                          self.stream, triton=self.triton, generator=self.generator)
+            with torch.inference_mode(), torch.cuda.stream(self.stream):
+                self.check_graphs(self._graph_kv_interval)
+
+    def check_model(self) -> tuple[str | None, bool]:
+        """Before each step, on the engine's thread: (why the model's own forward must run
+        this step, or None; whether the weights changed since the fast paths were built,
+        in which case the step must carry ``refresh``). See :mod:`acb.watch`."""
+        changed = self.watch.weights_changed()
+        if changed:
+            self.watch.snapshot_weights()
+        return self.watch.hooked(), changed
+
+    def refresh_weights(self, everything: bool = False) -> None:
+        """Rebuild the fast paths from the model's weights as they are now: repack the
+        changed linears (all with ``everything``), rebuild the fused forward, drop the
+        captured CUDA graphs. ``everything`` also takes the model's current module tree
+        and hooks as the new reference (``Engine.reload_weights``)."""
+        if self._packed is not None:
+            self._packed.refresh(force=everything)
+        self._build_fused()
+        self._build_graphs()
+        if everything:
+            self.watch.snapshot()
+
     def release(self) -> None:
         """Give back the KV memory and the model's attention setting."""
         self.decode_graphs = None  # they hold the cache's addresses
@@ -289,8 +335,9 @@ class ModelRunner:
             self._packed = None
         self.fused = None  # it holds the packed weights
         self._varlen_forward = self._decode_forward = self.model
-        for config, implementation in self._saved_attn:
-            config._attn_implementation = implementation
+        for config in self._routed:
+            attention.unroute(config)
+        self._routed = []
 
     # ------------------------------------------------------------------------------
     def _build(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, attention.StepAttention]:
@@ -494,6 +541,8 @@ class ModelRunner:
     def _forward(self, step: StepInput) -> tuple[torch.Tensor | None, tuple | None]:
         """The step's offload copies and forward: (the logits of its sampled rows [K, vocab],
         None), or (None, (ids, logprobs)) when a CUDA graph sampled them too."""
+        if step.refresh:
+            self.refresh_weights()
         if step.swap_out:
             self._swap_out(step.swap_out)
         if step.swap_in:
@@ -507,7 +556,9 @@ class ModelRunner:
         # graphs replay the Triton decode kernel: not for a step max_blocks_per_request sends
         # to PyTorch's path
         graphed = self.triton is None or meta.decode_kernel is not None
-        if meta.padded and graphed and self.decode_graphs is not None and step.sampling.temperature:
+        if step.plain:
+            self.plain_steps += 1
+        elif meta.padded and graphed and self.decode_graphs is not None and step.sampling.temperature:
             mode = cuda_graphs.sampling_mode(step.sampling)
             out = self.decode_graphs.run(input_ids, position_ids, meta, mode, self._graph_params(step, mode))
             if out is not None:  # padding rows' results are dropped
@@ -518,7 +569,10 @@ class ModelRunner:
                     sampled = ids.index_select(0, keep), logprobs.index_select(0, keep) if logprobs is not None \
                         else None
         if logits is None and sampled is None:
-            forward = self._varlen_forward if meta.prefills else self._decode_forward
+            if step.plain:
+                forward = self.model
+            else:
+                forward = self._varlen_forward if meta.prefills else self._decode_forward
             attention.set_step(meta)
             try:
                 out = forward(

@@ -417,7 +417,13 @@ async def test_engine_serves_on_the_loop_under_test(anyio_backend):
 async def test_aclose_gives_the_model_back_with_its_own_attention():
     model = tiny_model()
     before = model.config._attn_implementation
+    seen = []
+    layer = model.model.layers[0].self_attn
+    hook = layer.register_forward_pre_hook(lambda m, a, k: seen.append(m.config._attn_implementation),
+                                           with_kwargs=True)
     async with acb.Engine(model, config=acb.EngineConfig(num_blocks=16)) as engine:
-        assert model.config._attn_implementation == "acb_paged"
+        assert model.config._attn_implementation == before  # acb's attention only inside its steps
         await engine.generate(PROMPT, max_new_tokens=2)
-    assert model.config._attn_implementation == before
+    hook.remove()
+    assert seen and set(seen) == {"acb_paged"}
+    assert model.config._attn_implementation == before and type(model.config) is type(tiny_model().config)

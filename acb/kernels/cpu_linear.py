@@ -6,11 +6,16 @@ Measured on this project's 2-core AVX-512 machine on SmolLM2's shapes (fp32):
 ~190-205 GFLOP/s against 95-160 for ``F.linear``, the most at the 64-row decode
 steps (576x960: 0.38 ms vs 0.76 ms).
 
-While an engine holds the model, each ``nn.Linear`` forward uses its packed weight
-and the dense weight's memory is given back (so the model does not take twice the
-RAM); ``restore`` puts the dense weights and the original forwards back, bit for
-bit (oneDNN's reorder is exact). A weight shared with another module (tied
-embeddings) stays dense as well. ``ACB_CPU_PREPACK=0`` turns this off.
+While an engine holds the model, each ``nn.Linear`` forward uses its packed weight.
+The dense weights stay where they are, the model's own: ``state_dict``,
+``load_state_dict`` and in-place edits keep working, at the cost of the linear
+weights' memory twice. A packed weight is a copy, so each remembers which dense
+weight it was made from (the tensor, its ``_version`` and address): a forward
+whose weight was replaced or edited in place since computes with the dense weight
+(never the stale copy), and :meth:`Prepacked.refresh` repacks what changed (the
+engine calls it before the next step; :meth:`acb.Engine.reload_weights` for edits
+made through ``.data``, which PyTorch's version counter does not see).
+``restore`` puts the original forwards back. ``ACB_CPU_PREPACK=0`` turns this off.
 """
 
 from __future__ import annotations
@@ -35,17 +40,37 @@ def available(dtype: torch.dtype) -> bool:
     return True
 
 
-class _Packed:
-    __slots__ = ("module", "packed", "freed")
+def stamp(weight: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """What identifies a weight's values short of reading them: the tensor, its
+    in-place version counter and its address (``.data = ...`` changes the latter).
+    Inference tensors (made under ``torch.inference_mode``) keep no version counter."""
+    return weight, -1 if weight.is_inference() else weight._version, weight.data_ptr()
 
-    def __init__(self, module: torch.nn.Linear, packed: torch.Tensor, freed: bool) -> None:
+
+class _Packed:
+    __slots__ = ("module", "packed", "stamp", "bound")
+
+    def __init__(self, module: torch.nn.Linear) -> None:
         self.module = module
-        self.packed = packed
-        self.freed = freed  # the dense weight was given back (else it is shared and kept)
+        self.pack()
+        self.bound = self.forward  # the instance attribute set on the module (compared by identity)
+
+    def pack(self) -> None:
+        weight = self.module.weight
+        with torch.no_grad():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.data.contiguous(), None)
+        self.stamp = stamp(weight)  # written after the packed weight: a reader that sees it sees both
+
+    def fresh(self) -> bool:
+        weight, version, ptr = self.stamp
+        current = self.module.weight
+        return current is weight and current.data_ptr() == ptr and (version < 0 or current._version == version)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.module.bias
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        module = self.module
+        if not self.fresh():  # edited since it was packed: the model's own weight, never the copy
+            return torch.nn.functional.linear(x, module.weight, module.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, module.bias, "none", [], "")
 
 
 class Prepacked:
@@ -55,33 +80,29 @@ class Prepacked:
         self.model = model
         self.users = 0
         self.layers: dict[torch.nn.Linear, _Packed] = {}
-        shared = _shared_weights(model)
-        with torch.no_grad():
-            for module in model.modules():
-                if type(module) is not torch.nn.Linear or module.weight.device.type != "cpu":
-                    continue
-                if "forward" in module.__dict__:  # already wrapped (an accelerate hook, ...): leave it
-                    continue
-                weight = module.weight.data
-                packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
-                free = id(module.weight) not in shared
-                entry = _Packed(module, packed, free)
-                if free:
-                    module.weight.data = torch.empty(0, dtype=weight.dtype)
-                module.forward = entry.forward  # instance attribute: shadows the class method
-                self.layers[module] = entry
-        trim_heap()  # hand the freed dense weights back to the OS
+        for module in model.modules():
+            if type(module) is not torch.nn.Linear or module.weight.device.type != "cpu":
+                continue
+            if "forward" in module.__dict__:  # already wrapped (an accelerate hook, ...): leave it
+                continue
+            entry = _Packed(module)
+            module.forward = entry.bound  # instance attribute: shadows the class method
+            self.layers[module] = entry
         log.info("acb: %d linear layers use prepacked oneDNN weights", len(self.layers))
 
-    def dense_weight(self, module: torch.nn.Linear) -> torch.Tensor:
-        entry = self.layers.get(module)
-        return entry.packed.to_dense() if entry is not None and entry.freed else module.weight.data
+    def refresh(self, force: bool = False) -> int:
+        """Repack the layers whose dense weight changed since they were packed (all of
+        them with ``force``); returns how many were repacked."""
+        stale = [e for e in self.layers.values() if force or not e.fresh()]
+        for entry in stale:
+            entry.pack()
+        if stale:
+            log.info("acb: repacked %d linear layers whose weights changed", len(stale))
+        return len(stale)
 
     def restore(self) -> None:
-        with torch.no_grad():
-            for entry in self.layers.values():
-                if entry.freed:
-                    entry.module.weight.data = entry.packed.to_dense()
+        for entry in self.layers.values():
+            if entry.module.__dict__.get("forward") is entry.bound:  # not replaced by the user since
                 del entry.module.forward
         self.layers = {}
 
@@ -93,14 +114,6 @@ def trim_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
-
-
-def _shared_weights(model: torch.nn.Module) -> set[int]:
-    seen: dict[int, int] = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            seen[id(p)] = seen.get(id(p), 0) + 1
-    return {pid for pid, n in seen.items() if n > 1}
 
 
 def acquire(model: torch.nn.Module) -> Prepacked:
@@ -124,26 +137,13 @@ def release(model: torch.nn.Module) -> None:
         object.__delattr__(model, ATTR)
 
 
-def dense_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-    """The model's weights as dense tensors while an engine holds it packed (for a
-    reference copy), or None when it is not packed."""
-    state = getattr(model, ATTR, None)
-    if state is None:
-        return None
-    out = {}
-    for name, module in model.named_modules():
-        if type(module) is torch.nn.Linear:
-            out[f"{name}.weight" if name else "weight"] = state.dense_weight(module)
-    return out
-
-
 def deepcopy_memo(model: torch.nn.Module) -> dict[int, object]:
-    """A ``copy.deepcopy`` memo that skips the packed weights (opaque oneDNN tensors
-    cannot be copied); the copy must then drop the packed forwards."""
+    """A ``copy.deepcopy`` memo that skips the packed state (opaque oneDNN tensors
+    cannot be copied); the copy must then drop its ``forward`` instance attributes."""
     state = getattr(model, ATTR, None)
     if state is None:
         return {}
     memo: dict[int, object] = {id(state): None}
     for entry in state.layers.values():
-        memo[id(entry.packed)] = None
+        memo[id(entry.bound)] = None
     return memo

@@ -165,15 +165,13 @@ def _reference_copy(model: torch.nn.Module) -> torch.nn.Module:
     if ref is None:
         from ..kernels import cpu_linear
 
-        dense = cpu_linear.dense_state_dict(model)  # an engine holds the model, packed
-        ref = copy.deepcopy(model, memo=cpu_linear.deepcopy_memo(model))
-        if dense is not None:
+        memo = cpu_linear.deepcopy_memo(model)  # an engine holds the model, packed
+        ref = copy.deepcopy(model, memo=memo)
+        if memo:
             ref.__dict__.pop(cpu_linear.ATTR, None)
             for module in ref.modules():
-                module.__dict__.pop("forward", None)
-            with torch.no_grad():
-                for name, weight in dense.items():
-                    ref.get_parameter(name).data = weight.clone()
+                if module.__dict__.get("forward", 0) is None:
+                    del module.forward
         impl = "eager" if getattr(ref.config, "attn_logit_softcapping", None) else "sdpa"
         ref.config._attn_implementation = impl
         object.__setattr__(model, "_acb_reference", ref)
