@@ -41,3 +41,16 @@ async def consume(stream: Any, into: list[int]) -> str | None:
         if chunk.finish_reason:
             return chunk.finish_reason
     return None
+
+
+async def four_running_two_queued(engine: acb.Engine) -> tuple[list, list, list[list[int]], list]:
+    """Fill one step (an engine capped at 4 rows per step) with 4 long requests that have all
+    started, and queue 2 short ones behind them: (running handles, their open streams, the
+    tokens each has given so far, queued handles). For tests that fail the next step."""
+    running = [engine.submit(p, max_new_tokens=60, ignore_eos=True) for p in PROMPTS[:4]]
+    streams = [aiter(h) for h in running]
+    got: list[list[int]] = [[] for _ in running]
+    for it, toks in zip(streams, got):
+        toks.extend((await anext(it)).token_ids)  # every one is running
+    queued = [engine.submit(p, max_new_tokens=6, ignore_eos=True) for p in PROMPTS[4:6]]  # over the cap
+    return running, streams, got, queued

@@ -13,7 +13,7 @@ import torch
 
 import acb
 from acb.testing import random_prompts, reference_greedy, tiny_model
-from reliability_helpers import consume, expected, idle_and_free, until
+from reliability_helpers import consume, expected, four_running_two_queued, idle_and_free, until
 
 PROMPTS = random_prompts(8, 3, 12, seed=61)  # the reliability helpers' prompts (cached references)
 LONG = random_prompts(1, 30, 30, seed=5)[0]  # spans several pages: a prefix-cache hit when repeated
@@ -39,12 +39,7 @@ async def test_fault_injected_through_a_hook_registered_while_running_fails_only
     engine = acb.Engine(model, config=acb.EngineConfig(num_blocks=64, page_size=8, max_requests_per_batch=4))
     async with engine:
         assert engine._runner.fused is not None, "the fused forward should stand in for this model"
-        in_step = [engine.submit(p, max_new_tokens=60, ignore_eos=True) for p in PROMPTS[:4]]
-        streams = [aiter(h) for h in in_step]
-        got: list[list[int]] = [[] for _ in in_step]
-        for it, toks in zip(streams, got):
-            toks.extend((await anext(it)).token_ids)  # every one is running
-        queued = [engine.submit(p, max_new_tokens=6, ignore_eos=True) for p in PROMPTS[4:6]]  # over the cap
+        in_step, streams, got, queued = await four_running_two_queued(engine)
         error = RuntimeError("injected through a forward hook")
         fired = []
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reliability_helpers import PROMPTS, consume, expected, idle_and_free, until
+from reliability_helpers import PROMPTS, consume, expected, four_running_two_queued, idle_and_free, until
 
 import acb
 from acb.testing import VOCAB_SIZE, tiny_engine
@@ -202,12 +202,7 @@ async def test_failed_step_fails_only_its_requests_and_the_engine_serves_on(stag
     fault = Fault()
     engine = tiny_engine(num_blocks=64, page_size=8, max_requests_per_batch=4, fault_hook=fault)
     async with engine:
-        in_step = [engine.submit(p, max_new_tokens=60, ignore_eos=True) for p in PROMPTS[:4]]
-        streams = [aiter(h) for h in in_step]
-        got: list[list[int]] = [[] for _ in in_step]
-        for it, toks in zip(streams, got):
-            toks.extend((await anext(it)).token_ids)  # every one is running
-        queued = [engine.submit(p, max_new_tokens=6, ignore_eos=True) for p in PROMPTS[4:6]]  # over the cap
+        in_step, streams, got, queued = await four_running_two_queued(engine)
         fault.arm(stage)
         for h, it, toks, p in zip(in_step, streams, got, PROMPTS):
             with pytest.raises(acb.RequestFailedError) as failed:
