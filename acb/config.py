@@ -65,7 +65,9 @@ class SamplingParams:
     vLLM), ``min_new_tokens`` (EOS and ``stop_token_ids`` masked until then). Output:
     ``logprobs`` (the chosen token's), ``top_logprobs`` (k alternatives per token), ``n``
     (choices forked from one prompt). Structured output (at most one): ``json_schema``
-    (dict or JSON string), ``regex``, ``choice`` (list of strings).
+    (dict or JSON string), ``regex``, ``choice`` (list of strings). ``timeout_s``: a
+    deadline in seconds from submission (None = no deadline); a request still running then
+    ends with ``finish_reason="timeout"``, its partial output kept and its pages freed.
 
     Example::
 
@@ -93,6 +95,7 @@ class SamplingParams:
     json_schema: dict | str | None = None
     regex: str | None = None
     choice: tuple[str, ...] | None = None
+    timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and stored as tuples so params stay hashable.
@@ -135,6 +138,7 @@ class SamplingParams:
         self._check_number("presence_penalty", lambda v: True, "a finite number (0 = off)")
         self._check_number("frequency_penalty", lambda v: True, "a finite number (0 = off)")
         self._check_number("min_p", lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)")
+        self._check_number("timeout_s", lambda v: v > 0, "None (no deadline) or a number of seconds > 0")
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         self._check_structure()
 
@@ -256,6 +260,15 @@ class EngineConfig:
     kernel or the Triton kernel, both reading pages in place): a step whose decode rows span
     more pages runs the PyTorch decode path; 0 turns the fast path off; None (default) sets
     no bound.
+
+    ``max_waiting_requests`` bounds the requests queued and not yet running (None: four
+    times ``max_requests_per_batch``): beyond it ``submit``, ``stream`` and ``generate``
+    raise ``acb.EngineOverloadedError`` at once and queue nothing (``generate_batch`` when
+    the queue is already full).
+
+    A setting that has no effect where the engine runs (the CUDA-graph settings on the
+    CPU, say) is named by :meth:`inactive_settings`, and the engine logs a warning naming
+    it at construction.
     """
 
     page_size: int | None = None
@@ -282,6 +295,7 @@ class EngineConfig:
     decode_compile_level: int | None = None
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 120.0
+    max_waiting_requests: int | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:
@@ -347,11 +361,41 @@ class EngineConfig:
                 bad("use_cuda_graph", "must not be True with tensor_parallel_size > 1 (decode steps run eagerly)")
         if self.dtype is not None and self.dtype not in ("float32", "float16", "bfloat16", "auto"):
             bad("dtype", "must be None, 'auto', 'float32', 'float16' or 'bfloat16'")
+        if self.max_waiting_requests is not None and (
+            not _is_int(self.max_waiting_requests) or self.max_waiting_requests < 1
+        ):
+            bad("max_waiting_requests", "must be None or an int >= 1")
 
-    def inactive_settings(self) -> list[str]:
-        """Names of fields set to a value whose feature is not implemented yet."""
-        inactive: dict[str, Any] = {}  # every setting is active now; kept for the next one
-        return [name for name, default in inactive.items() if getattr(self, name) not in (default, False)]
+    def inactive_settings(self, device: Any = None, dtype: Any = None) -> list[str]:
+        """Names of the fields set to a value that has no effect on ``device`` (default:
+        ``self.device``, else CUDA when available, else the CPU) with weights of ``dtype``
+        (default: ``self.dtype``, else float32 on the CPU). The engine warns naming each."""
+        import torch
+
+        kind = str(device if device is not None else self.device or
+                   ("cuda" if torch.cuda.is_available() else "cpu")).split(":")[0]
+        dtype = str(dtype if dtype is not None else self.dtype or ("float32" if kind == "cpu" else "auto"))
+        dtype = dtype.removeprefix("torch.")
+        from .attention import resolve_backend
+
+        torch_dtype = getattr(torch, dtype, None) if dtype in ("float32", "float16", "bfloat16") else \
+            (torch.float32 if kind == "cpu" else torch.bfloat16)
+        try:
+            backend = resolve_backend(self.attn_backend, torch.device(kind), torch_dtype)
+        except ValueError:
+            backend = None  # refused by name when the engine starts
+        inert = []
+        if self.num_blocks is not None and self.max_memory_percent != 0.5:
+            inert.append("max_memory_percent")  # num_blocks sizes the cache instead
+        if kind != "cuda":
+            if self.use_cuda_graph:
+                inert.append("use_cuda_graph")
+            inert += [n for n in ("q_padding_interval_size", "kv_padding_interval_size") if getattr(self, n)]
+        elif self.use_cuda_graph is False:  # graphs off: nothing is padded
+            inert += [n for n in ("q_padding_interval_size", "kv_padding_interval_size") if getattr(self, n)]
+        if self.max_blocks_per_request is not None and backend not in (None, "native", "triton"):
+            inert.append("max_blocks_per_request")  # it bounds the native and Triton decode kernels only
+        return inert
 
     @property
     def effective_safety_margin(self) -> float:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -29,6 +30,7 @@ from .errors import (
     AcbError,
     DeviceError,
     EngineClosedError,
+    EngineOverloadedError,
     EngineStoppedError,
     InvalidRequestError,
     RequestFailedError,
@@ -47,6 +49,28 @@ from .scheduler import Scheduler, Sequence, StepPlan
 from .structured import Grammars
 
 log = logging.getLogger("acb")
+
+
+def _place(model: torch.nn.Module, config: EngineConfig) -> None:
+    """Move / cast the model object to ``config.device`` / ``config.dtype`` where they are
+    set and differ ("auto" keeps the model's dtype), as ``from_pretrained`` loads it."""
+    param = next(model.parameters())
+    if config.device is not None:
+        try:
+            device = torch.device(config.device)
+        except RuntimeError as e:
+            raise ValueError(f"EngineConfig.device {config.device!r} is not a device: {e}") from None
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else device
+        if param.device != device:
+            log.info("acb: moving the model to %s (EngineConfig.device)", device)
+            try:
+                model.to(device)
+            except (AssertionError, RuntimeError) as e:  # no such device in this process
+                raise ValueError(f"EngineConfig.device {config.device!r} cannot take the model: {e}") from None
+    if config.dtype not in (None, "auto") and param.dtype != getattr(torch, config.dtype):
+        log.info("acb: casting the model to %s (EngineConfig.dtype)", config.dtype)
+        model.to(getattr(torch, config.dtype))
 
 
 class Engine:
@@ -70,8 +94,11 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
-        for name in self.config.inactive_settings():
-            log.warning("acb: EngineConfig.%s is accepted but not active yet; it has no effect", name)
+        _place(model, self.config)
+        param = next(model.parameters())
+        for name in self.config.inactive_settings(param.device, param.dtype):
+            log.warning("acb: EngineConfig.%s=%r has no effect on %s with %s weights; it is ignored", name,
+                        getattr(self.config, name), param.device, str(param.dtype).removeprefix("torch."))
         self.sampling = sampling or SamplingParams()
         # what the model's generation_config sets for fields a request leaves unset
         self.generation_defaults = generation_defaults(model)
@@ -92,6 +119,7 @@ class Engine:
         self.max_model_len = self.layout.max_model_len
         self.max_batch_tokens = self.layout.max_batch_tokens
         self.max_requests = self.layout.max_requests
+        self.max_waiting = self.config.max_waiting_requests or 4 * self.max_requests
         self.kv = KVCacheManager(self.num_pages, self.page_size, enable_prefix_caching=self.layout.prefix_caching)
         self.host_pool = HostPool(self.layout.host_pages) if self.layout.host_pages else None
         self.kv_swa = KVCacheManager(self.layout.swa_pages, self.page_size, enable_prefix_caching=False) \
@@ -252,6 +280,16 @@ class Engine:
             self._check_choices(params)
         return rid, ids, params, self._grammars.matcher(params) if params.structured else None
 
+    def _check_room(self, n: int = 1) -> None:
+        """Raise ``EngineOverloadedError`` if ``n`` more requests would overfill the waiting queue.
+        A request with ``n`` > 1 counts once: it waits as one sequence (its prompt) until the
+        step that prefills it forks the choices, and ``n`` is bounded by the batch rows."""
+        waiting = len(self.scheduler.waiting)
+        if waiting + n > self.max_waiting:
+            raise EngineOverloadedError(
+                f"the engine is overloaded: {waiting} requests are waiting (max_waiting_requests="
+                f"{self.max_waiting}); retry later", retry_after=1.0)
+
     def _register(self, request_id: str, ids: list[int], params: SamplingParams, matcher: Any,
                   stream: bool) -> LiveRequest | Choices:
         if params.n > 1:
@@ -268,7 +306,7 @@ class Engine:
         future = Outcome(self._loop.Event)
         stop_ids = frozenset(params.stop_token_ids)
         req = LiveRequest(key, seq, params, mailbox, future, self.tokenizer, stop_ids, self.eos_token_ids, matcher)
-        self._live[key] = req
+        self._out.add(req)
         return req
 
     def _register_choices(self, request_id: str, ids: list[int], params: SamplingParams, stream: bool) -> Choices:
@@ -318,6 +356,7 @@ class Engine:
     def _submit(self, prompt: Any, request_id: str | None, sampling: SamplingParams | None,
                 kwargs: dict[str, Any], stream: bool) -> RequestHandle:
         self._check_accepting()
+        self._check_room()
         rid, ids, params, matcher = self._prepare(prompt, request_id, sampling, kwargs)
         req = self._register(rid, ids, params, matcher, stream)
         return RequestHandle(rid, req.mailbox, req.future, lambda index=None: self._cancel(rid, index))
@@ -350,6 +389,7 @@ class Engine:
             results = await engine.generate_batch(prompts, max_new_tokens=64, progress=True)
         """
         self._check_accepting()
+        self._check_room()  # the batch itself may exceed the bound: its size is the caller's
         check_progress(progress)
         if not isinstance(prompts, (list, tuple)):
             raise InvalidRequestError(f"prompts must be a list, got {type(prompts).__name__}", param="prompts")
@@ -429,6 +469,14 @@ class Engine:
         self._out.finish(req, "cancelled", text)
         return True
 
+    def _expire(self) -> None:
+        """End every request whose ``timeout_s`` has run out with ``finish_reason="timeout"``
+        (its partial output kept); its pages are free at once. Runs in the loop between
+        steps, as a cancel does."""
+        for req in self._out.expired(time.monotonic()):
+            if self._live.get(req.request_id) is req:
+                self._out.finish(req, "timeout", self._out.flush_text(req))
+
     def stats(self) -> EngineStats:
         """A snapshot of the engine's load, cache and counters (see ``acb.EngineStats``).
 
@@ -461,6 +509,8 @@ class Engine:
             while True:
                 if self._hard:
                     break
+                if self._out.deadlines:
+                    self._expire()
                 launched = masks = None
                 if self.scheduler.has_work():
                     if self._omp_reset is not None:
@@ -500,7 +550,12 @@ class Engine:
                         # nothing else runs between the check and the new event, so a
                         # submission either saw work or sets this event
                         self._wakeup = wakeup = self._loop.Event()
-                        await wakeup.wait()
+                        deadline = self._out.next_deadline() if self._out.deadlines else None
+                        if deadline is None:
+                            await wakeup.wait()
+                        else:  # wake up in time to end the request whose deadline is nearest
+                            with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
+                                await wakeup.wait()
                 else:
                     await anyio.sleep(0)  # let consumers and submitters run
         except BaseException as e:

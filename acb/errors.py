@@ -31,6 +31,16 @@ class EngineClosedError(EngineStoppedError):
     """The engine was closed with ``aclose()``; it cannot be started again."""
 
 
+class EngineOverloadedError(AcbError):
+    """The engine's waiting queue is full (``EngineConfig.max_waiting_requests``): raised
+    by the submitting call at once, nothing queued. ``retry_after`` is a hint in seconds
+    (``acb serve`` answers 429 with it as ``Retry-After``)."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class RequestFailedError(AcbError):
     """The model step failed for this request. ``__cause__`` holds the original error."""
 

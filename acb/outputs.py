@@ -31,7 +31,8 @@ _STALE_ROW = (0.0, 0, 1.0, None, 0)
 class LiveRequest:
     __slots__ = ("request_id", "seq", "params", "mailbox", "future", "detok", "stopper",
                  "text_parts", "logprobs", "top_logprobs", "metrics", "stop_ids", "finish_reason",
-                 "controlled", "penalized", "min_length_banned", "matcher", "group", "index")
+                 "controlled", "penalized", "min_length_banned", "matcher", "group", "index",
+                 "deadline")
 
     def __init__(self, request_id: str, seq: Sequence, params: SamplingParams,
                  mailbox: Mailbox | None, future: Outcome, tokenizer, stop_ids: frozenset[int],
@@ -57,6 +58,8 @@ class LiveRequest:
         self.metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(seq.prompt_ids))
         self.stop_ids = stop_ids
         self.finish_reason: str | None = None
+        # time.monotonic() at which timeout_s ends the request (None: no deadline)
+        self.deadline = None if params.timeout_s is None else self.metrics.arrival_time + params.timeout_s
 
 
 class Choices:
@@ -92,12 +95,33 @@ class Outputs:
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.live: dict[str, LiveRequest] = {}
+        self.deadlines = 0  # live requests with a timeout_s: the engine scans for expired ones while > 0
         self.groups: dict[str, Choices] = {}  # requests with n > 1, by request id
         self.generated = 0
 
     def __contains__(self, request_id: str) -> bool:
         """Whether ``request_id`` names a live request."""
         return request_id in self.live or request_id in self.groups
+
+    def add(self, req: LiveRequest) -> None:
+        """Make ``req`` live (counting its deadline)."""
+        self.live[req.request_id] = req
+        if req.deadline is not None:
+            self.deadlines += 1
+
+    def _forget(self, req: LiveRequest) -> None:
+        """``req`` is no longer live: its pages go back and its deadline stops counting."""
+        if self.live.pop(req.request_id, None) is not None and req.deadline is not None:
+            self.deadlines -= 1
+        self.scheduler.finish(req.seq)
+
+    def expired(self, now: float) -> list[LiveRequest]:
+        """The live requests whose deadline is at or before ``now``."""
+        return [r for r in self.live.values() if r.deadline is not None and r.deadline <= now]
+
+    def next_deadline(self) -> float | None:
+        """The nearest deadline of a live request, or None."""
+        return min((r.deadline for r in self.live.values() if r.deadline is not None), default=None)
 
     def _member_done(self, req: LiveRequest) -> None:
         if req.group is not None and req.group.member_done():
@@ -294,8 +318,7 @@ class Outputs:
 
     def finish(self, req: LiveRequest, reason: str, text: str, token_ids: list[int] | None = None,
                logprobs: list[float] | None = None, top_logprobs: list[dict[int, float]] | None = None) -> None:
-        self.live.pop(req.request_id, None)
-        self.scheduler.finish(req.seq)
+        self._forget(req)
         req.finish_reason = reason
         req.text_parts.append(text)
         req.metrics.finish_time = time.monotonic()
@@ -306,8 +329,7 @@ class Outputs:
         self._member_done(req)
 
     def fail(self, req: LiveRequest, error: BaseException) -> None:
-        self.live.pop(req.request_id, None)
-        self.scheduler.finish(req.seq)
+        self._forget(req)
         req.metrics.finish_time = time.monotonic()
         if req.mailbox is not None:
             req.mailbox.fail(error)

@@ -201,6 +201,7 @@ class ModelRunner:
         self._graph_kv_interval = 0
         self.watch = ModelWatch(model, self._own_forward)
         self.plain_steps = 0  # steps that ran the model's own forward (a hook, a replaced forward)
+        self.carried_steps = 0  # steps fed a token sampled by the step before on the device (overlap)
 
     @property
     def prepacked(self) -> bool:
@@ -423,6 +424,7 @@ class ModelRunner:
         # requests whose results are dropped, so their placeholder ids stay.
         if carry_pos and self.prev_sampled is not None:
             input_ids[self._tensor(carry_pos)] = self.prev_sampled[self._tensor(carry_src)]
+            self.carried_steps += 1
         position_ids = self._tensor(positions)
         meta = attention.StepAttention(
             k_cache=self.k_cache, v_cache=self.v_cache,

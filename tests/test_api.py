@@ -8,6 +8,7 @@ import functools
 
 import anyio
 import pytest
+import torch
 
 import acb
 from acb.testing import reference_greedy, tiny_engine, tiny_model
@@ -394,13 +395,105 @@ def test_runs_as_a_plain_anyio_program(backend):
     assert sorted(results) == [0, 1, 2, 3] and all(len(v) == 4 for v in results.values())
 
 
-def test_every_engine_setting_is_active(caplog):
-    config = acb.EngineConfig(max_blocks_per_request=8, cpu_offload_space=1.0, compile_level=2,
-                              use_cuda_graph=False, q_padding_interval_size=16)
-    assert config.inactive_settings() == []
-    with caplog.at_level("WARNING", logger="acb"):
-        tiny_engine(config=acb.EngineConfig(num_blocks=16, max_blocks_per_request=8))
-    assert "not active" not in caplog.text
+def _counting_integrity_checks(engine):
+    calls = []
+    check = engine.check_integrity
+    engine.check_integrity = lambda: (calls.append(1), check())
+    return calls
+
+
+def _refuses_or_moves(overrides):
+    if torch.cuda.is_available():
+        engine = tiny_engine(num_blocks=16, **overrides)
+        return next(engine.model.parameters()).device.type == "cuda"
+    with pytest.raises(ValueError, match="EngineConfig.device"):
+        tiny_engine(num_blocks=16, **overrides)
+    return True
+
+
+_FAULTS: list = []
+# field -> (a non-default value, whether an engine over a tiny model on the CPU shows its effect);
+# None: the field acts elsewhere only and inactive_settings() names it on the CPU; a string:
+# the test that exercises it (it needs other processes)
+_EFFECTS = {
+    "page_size": ({"page_size": 8}, lambda e: e.page_size == 8 and e.stats().page_size == 8),
+    "num_blocks": ({"num_blocks": 40}, lambda e: e.stats().total_blocks == 40),
+    "max_memory_percent": ({"max_memory_percent": 0.0001, "num_blocks": None},
+                           lambda e: e.num_pages < tiny_engine(num_blocks=None, max_memory_percent=0.001).num_pages),
+    "max_batch_tokens": ({"max_batch_tokens": 300}, lambda e: e.scheduler.max_batch_tokens == 300),
+    "max_requests_per_batch": ({"max_requests_per_batch": 3}, lambda e: e.scheduler.max_requests == 3),
+    "scheduler": ({"scheduler": "prefill_first"}, lambda e: e.scheduler.policy == "prefill_first"),
+    "safety_margin": ({"safety_margin": 0.3}, lambda e: e.scheduler.safety_margin == 0.3),
+    "allow_prefix_sharing": ({"allow_prefix_sharing": False}, lambda e: not e.kv.enable_prefix_caching),
+    "cpu_offload_space": ({"cpu_offload_space": 0.01}, lambda e: e.stats().host_blocks > 0),
+    "use_cuda_graph": ({"use_cuda_graph": True}, None),
+    "q_padding_interval_size": ({"q_padding_interval_size": 8}, None),
+    "kv_padding_interval_size": ({"kv_padding_interval_size": 64}, None),
+    "async_batching": ({"async_batching": False}, lambda e: e._runner.carried_steps == 0),
+    "compile_level": ({"compile_level": 1}, lambda e: e._runner._decode_forward is not e.model),
+    "varlen_compile_level": ({"varlen_compile_level": 1}, lambda e: e._runner._varlen_forward is not e.model
+                             and e._runner._decode_forward is e.model),
+    "decode_compile_level": ({"decode_compile_level": 1}, lambda e: e._runner._decode_forward is not e.model
+                             and e._runner._varlen_forward is e.model),
+    "max_blocks_per_request": ({"max_blocks_per_request": 0}, lambda e: e._runner.fast_decode_steps == 0),
+    "attn_backend": ({"attn_backend": "torch"}, lambda e: e._runner.decode_kernel is None),
+    "device": ({"device": "cuda"}, "refused or moved"),
+    "dtype": ({"dtype": "bfloat16"}, lambda e: next(e.model.parameters()).dtype == torch.bfloat16),
+    "debug_checks": ({"debug_checks": True}, "counted"),
+    "fault_hook": ({"fault_hook": lambda step, stage: _FAULTS.append(stage)}, lambda e: "forward" in _FAULTS),
+    "tensor_parallel_size": ({"tensor_parallel_size": 2}, "tests/test_tensor_parallel.py"),
+    "distributed_timeout_s": ({"distributed_timeout_s": 5.0}, "tests/test_tensor_parallel.py"),
+    "max_waiting_requests": ({"max_waiting_requests": 5}, lambda e: e.max_waiting == 5),
+}
+
+
+async def test_every_engine_setting_has_an_effect_or_is_named_inactive(caplog):
+    """Each EngineConfig field, set away from its default, changes what an engine does on the CPU,
+    or inactive_settings() names it and the engine warns naming it: nothing is silently inert."""
+    import dataclasses
+
+    assert set(_EFFECTS) == {f.name for f in dataclasses.fields(acb.EngineConfig)}, \
+        "a new EngineConfig field needs an effect here (or an entry in inactive_settings)"
+    for name, (overrides, effect) in _EFFECTS.items():
+        config = acb.EngineConfig(**overrides)
+        if effect is None:
+            assert config.inactive_settings("cpu") == [name], name
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="acb"):
+                tiny_engine(num_blocks=16, **overrides)
+            assert f"EngineConfig.{name}=" in caplog.text and "no effect on cpu" in caplog.text, name
+            continue
+        assert name not in config.inactive_settings("cpu", "float32"), name
+        if isinstance(effect, str):
+            if effect == "refused or moved":
+                assert _refuses_or_moves(overrides), name
+            elif effect == "counted":
+                for debug in (False, True):
+                    engine = tiny_engine(num_blocks=16, debug_checks=debug)
+                    calls = _counting_integrity_checks(engine)
+                    async with engine:
+                        await engine.generate(PROMPT, max_new_tokens=3)
+                        await asyncio.sleep(0.05)
+                    assert bool(calls) == debug, name
+            continue
+        engine = tiny_engine(**{"num_blocks": 64, **overrides})
+        async with engine:
+            if name in ("async_batching", "max_blocks_per_request", "fault_hook"):  # seen while serving
+                await engine.generate(PROMPT, max_new_tokens=4, ignore_eos=True)
+            assert effect(engine), name
+
+
+def test_inactive_settings_fire_where_the_engine_runs():
+    on_cpu = acb.EngineConfig(use_cuda_graph=True, kv_padding_interval_size=64, max_blocks_per_request=4,
+                              num_blocks=32, max_memory_percent=0.2)
+    assert on_cpu.inactive_settings("cpu") == ["max_memory_percent", "use_cuda_graph", "kv_padding_interval_size"]
+    assert acb.EngineConfig(max_blocks_per_request=4, attn_backend="torch").inactive_settings("cuda") == \
+        ["max_blocks_per_request"]
+    assert on_cpu.inactive_settings("cpu", "bfloat16")[-1] == "max_blocks_per_request"  # no native kernel
+    assert acb.EngineConfig(q_padding_interval_size=8, use_cuda_graph=False).inactive_settings("cuda") == \
+        ["q_padding_interval_size"]
+    assert acb.EngineConfig(q_padding_interval_size=8).inactive_settings("cuda") == []
+    assert acb.EngineConfig().inactive_settings("cpu") == acb.EngineConfig().inactive_settings("cuda") == []
 
 
 async def test_engine_serves_on_the_loop_under_test(anyio_backend):

@@ -341,10 +341,16 @@ async def test_graph_self_check_keeps_graphs_only_when_replay_matches_eager(grap
 # ------------------------------------------------------------------ settings, logging, memory
 
 
-def test_graph_and_compile_settings_are_active():
+async def test_graph_and_compile_settings_are_active():
     config = acb.EngineConfig(use_cuda_graph=True, q_padding_interval_size=8, kv_padding_interval_size=256,
-                              compile_level=2, varlen_compile_level=0, decode_compile_level=3)
-    assert config.inactive_settings() == []
+                              compile_level=2, varlen_compile_level=0, decode_compile_level=3, num_blocks=32)
+    assert config.inactive_settings("cuda") == []
+    assert config.inactive_settings("cpu") == ["use_cuda_graph", "q_padding_interval_size", "kv_padding_interval_size"]
+    model = tiny_model("llama")
+    async with acb.Engine(model, config=config) as engine:  # the compile levels act on the CPU too
+        runner = engine._runner
+        assert runner._varlen_forward is model and runner._decode_forward is not model
+        assert runner.decode_graphs is None and runner.decode_padding is None
 
 
 @pytest.mark.parametrize("name", ["varlen_compile_level", "decode_compile_level"])

@@ -59,11 +59,17 @@ async def test_generate_batch_groups_shared_prefixes_and_keeps_input_order():
     model = tiny_model()
     other = random_prompts(1, 40, 40, seed=77)[0]
     tails = random_prompts(8, 2, 6, seed=9)
-    prompts = [(SYSTEM if i % 2 else other) + t for i, t in enumerate(tails)]
-    async with acb.Engine(model, config=acb.EngineConfig(num_blocks=256, page_size=8)) as engine:
+    prompts = [(SYSTEM if i % 2 else other) + t for i, t in enumerate(tails)]  # the two prefixes alternate
+    # One request at a time, in a cache that holds one request's pages: a prefix stays cached
+    # only until a request with the other prefix runs. Submitted in input order, every
+    # request would evict the one before and none would hit; grouped by prefix, all but
+    # the first of each group hit its 40 tokens.
+    config = acb.EngineConfig(num_blocks=8, page_size=8, max_requests_per_batch=1, safety_margin=0.0)
+    async with acb.Engine(model, config=config) as engine:
         results = await engine.generate_batch(prompts, max_new_tokens=4, ignore_eos=True)
     assert [r.prompt_token_ids for r in results] == prompts
-    assert sum(r.metrics.num_cached_prompt_tokens for r in results) > 0
+    assert [r.token_ids for r in results] == [reference_greedy(model, p, 4) for p in prompts]
+    assert sorted(r.metrics.num_cached_prompt_tokens for r in results) == [0, 0] + [40] * 6
 
 
 @pytest.mark.parametrize("scheduler", ["fifo", "prefill_first"])

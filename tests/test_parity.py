@@ -58,7 +58,9 @@ async def test_parity_with_and_without_step_overlap(async_batching):
     config = acb.EngineConfig(page_size=8, num_blocks=64, async_batching=async_batching)
     async with acb.Engine(model, config=config) as engine:
         results = await engine.generate_batch(prompts, max_new_tokens=12, ignore_eos=True)
+        carried = engine._runner.carried_steps  # steps fed a token sampled by the step still in flight
     assert [r.token_ids for r in results] == expected
+    assert (carried > 0) == async_batching
 
 
 async def test_eos_stops_like_generate():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -29,8 +30,9 @@ class ApiError(Exception):
     """An error to answer with a JSON body ``{"error": {message, type, param, code}}``."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 type: str | None = None, code: str | None = None) -> None:
+                 type: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        self.headers = headers or {}  # sent with the answer, e.g. Retry-After on a 429
         self.status = status
         self.message = message
         self.param = param
@@ -44,7 +46,7 @@ class ApiError(Exception):
         """This error as an aiohttp JSON response (Starlette: ``acb.integrations.starlette.error_response``)."""
         from aiohttp import web
 
-        return web.json_response(self.body(), status=self.status)
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
 
 
 def param_of(error: acb.InvalidRequestError) -> str | None:
@@ -64,6 +66,10 @@ def api_error_from(error: acb.AcbError) -> ApiError:
     """Map an engine error to the HTTP answer it deserves."""
     if isinstance(error, acb.InvalidRequestError):
         return ApiError(400, str(error), param=param_of(error))
+    if isinstance(error, acb.EngineOverloadedError):  # the waiting queue is full: come back later
+        retry = str(max(1, math.ceil(error.retry_after)))
+        return ApiError(429, str(error), type="server_overloaded", code="engine_overloaded",
+                        headers={"Retry-After": retry})
     if isinstance(error, acb.EngineStoppedError):
         return ApiError(503, f"the engine is not accepting requests: {error}")
     return ApiError(500, f"generation failed: {error}")

@@ -52,7 +52,7 @@ api = FastAPI(title="acb", docs_url=None, redoc_url=None, openapi_url=None)
 
 @api.exception_handler(ApiError)
 async def _api_error(request: Request, error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 @api.exception_handler(HTTPException)

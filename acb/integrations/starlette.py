@@ -47,7 +47,7 @@ SOCKET_ERRORS = (OSError, WebSocketDisconnect, RuntimeError)  # what sending on 
 
 def error_response(error: ApiError) -> JSONResponse:
     """``error`` as a JSON response ``{"error": {message, type, param, code}}``."""
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 def engine_lifespan(engine: acb.Engine, *, drain_timeout: float | None = 30.0, close: bool = True,
