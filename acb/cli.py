@@ -67,6 +67,9 @@ def add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--max-batch-tokens", type=_positive, help="tokens per forward pass (default: per device)")
     p.add_argument("--cpu-offload-space", type=float, default=0.0,
                    help="GiB of host memory for preempted requests' KV pages (default: 0 = recompute)")
+    p.add_argument("--max-waiting-requests", type=_positive,
+                   help="requests queued beyond the running batch before new ones get 429 with Retry-After "
+                        "(default: 4 x the batch's request cap)")
     p.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="weights dtype")
     p.add_argument("--tensor-parallel-size", type=_positive, default=1,
@@ -97,7 +100,7 @@ def _model_source(args: argparse.Namespace):
     import acb
 
     fields = {k: getattr(args, k) for k in ("num_blocks", "max_batch_tokens", "device", "dtype", "cpu_offload_space",
-                                            "tensor_parallel_size")}
+                                            "tensor_parallel_size", "max_waiting_requests")}
     if args.tiny:
         from acb.testing import tiny_engine
 

@@ -17,6 +17,19 @@ a slow reader, a stream left with ``break``, a task cancelled mid-flight. It rep
 
 Exit status 1 when an error, a wrong token, a leaked page or a failed integrity check
 was seen, so a long run can gate a release.
+
+``--overload`` runs a different soak, against ``acb serve`` in a subprocess (the tiny
+model by default, ``--model-dir`` for a real one): it first measures the rate the server
+sustains (``--concurrency`` closed-loop clients for ``--calibrate`` s), then sends
+open-loop Poisson arrivals at ``--factor`` (10) times that rate for ``--minutes``.
+Every request must be answered in full (200 with the whole body) or refused with 429
+and ``Retry-After``; one that gets no answer within ``--hang-after`` s counts as a hang.
+It reports the status counts, hangs, latency of admitted requests (p50/p99/max), the
+server's RSS over time and its drift after warm-up, ``/health`` answers polled every
+second, and the server's free pages (``/metrics``) at the end. Exit status 1 on a hang,
+an answer other than 200/429, a failed ``/health``, or pages not all free::
+
+    python benchmarks/soak.py --overload --minutes 10 --json overload.json
 """
 
 from __future__ import annotations
@@ -283,6 +296,172 @@ def print_report(rep: Report) -> None:
     print("\n".join(lines))
 
 
+# ======================================================================= overload soak
+async def _overload(args: argparse.Namespace) -> dict[str, Any]:
+    import os
+    import socket
+    import subprocess
+
+    import aiohttp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "acb.cli", "serve", "--port", str(port), "--log-level", "WARNING",
+           "--log-interval", "0", "--max-waiting-requests", str(args.max_waiting)]
+    cmd += [args.model_dir] if args.model_dir else ["--tiny"]
+    if args.num_blocks_serve:
+        cmd += ["--num-blocks", str(args.num_blocks_serve)]
+    root = __file__.rsplit("/", 2)[0]
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    server = subprocess.Popen(cmd, env=env)
+    proc = psutil.Process(server.pid)
+    url = f"http://127.0.0.1:{port}"
+    rep: dict[str, Any] = {"minutes": args.minutes, "factor": args.factor, "max_waiting": args.max_waiting,
+                           "statuses": {}, "hangs": 0, "client_errors": [], "health_failures": 0,
+                           "health_polls": 0, "rss_mb": []}
+    latencies: list[float] = []
+    rng = random.Random(args.seed)
+    prompts = [f"overload request {i}: name a colour" for i in range(32)]
+
+    async def one(session: aiohttp.ClientSession, i: int, record: bool = True) -> None:
+        body = {"prompt": prompts[i % len(prompts)], "max_tokens": args.max_tokens, "temperature": 0,
+                "stream": i % 2 == 0}
+        t = time.perf_counter()
+        try:
+            async with asyncio.timeout(args.hang_after):
+                async with session.post("/v1/completions", json=body) as resp:
+                    data = await resp.read()
+                    status = resp.status
+        except TimeoutError:
+            rep["hangs"] += record
+            return
+        except aiohttp.ClientError as e:
+            if record and len(rep["client_errors"]) < 10:
+                rep["client_errors"].append(repr(e))
+            status = -1
+            data = b""
+        if not record:
+            return
+        if status == 200:
+            whole = data.rstrip().endswith(b"data: [DONE]") if body["stream"] else b'"finish_reason"' in data
+            status = 200 if whole else -2  # -2: a 200 whose body was cut short
+            latencies.append(time.perf_counter() - t)
+        elif status == 429 and "Retry-After" not in resp.headers:
+            status = -3  # a 429 without Retry-After
+        rep["statuses"][str(status)] = rep["statuses"].get(str(status), 0) + 1
+
+    async def metric(session: aiohttp.ClientSession, name: str) -> float:
+        async with session.get("/metrics") as resp:
+            for line in (await resp.text()).splitlines():
+                if line.startswith(name + " "):
+                    return float(line.split()[1])
+        raise RuntimeError(f"{name} missing from /metrics")
+
+    async def monitor(session: aiohttp.ClientSession, t0: float) -> None:
+        next_rss = 0.0
+        while True:
+            rep["health_polls"] += 1
+            try:
+                async with asyncio.timeout(5):
+                    async with session.get("/health") as resp:
+                        rep["health_failures"] += resp.status != 200
+            except (TimeoutError, aiohttp.ClientError):
+                rep["health_failures"] += 1
+            now = time.perf_counter() - t0
+            if now >= next_rss:
+                rep["rss_mb"].append((round(now), round(proc.memory_info().rss / 2**20, 1)))
+                next_rss += args.sample_every
+            await asyncio.sleep(1.0)
+
+    try:
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(base_url=url, connector=connector) as session:
+            async with asyncio.timeout(600):  # the server loads its model
+                while True:
+                    try:
+                        async with session.get("/health") as resp:
+                            if resp.status == 200:
+                                break
+                    except aiohttp.ClientError:
+                        pass
+                    if server.poll() is not None:
+                        raise RuntimeError(f"acb serve exited with {server.returncode}")
+                    await asyncio.sleep(0.5)
+            # calibration: closed loop, what the server sustains
+            done = [0]
+            stop_at = time.perf_counter() + args.calibrate
+
+            async def client(c: int) -> None:
+                i = c
+                while time.perf_counter() < stop_at:
+                    await one(session, i, record=False)
+                    done[0] += 1
+                    i += args.concurrency
+
+            t = time.perf_counter()
+            await asyncio.gather(*(client(c) for c in range(args.concurrency)))
+            sustained = done[0] / (time.perf_counter() - t)
+            rate = sustained * args.factor
+            rep["sustained_rps"], rep["offered_rps"] = round(sustained, 2), round(rate, 2)
+            print(f"sustained {sustained:.2f} req/s; offering {rate:.2f} req/s for {args.minutes} min",
+                  file=sys.stderr)
+            t0 = time.perf_counter()
+            mon = asyncio.create_task(monitor(session, t0))
+            tasks: set[asyncio.Task] = set()
+            sent, end, last = 0, t0 + args.minutes * 60, t0
+            while (now := time.perf_counter()) < end:
+                task = asyncio.create_task(one(session, sent))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                sent += 1
+                if now - last > 30:
+                    print(f"{now - t0:5.0f}s sent={sent} {rep['statuses']} hangs={rep['hangs']} in flight="
+                          f"{len(tasks)} rss={rep['rss_mb'][-1][1] if rep['rss_mb'] else 0}MB", file=sys.stderr)
+                    last = now
+                await asyncio.sleep(rng.expovariate(rate))
+            if tasks:
+                await asyncio.wait(tasks, timeout=args.hang_after + 10)
+            mon.cancel()
+            await asyncio.gather(mon, return_exceptions=True)
+            rep["sent"], rep["wall_s"] = sent, round(time.perf_counter() - t0, 1)
+            rep["unanswered"] = sent - sum(rep["statuses"].values()) - rep["hangs"]
+            async with asyncio.timeout(30):
+                while await metric(session, "acb_kv_free_blocks") != await metric(session, "acb_kv_total_blocks"):
+                    await asyncio.sleep(0.2)
+            rep["free_blocks"] = await metric(session, "acb_kv_free_blocks")
+            rep["total_blocks"] = await metric(session, "acb_kv_total_blocks")
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    rep["latency_s"] = {q: round(percentile(latencies, v), 3) for q, v in (("p50", 0.5), ("p99", 0.99))}
+    rep["latency_s"]["max"] = round(max(latencies, default=0.0), 3)
+    after = [mb for t, mb in rep["rss_mb"] if t >= min(60, rep["wall_s"] / 4)]
+    rep["rss_drift_mb"] = round(after[-1] - after[0], 1) if len(after) >= 2 else 0.0
+    rep["ok"] = (rep["hangs"] == 0 and rep["unanswered"] == 0 and set(rep["statuses"]) <= {"200", "429"}
+                 and rep["health_failures"] == 0 and rep["free_blocks"] == rep["total_blocks"])
+    return rep
+
+
+def print_overload(rep: dict[str, Any]) -> None:
+    rss = [mb for _, mb in rep["rss_mb"]]
+    print("\n".join([
+        f"overload soak: {rep['minutes']} min at {rep['factor']}x the sustained rate "
+        f"({rep['sustained_rps']} -> {rep['offered_rps']} req/s), max_waiting_requests={rep['max_waiting']}",
+        f"requests       {rep['sent']} sent: {rep['statuses']}; hangs {rep['hangs']}; unanswered {rep['unanswered']}",
+        f"latency (200s) p50 {rep['latency_s']['p50']} s  p99 {rep['latency_s']['p99']} s  max {rep['latency_s']['max']} s",
+        f"/health        {rep['health_polls'] - rep['health_failures']}/{rep['health_polls']} answered 200",
+        f"server rss MB  start {rss[0] if rss else 0}  peak {max(rss, default=0)}  end {rss[-1] if rss else 0}  "
+        f"drift after warm-up {rep['rss_drift_mb']}",
+        "rss series     " + " ".join(f"{t}s:{mb:.0f}" for t, mb in rep["rss_mb"]),
+        f"pages          {rep['free_blocks']:.0f}/{rep['total_blocks']:.0f} free at the end",
+        f"verdict        {'OK' if rep['ok'] else 'FAILED'}",
+    ]))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=3.0, help="how long to keep submitting (default 3)")
@@ -295,9 +474,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--uvloop", action="store_true", help="run on uvloop")
     ap.add_argument("--json", help="also write the report here")
+    ov = ap.add_argument_group("--overload: open-loop arrivals beyond capacity against acb serve")
+    ov.add_argument("--overload", action="store_true", help="run the overload soak instead")
+    ov.add_argument("--model-dir", help="model folder for acb serve (default: the tiny test model)")
+    ov.add_argument("--factor", type=float, default=10.0, help="offered / sustained rate (default 10)")
+    ov.add_argument("--calibrate", type=float, default=30.0, help="seconds measuring the sustained rate (default 30)")
+    ov.add_argument("--concurrency", type=int, default=32, help="closed-loop clients while calibrating (default 32)")
+    ov.add_argument("--max-tokens", type=int, default=32, help="max_tokens per request (default 32)")
+    ov.add_argument("--max-waiting", type=int, default=64, help="the server's --max-waiting-requests (default 64)")
+    ov.add_argument("--num-blocks-serve", type=int, default=0, help="the server's --num-blocks (default: its own)")
+    ov.add_argument("--hang-after", type=float, default=120.0, help="seconds without an answer = a hang (default 120)")
     args = ap.parse_args(argv)
     if args.minutes <= 0 or args.rate <= 0:
         ap.error("--minutes and --rate must be > 0")
+    if args.overload:
+        rep = asyncio.run(_overload(args))
+        print_overload(rep)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rep, f, indent=1)
+        return 0 if rep["ok"] else 1
     soak = Soak(args)
     if args.uvloop:
         import uvloop
