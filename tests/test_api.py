@@ -473,7 +473,7 @@ async def test_every_engine_setting_has_an_effect_or_is_named_inactive(caplog):
                     calls = _counting_integrity_checks(engine)
                     async with engine:
                         await engine.generate(PROMPT, max_new_tokens=3)
-                        await asyncio.sleep(0.05)
+                        await anyio.sleep(0.05)
                     assert bool(calls) == debug, name
             continue
         engine = tiny_engine(**{"num_blocks": 64, **overrides})
