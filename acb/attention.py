@@ -28,7 +28,6 @@ included, as if no engine held it.
 
 from __future__ import annotations
 
-import copyreg
 import os
 import threading
 from dataclasses import dataclass
@@ -156,9 +155,17 @@ def _set_impl(config, value) -> None:
     type(config).__mro__[1]._attn_implementation.fset(config, value)
 
 
+def _rebuilt(cls: type, state: dict):
+    """A config of class ``cls`` with attributes ``state`` (what :func:`_reduce_as_base` pickles)."""
+    config = cls.__new__(cls)
+    config.__dict__.update(state)
+    return config
+
+
 def _reduce_as_base(self, protocol):
-    """Pickle (and deep-copy) a routed config as its own class: routing is process-local."""
-    return copyreg.__newobj__, (type(self).__mro__[1],), self.__dict__.copy()
+    """Pickle (and deep-copy) a routed config as its own class: routing is process-local.
+    (Not ``copyreg.__newobj__``: pickle refuses it for a class other than the object's.)"""
+    return _rebuilt, (type(self).__mro__[1], self.__dict__.copy())
 
 
 def route(config) -> None:

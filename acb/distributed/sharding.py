@@ -115,13 +115,9 @@ def tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def full_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The full model's tensors by name, dense even while another engine holds its
-    linear weights prepacked."""
-    from ..kernels import cpu_linear
-
-    full = dict(tensors(model))
-    full.update(cpu_linear.dense_state_dict(model) or {})
-    return full
+    """The full model's tensors by name (dense even while another engine holds its linear
+    weights prepacked: prepacking keeps the model's own weights)."""
+    return dict(tensors(model))
 
 
 def skeleton(model_class: type, config, dtype: torch.dtype) -> torch.nn.Module:
