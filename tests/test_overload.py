@@ -5,6 +5,7 @@ engine that refuses every call after ``aclose()``."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 import pytest
@@ -51,7 +52,11 @@ def test_max_waiting_requests_is_validated_and_defaults_to_four_batches():
 
 
 async def test_timeout_ends_a_request_with_its_partial_output_and_frees_its_pages():
-    engine = tiny_engine(num_blocks=64, page_size=8, max_requests_per_batch=1)
+    def paced(step: int, stage: str) -> None:  # >= 10 ms a step: 480 tokens can never fit in 1 s
+        if stage == "forward":
+            time.sleep(0.01)
+
+    engine = tiny_engine(num_blocks=64, page_size=8, max_requests_per_batch=1, fault_hook=paced)
     async with engine:
         slow = engine.submit(PROMPTS[0], max_new_tokens=10_000 // 40, ignore_eos=True)
         waiting = engine.submit(PROMPTS[1], max_new_tokens=8, ignore_eos=True, timeout_s=0.05)  # queued
