@@ -162,7 +162,7 @@ def _serve_ray(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         app = build_app(source, gguf_file=gguf_file, engine_config=config, model_name=args.model_name or name,
                         api_key=args.api_key, max_tokens_limit=args.max_tokens_limit,
                         default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
-                        drain_timeout=args.drain_timeout,
+                        drain_timeout=args.drain_timeout, log_interval=args.log_interval,
                         ray_actor_options={"num_cpus": args.replica_cpus, "num_gpus": args.replica_gpus}, **scaling)
     except (ValueError, FileNotFoundError, OSError) as e:
         parser.error(str(e))

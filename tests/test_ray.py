@@ -114,6 +114,7 @@ async def _read_stream(resp: aiohttp.ClientResponse) -> tuple[bool, int]:
     ({"autoscaling_config": 4}, "autoscaling_config"),
     ({"drain_timeout": -1}, "drain_timeout"),
     ({"max_ongoing_requests": 0}, "max_ongoing_requests"),
+    ({"log_interval": -1}, "log_interval"),
 ])
 def test_build_app_names_the_bad_argument(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -216,7 +217,14 @@ async def test_acb_serve_ray_serves_the_openai_routes_and_exits_0_on_sigint(url)
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "acb.cli", "serve", "--tiny", "--ray", "--num-blocks", "64", "--replica-cpus", "0.5",
         "--ray-address", ray.get_runtime_context().gcs_address, "--port", url.rsplit(":", 1)[1],
-        stdout=asyncio.subprocess.PIPE, env=env)
+        "--log-interval", "0.5", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
+    stderr: list[bytes] = []
+
+    async def collect() -> None:  # Ray forwards the replicas' stderr to the driver's
+        async for err_line in proc.stderr:
+            stderr.append(err_line)
+
+    collector = asyncio.ensure_future(collect())
     try:
         while True:  # Ray may log to stdout first
             line = await asyncio.wait_for(proc.stdout.readline(), 300)
@@ -224,11 +232,20 @@ async def test_acb_serve_ray_serves_the_openai_routes_and_exits_0_on_sigint(url)
             if b"acb: serving" in line:
                 break
         assert b"acb: serving 'acb-tiny'" in line, line
-        async with aiohttp.ClientSession() as session, session.get(f"{url}/v1/models") as resp:
-            assert (await resp.json())["data"][0]["id"] == "acb-tiny"
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"{url}/v1/models") as resp:
+                assert (await resp.json())["data"][0]["id"] == "acb-tiny"
+            # --log-interval reaches the replicas: a busy replica logs its throughput line
+            for _ in range(100):
+                await _complete(session, url, "log me", 64)
+                if any(b"acb replica" in err_line and b"throughput:" in err_line for err_line in stderr):
+                    break
+            else:
+                raise AssertionError("no replica logged a throughput line: " + b"".join(stderr[-20:]).decode())
         proc.send_signal(signal.SIGINT)
         assert await asyncio.wait_for(proc.wait(), 120) == 0
     finally:
+        collector.cancel()
         if proc.returncode is None:
             proc.kill()
             await proc.wait()

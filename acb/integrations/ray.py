@@ -23,9 +23,11 @@ Example::
     # OpenAI clients: base_url="http://HOST:8000/v1"
 """
 
+import asyncio
 import logging
 import os
 import random
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +39,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 import acb
 
+from ..progress import log_throughput
 from .common import ApiError, json_object, stop_engine
 from .metrics import CONTENT_TYPE
 from .openai_protocol import Limits
@@ -95,6 +98,19 @@ def _build_engine(model: ModelSource, gguf_file: str | None, engine_config: acb.
     return acb.Engine.from_pretrained(os.fspath(model), gguf_file=gguf_file, config=engine_config)
 
 
+def _replica_logger(replica: str) -> logging.Logger:
+    """The logger of one replica's throughput lines: INFO to the replica's stderr, which
+    Ray forwards to the driver's console (``acb serve --ray``) and its log files."""
+    logger = logging.getLogger(f"acb.replica.{replica}")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"%(asctime)s acb replica {replica}: %(message)s"))
+        logger.addHandler(handler)
+    return logger
+
+
 @serve.ingress(api)
 class AcbDeployment:
     """One Ray Serve replica: one acb engine and the OpenAI routes over it.
@@ -105,13 +121,18 @@ class AcbDeployment:
     async def __init__(self, model: ModelSource, gguf_file: str | None = None,
                        engine_config: acb.EngineConfig | None = None, *, model_name: str = "acb",
                        api_key: str | None = None, limits: Limits | None = None,
-                       max_body_bytes: int = 1 << 20, drain_timeout: float = 30.0) -> None:
+                       max_body_bytes: int = 1 << 20, drain_timeout: float = 30.0,
+                       log_interval: float = 0.0) -> None:
         self.engine = _build_engine(model, gguf_file, engine_config)
         self.service = OpenAIService(self.engine, model_name=model_name, limits=limits, api_key=api_key)
         self.max_body_bytes = max_body_bytes
         self.drain_timeout = drain_timeout
         self.replica = serve.get_replica_context().replica_id.unique_id
         await self.engine.start()
+        self._throughput_task = None
+        if log_interval:
+            self._throughput_task = asyncio.ensure_future(
+                log_throughput(self.engine.stats, log_interval, _replica_logger(self.replica)))
 
     def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         return {**(extra or {}), REPLICA_HEADER: self.replica}
@@ -172,6 +193,9 @@ class AcbDeployment:
     async def __del__(self) -> None:
         """Ray Serve calls this once running requests are done (scale-down, redeploy,
         shutdown): stop the engine cleanly and free it."""
+        task = getattr(self, "_throughput_task", None)
+        if task is not None:
+            task.cancel()
         engine = getattr(self, "engine", None)
         if engine is not None:
             await stop_engine(engine, self.drain_timeout)
@@ -204,7 +228,7 @@ def build_app(model: ModelSource, *, num_replicas: int | None = None,
               max_tokens_limit: int = 4096, default_max_tokens: int = 256, max_body_bytes: int = 1 << 20,
               drain_timeout: float = 30.0, ray_actor_options: dict[str, Any] | None = None,
               max_ongoing_requests: int = 256, request_router: type | None = None,
-              name: str = "AcbDeployment") -> serve.Application:
+              name: str = "AcbDeployment", log_interval: float = 0.0) -> serve.Application:
     """A Ray Serve application serving ``model`` over the OpenAI routes; run it with
     ``serve.run(app)`` (or ``acb serve --ray``).
 
@@ -222,6 +246,9 @@ def build_app(model: ModelSource, *, num_replicas: int | None = None,
     seconds to finish when a replica is scaled down or redeployed.
     ``request_router`` picks a Ray Serve request router class (e.g.
     :class:`FreePagesRouter`; default: Serve's power-of-two-choices on queue depth).
+    ``log_interval`` > 0: every replica logs a throughput/queue line (as ``acb serve``
+    does) every that many seconds while busy, to its stderr (Ray forwards it to the
+    driver's console).
 
     Example::
 
@@ -241,6 +268,8 @@ def build_app(model: ModelSource, *, num_replicas: int | None = None,
         raise ValueError(f"drain_timeout must be >= 0, got {drain_timeout!r}")
     if max_ongoing_requests < 1:
         raise ValueError(f"max_ongoing_requests must be >= 1, got {max_ongoing_requests!r}")
+    if not isinstance(log_interval, (int, float)) or log_interval < 0:
+        raise ValueError(f"log_interval must be >= 0 seconds, got {log_interval!r}")
     if not callable(model) and not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a model folder or file, or a factory returning an acb.Engine, "
                         f"got {type(model).__name__}")
@@ -265,7 +294,7 @@ def build_app(model: ModelSource, *, num_replicas: int | None = None,
                                             "request_routing_stats_period_s": 1.0}
     deployment = serve.deployment(AcbDeployment).options(**options)
     return deployment.bind(model, gguf_file, engine_config, model_name=model_name, api_key=api_key, limits=limits,
-                           max_body_bytes=max_body_bytes, drain_timeout=drain_timeout)
+                           max_body_bytes=max_body_bytes, drain_timeout=drain_timeout, log_interval=log_interval)
 
 
 __all__ = ["REPLICA_HEADER", "AcbDeployment", "FreePagesRouter", "build_app"]
