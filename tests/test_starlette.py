@@ -151,6 +151,11 @@ async def test_websocket_multiplexes_and_cancels_by_message(served):
     assert got[3][-1]["finish_reason"] == "cancelled"
     assert got[4][0]["type"] == "error" and got[4][0]["error"]["param"] == "top_p"
     await wait_pages_free(engine)
+    # websocket requests count in /metrics like SSE ones (the refused one never started)
+    metrics = await metrics_of(session, url)
+    assert metrics['acb_requests_finished_total{finish_reason="length"}'] == 2
+    assert metrics['acb_requests_finished_total{finish_reason="cancelled"}'] == 1
+    assert metrics["acb_request_latency_seconds_count"] == 3
 
 
 async def test_websocket_disconnect_cancels_every_live_request(served):

@@ -153,12 +153,16 @@ class RequestMux:
     <sampling keywords>}`` and ``{"type": "cancel", "id": ID}``. Server messages:
     ``{"type": "chunk", "id": ID, "text", "token_ids", "logprobs", "finish_reason"}``
     and ``{"type": "error", "id": ID, "error": {...}}``. Each request is pumped by a
-    task of ``task_group``; :meth:`close` cancels them all at once.
+    task of ``task_group``; :meth:`close` cancels them all at once. ``on_finished``, if
+    given, is awaited with each request's handle once its pump ends (e.g. to record it
+    in the app's metrics).
     """
 
     def __init__(self, engine: acb.Engine, send_text: Callable[[str], Awaitable[Any]], is_closed: Callable[[], bool],
                  task_group: anyio.abc.TaskGroup, max_requests: int,
-                 disconnect_errors: tuple[type[BaseException], ...] = (ConnectionError,)) -> None:
+                 disconnect_errors: tuple[type[BaseException], ...] = (ConnectionError,),
+                 on_finished: Callable[[acb.RequestHandle], Awaitable[None]] | None = None) -> None:
+        self.on_finished = on_finished
         self.engine = engine
         self.send_text = send_text
         self.is_closed = is_closed
@@ -228,6 +232,8 @@ class RequestMux:
                 handle.cancel()
                 if rid in self.live and self.live[rid][0] is handle:
                     del self.live[rid]
+                if self.on_finished is not None:
+                    await self.on_finished(handle)
 
     def close(self) -> None:
         """Cancel every live request (its pages come back at once) and its task."""

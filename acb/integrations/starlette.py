@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -190,7 +191,8 @@ def websocket_route(engine: acb.Engine | None = None, *,
             return websocket.application_state != WebSocketState.CONNECTED
 
         async with anyio.create_task_group() as tg:
-            mux = RequestMux(eng, websocket.send_text, is_closed, tg, max_requests_per_socket, SOCKET_ERRORS)
+            mux = RequestMux(eng, websocket.send_text, is_closed, tg, max_requests_per_socket, SOCKET_ERRORS,
+                             on_finished=functools.partial(_observe, websocket.app))
             try:
                 while True:
                     message = await websocket.receive()
