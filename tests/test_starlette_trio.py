@@ -135,7 +135,7 @@ async def test_the_starlette_app_serves_on_trio_and_shuts_down_gracefully(trio_s
     # websocket: two requests multiplexed, one cancelled by message
     async with session.ws_connect(f"{url}/ws") as ws:
         await ws.send_json({"type": "generate", "id": 1, "prompt": "one", "max_new_tokens": 5})
-        await ws.send_json({"type": "generate", "id": 2, "prompt": "two", **{k: long[k] for k in long if k != "prompt"}})
+        await ws.send_json({"type": "generate", "id": 2, "prompt": "two", "max_new_tokens": 1000, "ignore_eos": True})
         await ws.send_json({"type": "cancel", "id": 2})
         ends = {}
         while len(ends) < 2:
