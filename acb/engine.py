@@ -44,8 +44,9 @@ from .kv_cache import HostPool, KVCacheManager
 from .outputs import Choices, LiveRequest, Outputs
 from .progress import BatchProgress, check_progress
 from .request import ChoicesMailbox, Completion, EngineStats, Mailbox, Outcome
-from .runner import ModelRunner, PendingOutput, StepOutput
-from .scheduler import Scheduler, Sequence, StepPlan
+from .runner import ModelRunner, PendingOutput
+from .scheduler import Scheduler, Sequence
+from .step import StepOutput, StepPlan
 from .structured import Grammars
 
 log = logging.getLogger("acb")
@@ -517,8 +518,9 @@ class Engine:
                         self._omp_reset()
                     hooked, refresh = self._check_model()
                     plan = self.scheduler.schedule()
-                    if plan.rows:
-                        step = self._out.step_input(plan, inflight[0] if inflight else None)
+                    if plan.seqs:
+                        step = plan.input
+                        step.sampling = self._out.sampling(plan)
                         step.plain = hooked is not None
                         step.refresh = refresh
                         controls = step.sampling.controls

@@ -1,5 +1,5 @@
-"""Between the scheduler and the runner: a plan becomes the runner's ``StepInput``,
-and a finished step's sampled tokens go into their requests (detokenizer, stop
+"""Between the scheduler and the runner: a plan's sampled rows get their requests'
+sampling settings, and a finished step's sampled tokens go into their requests (detokenizer, stop
 checks, mailbox, final ``Completion``). Runs on the event loop's thread only.
 
 ``Outputs`` owns the table of live requests; the engine submits into it, the loop
@@ -17,9 +17,9 @@ from .config import SamplingParams
 from .detokenizer import Detokenizer, StopMatcher
 from .errors import RequestFailedError, caused
 from .request import Completion, Mailbox, Outcome, RequestMetrics
-from .runner import StepInput, StepOutput
 from .sampling import Controls, SamplingBatch
-from .scheduler import Scheduler, Sequence, StepPlan
+from .scheduler import Scheduler, Sequence
+from .step import StepOutput, StepPlan
 from .structured import TokenMasks
 
 log = logging.getLogger("acb")
@@ -135,50 +135,28 @@ class Outputs:
             return None
         return req
 
-    def step_input(self, plan: StepPlan, prev: StepPlan | None) -> StepInput:
-        """The runner's view of ``plan``. A row whose last token is still in flight
-        (sampled by ``prev``, not yet seen here) takes it from ``prev``'s output on the
-        device (``carry_from``)."""
-        carry_index: dict[int, int] = {}
-        if prev is not None:
-            j = 0
-            for seq, (_, _, sample, _, _) in prev.items():
-                if sample:
-                    carry_index[id(seq)] = j
-                    j += 1
-        rows: list[tuple] = []
+    def sampling(self, plan: StepPlan) -> SamplingBatch:
+        """The sampling batch of ``plan``'s sampled rows: each live request's settings."""
         sampling_rows = []
         want_logprobs = False
         top_logprobs = 0
         controlled: list[tuple[int, LiveRequest, int]] = []  # (sampled row, request, carry_from)
-        pages_for = self.scheduler.kv.pages_for
-        for seq, (start, num_tokens, sample, carry, _) in plan.items():
-            end = start + num_tokens
-            if carry:
-                tokens = (*seq.token_at(start, end - 1), 0)
-                carry_from = carry_index.get(id(seq), -1)
-            else:
-                tokens = tuple(seq.token_at(start, end))
-                carry_from = -1
-            npages = pages_for(end)
-            # a plain tuple in RowInput's field order: CPython's GC untracks exact tuples
-            # of ints (not NamedTuple instances) at its first look
-            rows.append((tokens, start, tuple(seq.block_table[:npages]), carry_from, sample,
-                         tuple(seq.swa_table[:npages]) if seq.swa_table else None))
-            if sample:
-                req = self.live.get(seq.seq_id)
-                if req is None or req.seq is not seq:  # stale row: its token is dropped
-                    sampling_rows.append(_STALE_ROW)
-                    continue
-                p = req.params
-                if req.controlled:
-                    controlled.append((len(sampling_rows), req, carry_from))
-                sampling_rows.append((p.temperature, p.top_k, p.top_p, p.seed, seq.num_generated - 1))
-                want_logprobs = want_logprobs or p.logprobs
-                top_logprobs = max(top_logprobs, p.top_logprobs)
+        inp = plan.input
+        for seq, sample, carry_from in zip(plan.seqs, inp.sample, inp.carry_from, strict=True):
+            if not sample:
+                continue
+            req = self.live.get(seq.seq_id)
+            if req is None or req.seq is not seq:  # stale row: its token is dropped
+                sampling_rows.append(_STALE_ROW)
+                continue
+            p = req.params
+            if req.controlled:
+                controlled.append((len(sampling_rows), req, carry_from))
+            sampling_rows.append((p.temperature, p.top_k, p.top_p, p.seed, seq.num_generated - 1))
+            want_logprobs = want_logprobs or p.logprobs
+            top_logprobs = max(top_logprobs, p.top_logprobs)
         controls = self._controls(controlled, len(sampling_rows)) if controlled else None
-        batch = SamplingBatch.from_rows(sampling_rows, want_logprobs, top_logprobs, controls)
-        return StepInput(rows, batch, plan.swap_out, plan.swap_in, plan.copy_pages)
+        return SamplingBatch.from_rows(sampling_rows, want_logprobs, top_logprobs, controls)
 
     def _controls(self, controlled: list[tuple[int, LiveRequest, int]], num_rows: int) -> Controls:
         """The logit processors of the step's sampled rows that use any."""
@@ -215,7 +193,7 @@ class Outputs:
         """Fail the requests of a step that raised (the engine goes on serving)."""
         if self.scheduler.host_pool is not None:
             self._discard_offloads_from(plan, error)
-        for seq, (_, _, _, _, epoch) in plan.items():
+        for seq, epoch in zip(plan.seqs, plan.epochs, strict=True):
             req = self.current(seq, epoch)
             if req is not None:
                 self.fail(req, caused(RequestFailedError(
@@ -226,7 +204,7 @@ class Outputs:
         (their last rows ran in it) or may not have done its swap-outs: such a
         sequence is recomputed instead, or fails if it was already restored."""
         suspects = {id(s): s for s in plan.offloaded}
-        suspects.update((id(seq), seq) for seq, (_, _, _, _, epoch) in plan.items() if epoch != seq.epoch)
+        suspects.update((id(seq), seq) for seq, epoch in zip(plan.seqs, plan.epochs, strict=True) if epoch != seq.epoch)
         for seq in suspects.values():
             req = self.current(seq)
             if req is None:
@@ -242,7 +220,7 @@ class Outputs:
         """Take a finished step's sampled tokens into their requests."""
         kv = self.scheduler.kv
         j = 0
-        for seq, (start, num_tokens, sample, _, epoch) in plan.items():
+        for seq, start, num_tokens, sample, epoch in plan.rows():
             token = logprob = top = None
             if sample:
                 token = out.token_ids[j]

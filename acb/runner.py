@@ -10,55 +10,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
 from . import attention, compiling, cuda_graphs, offload
-from .sampling import SamplingBatch, sample, top_alternatives
+from .sampling import sample, top_alternatives
+from .step import PageMoves, StepInput, StepOutput
 from .watch import ModelWatch
 
 log = logging.getLogger("acb")
-
-
-class RowInput(NamedTuple):
-    """One row of a step, as the runner needs it (a snapshot: safe across threads).
-
-    The engine sends each row as a plain tuple of ints and tuples of ints in this
-    order, and the runner unpacks rows by position: CPython's cyclic GC stops
-    tracking exact tuples of ints at its first look, so the thousands of rows a
-    step holds while it runs never reach its old generation. (As objects or lists
-    they did, and the full collections that triggered, each over every object torch
-    and transformers keep, made the engine's per-request cost grow with the number
-    of live requests.) This class names the fields; tests may build rows with it."""
-
-    tokens: Sequence[int]  # input ids; the last one is a placeholder when ``carry_from`` >= 0
-    start: int  # position of tokens[0]
-    pages: Sequence[int]  # the block-table prefix covering positions [0, start + len(tokens))
-    carry_from: int  # index into the previous step's sampled ids, or -1
-    sample: bool
-    swa_pages: Sequence[int] | None = None  # hybrid models: the sliding layers' block-table prefix
-
-
-@dataclass(slots=True)
-class StepInput:
-    rows: list[tuple]  # RowInput's fields, by position
-    sampling: SamplingBatch  # one entry per sampled row, in row order
-    # CPU offload, before the forward, swap-outs first (see StepPlan for the tuples)
-    swap_out: list[tuple[int, ...]] = field(default_factory=list)
-    swap_in: list[tuple[int, ...]] = field(default_factory=list)
-    copy_pages: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write: (source, fresh page)
-    plain: bool = False  # run the model's own forward (no fused forward, compiled forward or graph)
-    refresh: bool = False  # the weights changed: rebuild the fast paths first (ModelRunner.check_model)
-
-
-@dataclass(slots=True)
-class StepOutput:
-    token_ids: list[int]  # one per sampled row
-    logprobs: list[float] | None
-    top_ids: list[list[int]] | None = None  # per sampled row: the k most likely tokens
-    top_logprobs: list[list[float]] | None = None  # and their logprobs
 
 
 class PendingOutput:
@@ -344,7 +304,7 @@ class ModelRunner:
     def _build(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, attention.StepAttention]:
         ps = self.page_size
         dev = self.device
-        tokens: list[int] = []
+        tokens = list(step.token_ids)  # a copy: decode padding appends to it
         positions: list[int] = []
         slots: list[int] = []
         keep: list[int] = []
@@ -364,14 +324,16 @@ class ModelRunner:
         prefill_rows: list[tuple[int, int, int]] = []  # Triton: (first token, tokens, past) per prefill row
         prefill_tables: list[Sequence[int]] = []
         swa_prefill_tables: list[Sequence[int] | None] = []
-        # rows are unpacked by position: the engine sends plain tuples (see RowInput)
-        for row_tokens, start, pages, carry_from, sampled, swa_pages in step.rows:
-            q0 = len(tokens)
-            n = len(row_tokens)
+        t_off, p_off, s_off = step.token_offsets, step.page_offsets, step.swa_offsets
+        for i, start in enumerate(step.starts):
+            q0 = t_off[i]
+            n = t_off[i + 1] - q0
             if n == 0:  # a forked choice: it samples from the logits of the row before it
                 keep.append(q0 - 1)
                 continue
-            tokens.extend(row_tokens)
+            pages = step.pages[p_off[i] : p_off[i + 1]]
+            swa_pages = step.swa_pages[s_off[i] : s_off[i + 1]] if swa else None
+            carry_from = step.carry_from[i]
             positions.extend(range(start, start + n))
             self._place(pages, start, n, self._zeroed, slots, fresh)
             if swa:
@@ -379,7 +341,7 @@ class ModelRunner:
             if carry_from >= 0:
                 carry_pos.append(q0 + n - 1)
                 carry_src.append(carry_from)
-            if sampled:
+            if step.sample[i]:
                 keep.append(q0 + n - 1)
             if n == 1:
                 decode_q.append(q0)
@@ -595,10 +557,10 @@ class ModelRunner:
         without a host wait. None for modes that do not read them."""
         if mode is None or not mode.startswith("sample"):
             return None
-        rows = self.decode_padding.pad_rows(len(step.rows))
+        rows = self.decode_padding.pad_rows(step.num_rows)
         params = [[0.0] * rows, [0.0] * rows, [1.0] * rows]
         b = step.sampling
-        sampled_rows = (i for i, row in enumerate(step.rows) if row[4])
+        sampled_rows = (i for i, s in enumerate(step.sample) if s)
         for j, i in enumerate(sampled_rows):
             params[0][i], params[1][i], params[2][i] = b.temperature[j], float(b.top_k[j]), b.top_p[j]
         host = torch.tensor(params, dtype=torch.float32)
@@ -606,24 +568,24 @@ class ModelRunner:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def _copy_pages(self, pairs: list[tuple[int, int]]) -> None:
+    def _copy_pages(self, moves: PageMoves) -> None:
         """Copy-on-write of shared partial pages (forked choices): every layer's K and V
         of each source page into its fresh page, before this step writes to it."""
         ps = self.page_size
-        src = self._tensor([p for p, _ in pairs])
-        dst = self._tensor([p for _, p in pairs])
+        src = self._tensor(moves.src)
+        dst = self._tensor(moves.dst)
         for cache in (*self.k_cache, *self.v_cache):
             kvh, num_slots, d = cache.shape
             pages = cache.view(kvh, num_slots // ps, ps * d)
             pages[:, dst] = pages[:, src]
-        for _, page in pairs:
+        for page in moves.dst:
             self._zeroed[page] = 1  # written whole: never zero it
 
     # ------------------------------------------------------------------ CPU offload
-    def _swap_out(self, pairs: list[tuple[int, ...]]) -> None:
+    def _swap_out(self, moves: PageMoves) -> None:
         """Copy device pages into host slots (the pages may be reused right after)."""
-        offload.swap_out(self, pairs)
+        offload.swap_out(self, moves)
 
-    def _swap_in(self, pairs: list[tuple[int, ...]]) -> None:
+    def _swap_in(self, moves: PageMoves) -> None:
         """Copy host slots back into (fresh) device pages."""
-        offload.swap_in(self, pairs)
+        offload.swap_in(self, moves)

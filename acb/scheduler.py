@@ -1,7 +1,8 @@
 """Which tokens of which sequences run in the next step. Plain Python over plain data.
 
-The whole decision is a list of rows ``(sequence, start, num_tokens)``: prefill,
-chunked prefill and decode are the same thing with different ``num_tokens``.
+The whole decision is a columnar ``StepPlan`` (acb.step) of rows ``(sequence, start,
+num_tokens)`` with their tokens and page tables: prefill, chunked prefill and decode
+are the same thing with different ``num_tokens``.
 A step may be planned while the previous one still runs (async batching): a
 sequence's last token may then be *in flight* (sampled on the device, not yet
 seen here), and its row takes that token from the previous step's output.
@@ -11,9 +12,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from .kv_cache import RECYCLED, HostPool, KVCacheManager, chain_hash
+from .step import PageMoves, StepPlan
 
 
 @dataclass(slots=True, eq=False)
@@ -48,6 +49,10 @@ class Sequence:
     # n > 1: the other choices of the request, forked from this one when its prompt is
     # prefilled (they share its pages; see Scheduler._fork)
     forks: list[Sequence] | None = None
+    # the plan that last sampled it and the index of its row among that plan's sampled
+    # rows: a row carrying its in-flight token takes it from there on the device
+    sampled_plan: int = -1
+    sampled_row: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -66,45 +71,6 @@ class Sequence:
         if start >= np_:
             return self.output_ids[start - np_ : stop - np_]
         return self.prompt_ids[start:] + self.output_ids[: stop - np_]
-
-
-class Row(NamedTuple):
-    """The fields of one row of a plan, in order; its sequence is ``StepPlan.seqs`` at
-    the same index. Plans hold rows as plain tuples (``Row(*row)`` names them): exact
-    tuples of ints, which CPython's GC stops tracking at its first look, so the rows
-    of the plans in flight (one per live request) never reach its old generation. A
-    NamedTuple instance it never untracks."""
-
-    start: int  # first position computed by this row
-    num_tokens: int
-    sample: bool  # the row reaches the end of the sequence: sample its next token
-    carry: bool  # the row's last input token is in flight from the previous step
-    epoch: int
-
-
-@dataclass(slots=True)
-class StepPlan:
-    rows: list[tuple[int, int, bool, bool, int]]  # Row's fields, by position
-    preempted: list[Sequence]
-    index: int = 0
-    seqs: list[Sequence] = field(default_factory=list)  # the sequence of each row
-    # CPU offload, done by the runner before the forward, swap-outs first:
-    # (device page, host slot[, sliding page or -1]) and (host slot, device page[, sliding page or -1]):
-    # hybrid models offload an entry's sliding-layer page with it, when it has one
-    swap_out: list[tuple[int, ...]] = field(default_factory=list)
-    swap_in: list[tuple[int, ...]] = field(default_factory=list)
-    offloaded: list[Sequence] = field(default_factory=list)  # whose swap-outs this step does
-    # copy-on-write, before the forward: (source page, fresh page) for a shared partial
-    # page that a row is about to write into
-    copy_pages: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(r[1] for r in self.rows)
-
-    def items(self) -> zip:
-        """(sequence, row tuple) pairs, in row order."""
-        return zip(self.seqs, self.rows, strict=True)
 
 
 class Scheduler:
@@ -147,7 +113,7 @@ class Scheduler:
         # Hybrid models: the sliding layers' page pool (``sliding_window`` is then theirs);
         # None when every layer slides (the block table itself is recycled) or none does.
         self.kv_swa = kv_swa
-        self._pending_swap_out: list[tuple[int, ...]] = []
+        self._pending_swap_out = PageMoves()
         self._pending_offloaded: list[Sequence] = []
         self.plan_index = 0
         # first-page hash -> the running sequence computing that page: requests that
@@ -202,7 +168,7 @@ class Scheduler:
         self.plan_index += 1
         if self.host_pool is not None:
             self.host_pool.end_plan()
-        plan = StepPlan(rows=[], preempted=[], index=self.plan_index)
+        plan = StepPlan(index=self.plan_index)
         budget = self.max_batch_tokens
         if self.policy == "prefill_first":
             budget = self._admit(plan, budget)
@@ -210,14 +176,14 @@ class Scheduler:
         else:
             budget = self._continue_running(plan, budget)
             self._admit(plan, budget)
-        for seq, (_, num_tokens, sample, _, _) in plan.items():
+        for seq, num_tokens, sample in zip(plan.seqs, plan.input.counts(), plan.input.sample, strict=True):
             seq.num_computed += num_tokens
             if sample:
                 seq.num_inflight += 1
-        if plan.rows and self._pending_swap_out:
+        if plan.seqs and self._pending_swap_out:
             # Swap-outs ride on the next step that runs: the runner copies the pages
             # out before that step's forward, the first thing that could overwrite them.
-            plan.swap_out, self._pending_swap_out = self._pending_swap_out, []
+            plan.input.swap_out, self._pending_swap_out = self._pending_swap_out, PageMoves()
             plan.offloaded, self._pending_offloaded = self._pending_offloaded, []
         return plan
 
@@ -226,13 +192,30 @@ class Scheduler:
             return 0  # its last token is in flight; it finishes when that arrives
         return seq.num_tokens - seq.num_computed
 
-    def _add_row(self, plan: StepPlan, seq: Sequence, n: int) -> None:
-        end = seq.num_computed + n
+    def _add_row(self, plan: StepPlan, seq: Sequence, n: int, start: int | None = None) -> None:
+        """Append ``seq``'s row of ``n`` tokens from ``start`` (default: its next token to
+        compute) to ``plan``, its tokens and page tables included."""
+        start = seq.num_computed if start is None else start
+        end = start + n
         sample = end == seq.num_tokens
+        carry_from = -1
+        if sample and seq.num_inflight > 0:  # its last token is in flight: a placeholder here
+            tokens = seq.token_at(start, end - 1)
+            tokens.append(0)
+            if seq.sampled_plan == plan.index - 1:
+                carry_from = seq.sampled_row
+        else:
+            tokens = seq.token_at(start, end)
+        npages = self.kv.pages_for(end)
         plan.seqs.append(seq)
-        plan.rows.append((seq.num_computed, n, sample, sample and seq.num_inflight > 0, seq.epoch))  # a Row
-        if sample and seq.forks and seq.num_generated == 0:
-            self._fork(plan, seq, end)
+        plan.epochs.append(seq.epoch)
+        plan.input.add_row(tokens, start, seq.block_table[:npages], carry_from, sample, seq.swa_table[:npages])
+        if sample:
+            seq.sampled_plan = plan.index
+            seq.sampled_row = plan.num_sampled
+            plan.num_sampled += 1
+            if seq.forks and seq.num_generated == 0:
+                self._fork(plan, seq, end)
 
     def _fork(self, plan: StepPlan, leader: Sequence, end: int) -> None:
         """The leader's prompt is computed by this row: its other choices take references
@@ -246,8 +229,7 @@ class Scheduler:
             seq.num_cached_prompt_tokens = leader.num_cached_prompt_tokens
             seq.status = "running"
             self._insert_running(seq)
-            plan.seqs.append(seq)
-            plan.rows.append((end, 0, True, False, seq.epoch))
+            self._add_row(plan, seq, 0, end)
         leader.forks = None
 
     def _copy_on_write(self, seq: Sequence, plan: StepPlan) -> None:
@@ -259,7 +241,7 @@ class Scheduler:
         page = seq.block_table[i]
         if page >= 0 and self.kv.refcount[page] > 1:
             fresh = self.kv.allocate(1)[0]
-            plan.copy_pages.append((page, fresh))
+            plan.input.copy_pages.add(page, fresh)
             self.kv.release([page])
             seq.block_table[i] = fresh
 
@@ -273,7 +255,7 @@ class Scheduler:
     def _continue_running(self, plan: StepPlan, budget: int) -> int:
         scheduled: set[int] = {id(seq) for seq in plan.seqs}
         for seq in list(self.running):
-            if budget <= 0 or len(plan.rows) >= self.max_requests:
+            if budget <= 0 or len(plan.seqs) >= self.max_requests:
                 break
             if seq.status != "running" or id(seq) in scheduled:
                 continue
@@ -370,12 +352,17 @@ class Scheduler:
             return False
         slots = iter(host.allocate(len(live)))
         seq.host_table = [RECYCLED if p == RECYCLED else next(slots) for p in entries]
+        out = self._pending_swap_out
         if self.kv_swa is None:
-            self._pending_swap_out.extend(zip(live, (s for s in seq.host_table if s >= 0), strict=True))
+            out.src += live
+            out.dst += (s for s in seq.host_table if s >= 0)
+            out.swa += [-1] * len(live)
         else:  # hybrid: full-attention entries are never recycled; sliding ones may be
             swa = seq.swa_table[: len(entries)]
             seq.host_swa = [p >= 0 for p in swa]
-            self._pending_swap_out.extend(zip(entries, seq.host_table, swa, strict=True))
+            out.src += entries
+            out.dst += seq.host_table
+            out.swa += swa
         self._pending_offloaded.append(seq)
         seq.num_offloaded_tokens = keep
         host.num_offloads += 1
@@ -389,21 +376,25 @@ class Scheduler:
         extra = kv.pages_for(seq.num_offloaded_tokens + n) - len(seq.host_table)
         need = len(slots) + extra
         swa_need = sum(seq.host_swa) + extra if seq.host_swa is not None else 0
-        idle = not self.running and not plan.rows
+        idle = not self.running and not plan.seqs
         if not self._fits(need, 0.0 if idle else self.safety_margin * kv.num_pages, swa_need):
             return None
         self.waiting.popleft()
         pages = kv.allocate(need)
         it = iter(pages)
         seq.block_table = [RECYCLED if s < 0 else next(it) for s in seq.host_table]
-        restored = [p for p in seq.block_table if p >= 0]
+        swap_in = plan.input.swap_in
         if seq.host_swa is None:
-            plan.swap_in.extend(zip(slots, restored, strict=True))
+            swap_in.src += slots
+            swap_in.dst += (p for p in seq.block_table if p >= 0)
+            swap_in.swa += [-1] * len(slots)
         else:
             swa_pages = self.kv_swa.allocate(swa_need)
             swa_it = iter(swa_pages)
             seq.swa_table = [next(swa_it) if had else RECYCLED for had in seq.host_swa]
-            plan.swap_in.extend(zip(seq.host_table, seq.block_table, seq.swa_table, strict=True))
+            swap_in.src += seq.host_table
+            swap_in.dst += seq.block_table
+            swap_in.swa += seq.swa_table
             seq.swa_table.extend(swa_pages[sum(seq.host_swa) :])
             seq.host_swa = None
         seq.block_table.extend(pages[len(slots) :])
@@ -421,7 +412,7 @@ class Scheduler:
     def _admit(self, plan: StepPlan, budget: int) -> int:
         kv = self.kv
         margin_pages = self.safety_margin * kv.num_pages
-        while self.waiting and budget > 0 and len(plan.rows) < self.max_requests:
+        while self.waiting and budget > 0 and len(plan.seqs) < self.max_requests:
             seq = self.waiting[0]
             if seq.host_table is not None:
                 left = self._admit_offloaded(plan, seq, budget)
@@ -440,7 +431,7 @@ class Scheduler:
                         break  # FIFO: wait until the leader's page is cached
             n = min(seq.num_tokens - len(matched) * kv.page_size, budget)
             need = kv.pages_for(len(matched) * kv.page_size + n) - len(matched)
-            idle = not self.running and not plan.rows
+            idle = not self.running and not plan.seqs
             # Below the safety margin only running sequences grow; an idle engine
             # still admits, or a request that needs most of the cache would wait forever.
             if not self._fits(need, 0.0 if idle else margin_pages):

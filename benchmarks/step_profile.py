@@ -65,7 +65,7 @@ def instrument(engine: acb.Engine, timers: Timers) -> None:
     execute = runner.execute
 
     def step(s):
-        timers.kind = "prefill" if any(len(row[0]) > 1 for row in s.rows) else "decode"
+        timers.kind = "prefill" if len(s.token_ids) > s.num_rows else "decode"
         return timers.wrap("step", execute)(s)
 
     runner.execute = step

@@ -11,7 +11,8 @@ import torch
 
 from acb import EngineConfig, attention
 from acb.kernels.cpu import fused_kernels, paged_decode_kernel
-from acb.runner import ModelRunner, RowInput, StepInput
+from acb.runner import ModelRunner
+from acb.step import StepInput
 from acb.testing import random_prompts, reference_greedy, tiny_engine, tiny_model
 
 FUSED_ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
@@ -29,7 +30,11 @@ def _runner(model, pages=64, page_size=8):
 
 
 def _logits(runner, forward, rows):
-    input_ids, position_ids, keep, meta = runner._build(StepInput(rows=rows, sampling=None))
+    """The logits of a step of ``rows`` (tokens, start, pages), every row sampled."""
+    step = StepInput()
+    for tokens, start, pages in rows:
+        step.add_row(tokens, start, pages)
+    input_ids, position_ids, keep, meta = runner._build(step)
     attention.set_step(meta)
     try:
         with torch.inference_mode():
@@ -52,13 +57,13 @@ def test_fused_forward_computes_the_models_logits(arch):
             need = (len(p) + 1 + 7) // 8
             pages.append(list(range(next_page, next_page + need)))
             next_page += need
-            rows.append(RowInput(tokens=p, start=0, pages=pages[-1], carry_from=-1, sample=True))
+            rows.append((p, 0, pages[-1]))
         want = _logits(runner, runner.model, rows)
         got = _logits(runner, runner.fused, rows)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         # then a decode step over the cache the prefill wrote
         nxt = want.argmax(-1).tolist()
-        rows = [RowInput(tokens=[t], start=len(p), pages=pg, carry_from=-1, sample=True)
+        rows = [([t], len(p), pg)
                 for t, p, pg in zip(nxt, prompts, pages, strict=True)]
         want = _logits(runner, runner.model, rows)
         got = _logits(runner, runner.fused, rows)

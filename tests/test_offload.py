@@ -15,7 +15,8 @@ from reliability_helpers import PROMPTS, expected, idle_and_free, until
 import acb
 from acb.kv_cache import HostPool, KVCacheManager
 from acb.runner import ModelRunner, kv_bytes_per_token
-from acb.scheduler import Row, Scheduler, Sequence
+from acb.scheduler import Scheduler, Sequence
+from acb.step import PageMoves
 from acb.testing import random_prompts, reference_greedy, tiny_engine, tiny_model
 
 # 24 pages of 4 tokens, no safety margin: any one request fits, the running set does not.
@@ -101,6 +102,14 @@ async def test_cancelling_offloaded_requests_frees_their_host_slots():
         assert done.token_ids == expected(PROMPTS[2], 12)
 
 
+def _moves(*entries: tuple[int, ...]) -> PageMoves:
+    """Page moves from (src, dst[, sliding page]) entries."""
+    moves = PageMoves()
+    for entry in entries:
+        moves.add(*entry)
+    return moves
+
+
 def test_pool_size_follows_the_setting_and_is_capped_at_80_percent_of_available_ram(caplog):
     model = tiny_model("llama")
     per_page = kv_bytes_per_token(model.config, torch.float32) * 16
@@ -127,10 +136,10 @@ def test_runner_swaps_pages_out_and_back_into_other_pages_bit_for_bit():
         ps = runner.page_size
         before = [(k[:, 2 * ps : 4 * ps].clone(), v[:, 5 * ps : 6 * ps].clone())
                   for k, v in zip(runner.k_cache, runner.v_cache, strict=True)]
-        runner._swap_out([(2, 3), (3, 0), (5, 1)])
+        runner._swap_out(_moves((2, 3), (3, 0), (5, 1)))
         for cache in runner.k_cache + runner.v_cache:
             cache[:, : 8 * ps].zero_()
-        runner._swap_in([(3, 6), (0, 7), (1, 0)])
+        runner._swap_in(_moves((3, 6), (0, 7), (1, 0)))
         for (k_want, v_want), k, v in zip(before, runner.k_cache, runner.v_cache, strict=True):
             assert torch.equal(k[:, 6 * ps : 8 * ps], k_want)
             assert torch.equal(v[:, 0:ps], v_want)
@@ -153,22 +162,23 @@ def test_scheduler_offloads_the_victim_and_restores_it_into_fresh_pages():
     while not b.host_table:
         plan = sched.schedule()
         plans.append(plan)
-        for seq, row in plan.items():
-            if Row(*row).sample:
+        for seq, sample in zip(plan.seqs, plan.input.sample, strict=True):
+            if sample:
                 seq.num_inflight = 0
                 seq.output_ids.append(1)
     # b (newest) was offloaded: its known tokens' KV minus the last one, in host slots
     assert b.status == "waiting" and b.num_offloaded_tokens == b.num_tokens - 1
     assert len([s for s in b.host_table if s >= 0]) == kv.pages_for(b.num_offloaded_tokens)
-    swaps = [pair for p in plans for pair in p.swap_out]
+    swaps = [pair for p in plans for pair in p.input.swap_out.entries()]
     assert len(swaps) == len(b.host_table)
     slots = [s for s in b.host_table if s >= 0]
     sched.finish(a)
     plan = sched.schedule()
-    assert plan.seqs == [b] and Row(*plan.rows[0]).num_tokens == 1  # only the last token
-    assert [slot for slot, _ in plan.swap_in] == slots
+    assert plan.seqs == [b] and plan.input.counts() == [1]  # only the last token
+    swap_in = plan.input.swap_in
+    assert swap_in.src == slots
     assert b.host_table is None and b.num_computed == len(b.prompt_ids) + len(b.output_ids)
-    assert [page for _, page in plan.swap_in] == b.block_table[: len(plan.swap_in)]
+    assert swap_in.dst == b.block_table[: len(swap_in)]
     sched.schedule()
     host.check_integrity()
     assert host.num_free == host.num_slots
@@ -186,10 +196,10 @@ def test_runner_swaps_hybrid_entries_with_and_without_a_sliding_page():
         full_before = runner.k_cache[2][:, 1 * ps : 2 * ps].clone(), runner.v_cache[2][:, 4 * ps : 5 * ps].clone()
         swa_before = runner.k_cache[0][:, 3 * ps : 4 * ps].clone()
         # entry 1: full page 1 with sliding page 3; entry 2: full page 4, its sliding page recycled
-        runner._swap_out([(1, 0, 3), (4, 2, -1)])
+        runner._swap_out(_moves((1, 0, 3), (4, 2, -1)))
         for cache in runner.k_cache + runner.v_cache:
             cache[:, : -ps].zero_()
-        runner._swap_in([(0, 6, 2), (2, 7, -1)])
+        runner._swap_in(_moves((0, 6, 2), (2, 7, -1)))
         assert torch.equal(runner.k_cache[2][:, 6 * ps : 7 * ps], full_before[0])
         assert torch.equal(runner.v_cache[2][:, 7 * ps : 8 * ps], full_before[1])
         assert torch.equal(runner.k_cache[0][:, 2 * ps : 3 * ps], swa_before)

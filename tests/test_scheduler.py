@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from acb.kv_cache import HostPool, KVCacheManager
-from acb.scheduler import Row, Scheduler, Sequence
+from acb.scheduler import Scheduler, Sequence
 
 
 def _seq(i, n_prompt, max_new=4):
@@ -18,9 +18,8 @@ def _seq(i, n_prompt, max_new=4):
 def _finish_step(sched, plan, rng=None, eos_p=0.0):
     """Pretend the device ran the plan: append a token per sampled row."""
     done = []
-    for seq, row in plan.items():
-        row = Row(*row)
-        if row.sample and seq.status == "running" and row.epoch == seq.epoch:
+    for seq, sample, epoch in zip(plan.seqs, plan.input.sample, plan.epochs, strict=True):
+        if sample and seq.status == "running" and epoch == seq.epoch:
             seq.num_inflight -= 1
             seq.output_ids.append(7)
             if len(seq.output_ids) >= seq.max_new_tokens or (rng and rng.random() < eos_p):
@@ -38,7 +37,7 @@ def test_budget_splits_a_long_prompt_into_chunks():
     sizes = []
     for _ in range(3):
         plan = s.schedule()
-        sizes.append([(Row(*r).num_tokens, Row(*r).sample) for r in plan.rows])
+        sizes.append(list(zip(plan.input.counts(), plan.input.sample, strict=True)))
         _finish_step(s, plan)
     assert sizes == [[(10, False)], [(10, False)], [(5, True)]]
 
@@ -51,7 +50,7 @@ def test_decodes_go_first_then_new_prefills_fill_the_budget():
     _finish_step(s, s.schedule())
     s.add(b)
     plan = s.schedule()
-    assert [(seq.seq_id, Row(*r).num_tokens) for seq, r in plan.items()] == [("r0", 1), ("r1", 7)]
+    assert [(seq.seq_id, n) for seq, _, n, _, _ in plan.rows()] == [("r0", 1), ("r1", 7)]
 
 
 def test_prefill_first_admits_new_prompts_before_decodes():
@@ -62,7 +61,7 @@ def test_prefill_first_admits_new_prompts_before_decodes():
     _finish_step(s, s.schedule())
     s.add(b)
     plan = s.schedule()
-    assert [(seq.seq_id, Row(*r).num_tokens) for seq, r in plan.items()] == [("r1", 8)]
+    assert [(seq.seq_id, n) for seq, _, n, _, _ in plan.rows()] == [("r1", 8)]
 
 
 def test_request_cap_bounds_rows_per_step():
@@ -70,7 +69,7 @@ def test_request_cap_bounds_rows_per_step():
     s = Scheduler(kv, max_batch_tokens=100, max_requests=3)
     for i in range(5):
         s.add(_seq(i, 2))
-    assert len(s.schedule().rows) == 3
+    assert len(s.schedule()) == 3
 
 
 def test_safety_margin_holds_back_new_prefills_not_decodes():

@@ -20,7 +20,7 @@ import torch
 from http_helpers import free_port
 
 import acb
-from acb.distributed import protocol
+from acb.step import StepInput
 from acb.testing import random_prompts, reference_greedy, tiny_model, tiny_tokenizer
 
 NEW_TOKENS = 12
@@ -155,16 +155,30 @@ def test_non_dividing_size_is_refused_before_any_rank_starts():
     assert _children() == before
 
 
-def test_step_message_round_trips_without_carried_tokens():
-    rows = [((5, 6, 7), 0, (3,), -1, True, None), ((9, 0), 16, (1, 4, 2), 1, True, None),
-            ((0,), 30, (8, -1, 2, 6), 0, False, (4, 5))]
-    message, carry_pos, carry_src = protocol.pack(rows, [(3, 1)], [(0, 7, 2)])
-    assert carry_src == [1, 0] and [message[p] for p in carry_pos] == [0, 0]
+def _columns(step: StepInput) -> dict:
+    return {name: getattr(step, name) for name in ("starts", "carry_from", "sample", "token_ids", "token_offsets",
+                                                   "pages", "page_offsets", "swa_pages", "swa_offsets", "plain",
+                                                   "refresh")} | {
+        name: getattr(step, name).entries() for name in ("swap_out", "swap_in", "copy_pages")}
+
+
+def test_step_input_packs_into_one_int32_tensor_and_back_with_carried_tokens_written_in():
+    step = StepInput(refresh=True)
+    step.add_row([5, 6, 7], 0, [3], swa_pages=[2])
+    step.add_row([9, 0], 16, [1, 4, 2], carry_from=1, swa_pages=[-1, 4, 5])
+    step.add_row([0], 30, [8, -1, 2, 6], carry_from=0, sample=False)
+    step.add_row([], 31, [8, -1, 2, 6])  # a forked choice: no tokens
+    step.swap_out.add(3, 1)
+    step.swap_in.add(0, 7, 2)
+    step.copy_pages.add(5, 9)
+    packed = step.pack()
+    assert packed.dtype == torch.int32 and packed.dim() == 1
+    back = StepInput.unpack(packed)
+    assert _columns(back) == _columns(step) and back.sampling is None
+    assert back.counts() == [3, 2, 1, 0] and back.row_pages(2) == [8, -1, 2, 6] and back.row_swa_pages(1) == [-1, 4, 5]
+    # what rank 0 broadcasts: the placeholders of carried tokens replaced by the sampled ids
+    positions, sources = step.carried_positions()
+    assert sources == [1, 0] and [int(packed[p]) for p in positions] == [0, 0]
     sampled = torch.tensor([41, 42])
-    for p, s in zip(carry_pos, carry_src, strict=True):
-        message[p] = int(sampled[s])
-    back, swap_out, swap_in = protocol.unpack(message)
-    assert [r[0] for r in back] == [(5, 6, 7), (9, 42), (41,)]
-    assert [(r[1], r[2], r[5]) for r in back] == [(r[1], r[2], r[5]) for r in rows]
-    assert all(r[3] == -1 and r[4] is False for r in back)  # the other ranks carry and sample nothing
-    assert swap_out == [(3, 1, -1)] and swap_in == [(0, 7, 2)]
+    packed[positions] = sampled[sources].to(torch.int32)
+    assert StepInput.unpack(packed).token_ids == [5, 6, 7, 9, 42, 41]

@@ -34,7 +34,8 @@ import torch.distributed as dist
 from .. import sizing
 from ..config import EngineConfig
 from ..errors import DeviceError, caused
-from ..runner import ModelRunner, StepInput
+from ..runner import ModelRunner
+from ..step import StepInput
 from . import protocol, sharding
 
 log = logging.getLogger("acb")
@@ -301,9 +302,8 @@ class TPModelRunner(ModelRunner):
         tp = self.tp
         with tp.lock:
             tp.check()
-            message, carry_pos, carry_src = protocol.pack(step.rows, step.swap_out, step.swap_in)
             try:
-                tp.channel.send(message, carry_pos, carry_src, self.prev_sampled)
+                tp.channel.send(step, self.prev_sampled)
                 tp.last_send = time.monotonic()
                 return super()._forward(step)
             except Exception as e:

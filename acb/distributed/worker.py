@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .. import sizing
-from ..runner import ModelRunner, StepInput
+from ..runner import ModelRunner
 from ..sampling import SamplingBatch
 from . import group, protocol, sharding
 
@@ -96,12 +96,13 @@ def _serve(runner: ModelRunner, channel: protocol.Channel) -> None:
     try:
         with torch.inference_mode(), stream:
             while True:
-                op, message = channel.receive()
+                op, step = channel.receive()
                 if op == protocol.OP_STOP:
                     break
                 if op == protocol.OP_STEP:
-                    rows, swap_out, swap_in = protocol.unpack(message)
-                    runner._forward(StepInput(rows, nothing, swap_out, swap_in))
+                    step.sampling = nothing  # rank 0 samples: the others keep no logits
+                    step.sample = [False] * step.num_rows
+                    runner._forward(step)
     finally:
         runner.release()
 

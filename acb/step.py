@@ -1,0 +1,210 @@
+"""One engine step as data: what the scheduler planned (``StepPlan``), what the runner
+executes (``StepInput``) and what comes back (``StepOutput``).
+
+Every type is *columnar*: one flat list per field, row ``i`` of a step being index
+``i`` of each column (token ids and page tables are flat lists cut by offsets). A step
+with a thousand rows holds a dozen lists, not a thousand row objects: lists of ints
+cost CPython's cyclic GC one object each, however long, and nothing is allocated per
+row that could live long enough to reach the GC's old generation (the full collections
+that followed, each over every object torch and transformers keep, made the engine's
+cost per request grow with the number of requests; see benchmarks/overhead.py).
+
+``StepInput`` packs into one flat int32 tensor and back (``pack`` / ``unpack``): the
+message rank 0 of a tensor-parallel engine broadcasts to the other ranks each step.
+Plain data only: no torch at import (``pack`` / ``unpack`` import it when called).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from .sampling import SamplingBatch
+
+
+@dataclass(slots=True, eq=False)
+class PageMoves:
+    """Page copies done before a step's forward, columnar: entry ``i`` copies ``src[i]``
+    to ``dst[i]``, and on hybrid models the entry's sliding-layer page ``swa[i]`` with it
+    (-1: none). Swap-outs copy device pages to host slots, swap-ins host slots to device
+    pages, copy-on-write a shared device page to a fresh one."""
+
+    src: list[int] = field(default_factory=list)
+    dst: list[int] = field(default_factory=list)
+    swa: list[int] = field(default_factory=list)
+
+    def add(self, src: int, dst: int, swa: int = -1) -> None:
+        """Append one entry."""
+        self.src.append(src)
+        self.dst.append(dst)
+        self.swa.append(swa)
+
+    def extend(self, other: PageMoves) -> None:
+        """Append every entry of ``other``."""
+        self.src += other.src
+        self.dst += other.dst
+        self.swa += other.swa
+
+    def entries(self) -> list[tuple[int, int, int]]:
+        """(src, dst, swa) per entry (for tests and logs; the runner reads the columns)."""
+        return list(zip(self.src, self.dst, self.swa, strict=True))
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+
+@dataclass(slots=True, eq=False)
+class StepInput:
+    """What the runner executes: one entry per row in each column. Row ``i`` computes
+    the tokens ``token_ids[token_offsets[i]:token_offsets[i + 1]]`` at positions from
+    ``starts[i]``; its page table (the block-table prefix covering those positions) is
+    ``pages[page_offsets[i]:page_offsets[i + 1]]`` and, on hybrid models, its sliding
+    layers' ``swa_pages[swa_offsets[i]:swa_offsets[i + 1]]``. ``carry_from[i]`` >= 0:
+    the row's last token is a placeholder for the previous step's sampled id at that
+    index (still on the device). ``sample[i]``: the row's last position is sampled
+    (a row of no tokens samples from the row before it: a forked choice). Safe to hand
+    to another thread: nothing here is mutated once the step is launched."""
+
+    starts: list[int] = field(default_factory=list)
+    carry_from: list[int] = field(default_factory=list)
+    sample: list[bool] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    token_offsets: list[int] = field(default_factory=lambda: [0])
+    pages: list[int] = field(default_factory=list)
+    page_offsets: list[int] = field(default_factory=lambda: [0])
+    swa_pages: list[int] = field(default_factory=list)
+    swa_offsets: list[int] = field(default_factory=lambda: [0])
+    sampling: SamplingBatch | None = None  # one entry per sampled row, in row order
+    # before the forward, in this order: swap-outs, swap-ins, copy-on-write
+    swap_out: PageMoves = field(default_factory=PageMoves)
+    swap_in: PageMoves = field(default_factory=PageMoves)
+    copy_pages: PageMoves = field(default_factory=PageMoves)
+    plain: bool = False  # run the model's own forward (no fused forward, compiled forward or graph)
+    refresh: bool = False  # the weights changed: rebuild the fast paths first (ModelRunner.check_model)
+
+    def add_row(self, tokens: Sequence[int], start: int, pages: Sequence[int], carry_from: int = -1,
+                sample: bool = True, swa_pages: Sequence[int] = ()) -> None:
+        """Append one row (``tokens``' last id is a placeholder when ``carry_from`` >= 0)."""
+        self.starts.append(start)
+        self.carry_from.append(carry_from)
+        self.sample.append(sample)
+        self.token_ids += tokens
+        self.token_offsets.append(len(self.token_ids))
+        self.pages += pages
+        self.page_offsets.append(len(self.pages))
+        self.swa_pages += swa_pages
+        self.swa_offsets.append(len(self.swa_pages))
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.starts)
+
+    def counts(self) -> list[int]:
+        """Tokens per row."""
+        o = self.token_offsets
+        return [o[i + 1] - o[i] for i in range(len(o) - 1)]
+
+    def row_tokens(self, i: int) -> list[int]:
+        return self.token_ids[self.token_offsets[i] : self.token_offsets[i + 1]]
+
+    def row_pages(self, i: int) -> list[int]:
+        return self.pages[self.page_offsets[i] : self.page_offsets[i + 1]]
+
+    def row_swa_pages(self, i: int) -> list[int]:
+        return self.swa_pages[self.swa_offsets[i] : self.swa_offsets[i + 1]]
+
+    # ------------------------------------------------------------------ the flat message
+    # header: rows, tokens, pages, sliding pages, swap-outs, swap-ins, copies, flags; then
+    # starts, carry sources, sample flags, the three offset columns (rows + 1 each), token
+    # ids, pages, sliding pages, and the page moves (src, dst, swa columns of each).
+    _HEADER = 8
+
+    def pack(self) -> torch.Tensor:
+        """This step (not its sampling batch) as one flat int32 tensor on the host."""
+        import torch
+
+        moves = (self.swap_out, self.swap_in, self.copy_pages)
+        header = [self.num_rows, len(self.token_ids), len(self.pages), len(self.swa_pages),
+                  *(len(m) for m in moves), self.plain | self.refresh << 1]
+        flat = header + self.starts + self.carry_from + self.sample + self.token_offsets + self.page_offsets \
+            + self.swa_offsets + self.token_ids + self.pages + self.swa_pages
+        for m in moves:
+            flat += m.src + m.dst + m.swa
+        return torch.tensor(flat, dtype=torch.int32)
+
+    def carried_positions(self) -> tuple[list[int], list[int]]:
+        """(positions in ``pack()``'s tensor of the carried placeholder ids, their indexes
+        into the previous step's sampled ids): the sender writes them in on the device."""
+        base = self._HEADER + 6 * self.num_rows + 3
+        o = self.token_offsets
+        rows = [i for i, c in enumerate(self.carry_from) if c >= 0]
+        return [base + o[i + 1] - 1 for i in rows], [self.carry_from[i] for i in rows]
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor | list[int]) -> StepInput:
+        """The step ``pack()`` made (its sampling batch None)."""
+        flat = packed.tolist() if hasattr(packed, "tolist") else list(packed)
+        rows, n_tokens, n_pages, n_swa, n_out, n_in, n_copy, flags = flat[: cls._HEADER]
+        it = _Cursor(flat, cls._HEADER)
+        step = cls(starts=it.take(rows), carry_from=it.take(rows), sample=[bool(s) for s in it.take(rows)],
+                   token_offsets=it.take(rows + 1), page_offsets=it.take(rows + 1), swa_offsets=it.take(rows + 1),
+                   token_ids=it.take(n_tokens), pages=it.take(n_pages), swa_pages=it.take(n_swa),
+                   plain=bool(flags & 1), refresh=bool(flags & 2))
+        step.swap_out, step.swap_in, step.copy_pages = (
+            PageMoves(it.take(n), it.take(n), it.take(n)) for n in (n_out, n_in, n_copy))
+        return step
+
+
+class _Cursor:
+    __slots__ = ("flat", "at")
+
+    def __init__(self, flat: list[int], at: int) -> None:
+        self.flat = flat
+        self.at = at
+
+    def take(self, n: int) -> list[int]:
+        self.at += n
+        return self.flat[self.at - n : self.at]
+
+
+@dataclass(slots=True, eq=False)
+class StepPlan:
+    """The scheduler's decision for one step: the runner's columns (``input``) plus, per
+    row, the sequence it belongs to and that sequence's epoch when planned (a row of an
+    older epoch than its sequence's is stale: preempted since). ``preempted``: the
+    sequences this plan preempted; ``offloaded``: those whose swap-outs it carries."""
+
+    index: int = 0
+    seqs: list[Any] = field(default_factory=list)  # acb.scheduler.Sequence per row
+    epochs: list[int] = field(default_factory=list)
+    input: StepInput = field(default_factory=StepInput)
+    preempted: list[Any] = field(default_factory=list)
+    offloaded: list[Any] = field(default_factory=list)
+    num_sampled: int = 0  # rows that sample (StepOutput's length)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed by the whole step."""
+        return len(self.input.token_ids)
+
+    def rows(self) -> Iterator[tuple[Any, int, int, bool, int]]:
+        """(sequence, start, tokens, sampled, epoch) per row, for readers that want rows."""
+        inp = self.input
+        return zip(self.seqs, inp.starts, inp.counts(), inp.sample, self.epochs, strict=True)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What a step returns, one entry per sampled row in row order."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_ids: list[list[int]] | None = None  # per sampled row: the k most likely tokens
+    top_logprobs: list[list[float]] | None = None  # and their logprobs
