@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from . import attention
+from .kernels.cpu_linear import pad_rows, padded_rows
 
 log = logging.getLogger("acb")
 
@@ -138,7 +139,9 @@ class FusedForward:
         binary = linear.binary
         x = self.embed(input_ids[0])  # [T, hidden]
         total = x.shape[0]
-        cos, sin = self.rotary(x.unsqueeze(0), position_ids)
+        rows = padded_rows(total)  # the GEMMs run on zero-padded rows (see acb.kernels.cpu_linear)
+        x = pad_rows(x, rows)
+        cos, sin = self.rotary(x[:total].unsqueeze(0), position_ids)
         cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, head_dim]
         for layer in self.layers:
             d = layer.head_dim
@@ -147,8 +150,9 @@ class FusedForward:
             kk = linear(h, *layer.k, "none", [], "")
             v = linear(h, *layer.v, "none", [], "")
             if layer.q_norm is not None:  # Qwen3: RMSNorm over each head, before RoPE
-                q = k.rms_norm(q.view(-1, d), *layer.q_norm).view(total, -1)
-                kk = k.rms_norm(kk.view(-1, d), *layer.k_norm).view(total, -1)
+                q = k.rms_norm(q.view(-1, d), *layer.q_norm).view(rows, -1)
+                kk = k.rms_norm(kk.view(-1, d), *layer.k_norm).view(rows, -1)
+            q, kk, v = q[:total], kk[:total], v[:total]  # contiguous views: the padding stays out of the cache
             k.rope_(q, cos, sin, d)
             k.rope_(kk, cos, sin, d)
             a, _ = attention.paged_attention(
@@ -158,11 +162,12 @@ class FusedForward:
                 v.view(total, layer.kv_heads, d).transpose(0, 1).unsqueeze(0),
                 None, scaling=layer.scaling, sliding_window=layer.window,
             )
-            x = self._add_projection(a.view(total, -1), x, layer.o)
+            x = self._add_projection(pad_rows(a.view(total, -1), rows), x, layer.o)
             h = k.rms_norm(x, *layer.ln2)
             g = linear(h, *layer.gate, "swish", [], "")
             m = binary(h, g, *layer.up, "mul")
             x = self._add_projection(m, x, layer.down)
+        x = x[:total]
         if isinstance(logits_to_keep, int):  # transformers' convention: the last N rows, 0 = all
             x = x[-logits_to_keep:] if logits_to_keep else x
         elif logits_to_keep is not None:

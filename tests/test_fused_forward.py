@@ -195,3 +195,45 @@ def test_native_prefill_attention_declines_what_it_does_not_cover():
     out = torch.zeros(10, 2, 24)
     assert not kernel.prefill_attention(q, k, v, torch.tensor([[0, 10, 0, 0]]), out, 0.2, 0.0, 0)
     assert not out.any()
+
+
+def test_padded_rows_bounds_the_row_counts_and_the_padding():
+    from acb.kernels.cpu_linear import padded_rows
+
+    assert len({padded_rows(m) for m in range(1, 2049)}) == 40  # not 2048 oneDNN primitives
+    assert [padded_rows(m) for m in (1, 8, 9, 16, 17, 33, 65, 129, 2048)] == [1, 8, 10, 16, 20, 40, 80, 160, 2048]
+    for m in range(1, 5000):
+        assert m <= padded_rows(m) < 1.25 * m and padded_rows(padded_rows(m)) == padded_rows(m)
+
+
+async def test_the_engines_gemms_see_only_padded_row_counts_and_stay_exact(monkeypatch):
+    """oneDNN JIT-compiles and caches a primitive (~0.57 MB) for every row count it is
+    handed: an overloaded server, whose steps have ever-different counts, grew by
+    hundreds of MB. Every oneDNN linear of the fused forward and of the prepacked
+    linears under transformers' forward (a hook forces it) must see a padded count."""
+    from acb.kernels.cpu_linear import padded_rows
+
+    _kernels_or_skip()
+    real = torch.ops.mkldnn._linear_pointwise
+    rows: set[int] = set()
+
+    class Recorder:  # the real op, recording the row count it is handed
+        def __call__(self, x, *args):
+            rows.add(x.numel() // x.shape[-1])
+            return real(x, *args)
+
+        def binary(self, x, other, *args):
+            rows.add(x.numel() // x.shape[-1])
+            return real.binary(x, other, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", Recorder())
+    prompts = random_prompts(20, 3, 30, seed=5)
+    async with tiny_engine(num_blocks=256, page_size=8) as engine:
+        assert engine._runner.fused is not None and engine._runner.prepacked
+        got = await engine.generate_batch(prompts[:9], max_new_tokens=5, ignore_eos=True)  # 9 decode rows
+        layer = engine.model.model.layers[0]
+        with layer.register_forward_hook(lambda *a: None):  # transformers' forward, packed linears
+            got += await engine.generate_batch(prompts[9:], max_new_tokens=5, ignore_eos=True)  # 11 rows
+    for prompt, result in zip(prompts, got, strict=True):
+        assert result.token_ids == reference_greedy(engine.model, prompt, 5)
+    assert rows and sorted(r for r in rows if padded_rows(r) != r) == []  # decode steps of 9 and 11 rows ran at 10, 12

@@ -16,6 +16,15 @@ whose weight was replaced or edited in place since computes with the dense weigh
 engine calls it before the next step; :meth:`acb.Engine.reload_weights` for edits
 made through ``.data``, which PyTorch's version counter does not see).
 ``restore`` puts the original forwards back. ``ACB_CPU_PREPACK=0`` turns this off.
+
+oneDNN builds (JIT-compiles) a primitive for every row count it is handed and keeps
+it in its caches, ~0.57 MB each, up to 1024 of them per cache: with the row count of
+every step different (the batch grows and shrinks, prefill chunks vary), a serving
+process grew by hundreds of MB over minutes and paid a compile for every new count.
+So rows are padded up to :func:`padded_rows` (4 counts per octave: 40 counts up to
+2048, fewer than 25 % more rows, none at those counts) and the padding's output is
+dropped; the fused forward pads a step once, at its start. The caches then fill during
+warm-up and stay put.
 """
 
 from __future__ import annotations
@@ -38,6 +47,23 @@ def available(dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return False
     return True
+
+
+def padded_rows(rows: int) -> int:
+    """The row count a oneDNN linear over ``rows`` rows runs at: ``rows`` up to 8,
+    then rounded up to a quarter of its octave (10, 12, 14, 16, 20, ..., 32, 40, ...,
+    64, 80, ...), so a serving process meets a few dozen counts, never thousands."""
+    step = 1 << max(0, (rows - 1).bit_length() - 3)
+    return -(-rows // step) * step
+
+
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` ([n, k]) with zero rows appended up to ``rows`` (``x`` itself when ``n == rows``)."""
+    if x.shape[0] == rows:
+        return x
+    out = x.new_zeros((rows, x.shape[1]))
+    out[: x.shape[0]] = x
+    return out
 
 
 def stamp(weight: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -70,7 +96,10 @@ class _Packed:
         module = self.module
         if not self.fresh():  # edited since it was packed: the model's own weight, never the copy
             return torch.nn.functional.linear(x, module.weight, module.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, module.bias, "none", [], "")
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.ops.mkldnn._linear_pointwise(pad_rows(rows, padded_rows(rows.shape[0])), self.packed,
+                                                 module.bias, "none", [], "")
+        return out[: rows.shape[0]].view(*x.shape[:-1], out.shape[-1])
 
 
 class Prepacked:
