@@ -260,7 +260,7 @@ class Outputs:
             finish = "eos"
         text = req.detok.push((token,)) if req.detok is not None else ""
         matched = False
-        if params.stop:
+        if self._checks_stop_strings(req):
             text, matched = req.stopper.push(text)
         if matched:
             finish = "stop"  # the text ends before the stop string; nothing more to flush
@@ -284,11 +284,18 @@ class Outputs:
         else:
             self.finish(req, finish, text, [token], lp, alternatives)
 
+    @staticmethod
+    def _checks_stop_strings(req: LiveRequest) -> bool:
+        """Whether stop strings are looked for in the text of the token just taken: not
+        within the first ``min_new_tokens`` tokens (vLLM's ``min_tokens``), whose text goes
+        out unchecked, so a stop string must lie wholly in the text that follows them."""
+        return bool(req.params.stop) and len(req.seq.output_ids) > req.params.min_new_tokens
+
     def flush_text(self, req: LiveRequest) -> str:
         """Text held back by the detokenizer and the stop matcher, for a request that
         ends without a stop-string match."""
         text = req.detok.flush() if req.detok is not None else ""
-        if req.params.stop:
+        if self._checks_stop_strings(req):
             text, matched = req.stopper.push(text)
             if not matched:
                 text += req.stopper.flush()

@@ -219,3 +219,23 @@ async def test_engine_refuses_what_the_vocabulary_cannot_honour():
         with pytest.raises(acb.InvalidRequestError) as e:
             await engine.generate(PROMPTS[0], do_sample=True, temperature=0.0)
         assert e.value.param == "temperature"
+
+
+async def test_min_new_tokens_holds_back_stop_strings():
+    """A stop string in the text of the first ``min_new_tokens`` tokens does not end the
+    request; the next one after them does (vLLM's min_tokens)."""
+    async with tiny_engine() as engine:
+        free = await engine.generate(PROMPTS[0], max_new_tokens=16, ignore_eos=True)
+        needle = next(ch for ch in free.text if ch != "\ufffd" and free.text.count(ch) >= 2)
+
+        def text_of(m: int) -> str:
+            return engine.tokenizer.decode(free.token_ids[:m], skip_special_tokens=True,
+                                           clean_up_tokenization_spaces=False)
+
+        m = next(m for m in range(1, 17) if needle in text_of(m))  # the token that completes the first one
+        early = await engine.generate(PROMPTS[0], max_new_tokens=16, ignore_eos=True, stop=[needle])
+        assert early.finish_reason == "stop" and len(early.token_ids) == m
+        held = await engine.generate(PROMPTS[0], max_new_tokens=16, ignore_eos=True, stop=[needle], min_new_tokens=m)
+    second = free.text.index(needle, len(text_of(m)))
+    assert held.finish_reason == "stop" and held.text == free.text[:second]
+    assert len(held.token_ids) > m and held.token_ids == free.token_ids[: len(held.token_ids)]
