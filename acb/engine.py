@@ -338,15 +338,9 @@ class Engine:
 
     def _check_choices(self, params: SamplingParams) -> None:
         """n > 1 forks choices from one prefilled prompt, all in the step that prefills it."""
-        why = None
         if params.n > self.max_requests:
-            why = f"is more than the rows one step can hold ({self.max_requests}: max_requests_per_batch)"
-        elif self.kv_swa is not None:
-            why = "is not supported for hybrid sliding-window models (two page pools) yet"
-        elif self.config.tensor_parallel_size > 1:
-            why = "is not supported with tensor_parallel_size > 1 yet"
-        if why is not None:
-            raise InvalidRequestError(f"n={params.n} {why}", param="n")
+            raise InvalidRequestError(f"n={params.n} is more than the rows one step can hold ({self.max_requests}: "
+                                      "max_requests_per_batch)", param="n")
 
     def submit(self, prompt: Any, *, request_id: str | None = None, sampling: SamplingParams | None = None,
                **kwargs: Any) -> RequestHandle:

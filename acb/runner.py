@@ -329,7 +329,8 @@ class ModelRunner:
             q0 = t_off[i]
             n = t_off[i + 1] - q0
             if n == 0:  # a forked choice: it samples from the logits of the row before it
-                keep.append(q0 - 1)
+                if step.sample[i]:  # (not on the ranks other than 0 of tensor parallelism: they sample nothing)
+                    keep.append(q0 - 1)
                 continue
             pages = step.pages[p_off[i] : p_off[i + 1]]
             swa_pages = step.swa_pages[s_off[i] : s_off[i + 1]] if swa else None
@@ -512,7 +513,9 @@ class ModelRunner:
         if step.swap_in:
             self._swap_in(step.swap_in)
         if step.copy_pages:
-            self._copy_pages(step.copy_pages)
+            self._copy_pages(step.copy_pages, sliding=False)
+        if step.copy_swa_pages:
+            self._copy_pages(step.copy_swa_pages, sliding=True)
         input_ids, position_ids, keep, meta = self._build(step)
         if self.fault_hook is not None:
             self.fault_hook(self.step_index, "forward")
@@ -568,18 +571,23 @@ class ModelRunner:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def _copy_pages(self, moves: PageMoves) -> None:
-        """Copy-on-write of shared partial pages (forked choices): every layer's K and V
-        of each source page into its fresh page, before this step writes to it."""
+    def _copy_pages(self, moves: PageMoves, sliding: bool) -> None:
+        """Copy-on-write of shared partial pages (forked choices): K and V of each source
+        page into its fresh page, before this step writes to it, in every layer of one
+        page pool (hybrid models: ``sliding`` picks the sliding layers' own pool)."""
         ps = self.page_size
         src = self._tensor(moves.src)
         dst = self._tensor(moves.dst)
-        for cache in (*self.k_cache, *self.v_cache):
-            kvh, num_slots, d = cache.shape
-            pages = cache.view(kvh, num_slots // ps, ps * d)
-            pages[:, dst] = pages[:, src]
+        for layer, caches in enumerate(zip(self.k_cache, self.v_cache, strict=True)):
+            if (layer in self.swa_layers) != sliding:
+                continue
+            for cache in caches:
+                kvh, num_slots, d = cache.shape
+                pages = cache.view(kvh, num_slots // ps, ps * d)
+                pages[:, dst] = pages[:, src]
+        zeroed = self._zeroed_swa if sliding else self._zeroed
         for page in moves.dst:
-            self._zeroed[page] = 1  # written whole: never zero it
+            zeroed[page] = 1  # written whole: never zero it
 
     # ------------------------------------------------------------------ CPU offload
     def _swap_out(self, moves: PageMoves) -> None:

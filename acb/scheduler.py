@@ -225,6 +225,10 @@ class Scheduler:
         for seq in leader.forks:
             seq.block_table = list(leader.block_table)
             self.kv.share(seq.block_table)
+            if self.kv_swa is not None:
+                seq.swa_table = list(leader.swa_table)
+                self.kv_swa.share(seq.swa_table)
+            seq.num_recycled_pages = leader.num_recycled_pages
             seq.num_computed = end
             seq.num_cached_prompt_tokens = leader.num_cached_prompt_tokens
             seq.status = "running"
@@ -234,16 +238,22 @@ class Scheduler:
 
     def _copy_on_write(self, seq: Sequence, plan: StepPlan) -> None:
         """Give ``seq`` its own copy of its partial last page if another sequence holds it
-        too (forked choices), before a row writes into it. The caller counted the page."""
-        if seq.num_computed % self.kv.page_size == 0:
+        too (forked choices), before a row writes into it; on hybrid models its sliding-layer
+        page as well (forks share both, so both are shared). The caller counted the pages."""
+        if not self._shares_partial_page(seq):
             return
         i = seq.num_computed // self.kv.page_size
-        page = seq.block_table[i]
-        if page >= 0 and self.kv.refcount[page] > 1:
-            fresh = self.kv.allocate(1)[0]
-            plan.input.copy_pages.add(page, fresh)
-            self.kv.release([page])
-            seq.block_table[i] = fresh
+        plan.input.copy_pages.add(seq.block_table[i], self._replace_page(self.kv, seq.block_table, i))
+        if self.kv_swa is not None:
+            plan.input.copy_swa_pages.add(seq.swa_table[i], self._replace_page(self.kv_swa, seq.swa_table, i))
+
+    @staticmethod
+    def _replace_page(kv: KVCacheManager, table: list[int], i: int) -> int:
+        """Swap entry ``i`` of ``table`` for a fresh page of ``kv``; the fresh page."""
+        fresh = kv.allocate(1)[0]
+        kv.release([table[i]])
+        table[i] = fresh
+        return fresh
 
     def _shares_partial_page(self, seq: Sequence) -> bool:
         ps = self.kv.page_size

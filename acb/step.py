@@ -79,10 +79,12 @@ class StepInput:
     swa_pages: list[int] = field(default_factory=list)
     swa_offsets: list[int] = field(default_factory=lambda: [0])
     sampling: SamplingBatch | None = None  # one entry per sampled row, in row order
-    # before the forward, in this order: swap-outs, swap-ins, copy-on-write
+    # before the forward, in this order: swap-outs, swap-ins, copy-on-write (hybrid models:
+    # ``copy_swa_pages`` copies the sliding layers' pages within their own pool)
     swap_out: PageMoves = field(default_factory=PageMoves)
     swap_in: PageMoves = field(default_factory=PageMoves)
     copy_pages: PageMoves = field(default_factory=PageMoves)
+    copy_swa_pages: PageMoves = field(default_factory=PageMoves)
     plain: bool = False  # run the model's own forward (no fused forward, compiled forward or graph)
     refresh: bool = False  # the weights changed: rebuild the fast paths first (ModelRunner.check_model)
 
@@ -118,16 +120,17 @@ class StepInput:
         return self.swa_pages[self.swa_offsets[i] : self.swa_offsets[i + 1]]
 
     # ------------------------------------------------------------------ the flat message
-    # header: rows, tokens, pages, sliding pages, swap-outs, swap-ins, copies, flags; then
-    # starts, carry sources, sample flags, the three offset columns (rows + 1 each), token
-    # ids, pages, sliding pages, and the page moves (src, dst, swa columns of each).
-    _HEADER = 8
+    # header: rows, tokens, pages, sliding pages, swap-outs, swap-ins, copies, sliding
+    # copies, flags; then starts, carry sources, sample flags, the three offset columns
+    # (rows + 1 each), token ids, pages, sliding pages, and the page moves (src, dst, swa
+    # columns of each).
+    _HEADER = 9
 
     def pack(self) -> torch.Tensor:
         """This step (not its sampling batch) as one flat int32 tensor on the host."""
         import torch
 
-        moves = (self.swap_out, self.swap_in, self.copy_pages)
+        moves = (self.swap_out, self.swap_in, self.copy_pages, self.copy_swa_pages)
         header = [self.num_rows, len(self.token_ids), len(self.pages), len(self.swa_pages),
                   *(len(m) for m in moves), self.plain | self.refresh << 1]
         flat = header + self.starts + self.carry_from + self.sample + self.token_offsets + self.page_offsets \
@@ -148,14 +151,14 @@ class StepInput:
     def unpack(cls, packed: torch.Tensor | list[int]) -> StepInput:
         """The step ``pack()`` made (its sampling batch None)."""
         flat = packed.tolist() if hasattr(packed, "tolist") else list(packed)
-        rows, n_tokens, n_pages, n_swa, n_out, n_in, n_copy, flags = flat[: cls._HEADER]
+        rows, n_tokens, n_pages, n_swa, n_out, n_in, n_copy, n_copy_swa, flags = flat[: cls._HEADER]
         it = _Cursor(flat, cls._HEADER)
         step = cls(starts=it.take(rows), carry_from=it.take(rows), sample=[bool(s) for s in it.take(rows)],
                    token_offsets=it.take(rows + 1), page_offsets=it.take(rows + 1), swa_offsets=it.take(rows + 1),
                    token_ids=it.take(n_tokens), pages=it.take(n_pages), swa_pages=it.take(n_swa),
                    plain=bool(flags & 1), refresh=bool(flags & 2))
-        step.swap_out, step.swap_in, step.copy_pages = (
-            PageMoves(it.take(n), it.take(n), it.take(n)) for n in (n_out, n_in, n_copy))
+        step.swap_out, step.swap_in, step.copy_pages, step.copy_swa_pages = (
+            PageMoves(it.take(n), it.take(n), it.take(n)) for n in (n_out, n_in, n_copy, n_copy_swa))
         return step
 
 

@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 import acb
 from acb.testing import random_prompts, reference_greedy, tiny_engine, tiny_model
 
 PROMPT = random_prompts(1, 13, 13, seed=5)[0]  # 13 tokens: a partial second page (page_size 8)
+LONG_PROMPT = random_prompts(1, 21, 21, seed=6)[0]
 
 
 def _counting(model):
@@ -34,6 +36,48 @@ async def test_greedy_choices_equal_generate_and_the_prompt_is_prefilled_once(pr
     expected = reference_greedy(model, prompt, 12)
     assert [c.token_ids for c in done.choices] == [expected] * 4
     assert [c.index for c in done.choices] == [0, 1, 2, 3] and done.choices[0] is done
+
+
+def _forced_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    """transformers' logprob of each of ``tokens`` after ``prompt`` and the ones before it."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "mistral"])
+async def test_choices_on_sliding_window_models_share_both_page_pools(arch):
+    """Hybrid models (gemma2/3: the sliding layers have a page pool of their own) fork the
+    sliding pages too and copy both on write; every layer sliding (mistral) forks the
+    recycled block table. The prompt (21 tokens) outgrows the window (8), ends in a
+    partial page and is prefilled in chunks of 5, so the leader recycles pages behind
+    its window before the fork (and the two pools' page ids part ways). Each sampled
+    choice's logprobs are the model's for its own tokens: no choice reads KV another
+    one wrote."""
+    model = tiny_model(arch)
+    counted = _counting(model)
+    config = acb.EngineConfig(num_blocks=64, page_size=4, max_batch_tokens=5, debug_checks=True)
+    engine = acb.Engine(model, config=config)
+    async with engine:
+        chunks = []
+        async for chunk in engine.stream(LONG_PROMPT, n=3, max_new_tokens=14, temperature=1.0, seed=3, logprobs=True,
+                                         ignore_eos=True):
+            chunks.append(chunk)
+            engine.check_integrity()  # both pools: shared pages counted once per holder
+        await asyncio.sleep(0)
+        engine.check_integrity()
+        stats = engine.stats()
+        assert stats.free_blocks == stats.total_blocks
+        assert stats.sliding_free_blocks == stats.sliding_total_blocks
+        assert (stats.sliding_total_blocks == 0) == (arch == "mistral")
+    assert sum(counted) == len(LONG_PROMPT) + 3 * 13  # the prompt once
+    choices = [[c for c in chunks if c.index == i] for i in range(3)]
+    tokens = [[t for c in cs for t in c.token_ids] for cs in choices]
+    assert len({tuple(t) for t in tokens}) == 3
+    for toks, cs in zip(tokens, choices, strict=True):
+        got = [lp for c in cs for lp in c.logprobs]
+        assert got == pytest.approx(_forced_logprobs(model, LONG_PROMPT, toks), abs=1e-3)
 
 
 async def test_sampled_choices_stream_interleaved_and_reproduce_with_a_seed():

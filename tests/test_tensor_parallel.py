@@ -87,6 +87,37 @@ async def test_tp2_greedy_equals_one_rank_and_transformers(arch, monkeypatch):
     assert len({tuple(t) for t in tp_tokens}) > 1  # the reference is varied, so the check can fail
 
 
+async def test_tp2_choices_equal_one_rank():
+    """n > 1 under tensor parallelism: the forks' rows and their copy-on-write copies reach
+    rank 1 (a copy it missed would leave it attending to a page it never wrote). Greedy
+    choices equal transformers'; seeded sampled ones equal one rank's, logprobs included."""
+    model = tiny_model("llama")
+    prompts = random_prompts(2, 13, 21, seed=4)  # partial last pages (page_size 8): copied on write
+    kw = dict(n=3, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    sampled_kw = dict(kw, temperature=1.0, seed=9, logprobs=True)
+
+    async def run(engine: acb.Engine) -> tuple[list, list]:
+        greedy = await asyncio.gather(*(engine.generate(p, **kw) for p in prompts))
+        sampled = await asyncio.gather(*(engine.generate(p, **sampled_kw) for p in prompts))
+        stats = engine.stats()
+        assert stats.free_blocks == stats.total_blocks
+        return ([[c.token_ids for c in done.choices] for done in greedy],
+                [[(c.token_ids, c.logprobs) for c in done.choices] for done in sampled])
+
+    async with acb.Engine(model, config=tp_config(tensor_parallel_size=1, num_blocks=256)) as one:
+        async with acb.Engine(model, config=tp_config(num_blocks=256)) as engine:
+            tp_greedy, tp_sampled = await run(engine)
+        one_greedy, one_sampled = await run(one)
+    for prompt, choices in zip(prompts, tp_greedy, strict=True):
+        assert choices == [reference_greedy(model, prompt, NEW_TOKENS)] * 3
+    assert tp_greedy == one_greedy
+    assert [[t for t, _ in choices] for choices in tp_sampled] == [[t for t, _ in choices] for choices in one_sampled]
+    assert len({tuple(t) for choices in tp_sampled for t, _ in choices}) == 6
+    for tp_choices, one_choices in zip(tp_sampled, one_sampled, strict=True):
+        for (_, tp_lp), (_, one_lp) in zip(tp_choices, one_choices, strict=True):
+            assert tp_lp == pytest.approx(one_lp, abs=1e-4)
+
+
 def _children() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
@@ -159,7 +190,7 @@ def _columns(step: StepInput) -> dict:
     return {name: getattr(step, name) for name in ("starts", "carry_from", "sample", "token_ids", "token_offsets",
                                                    "pages", "page_offsets", "swa_pages", "swa_offsets", "plain",
                                                    "refresh")} | {
-        name: getattr(step, name).entries() for name in ("swap_out", "swap_in", "copy_pages")}
+        name: getattr(step, name).entries() for name in ("swap_out", "swap_in", "copy_pages", "copy_swa_pages")}
 
 
 def test_step_input_packs_into_one_int32_tensor_and_back_with_carried_tokens_written_in():
@@ -171,6 +202,7 @@ def test_step_input_packs_into_one_int32_tensor_and_back_with_carried_tokens_wri
     step.swap_out.add(3, 1)
     step.swap_in.add(0, 7, 2)
     step.copy_pages.add(5, 9)
+    step.copy_swa_pages.add(1, 3)
     packed = step.pack()
     assert packed.dtype == torch.int32 and packed.dim() == 1
     back = StepInput.unpack(packed)
