@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from http_helpers import running_app
 
@@ -74,3 +76,22 @@ async def test_chat_stream_with_continuous_usage(client):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.usage.completion_tokens for c in chunks if c.choices][-1] == 5
     assert chunks[-1].usage.completion_tokens == 5
+
+
+async def test_timeout_s_through_extra_body_ends_with_a_valid_finish_reason():
+    def paced(step: int, stage: str) -> None:  # >= 10 ms a step: 400 tokens never fit in 0.3 s
+        if stage == "forward":
+            time.sleep(0.01)
+
+    app = create_app(tiny_engine(fault_hook=paced), ServerConfig(model_name="tiny"))
+    async with running_app(app, handler_cancellation=True) as url:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
+            kw = dict(model="tiny", max_tokens=400, temperature=0, extra_body={"timeout_s": 0.3, "ignore_eos": True})
+            whole = await client.chat.completions.create(messages=CHAT, **kw)
+            assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens < 400
+            stream = await client.completions.create(prompt="hello", stream=True, **kw)
+            reasons = [c.choices[0].finish_reason async for c in stream if c.choices]
+            assert reasons[-1] == "length"
+            with pytest.raises(openai.BadRequestError) as bad:
+                await client.completions.create(prompt="hello", model="tiny", extra_body={"timeout_s": -2})
+            assert bad.value.body["param"] == "timeout_s"

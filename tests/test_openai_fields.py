@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import aiohttp
 import pytest
@@ -340,3 +341,47 @@ async def test_tokenize_and_detokenize_as_vllm_bench_calls_them(server):
     assert status == 200 and chat["tokens"] == expected.prompt_token_ids
     status, error = await post(session, "/detokenize", {"tokens": [-1]})
     assert status == 400 and error["error"]["param"] == "tokens"
+
+
+# ---------------------------------------------------------------- deadlines
+def _paced(step: int, stage: str) -> None:  # >= 10 ms a step: 400 tokens can never fit in 0.3 s
+    if stage == "forward":
+        time.sleep(0.01)
+
+
+@pytest.fixture
+async def paced_server():
+    app = create_app(tiny_engine(fault_hook=_paced), ServerConfig(model_name="tiny"))
+    async with running_app(app, handler_cancellation=True) as url, aiohttp.ClientSession(base_url=url) as session:
+        yield session, app[ENGINE_KEY]
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+async def test_timeout_s_ends_the_request_with_length_on_the_wire(paced_server, chat):
+    session, engine = paced_server
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    request = {"max_tokens": 400, "temperature": 0, "ignore_eos": True, "timeout_s": 0.3,
+               **({"messages": CHAT} if chat else {"prompt": "hello"})}
+    status, body = await post(session, path, request)
+    assert status == 200, body
+    assert body["choices"][0]["finish_reason"] == "length" and 0 < body["usage"]["completion_tokens"] < 400
+    chunks = await stream(session, path, request)
+    assert chunks[-1] == "[DONE]"
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks[:-1] if c["choices"]]
+    assert reasons[-1] == "length" and reasons.count(None) == len(reasons) - 1
+    assert sum(1 for c in chunks[:-1] if c["choices"]) < 400
+    # the engine itself keeps the reason apart
+    done = await engine.generate("hello", max_new_tokens=400, ignore_eos=True, timeout_s=0.3)
+    assert done.finish_reason == "timeout"
+
+
+@pytest.mark.parametrize("value", [0, -1, "5", True, float("inf")])
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+async def test_a_timeout_s_that_is_not_a_positive_number_is_400_naming_it(server, chat, value):
+    session, _ = server
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"timeout_s": value, **({"messages": CHAT} if chat else {"prompt": "hi"})}
+    async with session.post(path, data=json.dumps(body, allow_nan=True),
+                            headers={"Content-Type": "application/json"}) as resp:
+        status, error = resp.status, await resp.json()
+    assert status == 400 and error["error"]["param"] == "timeout_s", error

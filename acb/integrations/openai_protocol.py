@@ -46,13 +46,17 @@ _COMMON = frozenset({
     "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs", "allowed_token_ids", "bad_words",
     "truncate_prompt_tokens", "return_tokens_as_token_ids", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "structured_outputs", "add_special_tokens", "best_of", "echo",
+    # acb's own
+    "timeout_s",
 }) | _IGNORED
 _COMPLETION_FIELDS = _COMMON | {"prompt", "suffix"}
 _CHAT_FIELDS = _COMMON | {
     "messages", "top_logprobs", "max_completion_tokens", "tools", "tool_choice", "functions", "function_call",
     "modalities", "audio", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
 }
-_FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+# A request ended by its deadline (timeout_s) was cut short by a limit, as "length" is:
+# OpenAI's clients know no other reason for that (vLLM reports its own limits as "length").
+_FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "timeout": "length"}
 # Engine keyword -> the wire field it came from, for errors the engine raises.
 _WIRE_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs": "logprobs"}
 _MAX_LOGPROBS = 20
@@ -354,6 +358,7 @@ def _engine_keywords(body: dict, chat: bool, limits: Limits, n: int,
         "min_new_tokens": _int(body, "min_tokens", 0) or None,
         "logit_bias": _logit_bias(body),
         "n": n if n > 1 else None,
+        "timeout_s": _float(body, "timeout_s", 0.0, open_low=True),
     }
     if (sampling["min_new_tokens"] or 0) > max_tokens:
         raise _bad("min_tokens", f"({sampling['min_new_tokens']}) must be at most {limit_name} ({max_tokens})")
