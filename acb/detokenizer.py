@@ -17,9 +17,12 @@ from collections.abc import Sequence
 
 
 class Detokenizer:
-    def __init__(self, tokenizer) -> None:
+    """Text deltas of a growing list of ids: ``ids`` (by default its own) is read, never
+    copied, so a request's generated ids live in one list, its sequence's."""
+
+    def __init__(self, tokenizer, ids: list[int] | None = None) -> None:
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
+        self.ids: list[int] = [] if ids is None else ids
         self.prefix_offset = 0
         self.read_offset = 0
 
@@ -27,7 +30,13 @@ class Detokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def push(self, new_ids: Sequence[int]) -> str:
+        """Append ``new_ids`` to ``ids``; the text they complete (see ``step``)."""
         self.ids.extend(new_ids)
+        return self.step()
+
+    def step(self) -> str:
+        """The text the ids appended since the last call complete (held back while it
+        ends in an incomplete UTF-8 sequence)."""
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):

@@ -15,6 +15,7 @@ thread between awaits, so a cancel can never race a step's bookkeeping.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import itertools
 import logging
 import time
@@ -41,11 +42,12 @@ from .eventloop import LoopHandle
 from .handle import ChunkStream, RequestHandle
 from .inputs import generation_defaults, prepare, sampling_params, tokenize
 from .kv_cache import HostPool, KVCacheManager
-from .outputs import Choices, LiveRequest, Outputs
+from .live import Choices, LiveRequest, sampling_batch
+from .outputs import Outputs
 from .progress import BatchProgress, check_progress
 from .request import ChoicesMailbox, Completion, EngineStats, Mailbox, Outcome
 from .runner import ModelRunner, PendingOutput
-from .scheduler import Scheduler, Sequence
+from .scheduler import FORKING, Scheduler
 from .step import StepOutput, StepPlan
 from .structured import Grammars
 
@@ -72,6 +74,26 @@ def _place(model: torch.nn.Module, config: EngineConfig) -> None:
     if config.dtype not in (None, "auto") and param.dtype != getattr(torch, config.dtype):
         log.info("acb: casting the model to %s (EngineConfig.dtype)", config.dtype)
         model.to(getattr(torch, config.dtype))
+
+
+class EngineState(enum.Enum):
+    """The engine's lifecycle. ``start()``: STOPPED -> RUNNING. ``stop()``: RUNNING ->
+    DRAINING (the loop finishes what it holds; a hard stop fails it) -> STOPPED; a device
+    failure drains too, and a crashed loop stops at once. ``aclose()``: STOPPED -> CLOSED,
+    for good. ``Engine._transition`` is the only place the state changes."""
+
+    STOPPED = "stopped"
+    RUNNING = "running"
+    DRAINING = "draining"
+    CLOSED = "closed"
+
+
+_TRANSITIONS = {
+    EngineState.STOPPED: frozenset({EngineState.RUNNING, EngineState.CLOSED}),
+    EngineState.RUNNING: frozenset({EngineState.DRAINING, EngineState.STOPPED}),
+    EngineState.DRAINING: frozenset({EngineState.STOPPED}),
+    EngineState.CLOSED: frozenset(),
+}
 
 
 class Engine:
@@ -130,7 +152,7 @@ class Engine:
             policy=self.config.scheduler, safety_margin=self.config.effective_safety_margin,
             sliding_window=self.layout.sliding_window, host_pool=self.host_pool, kv_swa=self.kv_swa,
         )
-        self._out = Outputs(self.scheduler, self.eos_token_ids, self.vocab_size)
+        self._out = Outputs(self.scheduler)
         self._grammars = Grammars(tokenizer, self.vocab_size, self.eos_token_ids)
         self._live = self._out.live  # request id -> LiveRequest
         self._runner: ModelRunner | None = None
@@ -139,7 +161,7 @@ class Engine:
         self._task: Any = None  # the asyncio task of the loop (trio: None, a system task)
         self._finished: anyio.Event | None = None  # set when the loop task has ended
         self._wakeup: anyio.Event | None = None
-        self._state = "stopped"  # stopped | running | draining | closed
+        self._state = EngineState.STOPPED  # changed by _transition only
         self._hard = False
         self._arrivals = itertools.count()
         self._steps = 0
@@ -176,7 +198,7 @@ class Engine:
         """Start the engine loop on the running event loop, asyncio or trio (allocates
         the KV cache the first time)."""
         self._check_not_closed()
-        if self._state in ("running", "draining"):
+        if self._state in (EngineState.RUNNING, EngineState.DRAINING):
             return
         if self._tp is not None and self._tp.error is not None:
             raise EngineStoppedError(self._stop_reason or f"the engine stopped: {self._tp.error}")
@@ -196,7 +218,7 @@ class Engine:
         self._finished = self._loop.Event()
         self._hard = False
         self._stop_reason = None
-        self._state = "running"
+        self._transition(EngineState.RUNNING)
         self._task = self._loop.spawn(self._run, "acb-engine")
 
     async def stop(self, hard: bool = False) -> None:
@@ -204,9 +226,9 @@ class Engine:
         now; every unfinished request raises ``EngineStoppedError``. After ``aclose()``
         it raises ``EngineClosedError``."""
         self._check_not_closed()
-        if self._state not in ("running", "draining"):
+        if self._state not in (EngineState.RUNNING, EngineState.DRAINING):
             return
-        self._state = "draining"
+        self._transition(EngineState.DRAINING)
         if hard:
             self._hard = True
             error = EngineStoppedError("the engine was stopped (hard stop)")
@@ -215,12 +237,12 @@ class Engine:
         self._wakeup.set()
         await self._finished.wait()  # cancelling this wait leaves the loop draining
         self._task = None
-        self._state = "stopped"
+        self._transition(EngineState.STOPPED)
 
     async def aclose(self) -> None:
         """Graceful stop, then release the model runner's memory and the worker thread.
         The engine cannot be used afterwards."""
-        if self._state == "closed":
+        if self._state is EngineState.CLOSED:
             return
         await self.stop()
         if self._runner is not None:
@@ -238,7 +260,14 @@ class Engine:
             self._executor = None
         if self._tp is not None:
             self._tp.close()  # every other rank exits
-        self._state = "closed"
+        self._transition(EngineState.CLOSED)
+
+    def _transition(self, to: EngineState) -> None:
+        """Move the lifecycle to ``to`` (staying put is allowed); RuntimeError for a move
+        the lifecycle does not have."""
+        if to is not self._state and to not in _TRANSITIONS[self._state]:
+            raise RuntimeError(f"acb engine: no transition from {self._state.value} to {to.value}")
+        self._state = to
 
     async def __aenter__(self) -> Engine:
         await self.start()
@@ -250,7 +279,7 @@ class Engine:
     @property
     def is_running(self) -> bool:
         """True between ``start()`` and ``stop()``: the engine admits requests."""
-        return self._state == "running" and (self._tp is None or self._tp.error is None)
+        return self._state is EngineState.RUNNING and (self._tp is None or self._tp.error is None)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -260,14 +289,14 @@ class Engine:
 
     # ------------------------------------------------------------------ submission
     def _check_not_closed(self) -> None:
-        if self._state == "closed":
+        if self._state is EngineState.CLOSED:
             raise EngineClosedError("the engine is closed")
 
     def _check_accepting(self) -> None:
         self._check_not_closed()
         if self._tp is not None and self._tp.error is not None:
             raise EngineStoppedError(self._stop_reason or f"the engine stopped: {self._tp.error}")
-        if self._state != "running":
+        if self._state is not EngineState.RUNNING:
             raise EngineStoppedError(
                 self._stop_reason or "the engine is not running: call `await engine.start()` first")
 
@@ -303,10 +332,8 @@ class Engine:
 
     def _live_request(self, key: str, ids: list[int], params: SamplingParams, matcher: Any,
                       mailbox: Mailbox | None) -> LiveRequest:
-        seq = Sequence(key, ids, params.max_new_tokens, arrival=next(self._arrivals))
-        future = Outcome(self._loop.Event)
-        stop_ids = frozenset(params.stop_token_ids)
-        req = LiveRequest(key, seq, params, mailbox, future, self.tokenizer, stop_ids, self.eos_token_ids, matcher)
+        req = LiveRequest.create(key, ids, params, mailbox, Outcome(self._loop.Event), self.tokenizer,
+                                 self.eos_token_ids, matcher, next(self._arrivals))
         self._out.add(req)
         return req
 
@@ -328,7 +355,7 @@ class Engine:
         group = Choices(request_id, members, mailbox, Outcome(self._loop.Event))
         for req in members:
             req.group = group
-            req.seq.status = "forking"
+            req.seq.status = FORKING
         leader = members[0].seq
         leader.forks = [m.seq for m in members[1:]]
         self._out.groups[request_id] = group
@@ -486,7 +513,7 @@ class Engine:
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             total_blocks=kv.num_pages, free_blocks=kv.num_free, cached_blocks=kv.num_cached,
             used_blocks=kv.num_used, prefix_hit_rate=kv.hit_rate, steps=self._steps,
-            generated_tokens=self._out.generated, preemptions=self.scheduler.num_preemptions,
+            generated_tokens=self.scheduler.num_generated_tokens, preemptions=self.scheduler.num_preemptions,
             page_size=self.page_size, max_batch_tokens=self.max_batch_tokens,
             host_blocks=host.num_slots if host else 0, offloaded_blocks=host.num_used if host else 0,
             offloads=host.num_offloads if host else 0, restores=host.num_restores if host else 0,
@@ -514,7 +541,7 @@ class Engine:
                     plan = self.scheduler.schedule()
                     if plan.seqs:
                         step = plan.input
-                        step.sampling = self._out.sampling(plan)
+                        step.sampling = sampling_batch(plan, self._live, self.vocab_size)
                         step.plain = hooked is not None
                         step.refresh = refresh
                         controls = step.sampling.controls
@@ -538,7 +565,7 @@ class Engine:
                     masks.fill()
                 inflight = launched
                 if inflight is None:
-                    if self._state == "draining" and not self._live:
+                    if self._state is EngineState.DRAINING and not self._live:
                         break
                     if not self.scheduler.has_work():
                         if self.config.debug_checks:
@@ -559,7 +586,7 @@ class Engine:
                 log.exception("acb engine loop crashed")
             error = caused(RequestFailedError(f"the engine loop failed: {e!r}"), e)
             self._out.fail_all(lambda req: error)
-            self._state = "stopped"
+            self._transition(EngineState.STOPPED)
             if isinstance(e, cancelled):
                 raise
         finally:
@@ -574,7 +601,7 @@ class Engine:
                     for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
                         self.scheduler.finish(seq)
                     if self._stop_reason is not None:  # ended by a device failure, not by stop()
-                        self._state = "stopped"
+                        self._transition(EngineState.STOPPED)
             finally:
                 self._finished.set()  # stop() waits for this
 
@@ -598,7 +625,7 @@ class Engine:
             self._out.step_failed(plan, e)
             return
         self._steps += 1
-        self._out.apply(plan, out)
+        self._out.deliver(self.scheduler.update(plan, out), out)
 
     def _check_model(self) -> tuple[str | None, bool]:
         """Has the model changed since the last step (hooks, forwards, weights)? When it
@@ -639,7 +666,7 @@ class Engine:
         self._stop_reason = f"the engine stopped after a device failure: {error}"
         self._out.fail_all(lambda req: caused(
             RequestFailedError(f"request {req.request_id} failed: {error}", req.request_id), error))
-        self._state = "draining"
+        self._transition(EngineState.DRAINING)
         self._hard = True
 
     def check_integrity(self) -> None:

@@ -10,21 +10,39 @@ seen here), and its row takes that token from the previous step's output.
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from dataclasses import dataclass, field
 
 from .kv_cache import RECYCLED, HostPool, KVCacheManager, chain_hash
-from .step import PageMoves, StepPlan
+from .step import PageMoves, StepOutput, StepPlan, StepUpdate
+
+
+class SeqStatus(enum.Enum):
+    """Where a sequence is: queued (new, or preempted), running (it has pages and rows),
+    finished (its pages released), or forking (a choice of an n > 1 request waiting for
+    its first choice to prefill the prompt it shares)."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FORKING = "forking"
+
+
+WAITING, RUNNING, FINISHED, FORKING = SeqStatus
 
 
 @dataclass(slots=True, eq=False)
 class Sequence:
-    """The scheduler's view of one request."""
+    """The scheduler's view of one request: its tokens (the generated ones stored here
+    only), pages and progress. ``Scheduler`` owns it."""
 
     seq_id: str
     prompt_ids: list[int]
     max_new_tokens: int
     arrival: int = 0
+    stop_ids: frozenset[int] = frozenset()  # sampled, these end it with "stop"
+    eos_ids: frozenset[int] = frozenset()  # and these with "eos" (empty with ignore_eos)
     output_ids: list[int] = field(default_factory=list)
     num_inflight: int = 0  # sampled tokens not yet seen on the host (0 or 1)
     num_computed: int = 0  # tokens whose KV is written or being written
@@ -33,7 +51,7 @@ class Sequence:
     num_registered_pages: int = 0
     last_page_hash: int | None = None
     epoch: int = 0  # bumped on preemption: rows of older epochs are stale
-    status: str = "waiting"  # waiting | running | finished
+    status: SeqStatus = SeqStatus.WAITING
     num_preemptions: int = 0
     num_recycled_pages: int = 0  # leading block-table entries given back (sliding window)
     # Hybrid models (some layers slide, some do not): the sliding layers' pages, from
@@ -109,6 +127,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0  # computed tokens thrown away by preemption
+        self.num_generated_tokens = 0  # tokens taken into sequences by update()
         self.host_pool = host_pool
         # Hybrid models: the sliding layers' page pool (``sliding_window`` is then theirs);
         # None when every layer slides (the block table itself is recycled) or none does.
@@ -122,16 +141,20 @@ class Scheduler:
         self.pending_first_page: dict[int, Sequence] = {}
 
     def add(self, seq: Sequence) -> None:
-        seq.status = "waiting"
+        """Queue a new sequence (with ``forks`` set: the first choice of an n > 1 request)."""
+        seq.status = WAITING
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence) -> None:
-        """Remove a sequence (finished, cancelled or failed) and release its pages."""
-        if seq.status == "running":
+        """Remove a sequence (finished, cancelled or failed) and release its pages. A
+        finished sequence stays finished: finishing it again does nothing."""
+        if seq.status is FINISHED:
+            return
+        if seq.status is RUNNING:
             self.running.remove(seq)
-        elif seq.status == "waiting":
+        elif seq.status is WAITING:
             self.waiting.remove(seq)
-        elif seq.status == "forking":  # a choice cancelled before its fork
+        elif seq.status is FORKING:  # a choice cancelled before its fork
             for leader in self.waiting:
                 if leader.forks and seq in leader.forks:
                     leader.forks.remove(seq)
@@ -141,7 +164,7 @@ class Scheduler:
         if seq.forks:  # its other choices are not forked yet: the next one prefills for them
             heir, *rest = seq.forks
             heir.forks = rest or None
-            heir.status = "waiting"
+            heir.status = WAITING
             self.waiting.appendleft(heir)
             seq.forks = None
         self.kv.release(seq.block_table)
@@ -149,7 +172,64 @@ class Scheduler:
         self._release_swa(seq)
         seq.num_recycled_pages = 0
         self.drop_offload(seq)
-        seq.status = "finished"
+        seq.status = FINISHED
+
+    def update(self, plan: StepPlan, out: StepOutput) -> StepUpdate:
+        """Take a finished step's sampled tokens into its sequences: each row still
+        current (not finished or preempted since ``plan`` was made) registers the full
+        pages it completed for prefix hits, and each sampled one appends its token and
+        ends its sequence on a stop token, EOS or its length (releasing its pages)."""
+        update = StepUpdate()
+        kv = self.kv
+        inp = plan.input
+        register = kv.enable_prefix_caching
+        j = -1
+        for i, seq in enumerate(plan.seqs):
+            sample = inp.sample[i]
+            j += sample
+            if seq.status is not RUNNING or plan.epochs[i] != seq.epoch:
+                continue  # finished, cancelled or preempted since this step was planned
+            if register:
+                done = inp.starts[i] + inp.token_offsets[i + 1] - inp.token_offsets[i]
+                if done // kv.page_size > seq.num_registered_pages:
+                    seq.num_registered_pages, seq.last_page_hash = kv.register_full_pages(
+                        seq.block_table, seq.token_at(0, done), seq.num_registered_pages, seq.last_page_hash, done)
+            if sample:
+                token = out.token_ids[j]
+                seq.num_inflight -= 1
+                seq.output_ids.append(token)
+                self.num_generated_tokens += 1
+                reason = None
+                if token in seq.stop_ids:
+                    reason = "stop"
+                elif token in seq.eos_ids:
+                    reason = "eos"
+                elif len(seq.output_ids) >= seq.max_new_tokens:
+                    reason = "length"
+                update.add(seq, j, reason)
+                if reason is not None:
+                    self.finish(seq)
+        return update
+
+    def step_failed(self, plan: StepPlan) -> tuple[list[Sequence], list[Sequence]]:
+        """A step raised: the sequences that fail with it, (those it computed rows of,
+        still current; those restored since from the offloaded KV it produced). A failed
+        step may have left garbage in KV that preempted sequences offloaded (their last
+        rows ran in it) or may not have done its swap-outs: such a sequence still
+        waiting is recomputed instead."""
+        failed = [seq for seq, epoch in zip(plan.seqs, plan.epochs, strict=True)
+                  if seq.status is RUNNING and epoch == seq.epoch]
+        restored: list[Sequence] = []
+        if self.host_pool is not None:
+            suspects = {id(s): s for s in plan.offloaded}
+            suspects.update((id(seq), seq) for seq, epoch in zip(plan.seqs, plan.epochs, strict=True)
+                            if epoch != seq.epoch)
+            for seq in suspects.values():
+                if seq.host_table is not None:
+                    self.drop_offload(seq)
+                elif seq.status is RUNNING and seq.restored_plan > plan.index:
+                    restored.append(seq)
+        return failed, restored
 
     def drop_offload(self, seq: Sequence) -> None:
         """Forget a preempted sequence's offloaded KV (it will be recomputed)."""
@@ -231,7 +311,7 @@ class Scheduler:
             seq.num_recycled_pages = leader.num_recycled_pages
             seq.num_computed = end
             seq.num_cached_prompt_tokens = leader.num_cached_prompt_tokens
-            seq.status = "running"
+            seq.status = RUNNING
             self._insert_running(seq)
             self._add_row(plan, seq, 0, end)
         leader.forks = None
@@ -267,7 +347,7 @@ class Scheduler:
         for seq in list(self.running):
             if budget <= 0 or len(plan.seqs) >= self.max_requests:
                 break
-            if seq.status != "running" or id(seq) in scheduled:
+            if seq.status is not RUNNING or id(seq) in scheduled:
                 continue
             n = min(self._tokens_wanted(seq), budget)
             if n <= 0:
@@ -281,7 +361,7 @@ class Scheduler:
                 self._preempt(victim, plan)
                 if victim is seq:
                     break
-            if seq.status != "running":
+            if seq.status is not RUNNING:
                 continue
             if cow:
                 self._copy_on_write(seq, plan)
@@ -346,7 +426,7 @@ class Scheduler:
         seq.last_page_hash = None
         seq.epoch += 1
         seq.num_preemptions += 1
-        seq.status = "waiting"
+        seq.status = WAITING
         self.num_preemptions += 1
         # Victims are taken newest first, so appendleft keeps arrival order.
         self.waiting.appendleft(seq)
@@ -414,7 +494,7 @@ class Scheduler:
         seq.host_table = None
         seq.num_offloaded_tokens = 0
         seq.restored_plan = self.plan_index
-        seq.status = "running"
+        seq.status = RUNNING
         self._insert_running(seq)
         self._add_row(plan, seq, n)
         return budget - n
@@ -459,7 +539,7 @@ class Scheduler:
             self._allocate(seq, need)
             if first_hash is not None:
                 self.pending_first_page[first_hash] = seq
-            seq.status = "running"
+            seq.status = RUNNING
             self._insert_running(seq)
             self._add_row(plan, seq, n)
             budget -= n
@@ -469,7 +549,7 @@ class Scheduler:
         owner = self.pending_first_page.get(first_hash)
         if owner is None:
             return False
-        if owner.status == "running" and owner.num_registered_pages == 0:
+        if owner.status is RUNNING and owner.num_registered_pages == 0:
             return True
         del self.pending_first_page[first_hash]  # cached now, or its owner left
         return False

@@ -211,3 +211,29 @@ class StepOutput:
     logprobs: list[float] | None
     top_ids: list[list[int]] | None = None  # per sampled row: the k most likely tokens
     top_logprobs: list[list[float]] | None = None  # and their logprobs
+
+
+@dataclass(slots=True, eq=False)
+class StepUpdate:
+    """What a finished step did to its sequences, as ``Scheduler.update`` reports it to
+    the output side: one entry per sampled token taken into its sequence (rows that were
+    stale by then are left out), in row order: the sequence, the index of the token in
+    the ``StepOutput``, and why the sequence finished with it (``"stop"``: a stop token,
+    ``"eos"``, ``"length"``; None: it goes on). A finished sequence's pages are already
+    released."""
+
+    seqs: list[Any] = field(default_factory=list)
+    samples: list[int] = field(default_factory=list)
+    reasons: list[str | None] = field(default_factory=list)
+
+    def add(self, seq: Any, sample: int, reason: str | None) -> None:
+        self.seqs.append(seq)
+        self.samples.append(sample)
+        self.reasons.append(reason)
+
+    def finished(self) -> list[tuple[Any, str]]:
+        """(sequence, reason) of each sequence this step finished."""
+        return [(s, r) for s, r in zip(self.seqs, self.reasons, strict=True) if r is not None]
+
+    def __len__(self) -> int:
+        return len(self.seqs)

@@ -15,8 +15,8 @@ from reliability_helpers import PROMPTS, expected, idle_and_free, until
 import acb
 from acb.kv_cache import HostPool, KVCacheManager
 from acb.runner import ModelRunner, kv_bytes_per_token
-from acb.scheduler import Scheduler, Sequence
-from acb.step import PageMoves
+from acb.scheduler import WAITING, Scheduler, Sequence
+from acb.step import PageMoves, StepOutput
 from acb.testing import random_prompts, reference_greedy, tiny_engine, tiny_model
 
 # 24 pages of 4 tokens, no safety margin: any one request fits, the running set does not.
@@ -154,20 +154,12 @@ def test_scheduler_offloads_the_victim_and_restores_it_into_fresh_pages():
     a, b = Sequence("a", list(range(8)), 20, arrival=0), Sequence("b", list(range(8)), 20, arrival=1)
     sched.add(a)
     sched.add(b)
-    sched.schedule()  # both prefill: 2 pages each
-    for seq in (a, b):  # their sampled tokens arrive
-        seq.num_inflight = 0
-        seq.output_ids.append(1)
     plans = []
-    while not b.host_table:
-        plan = sched.schedule()
-        plans.append(plan)
-        for seq, sample in zip(plan.seqs, plan.input.sample, strict=True):
-            if sample:
-                seq.num_inflight = 0
-                seq.output_ids.append(1)
+    while not b.host_table:  # both prefill (2 pages each), then decode until b is preempted
+        plans.append(sched.schedule())
+        sched.update(plans[-1], StepOutput([1] * plans[-1].num_sampled, None))  # their sampled tokens arrive
     # b (newest) was offloaded: its known tokens' KV minus the last one, in host slots
-    assert b.status == "waiting" and b.num_offloaded_tokens == b.num_tokens - 1
+    assert b.status is WAITING and b.num_offloaded_tokens == b.num_tokens - 1
     assert len([s for s in b.host_table if s >= 0]) == kv.pages_for(b.num_offloaded_tokens)
     swaps = [pair for p in plans for pair in p.input.swap_out.entries()]
     assert len(swaps) == len(b.host_table)

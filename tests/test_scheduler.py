@@ -8,25 +8,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from acb.kv_cache import HostPool, KVCacheManager
-from acb.scheduler import Scheduler, Sequence
+from acb.scheduler import FINISHED, RUNNING, WAITING, Scheduler, Sequence
+from acb.step import StepOutput
+
+EOS = 2
 
 
 def _seq(i, n_prompt, max_new=4):
-    return Sequence(f"r{i}", list(range(100 * i, 100 * i + n_prompt)), max_new, arrival=i)
+    return Sequence(f"r{i}", list(range(100 * i, 100 * i + n_prompt)), max_new, arrival=i, eos_ids=frozenset({EOS}))
 
 
 def _finish_step(sched, plan, rng=None, eos_p=0.0):
-    """Pretend the device ran the plan: append a token per sampled row."""
-    done = []
-    for seq, sample, epoch in zip(plan.seqs, plan.input.sample, plan.epochs, strict=True):
-        if sample and seq.status == "running" and epoch == seq.epoch:
-            seq.num_inflight -= 1
-            seq.output_ids.append(7)
-            if len(seq.output_ids) >= seq.max_new_tokens or (rng and rng.random() < eos_p):
-                done.append(seq)
-    for seq in done:
-        sched.finish(seq)
-    return done
+    """Pretend the device ran the plan: token 7 per sampled row (EOS with probability
+    ``eos_p``), taken in by ``Scheduler.update``; the sequences it finished."""
+    tokens = [EOS if rng and rng.random() < eos_p else 7 for _ in range(plan.num_sampled)]
+    return [seq for seq, _ in sched.update(plan, StepOutput(tokens, None)).finished()]
 
 
 def test_budget_splits_a_long_prompt_into_chunks():
@@ -123,10 +119,11 @@ def test_random_workloads_finish_without_leaking_pages(seed, num_pages, budget, 
             n = rng.randint(1, 20)
             m = rng.randint(1, 8)
             if n + m <= capacity:
-                seq = Sequence(f"r{len(seqs)}", [rng.randrange(3) for _ in range(n)], m, arrival=len(seqs))
+                seq = Sequence(f"r{len(seqs)}", [rng.randrange(3) for _ in range(n)], m, arrival=len(seqs),
+                               eos_ids=frozenset({EOS}))
                 seqs.append(seq)
                 s.add(seq)
-        live = [q for q in seqs if q.status != "finished"]
+        live = [q for q in seqs if q.status is not FINISHED]
         if live and rng.random() < 0.05:
             s.finish(rng.choice(live))  # a cancel
         plan = s.schedule() if s.has_work() else None
@@ -138,13 +135,13 @@ def test_random_workloads_finish_without_leaking_pages(seed, num_pages, budget, 
         elif plan is not None:
             _finish_step(s, plan, rng, 0.1)
         for q in seqs:
-            if q.status == "running" and q.num_computed > 0:
+            if q.status is RUNNING and q.num_computed > 0:
                 assert len(q.block_table) * page_size >= q.num_computed
-        kv.check_integrity([q.block_table for q in seqs if q.status != "finished"])
+        kv.check_integrity([q.block_table for q in seqs if q.status is not FINISHED])
         if kv_swa is not None:
-            kv_swa.check_integrity([q.swa_table for q in seqs if q.status != "finished"])
+            kv_swa.check_integrity([q.swa_table for q in seqs if q.status is not FINISHED])
             for q in seqs:
-                if q.status == "running":
+                if q.status is RUNNING:
                     assert len(q.swa_table) == len(q.block_table)
                     live = [p for p in q.swa_table if p >= 0]
                     assert len(live) <= -(-(8 + budget) // page_size) + 1  # the window and a chunk
@@ -152,14 +149,14 @@ def test_random_workloads_finish_without_leaking_pages(seed, num_pages, budget, 
             host.check_integrity(q.host_table for q in seqs if q.host_table)
             for q in seqs:
                 if q.host_table is not None:
-                    assert q.status == "waiting" and 0 < q.num_offloaded_tokens < q.num_tokens
+                    assert q.status is WAITING and 0 < q.num_offloaded_tokens < q.num_tokens
         if not s.has_work() and len(seqs) >= 12 and pending is None:
             break
     if pending is not None:
         _finish_step(s, pending)
     while s.has_work():
         _finish_step(s, s.schedule())
-    assert all(q.status == "finished" for q in seqs)
+    assert all(q.status is FINISHED for q in seqs)
     assert kv.num_free == num_pages
     kv.check_integrity([])
     if kv_swa is not None:
