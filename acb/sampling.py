@@ -151,25 +151,46 @@ def process(logits: torch.Tensor, c: Controls, prev_sampled: torch.Tensor | None
 def _penalize(scores: torch.Tensor, c: Controls, prev_sampled: torch.Tensor | None) -> torch.Tensor:
     """Repetition penalty over each row's whole history (transformers'
     RepetitionPenaltyLogitsProcessor), then presence and frequency penalties over its
-    output tokens (OpenAI's definition, as vLLM applies them)."""
+    output tokens (OpenAI's definition, as vLLM applies them), in place on ``scores``.
+
+    Everything is gathered and scattered at the history's positions ([rows, history]),
+    never over the vocabulary: a penalised row costs what its history costs."""
     dev = scores.device
-    rows, vocab = scores.shape
-    width = max(len(h) for h in c.history) + 1
-    # pad with ``vocab``: those counts land in an extra column that is dropped
-    hist = torch.tensor([h + [vocab] * (width - len(h)) for h in c.history], device=dev)
-    carried = [(r, len(h), src) for r, (h, src) in enumerate(zip(c.history, c.carry, strict=True)) if src >= 0]
-    if carried and prev_sampled is not None:
+    # the in-flight token (sampled by the previous step, on the device) goes after the host-known ones
+    carried = [(r, len(h), src) for r, (h, src) in enumerate(zip(c.history, c.carry, strict=True)) if src >= 0] \
+        if prev_sampled is not None else []
+    lengths = [len(h) for h in c.history]
+    for r, _, _ in carried:
+        lengths[r] += 1
+    width = max(lengths)
+    # pad with each row's first token (a repetition rewrites it with the same value; the
+    # frequency and presence weights below are 0 there)
+    hist = torch.tensor([h + h[:1] * (width - len(h)) for h in c.history], device=dev)
+    if carried:
         r, pos, src = (torch.tensor(v, device=dev) for v in zip(*carried, strict=True))
         hist[r, pos] = prev_sampled.index_select(0, src)
-    counts = torch.zeros(rows, vocab + 1, device=dev).scatter_add_(1, hist, torch.ones(hist.shape, device=dev))
-    seen = counts[:, :vocab] > 0
+    seen = scores.gather(1, hist)
     rep = torch.tensor(c.repetition, device=dev).unsqueeze(1)
-    scores = torch.where(seen, torch.where(scores < 0, scores * rep, scores / rep), scores)
-    in_output = torch.arange(width, device=dev).unsqueeze(0) >= torch.tensor(c.num_prompt, device=dev).unsqueeze(1)
-    out_counts = torch.zeros(rows, vocab + 1, device=dev).scatter_add_(1, hist, in_output.float())[:, :vocab]
+    scores.scatter_(1, hist, torch.where(seen < 0, seen * rep, seen / rep))
+    positions = torch.arange(width, device=dev).unsqueeze(0)
+    output = (positions >= torch.tensor(c.num_prompt, device=dev).unsqueeze(1)) & (
+        positions < torch.tensor(lengths, device=dev).unsqueeze(1))
+    # each output token once (at the end of its run in the row's sorted output tokens), with its count
+    vocab = scores.shape[1]
+    tokens, order = torch.where(output, hist, vocab).sort(dim=1, stable=True)
+    first = torch.ones_like(output)
+    first[:, 1:] = tokens[:, 1:] != tokens[:, :-1]
+    first &= tokens < vocab
+    run_start = torch.where(first, positions, 0).cummax(dim=1).values
+    count = (positions - run_start + 1).float()  # occurrences so far in the run: the run's count at its end
+    last = torch.ones_like(output)
+    last[:, :-1] = tokens[:, 1:] != tokens[:, :-1]
+    last &= tokens < vocab
     frequency = torch.tensor(c.frequency, device=dev).unsqueeze(1)
     presence = torch.tensor(c.presence, device=dev).unsqueeze(1)
-    return scores - frequency * out_counts - presence * (out_counts > 0).float()
+    penalty = torch.where(last, frequency * count + presence, 0.0)
+    scores.scatter_add_(1, hist.gather(1, order), -penalty)
+    return scores
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -64,6 +64,31 @@ def test_presence_and_frequency_penalties_count_output_tokens_only():
     assert out[3] == pytest.approx(-0.5 - 0.25)
 
 
+def test_penalties_equal_their_dense_definition_on_random_histories():
+    """Many repeats, uneven lengths, some rows with an in-flight token: the gathered
+    implementation equals the definitions over the whole vocabulary."""
+    g = torch.Generator().manual_seed(4)
+    rows, vocab = 6, 50
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    lengths = torch.randint(1, 30, (rows,), generator=g).tolist()
+    histories = [torch.randint(0, 12, (n,), generator=g).tolist() for n in lengths]
+    num_prompt = [len(h) // 3 for h in histories]
+    carry = [-1, 0, -1, 1, -1, -1]
+    prev = torch.tensor([5, 7])
+    rep = [1.3, 0.8, 1.0, 2.0, 1.1, 1.5]
+    presence = [0.5, 0.0, 1.0, -0.4, 0.3, 0.0]
+    frequency = [0.2, 0.7, 0.0, 0.1, -0.3, 1.0]
+    c = _controls(penalized=list(range(rows)), history=histories, num_prompt=num_prompt, carry=carry,
+                  repetition=rep, presence=presence, frequency=frequency)
+    out = process(logits, c, prev_sampled=prev)
+    for r, h in enumerate(histories):
+        full = h + ([int(prev[carry[r]])] if carry[r] >= 0 else [])
+        ref = RepetitionPenaltyLogitsProcessor(rep[r])(torch.tensor([full]), logits[r:r + 1].clone())[0]
+        counts = torch.bincount(torch.tensor(full[num_prompt[r]:], dtype=torch.long), minlength=vocab).float()
+        ref = ref - frequency[r] * counts - presence[r] * (counts > 0).float()
+        assert torch.allclose(out[r], ref, atol=1e-5), r
+
+
 def test_logit_bias_equals_transformers_sequence_bias():
     torch.manual_seed(1)
     logits = torch.randn(2, 30)
