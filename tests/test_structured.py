@@ -58,6 +58,19 @@ async def test_streamed_constrained_text_is_the_completions():
     jsonschema.validate(json.loads(text), SCHEMA)
 
 
+async def test_a_completed_grammar_ends_the_request_even_with_ignore_eos():
+    """ignore_eos lets EOS through as a token, but once the grammar is complete nothing
+    more would parse: the request ends there ('stop'), its text valid."""
+    async with tiny_engine() as engine:
+        outs = [await engine.generate(p, json_schema=SCHEMA, max_new_tokens=64, ignore_eos=True, temperature=1.0,
+                                      seed=i) for i, p in enumerate(PROMPTS[:3])]
+        regex = await engine.generate(PROMPTS[0], regex=r"[a-c]{2}", max_new_tokens=16, ignore_eos=True)
+    for c in outs:
+        assert c.finish_reason == "stop" and len(c.token_ids) < 64
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+    assert regex.finish_reason == "stop" and re.fullmatch(r"[a-c]{2}", regex.text)
+
+
 async def test_bad_grammars_are_refused_by_name():
     async with tiny_engine() as engine:
         with pytest.raises(acb.InvalidRequestError) as e:
