@@ -1,6 +1,7 @@
 """The engine's own cost per step, with a null model whose forward does no math.
 
     python benchmarks/overhead.py              # 16, 256 and 1024 live requests
+    python benchmarks/overhead.py --controls 0.1   # a tenth of them with every sampling control on
 
 Reports engine steps/s and microseconds of Python per step per live request, so
 the engine's overhead and its growth with load are visible apart from the model.
@@ -46,12 +47,19 @@ class NullModel(torch.nn.Module):
         return SimpleNamespace(logits=torch.zeros(1, n, self.vocab))
 
 
-async def measure(live: int, steps: int, profile: bool) -> dict:
+# every sampling control that runs in the sampling pass (acb/sampling.py), for --controls
+CONTROLS = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3, logit_bias={5: 1.0, 6: -1.0},
+                min_new_tokens=10_000)
+
+
+async def measure(live: int, steps: int, profile: bool, controls: float = 0.0) -> dict:
     config = acb.EngineConfig(num_blocks=live * 8 + 64, page_size=16, max_requests_per_batch=max(live, 1),
                               max_batch_tokens=max(live * 16, 256))
     engine = acb.Engine(NullModel(), config=config)
     async with engine:
-        handles = [engine.submit([1, 2, 3, 4], max_new_tokens=steps + 50, ignore_eos=True) for _ in range(live)]
+        every = round(1 / controls) if controls else 0
+        handles = [engine.submit([1, 2, 3, 4], max_new_tokens=steps + 50, ignore_eos=True,
+                                 **(CONTROLS if every and i % every == 0 else {})) for i in range(live)]
         while engine.stats().running < live or engine.stats().generated_tokens < live:
             await asyncio.sleep(0.001)
         prof = cProfile.Profile() if profile else None
@@ -89,6 +97,8 @@ def main() -> None:
     p.add_argument("--live", default="16,256,1024")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--controls", type=float, default=0.0,
+                   help="share of requests with every sampling control on (penalties, logit_bias, min_new_tokens)")
     p.add_argument("--gc-tuned", action="store_true",
                    help="gc.freeze() and gc.set_threshold(50_000, 20, 100), as `acb serve` does")
     args = p.parse_args()
@@ -99,7 +109,7 @@ def main() -> None:
         gc.set_threshold(50_000, 20, 100)
     print(f"{'live':>6}{'steps/s':>10}{'ms/step':>10}{'us/step/req':>13}{'GC ms/step':>12}{'full GCs':>10}")
     for live in map(int, args.live.split(",")):
-        r = asyncio.run(measure(live, args.steps, args.profile))
+        r = asyncio.run(measure(live, args.steps, args.profile, args.controls))
         print(f"{r['live']:>6}{r['steps_per_s']:>10.1f}{r['ms_per_step']:>10.2f}{r['us_per_step_per_request']:>13.1f}"
               f"{r['gc_ms_per_step']:>12.2f}{r['full_gc_passes']:>10}", flush=True)
 
