@@ -452,7 +452,8 @@ def print_overload(rep: dict[str, Any]) -> None:
         f"overload soak: {rep['minutes']} min at {rep['factor']}x the sustained rate "
         f"({rep['sustained_rps']} -> {rep['offered_rps']} req/s), max_waiting_requests={rep['max_waiting']}",
         f"requests       {rep['sent']} sent: {rep['statuses']}; hangs {rep['hangs']}; unanswered {rep['unanswered']}",
-        f"latency (200s) p50 {rep['latency_s']['p50']} s  p99 {rep['latency_s']['p99']} s  max {rep['latency_s']['max']} s",
+        f"latency (200s) p50 {rep['latency_s']['p50']} s  p99 {rep['latency_s']['p99']} s  "
+        f"max {rep['latency_s']['max']} s",
         f"/health        {rep['health_polls'] - rep['health_failures']}/{rep['health_polls']} answered 200",
         f"server rss MB  start {rss[0] if rss else 0}  peak {max(rss, default=0)}  end {rss[-1] if rss else 0}  "
         f"drift after warm-up {rep['rss_drift_mb']}",
