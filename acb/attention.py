@@ -42,45 +42,94 @@ ATTN_NAME_COMPILED = "acb_paged_compiled"
 _local = threading.local()
 
 
-@dataclass(slots=True)
+KERNEL_PATHS = ("native", "triton", "torch")
+# The kernel modules of the paths that have one, loaded by :func:`load_kernels` (the
+# runner, at construction): step metadata names a path, the attention function looks
+# its module up here.
+KERNELS: dict[str, object] = {}
+
+
+def load_kernels(path: str) -> bool:
+    """Load (build, for ``native``) the kernels of kernel path ``path``; False when they
+    cannot be (``native`` without a compiler). ``torch`` needs none."""
+    if path == "native":
+        from .kernels.cpu import paged_decode_kernel
+
+        module = paged_decode_kernel()
+    elif path == "triton":
+        from .kernels import triton_attention as module
+    else:
+        return True
+    if module is None:
+        return False
+    KERNELS[path] = module
+    return True
+
+
+@dataclass(slots=True, frozen=True)
 class PrefillSpan:
+    """One prefill row of the packed step (a prompt, or a chunk continuing one)."""
+
     q_start: int  # first packed token of this row
     q_end: int
     past: int  # tokens of context before the row (0 = fresh prompt)
-    context_pages: torch.Tensor | None  # pages holding all past + new tokens, when past > 0
-    kernel_row: torch.Tensor | None = None  # [[q_start, q_end, 0, past]] for the native kernel, when past > 0
+    kernel_row: torch.Tensor | None = None  # native path, past > 0: [[q_start, q_end, 0, past]]
 
 
-@dataclass(slots=True)
-class StepAttention:
-    """Per-step attention metadata shared by every layer."""
+@dataclass(slots=True, frozen=True)
+class DecodeRows:
+    """The step's decode rows (one query token each), the same in both page pools."""
+
+    token_idx: torch.Tensor  # [Bd] packed index of each decode row's token
+    lengths: torch.Tensor  # [Bd] context length of each row
+    kernel: str  # "native" / "triton": a kernel reads the pages in place; "torch": gathered, masked
+    padded: bool = False  # a decode-only step padded to a CUDA-graph bucket (acb/cuda_graphs.py)
+    key_pos: torch.Tensor | None = None  # "torch": [1, P * page_size] key positions
+    q_pos: torch.Tensor | None = None  # "torch": [Bd, 1] each query's position (length - 1)
+    valid: torch.Tensor | None = None  # "torch": [Bd, 1, P * page_size] True where a key exists
+
+    @classmethod
+    def build(cls, token_idx: torch.Tensor, lengths: torch.Tensor, width: int, kernel: str, padded: bool = False,
+              key_pos: torch.Tensor | None = None) -> DecodeRows:
+        """The rows' metadata for kernel path ``kernel``, over page tables covering ``width``
+        tokens; PyTorch's path gets its masks (from ``key_pos`` when given: a graph's constant)."""
+        if kernel != "torch":
+            return cls(token_idx, lengths, kernel, padded)
+        if key_pos is None:
+            key_pos = torch.arange(width, device=lengths.device).unsqueeze(0)
+        valid = (key_pos < lengths.unsqueeze(1)).view(lengths.shape[0], 1, width)
+        return cls(token_idx, lengths, kernel, padded, key_pos, (lengths - 1).unsqueeze(1), valid)
+
+
+@dataclass(slots=True, frozen=True)
+class PagePool:
+    """One page pool's view of the step: its KV tensors, where the new tokens go and the
+    rows' page tables. Hybrid models have two pools (full and sliding layers)."""
 
     k_cache: list[torch.Tensor]  # per layer [kv_heads, num_slots, head_dim]
     v_cache: list[torch.Tensor]
     slot_mapping: torch.Tensor  # [T] where each new token's k/v goes
-    decode_token_idx: torch.Tensor | None  # [Bd] packed index of each decode row's token
-    decode_pages: torch.Tensor | None  # [Bd, P] pages of each decode row's context (padded: the zero page)
-    decode_key_pos: torch.Tensor | None  # [1, P * page_size] key positions
-    decode_q_pos: torch.Tensor | None  # [Bd, 1] the query's position (context length - 1)
-    decode_valid: torch.Tensor | None  # [Bd, 1, P * page_size] True where a key exists
-    prefills: list[PrefillSpan]
-    page_size: int = 16
-    decode_lengths: torch.Tensor | None = None  # [Bd] context length of each decode row
-    decode_kernel: object | None = None  # the native decode kernel module, when in use
-    padded: bool = False  # a decode-only step padded to a CUDA-graph bucket (acb/cuda_graphs.py)
-    # Hybrid models: the sliding layers' own view of the step (their page pool's slots and
-    # tables), used by the layers in ``swa_layers``
-    swa: StepAttention | None = None
-    swa_layers: frozenset[int] = frozenset()
-    # float32 CPU: the native prefill kernel, and the fresh prompts' rows for it
-    # ((first, end, first, 0) per prompt: all attended in one call per layer)
-    prefill_kernel: object | None = None
+    decode_pages: torch.Tensor | None = None  # [Bd, P] pages of each decode row's context (padding: zero page)
+    # per prefill span: the pages holding its past and new tokens when past > 0 (not "triton")
+    context_pages: tuple[torch.Tensor | None, ...] = ()
+    triton_prefill: object | None = None  # "triton": acb.kernels.triton_attention.PrefillRows
+
+
+@dataclass(slots=True, frozen=True)
+class StepAttention:
+    """Per-step attention metadata shared by every layer, complete when built (see
+    ``acb.packing``). ``kernel`` names the backend's kernel path (``native``, ``triton``
+    or ``torch``): the attention function takes its modules from :data:`KERNELS`."""
+
+    kernel: str
+    page_size: int
+    pool: PagePool
+    decode: DecodeRows | None = None
+    prefills: tuple[PrefillSpan, ...] = ()
+    # "native": the fresh prompts' rows, (first, end, first, 0) each: all attended in one call per layer
     fresh_spans: torch.Tensor | None = None
-    # the Triton backend: its kernels module, and the step's prefill rows for it
-    # (acb.kernels.triton_attention.PrefillRows); decode rows then use it when
-    # ``decode_kernel`` is set (the block table fits max_blocks_per_request)
-    triton: object | None = None
-    triton_prefill: object | None = None
+    sliding: PagePool | None = None  # hybrid models: the pool of the layers in ``sliding_layers``
+    sliding_layers: frozenset[int] = frozenset()
 
 
 BACKENDS = ("auto", "native", "torch", "triton", "flash_attn")
@@ -248,49 +297,49 @@ def paged_attention(
 ) -> tuple[torch.Tensor, None]:
     meta = current_step()
     layer = module.layer_idx
-    if meta.swa is not None and layer in meta.swa_layers:
-        meta = meta.swa
-    k_cache = meta.k_cache[layer]  # [kv_heads, slots, head_dim]
-    v_cache = meta.v_cache[layer]
+    pool = meta.sliding if meta.sliding is not None and layer in meta.sliding_layers else meta.pool
+    k_cache = pool.k_cache[layer]  # [kv_heads, slots, head_dim]
+    v_cache = pool.v_cache[layer]
     _, num_heads, total, head_dim = query.shape
     kv_heads = key.shape[1]
     groups = num_heads // kv_heads
     if scaling is None:
         scaling = head_dim**-0.5
-    if meta.triton is not None:
-        return _triton_attention(meta, query[0], key[0], value[0], k_cache, v_cache, scaling, sliding_window,
+    if meta.kernel == "triton":
+        return _triton_attention(meta, pool, query[0], key[0], value[0], k_cache, v_cache, scaling, sliding_window,
                                  softcap), None
 
     k_new = key[0]  # [kvh, T, d]
     v_new = value[0]
-    k_cache.index_copy_(1, meta.slot_mapping, k_new.to(k_cache.dtype))
-    v_cache.index_copy_(1, meta.slot_mapping, v_new.to(v_cache.dtype))
+    k_cache.index_copy_(1, pool.slot_mapping, k_new.to(k_cache.dtype))
+    v_cache.index_copy_(1, pool.slot_mapping, v_new.to(v_cache.dtype))
 
     q_all = query[0]  # [H, T, d]
     out = query.new_empty(total, num_heads, head_dim)
 
-    if meta.decode_token_idx is not None:
-        idx = meta.decode_token_idx
-        if meta.decode_kernel is not None and not meta.prefills:
+    decode = meta.decode
+    if decode is not None:
+        idx = decode.token_idx
+        if decode.kernel == "native" and not meta.prefills:
             # a decode-only step: every packed token is a decode row, in order; the
             # kernel reads the queries in place and writes straight into the output
-            _decode_native(meta, q_all.transpose(0, 1).contiguous(), k_cache, v_cache, scaling, sliding_window,
-                           softcap, out)
+            _decode_native(pool, decode, meta.page_size, q_all.transpose(0, 1).contiguous(), k_cache, v_cache,
+                           scaling, sliding_window, softcap, out)
             idx = None
-        elif meta.decode_kernel is not None:  # the runner sets it for float32 CPU models only
-            o = _decode_native(meta, q_all.index_select(1, idx).transpose(0, 1).contiguous(),
+        elif decode.kernel == "native":
+            o = _decode_native(pool, decode, meta.page_size, q_all.index_select(1, idx).transpose(0, 1).contiguous(),
                                k_cache, v_cache, scaling, sliding_window, softcap)
         else:
-            o = _decode_torch(meta, q_all.index_select(1, idx), k_cache, v_cache, kv_heads, scaling,
-                              sliding_window, softcap)
+            o = _decode_torch(pool, decode, meta.page_size, q_all.index_select(1, idx), k_cache, v_cache, kv_heads,
+                              scaling, sliding_window, softcap)
         if idx is not None:
             out.index_copy_(0, idx, o.to(out.dtype))
 
-    kernel = meta.prefill_kernel
+    kernel = KERNELS["native"] if meta.kernel == "native" and meta.prefills else None
     cap = softcap or 0.0
     fresh_done = meta.fresh_spans is not None and kernel.prefill_attention(
         q_all, k_new, v_new, meta.fresh_spans, out, scaling, cap, sliding_window or 0)
-    for span in meta.prefills:
+    for span, context_pages in zip(meta.prefills, pool.context_pages, strict=True):
         qs, qe, past = span.q_start, span.q_end, span.past
         if past == 0 and fresh_done:
             continue
@@ -300,8 +349,8 @@ def paged_attention(
         if past == 0:
             k, v = k_new[:, qs:qe], v_new[:, qs:qe]  # [kvh, n, d]
         else:
-            k = _gather_pages(k_cache, span.context_pages, meta.page_size)[:, 0, :length]
-            v = _gather_pages(v_cache, span.context_pages, meta.page_size)[:, 0, :length]
+            k = _gather_pages(k_cache, context_pages, meta.page_size)[:, 0, :length]
+            v = _gather_pages(v_cache, context_pages, meta.page_size)[:, 0, :length]
             if kernel is not None and kernel.prefill_attention(
                     q_all, k, v, span.kernel_row, out, scaling, cap, sliding_window or 0):
                 continue
@@ -329,25 +378,25 @@ def paged_attention(
     return out.unsqueeze(0), None
 
 
-def _triton_attention(meta: StepAttention, q_all: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                      k_cache: torch.Tensor, v_cache: torch.Tensor, scaling: float, sliding_window: int | None,
-                      softcap: float | None) -> torch.Tensor:
+def _triton_attention(meta: StepAttention, pool: PagePool, q_all: torch.Tensor, k_new: torch.Tensor,
+                      v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scaling: float,
+                      sliding_window: int | None, softcap: float | None) -> torch.Tensor:
     """The Triton backend: q [H, T, d], new k/v [kvh, T, d] -> [1, T, H, d]. Three launches
     per layer (k/v write, decode rows, prefill rows), none per row."""
-    kernels = meta.triton
-    kernels.write_kv(k_new, v_new, k_cache, v_cache, meta.slot_mapping)
+    kernels = KERNELS["triton"]
+    kernels.write_kv(k_new, v_new, k_cache, v_cache, pool.slot_mapping)
     num_heads, total, head_dim = q_all.shape
     out = q_all.new_empty(total, num_heads, head_dim)
-    idx = meta.decode_token_idx
-    if idx is not None and meta.decode_kernel is not None:
-        kernels.paged_decode(q_all, out, k_cache, v_cache, idx, meta.decode_pages, meta.decode_lengths,
+    decode = meta.decode
+    if decode is not None and decode.kernel == "triton":
+        kernels.paged_decode(q_all, out, k_cache, v_cache, decode.token_idx, pool.decode_pages, decode.lengths,
                              meta.page_size, scaling, softcap, sliding_window)
-    elif idx is not None:  # wider than max_blocks_per_request: PyTorch's path
-        o = _decode_torch(meta, q_all.index_select(1, idx), k_cache, v_cache, k_new.shape[0], scaling,
-                          sliding_window, softcap)
-        out.index_copy_(0, idx, o.to(out.dtype))
-    if meta.triton_prefill is not None:
-        kernels.paged_prefill(q_all, out, k_cache, v_cache, meta.triton_prefill, meta.page_size, scaling, softcap,
+    elif decode is not None:  # wider than max_blocks_per_request: PyTorch's path
+        o = _decode_torch(pool, decode, meta.page_size, q_all.index_select(1, decode.token_idx), k_cache, v_cache,
+                          k_new.shape[0], scaling, sliding_window, softcap)
+        out.index_copy_(0, decode.token_idx, o.to(out.dtype))
+    if pool.triton_prefill is not None:
+        kernels.paged_prefill(q_all, out, k_cache, v_cache, pool.triton_prefill, meta.page_size, scaling, softcap,
                               sliding_window)
     return out.unsqueeze(0)
 
@@ -362,30 +411,31 @@ def _prefill_mask(past: int, length: int, sliding_window: int | None, device) ->
     return allowed
 
 
-def _decode_native(meta: StepAttention, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   scaling: float, sliding_window: int | None, softcap: float | None,
+def _decode_native(pool: PagePool, decode: DecodeRows, page_size: int, q: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, scaling: float, sliding_window: int | None, softcap: float | None,
                    o: torch.Tensor | None = None) -> torch.Tensor:
     """q [Bd, H, d] -> [Bd, H, d] (into ``o`` when given), reading keys and values
     straight from their pages."""
     if o is None:
         o = torch.empty_like(q)
-    meta.decode_kernel.paged_decode(q, k_cache, v_cache, meta.decode_pages, meta.decode_lengths, o,
-                                    meta.page_size, scaling, softcap or 0.0, sliding_window or 0)
+    KERNELS["native"].paged_decode(q, k_cache, v_cache, pool.decode_pages, decode.lengths, o, page_size, scaling,
+                                   softcap or 0.0, sliding_window or 0)
     return o
 
 
-def _decode_torch(meta: StepAttention, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  kv_heads: int, scaling: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+def _decode_torch(pool: PagePool, decode: DecodeRows, page_size: int, q: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, kv_heads: int, scaling: float, sliding_window: int | None,
+                  softcap: float | None) -> torch.Tensor:
     """q [H, Bd, d] -> [Bd, H, d] over gathered pages. Batch order is (kv head, row): the
     gathered keys are then one contiguous [kvh * Bd, L, d] batch and no tensor is
     expanded over the query groups."""
     num_heads, bd, head_dim = q.shape
     q = q.view(kv_heads, num_heads // kv_heads, bd, head_dim).transpose(1, 2)
-    k = _gather_pages(k_cache, meta.decode_pages, meta.page_size)
-    v = _gather_pages(v_cache, meta.decode_pages, meta.page_size)
-    allowed = meta.decode_valid  # [Bd, 1, Lmax]
+    k = _gather_pages(k_cache, pool.decode_pages, page_size)
+    v = _gather_pages(v_cache, pool.decode_pages, page_size)
+    allowed = decode.valid  # [Bd, 1, Lmax]
     if sliding_window is not None:
-        in_window = meta.decode_key_pos > meta.decode_q_pos - sliding_window  # [Bd, Lmax]
+        in_window = decode.key_pos > decode.q_pos - sliding_window  # [Bd, Lmax]
         allowed = allowed & in_window.unsqueeze(1)
     o = _attend(q.to(k.dtype), k, v, allowed, scaling, softcap)  # [kvh, Bd, G, d]
     return o.permute(1, 0, 2, 3).reshape(bd, num_heads, head_dim)

@@ -226,7 +226,7 @@ class DecodeGraphs:
     replay. The graphs hold the addresses of the KV cache: drop them with the cache."""
 
     def __init__(self, forward, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], page_size: int,
-                 max_rows: int, config, stream, triton=None, generator=None) -> None:
+                 max_rows: int, config, stream, kernel: str = "torch", generator=None) -> None:
         self.forward = forward
         self.k_cache = k_cache
         self.v_cache = v_cache
@@ -234,7 +234,7 @@ class DecodeGraphs:
         self.max_rows = max_rows
         self.config = config  # the model config, for memory estimates
         self.stream = stream
-        self.triton = triton  # acb.kernels.triton_attention when the runner's backend is Triton
+        self.kernel = kernel  # the runner's kernel path (acb.attention.KERNEL_PATHS), replayed
         self.generator = generator  # sampled rows' noise
         self.pool = None  # one memory pool for every graph, made at the first capture
         self.graphs: dict[tuple[int, int, str | None], _Graph] = {}
@@ -251,7 +251,7 @@ class DecodeGraphs:
         sampling ``mode`` (and its ``params`` on the device, ``[3, rows]``) the sampled
         ids and logprobs ``[rows]`` (logits None), without one the logits ``[rows, vocab]``
         (ids None). None when the step should run eagerly instead."""
-        rows, width = meta.decode_pages.shape
+        rows, width = meta.pool.decode_pages.shape
         key = (rows, width, mode)
         g = self.graphs.get(key)
         if g is None:
@@ -274,11 +274,8 @@ class DecodeGraphs:
         run eagerly. None when they agree, else what went wrong (the capture is dropped)."""
         dev = self.k_cache[0].device
         width = padded_kv_pages(1, kv_interval, self.page_size)
-        meta = attention.StepAttention(
-            k_cache=self.k_cache, v_cache=self.v_cache, slot_mapping=torch.tensor([scratch_slot], device=dev),
-            decode_token_idx=None, decode_pages=torch.full((1, width), null_page, device=dev), decode_key_pos=None,
-            decode_q_pos=None, decode_valid=None, prefills=[], page_size=self.page_size,
-            decode_lengths=torch.ones(1, dtype=torch.long, device=dev))
+        one = torch.ones(1, dtype=torch.long, device=dev)
+        meta = self._decode_step(one * scratch_slot, torch.full((1, width), null_page, device=dev), one, one * 0)
         ids = torch.full((1,), PAD_TOKEN, dtype=torch.long, device=dev)
         positions = torch.zeros(1, dtype=torch.long, device=dev)
         try:
@@ -309,6 +306,15 @@ class DecodeGraphs:
             return False
         return True
 
+    def _decode_step(self, slots: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor, token_idx: torch.Tensor,
+                     key_pos: torch.Tensor | None = None) -> attention.StepAttention:
+        """A decode-only step's metadata over device tensors (a graph's static inputs: no
+        host value depends on the step)."""
+        decode = attention.DecodeRows.build(token_idx, lengths, pages.shape[1] * self.page_size, self.kernel,
+                                            padded=True, key_pos=key_pos)
+        pool = attention.PagePool(self.k_cache, self.v_cache, slots, pages)
+        return attention.StepAttention(self.kernel, self.page_size, pool, decode)
+
     # The three CUDA calls, as methods so a CPU test can stand in for them.
     def _free_memory(self) -> int:
         return torch.cuda.mem_get_info(self.k_cache[0].device)[0]
@@ -331,28 +337,16 @@ class DecodeGraphs:
     def _load(g: _Graph, input_ids, position_ids, meta: attention.StepAttention, params) -> None:
         g.ids.copy_(input_ids)
         g.positions.copy_(position_ids)
-        g.slots.copy_(meta.slot_mapping)
-        g.pages.copy_(meta.decode_pages)
-        g.lengths.copy_(meta.decode_lengths)
+        g.slots.copy_(meta.pool.slot_mapping)
+        g.pages.copy_(meta.pool.decode_pages)
+        g.lengths.copy_(meta.decode.lengths)
         if params is not None:
             g.params.copy_(params)
 
     def _body(self, g: _Graph) -> torch.Tensor:
         """The captured forward: the step's metadata derived from the static inputs on the
         device (no host value depends on the step), then the model."""
-        rows, width = g.pages.shape
-        length = width * self.page_size
-        meta = attention.StepAttention(
-            k_cache=self.k_cache, v_cache=self.v_cache, slot_mapping=g.slots,
-            decode_token_idx=g.token_idx, decode_pages=g.pages, decode_key_pos=None, decode_q_pos=None,
-            decode_valid=None, prefills=[], page_size=self.page_size, decode_lengths=g.lengths,
-            decode_kernel=self.triton, triton=self.triton,
-        )
-        if self.triton is None:  # PyTorch's decode path: masks over the gathered pages
-            meta.decode_key_pos = g.key_pos
-            meta.decode_q_pos = (g.lengths - 1).unsqueeze(1)
-            meta.decode_valid = (g.key_pos < g.lengths.unsqueeze(1)).view(rows, 1, length)
-        attention.set_step(meta)
+        attention.set_step(self._decode_step(g.slots, g.pages, g.lengths, g.token_idx, g.key_pos))
         try:
             out = self.forward(input_ids=g.ids.unsqueeze(0), position_ids=g.positions.unsqueeze(0),
                                attention_mask=None, use_cache=False, logits_to_keep=0)

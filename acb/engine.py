@@ -165,6 +165,7 @@ class Engine:
         self._hard = False
         self._arrivals = itertools.count()
         self._steps = 0
+        self._device_s = 0.0  # the steps' StepOutput.device_s, summed
         self._poll_interval = 0.0002
         self._omp_reset = None
         if self.device.type == "cpu":
@@ -280,6 +281,13 @@ class Engine:
     def is_running(self) -> bool:
         """True between ``start()`` and ``stop()``: the engine admits requests."""
         return self._state is EngineState.RUNNING and (self._tp is None or self._tp.error is None)
+
+    @property
+    def runner(self) -> ModelRunner | None:
+        """The model runner computing this engine's steps: None before ``start()`` and after
+        ``aclose()``. Not part of the stable API: tests reach it through
+        ``acb.testing.runner_of``."""
+        return self._runner
 
     @property
     def worker_pids(self) -> list[int]:
@@ -521,6 +529,7 @@ class Engine:
             sliding_total_blocks=self.kv_swa.num_pages if self.kv_swa else 0,
             sliding_free_blocks=self.kv_swa.num_free if self.kv_swa else 0,
             attn_backend=self._runner.attn_backend if self._runner is not None else self.attn_backend,
+            device_time_s=self._device_s,
         )
 
     # ------------------------------------------------------------------ the loop
@@ -625,6 +634,7 @@ class Engine:
             self._out.step_failed(plan, e)
             return
         self._steps += 1
+        self._device_s += out.device_s
         self._out.deliver(self.scheduler.update(plan, out), out)
 
     def _check_model(self) -> tuple[str | None, bool]:

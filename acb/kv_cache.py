@@ -245,6 +245,19 @@ class HostPool:
     def release_after_plan(self, slots: Iterable[int]) -> None:
         self._releasing.extend(slots)
 
+    def offload(self, n: int) -> list[int]:
+        """Slots for a preempted sequence's ``n`` pages (``OutOfPagesError`` if fewer are
+        free); counted in ``num_offloads``."""
+        slots = self.allocate(n)
+        self.num_offloads += 1
+        return slots
+
+    def restore(self, slots: Iterable[int]) -> None:
+        """A resumed sequence's pages are read back from ``slots``: they are free from the
+        next plan on; counted in ``num_restores``."""
+        self.release_after_plan(slots)
+        self.num_restores += 1
+
     def end_plan(self) -> None:
         if self._releasing:
             self.free_slots.extend(self._releasing)

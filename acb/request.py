@@ -309,6 +309,8 @@ class EngineStats:
         sliding_free_blocks: free pages in that pool.
         attn_backend: the attention backend serving the engine (``native``, ``triton`` or
             ``torch``; see ``EngineConfig.attn_backend``).
+        device_time_s: seconds the steps computed (on CPU the step thread's time in them,
+            on CUDA the device's, timed by events on the runner's stream).
     """
 
     running: int
@@ -331,3 +333,4 @@ class EngineStats:
     sliding_total_blocks: int = 0  # hybrid models: the sliding layers' own page pool (0: none)
     sliding_free_blocks: int = 0
     attn_backend: str = ""  # the attention backend serving the engine: native | triton | torch
+    device_time_s: float = 0.0  # seconds the steps computed (summed StepOutput.device_s)

@@ -7,13 +7,12 @@ the HF model with acb's paged attention, samples, and returns the chosen ids.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections.abc import Sequence
+import time
 
 import torch
 
-from . import attention, compiling, cuda_graphs, offload
+from . import attention, compiling, cuda_graphs, offload, packing
 from .sampling import sample, top_alternatives
 from .step import PageMoves, StepInput, StepOutput
 from .watch import ModelWatch
@@ -24,16 +23,18 @@ log = logging.getLogger("acb")
 class PendingOutput:
     """A step queued on a device stream: the sampled ids land in pinned host memory
     when ``event`` completes. The engine polls ``ready()`` from the event loop (never
-    blocking it) and then takes ``result()``, which no longer waits."""
+    blocking it) and then takes ``result()``, which no longer waits. ``timings`` are
+    (start, end) timing events of the device work it reports (``StepOutput.device_s``)."""
 
-    __slots__ = ("event", "ids", "logprobs", "top")
+    __slots__ = ("event", "ids", "logprobs", "top", "timings")
 
     def __init__(self, event, ids: torch.Tensor, logprobs: torch.Tensor | None,
-                 top: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 top: tuple[torch.Tensor, torch.Tensor] | None = None, timings: list[tuple] = ()) -> None:
         self.event = event
         self.ids = ids
         self.logprobs = logprobs
         self.top = top  # top-logprob ids and values, in pinned host memory
+        self.timings = timings
 
     def ready(self) -> bool:
         return bool(self.event.query())
@@ -41,7 +42,9 @@ class PendingOutput:
     def result(self) -> StepOutput:
         self.event.synchronize()  # a no-op once ready() said so; surfaces device errors (the
         # engine classifies them with errors.as_device_error)
-        return _step_output(self.ids, self.logprobs, self.top)
+        out = _step_output(self.ids, self.logprobs, self.top)
+        out.device_s = sum(start.elapsed_time(end) for start, end in self.timings) / 1e3
+        return out
 
 
 def _step_output(ids: torch.Tensor, logprobs: torch.Tensor | None,
@@ -99,18 +102,14 @@ class ModelRunner:
         # memory would still poison ``weights @ V``: each page is zeroed on first use.
         self._zeroed = bytearray(num_pages)
         self._zeroed_swa = bytearray(swa_pages)
-        # The CPU offload pool: one contiguous [layers, k/v, kv heads, page] block per
-        # slot, so a page moves in one copy (pinned on CUDA, for asynchronous copies).
-        # On CPU it is backed by memory only where written, like the cache.
-        self.host_pool = None
-        if host_pages:
-            self.host_pool = torch.empty(
-                host_pages, num_layers, 2, kv_heads, page_size * head_dim, dtype=self.dtype,
-                pin_memory=self.device.type == "cuda",
-            )
         self.prev_sampled: torch.Tensor | None = None
         self.generator = torch.Generator(device=self.device)
         self.generator.seed()
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._tensor = packing.DeviceIds(self.device)  # host list -> long tensor on the device
+        # the CPU offload pool (EngineConfig.cpu_offload_space), None without one
+        self.offload = offload.HostOffload(host_pages, self.k_cache, self.v_cache, page_size, self._tensor,
+                                           self.swa_layers, swa_pages) if host_pages else None
         attention.register()
         configs = [model.config]
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
@@ -120,22 +119,13 @@ class ModelRunner:
         for c in configs:
             attention.route(c)
         self.fault_hook = None  # test hook: callable(step_index, stage) that may raise
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.decode_kernel = None  # the native CPU kernels' module (backend "native")
-        self.triton = None  # acb.kernels.triton_attention (backend "triton")
-        # the backend serving this runner: "native" | "triton" | "torch" (ValueError if the
-        # requested one cannot run here)
+        # the backend serving this runner, which names its kernel path: "native" | "triton" |
+        # "torch" (ValueError if the requested one cannot run here)
         self.attn_backend = attention.resolve_backend(attn_backend, self.device, self.dtype)
-        if self.attn_backend == "native":
-            from .kernels.cpu import paged_decode_kernel
-
-            self.decode_kernel = paged_decode_kernel()
-            if self.decode_kernel is None:  # could not be built (logged): PyTorch's path
-                self.attn_backend = "torch"
-        elif self.attn_backend == "triton":
-            from .kernels import triton_attention
-
-            self.triton = triton_attention
+        if not attention.load_kernels(self.attn_backend):  # native kernels not built (logged)
+            self.attn_backend = "torch"
+        self.attention = packing.AttentionBuilder(self.attn_backend, page_size, self._tensor, self.k_cache,
+                                                  self.v_cache, num_pages, self.swa_layers, swa_pages)
         log.info("acb attention backend: %s (attn_backend=%r on %s, %s)", self.attn_backend, attn_backend,
                  self.device, self.dtype)
         self._packed = None  # the model's prepacked linears (acb.kernels.cpu_linear.Prepacked)
@@ -148,8 +138,8 @@ class ModelRunner:
         self.max_decode_blocks: int | None = None
         self.fast_decode_steps = 0  # steps whose decode rows ran on the native kernel
         # fast paths, set by configure_fast_paths: compiled forwards, decode padding, CUDA graphs
-        self._varlen_forward = model
-        self._decode_forward = model
+        self.varlen_forward = model
+        self.decode_forward = model
         self.fused = None  # acb.fused.FusedForward, when it stands in for the model's forward
         # tensor parallel: sums a row-parallel projection's partial output over the ranks
         # in place (acb.distributed.sharding.RowReduce); None on a single rank
@@ -162,6 +152,8 @@ class ModelRunner:
         self.watch = ModelWatch(model, self._own_forward)
         self.plain_steps = 0  # steps that ran the model's own forward (a hook, a replaced forward)
         self.carried_steps = 0  # steps fed a token sampled by the step before on the device (overlap)
+        # CUDA: (start, end) timing events of the steps not yet reported in a StepOutput
+        self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     @property
     def prepacked(self) -> bool:
@@ -179,7 +171,7 @@ class ModelRunner:
             log.info("acb attention: decode fast path off (max_blocks_per_request=0); PyTorch decode path")
         varlen, decode = compiling.path_levels(config.compile_level, config.varlen_compile_level,
                                                config.decode_compile_level)
-        self._varlen_forward = self._decode_forward = self.model
+        self.varlen_forward = self.decode_forward = self.model
         self.fused = None
         self._want_fused = not (varlen or decode) and self.prepacked and self.dtype == torch.float32
         self._build_fused()
@@ -189,8 +181,8 @@ class ModelRunner:
 
                 cpu_linear.release(self.model)
                 self._packed = None
-            self._varlen_forward = compiling.compiled_forward(self.model, varlen)
-            self._decode_forward = compiling.compiled_forward(self.model, decode)
+            self.varlen_forward = compiling.compiled_forward(self.model, varlen)
+            self.decode_forward = compiling.compiled_forward(self.model, decode)
             log.info("acb: torch.compile on: varlen path level %d %s, decode path level %d %s", varlen,
                      compiling.compile_kwargs(varlen), decode, compiling.compile_kwargs(decode))
         cuda = self.stream is not None
@@ -248,16 +240,16 @@ class ModelRunner:
         from .kernels.cpu import fused_kernels
 
         self.fused = FusedForward.build(self.model, self._packed, fused_kernels(), self.row_reduce)
-        self._varlen_forward = self._decode_forward = self.fused or self.model
+        self.varlen_forward = self.decode_forward = self.fused or self.model
 
     def _build_graphs(self) -> None:
         """(Re)create the CUDA-graph set (graphs are captured lazily, per bucket): a
         captured graph holds the weights' addresses of its capture."""
         self.decode_graphs = None
         if self._graph_rows and self.decode_padding is not None:  # (None: the self-check failed once)
-            self.decode_graphs = cuda_graphs.DecodeGraphs(self._decode_forward, self.k_cache, self.v_cache,
+            self.decode_graphs = cuda_graphs.DecodeGraphs(self.decode_forward, self.k_cache, self.v_cache,
                                                           self.page_size, self._graph_rows, self.model.config,
-                                                          self.stream, triton=self.triton, generator=self.generator)
+                                                          self.stream, self.attn_backend, generator=self.generator)
             with torch.inference_mode(), torch.cuda.stream(self.stream):
                 self.check_graphs(self._graph_kv_interval)
 
@@ -287,7 +279,8 @@ class ModelRunner:
         self.decode_graphs = None  # they hold the cache's addresses
         self.k_cache = []
         self.v_cache = []
-        self.host_pool = None
+        self.offload = None  # these two hold the cache tensors too
+        self.attention = None
         self.prev_sampled = None
         if self.prepacked:
             from .kernels import cpu_linear
@@ -295,177 +288,50 @@ class ModelRunner:
             cpu_linear.release(self.model)
             self._packed = None
         self.fused = None  # it holds the packed weights
-        self._varlen_forward = self._decode_forward = self.model
+        self.varlen_forward = self.decode_forward = self.model
         for config in self._routed:
             attention.unroute(config)
         self._routed = []
 
     # ------------------------------------------------------------------------------
     def _build(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, attention.StepAttention]:
-        ps = self.page_size
-        dev = self.device
-        tokens = list(step.token_ids)  # a copy: decode padding appends to it
-        positions: list[int] = []
-        slots: list[int] = []
-        keep: list[int] = []
-        carry_pos: list[int] = []
-        carry_src: list[int] = []
-        decode_q: list[int] = []
-        fresh: list[int] = []
-        prefills: list[attention.PrefillSpan] = []
-        swa = bool(self.swa_layers)
-        swa_slots: list[int] = []
-        swa_fresh: list[int] = []
-        swa_ctx: list[torch.Tensor | None] = []
-        lengths: list[int] = []  # decode rows' context lengths and page tables
-        tables: list[Sequence[int]] = []
-        swa_tables: list[Sequence[int] | None] = []
-        triton = self.triton is not None
-        prefill_rows: list[tuple[int, int, int]] = []  # Triton: (first token, tokens, past) per prefill row
-        prefill_tables: list[Sequence[int]] = []
-        swa_prefill_tables: list[Sequence[int] | None] = []
-        t_off, p_off, s_off = step.token_offsets, step.page_offsets, step.swa_offsets
-        for i, start in enumerate(step.starts):
-            q0 = t_off[i]
-            n = t_off[i + 1] - q0
-            if n == 0:  # a forked choice: it samples from the logits of the row before it
-                if step.sample[i]:  # (not on the ranks other than 0 of tensor parallelism: they sample nothing)
-                    keep.append(q0 - 1)
-                continue
-            pages = step.pages[p_off[i] : p_off[i + 1]]
-            swa_pages = step.swa_pages[s_off[i] : s_off[i + 1]] if swa else None
-            carry_from = step.carry_from[i]
-            positions.extend(range(start, start + n))
-            self._place(pages, start, n, self._zeroed, slots, fresh)
-            if swa:
-                self._place(swa_pages, start, n, self._zeroed_swa, swa_slots, swa_fresh)
-            if carry_from >= 0:
-                carry_pos.append(q0 + n - 1)
-                carry_src.append(carry_from)
-            if step.sample[i]:
-                keep.append(q0 + n - 1)
-            if n == 1:
-                decode_q.append(q0)
-                lengths.append(start + 1)
-                tables.append(pages)
-                swa_tables.append(swa_pages)
-            elif triton:  # every prefill row reads its keys through its block table
-                prefill_rows.append((q0, n, start))
-                prefill_tables.append(pages)
-                swa_prefill_tables.append(swa_pages)
-                prefills.append(attention.PrefillSpan(q0, q0 + n, start, None))
-            else:
-                ctx = None
-                if start > 0:
-                    ctx = self._page_table([pages], start + n)
-                    if swa:
-                        swa_ctx.append(self._page_table([swa_pages], start + n, self.swa_pages))
-                elif swa:
-                    swa_ctx.append(None)
-                kernel_row = None
-                if start > 0 and self.decode_kernel is not None:
-                    kernel_row = torch.tensor([[q0, q0 + n, 0, start]], dtype=torch.int64)
-                prefills.append(attention.PrefillSpan(q0, q0 + n, start, ctx, kernel_row))
+        """The step's input ids, positions, kept logits rows and attention metadata."""
+        p = packing.pack(step, self.page_size, self._zeroed, self._zeroed_swa if self.swa_layers else None)
         # decode rows' contexts; a decode-only step may be padded to a graph bucket
-        width = max(lengths, default=0)
-        padded = False
         # (not with forked choices: their rows share the leader's logits row)
-        if self.decode_padding is not None and decode_q and not prefills and len(keep) == len(decode_q):
-            padded_width = self.decode_padding.pad(tokens, positions, slots, decode_q, lengths, tables)
+        width = max(p.lengths, default=0)
+        padded = False
+        if self.decode_padding is not None and p.decode_q and not p.prefill_rows and len(p.keep) == len(p.decode_q):
+            padded_width = self.decode_padding.pad(p.tokens, p.positions, p.slots, p.decode_q, p.lengths, p.tables)
             if padded_width is not None:
                 width, padded = padded_width, True
-        for pages_to_zero, sliding in ((fresh, False), (swa_fresh, True)):
-            if pages_to_zero:
-                idx = self._tensor(pages_to_zero)
-                for layer, (k, v) in enumerate(zip(self.k_cache, self.v_cache, strict=True)):
-                    if (layer in self.swa_layers) == sliding:
-                        for cache in (k, v):
-                            kvh, num_slots, d = cache.shape
-                            cache.view(kvh, num_slots // ps, ps * d).index_fill_(1, idx, 0.0)
-        input_ids = self._tensor(tokens)
+        self._zero_pages(p.fresh, sliding=False)
+        self._zero_pages(p.swa_fresh, sliding=True)
+        input_ids = self._tensor(p.tokens)
         # After a failed step there is nothing to carry: those rows belong to failed
         # requests whose results are dropped, so their placeholder ids stay.
-        if carry_pos and self.prev_sampled is not None:
-            input_ids[self._tensor(carry_pos)] = self.prev_sampled[self._tensor(carry_src)]
+        if p.carry_pos and self.prev_sampled is not None:
+            input_ids[self._tensor(p.carry_pos)] = self.prev_sampled[self._tensor(p.carry_src)]
             self.carried_steps += 1
-        position_ids = self._tensor(positions)
-        meta = attention.StepAttention(
-            k_cache=self.k_cache, v_cache=self.v_cache,
-            slot_mapping=self._tensor(slots),
-            decode_token_idx=None, decode_pages=None, decode_key_pos=None, decode_q_pos=None,
-            decode_valid=None, prefills=prefills, page_size=ps,
-        )
-        if decode_q:
-            meta.padded = padded
-            meta.decode_pages = self._page_table(tables, width)
-            lmax = meta.decode_pages.shape[1] * ps
-            meta.decode_token_idx = self._tensor(decode_q)
-            length_t = self._tensor(lengths)
-            meta.decode_lengths = length_t
-            fits = self.max_decode_blocks is None or meta.decode_pages.shape[1] <= self.max_decode_blocks
-            meta.decode_kernel = (self.triton if triton else self.decode_kernel) if fits else None
-            if meta.decode_kernel is not None:
-                self.fast_decode_steps += 1
-            else:  # PyTorch's decode path: masks over the gathered pages
-                key_pos = torch.arange(lmax, device=dev).unsqueeze(0)
-                meta.decode_key_pos = key_pos
-                meta.decode_q_pos = (length_t - 1).unsqueeze(1)
-                meta.decode_valid = (key_pos < length_t.unsqueeze(1)).view(len(lengths), 1, lmax)
-        if triton:
-            meta.triton = self.triton
-            if prefill_rows:
-                meta.triton_prefill = self._prefill_rows(prefill_rows, prefill_tables)
-        if prefills and self.decode_kernel is not None:
-            meta.prefill_kernel = self.decode_kernel
-            fresh_spans = [(sp.q_start, sp.q_end, sp.q_start, 0) for sp in prefills if sp.past == 0]
-            if fresh_spans:
-                meta.fresh_spans = torch.tensor(fresh_spans, dtype=torch.int64)
-        if swa:
-            # the sliding layers' view of the same step: their own slots and page tables
-            meta.swa = dataclasses.replace(
-                meta, slot_mapping=self._tensor(swa_slots),
-                prefills=prefills if triton else [dataclasses.replace(sp, context_pages=c)
-                                                  for sp, c in zip(prefills, swa_ctx, strict=True)],
-                decode_pages=self._page_table(swa_tables, width, self.swa_pages) if decode_q else None,
-                triton_prefill=self._prefill_rows(prefill_rows, swa_prefill_tables, self.swa_pages)
-                if prefill_rows else None,
-            )
-            meta.swa_layers = self.swa_layers
-        keep_t = self._tensor(keep)
-        return input_ids, position_ids, keep_t, meta
+        meta = self.attention.build(p, self._tensor(p.slots), width, padded, self.max_decode_blocks)
+        if meta.decode is not None and meta.decode.kernel != "torch":
+            self.fast_decode_steps += 1
+        return input_ids, self._tensor(p.positions), self._tensor(p.keep), meta
 
-    def _place(self, table: list[int], start: int, n: int, zeroed: bytearray, slots: list[int],
-               fresh: list[int]) -> None:
-        """Append the slots of positions [start, start + n) under ``table``, and the pages
-        they touch that were never used before (to be zeroed)."""
+    def _zero_pages(self, pages: list[int], sliding: bool) -> None:
+        """Zero pages used for the first time in every layer of their pool."""
+        if pages:
+            idx = self._tensor(pages)
+            for view in self._page_views(sliding):
+                view.index_fill_(1, idx, 0.0)
+
+    def _page_views(self, sliding: bool) -> list[torch.Tensor]:
+        """K and V of every layer of one page pool (hybrid models: ``sliding`` picks the
+        sliding layers'), viewed as [kv heads, pages, page_size * head_dim]."""
         ps = self.page_size
-        slots.extend(table[p // ps] * ps + p % ps for p in range(start, start + n))
-        for page in table[start // ps : (start + n - 1) // ps + 1]:
-            if not zeroed[page]:
-                zeroed[page] = 1
-                fresh.append(page)
-
-    def _prefill_rows(self, rows: list[tuple[int, int, int]], tables: list[Sequence[int]], zero: int | None = None):
-        """The Triton prefill kernel's view of a step's prefill rows (one per page pool)."""
-        from .kernels.triton_attention import PrefillRows
-
-        width = max(start + n for _, n, start in rows)
-        programs = PrefillRows.programs_for([n for _, n, _ in rows])
-        return PrefillRows(self._tensor(rows), self._page_table(tables, width, zero), self._tensor(programs))
-
-    def _tensor(self, values: list) -> torch.Tensor:
-        """Host list -> long tensor on the device; on CUDA through pinned memory, without
-        making the host wait for the copy."""
-        if self.stream is None:
-            return torch.tensor(values, dtype=torch.long)
-        return torch.tensor(values, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
-
-    def _page_table(self, tables: list[list[int]], length: int, zero: int | None = None) -> torch.Tensor:
-        """[B, P] pages covering ``length`` positions per row; the zero page pads."""
-        npages = -(-length // self.page_size)
-        z = self.num_pages if zero is None else zero  # the zero page: padding and recycled pages
-        table = [[p if p >= 0 else z for p in t[:npages]] + [z] * (npages - len(t[:npages])) for t in tables]
-        return self._tensor(table)
+        return [cache.view(cache.shape[0], cache.shape[1] // ps, ps * cache.shape[2])
+                for layer, caches in enumerate(zip(self.k_cache, self.v_cache, strict=True))
+                if (layer in self.swa_layers) == sliding for cache in caches]
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput | PendingOutput:
@@ -474,17 +340,26 @@ class ModelRunner:
         self.step_index += 1
         try:
             if self.stream is None:
-                return self._execute(step)
+                start = time.perf_counter()
+                out = self._execute(step)
+                out.device_s = time.perf_counter() - start
+                return out
             with torch.cuda.stream(self.stream):
+                self._timings.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+                self._timings[-1][0].record(self.stream)
                 return self._execute(step)
         except BaseException:
             self.prev_sampled = None
+            if self._timings:
+                self._timings.pop()  # never recorded its end
             raise
 
     def _execute(self, step: StepInput) -> StepOutput | PendingOutput:
-        logits, sampled = self._forward(step)
+        logits, sampled = self.forward(step)
         if not step.sampling.temperature:
             self.prev_sampled = None
+            if self.stream is not None:  # reported with the next step that samples
+                self._timings[-1][1].record(self.stream)
             return StepOutput([], None)
         if self.fault_hook is not None:
             self.fault_hook(self.step_index, "sample")
@@ -499,19 +374,25 @@ class ModelRunner:
         ids_host = _to_pinned(ids)
         lp_host = _to_pinned(logprobs) if logprobs is not None else None
         top_host = (_to_pinned(top[0]), _to_pinned(top[1])) if top is not None else None
-        event = torch.cuda.Event()
+        timings, self._timings = self._timings, []
+        event = timings[-1][1]
         event.record(self.stream)
-        return PendingOutput(event, ids_host, lp_host, top_host)
+        return PendingOutput(event, ids_host, lp_host, top_host, timings)
 
-    def _forward(self, step: StepInput) -> tuple[torch.Tensor | None, tuple | None]:
+    def forward(self, step: StepInput) -> tuple[torch.Tensor | None, tuple | None]:
         """The step's offload copies and forward: (the logits of its sampled rows [K, vocab],
         None), or (None, (ids, logprobs)) when a CUDA graph sampled them too."""
         if step.refresh:
             self.refresh_weights()
         if step.swap_out:
-            self._swap_out(step.swap_out)
+            self.offload.swap_out(step.swap_out)
         if step.swap_in:
-            self._swap_in(step.swap_in)
+            self.offload.swap_in(step.swap_in)
+            for page in step.swap_in.dst:  # written whole: never zero them
+                self._zeroed[page] = 1
+            for page in step.swap_in.swa:
+                if page >= 0:
+                    self._zeroed_swa[page] = 1
         if step.copy_pages:
             self._copy_pages(step.copy_pages, sliding=False)
         if step.copy_swa_pages:
@@ -520,12 +401,13 @@ class ModelRunner:
         if self.fault_hook is not None:
             self.fault_hook(self.step_index, "forward")
         logits = sampled = None
-        # graphs replay the Triton decode kernel: not for a step max_blocks_per_request sends
-        # to PyTorch's path
-        graphed = self.triton is None or meta.decode_kernel is not None
+        # a padded decode-only step replays its graph, unless max_blocks_per_request sent its
+        # rows from the Triton kernel (what the graphs replay) to PyTorch's path
+        decode = meta.decode
+        graphed = decode is not None and decode.padded and (meta.kernel != "triton" or decode.kernel == "triton")
         if step.plain:
             self.plain_steps += 1
-        elif meta.padded and graphed and self.decode_graphs is not None and step.sampling.temperature:
+        elif graphed and self.decode_graphs is not None and step.sampling.temperature:
             mode = cuda_graphs.sampling_mode(step.sampling)
             out = self.decode_graphs.run(input_ids, position_ids, meta, mode, self._graph_params(step, mode))
             if out is not None:  # padding rows' results are dropped
@@ -539,7 +421,7 @@ class ModelRunner:
             if step.plain:
                 forward = self.model
             else:
-                forward = self._varlen_forward if meta.prefills else self._decode_forward
+                forward = self.varlen_forward if meta.prefills else self.decode_forward
             attention.set_step(meta)
             try:
                 out = forward(
@@ -575,25 +457,10 @@ class ModelRunner:
         """Copy-on-write of shared partial pages (forked choices): K and V of each source
         page into its fresh page, before this step writes to it, in every layer of one
         page pool (hybrid models: ``sliding`` picks the sliding layers' own pool)."""
-        ps = self.page_size
         src = self._tensor(moves.src)
         dst = self._tensor(moves.dst)
-        for layer, caches in enumerate(zip(self.k_cache, self.v_cache, strict=True)):
-            if (layer in self.swa_layers) != sliding:
-                continue
-            for cache in caches:
-                kvh, num_slots, d = cache.shape
-                pages = cache.view(kvh, num_slots // ps, ps * d)
-                pages[:, dst] = pages[:, src]
+        for pages in self._page_views(sliding):
+            pages[:, dst] = pages[:, src]
         zeroed = self._zeroed_swa if sliding else self._zeroed
         for page in moves.dst:
             zeroed[page] = 1  # written whole: never zero it
-
-    # ------------------------------------------------------------------ CPU offload
-    def _swap_out(self, moves: PageMoves) -> None:
-        """Copy device pages into host slots (the pages may be reused right after)."""
-        offload.swap_out(self, moves)
-
-    def _swap_in(self, moves: PageMoves) -> None:
-        """Copy host slots back into (fresh) device pages."""
-        offload.swap_in(self, moves)

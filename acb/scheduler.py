@@ -440,7 +440,7 @@ class Scheduler:
         live = [p for p in entries if p != RECYCLED]
         if len(live) > host.num_free:
             return False
-        slots = iter(host.allocate(len(live)))
+        slots = iter(host.offload(len(live)))
         seq.host_table = [RECYCLED if p == RECYCLED else next(slots) for p in entries]
         out = self._pending_swap_out
         if self.kv_swa is None:
@@ -455,7 +455,6 @@ class Scheduler:
             out.swa += swa
         self._pending_offloaded.append(seq)
         seq.num_offloaded_tokens = keep
-        host.num_offloads += 1
         return True
 
     def _admit_offloaded(self, plan: StepPlan, seq: Sequence, budget: int) -> int | None:
@@ -488,8 +487,7 @@ class Scheduler:
             seq.swa_table.extend(swa_pages[sum(seq.host_swa) :])
             seq.host_swa = None
         seq.block_table.extend(pages[len(slots) :])
-        self.host_pool.release_after_plan(slots)
-        self.host_pool.num_restores += 1
+        self.host_pool.restore(slots)
         seq.num_computed = seq.num_offloaded_tokens
         seq.host_table = None
         seq.num_offloaded_tokens = 0

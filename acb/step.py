@@ -211,6 +211,10 @@ class StepOutput:
     logprobs: list[float] | None
     top_ids: list[list[int]] | None = None  # per sampled row: the k most likely tokens
     top_logprobs: list[list[float]] | None = None  # and their logprobs
+    # seconds the step computed: on CPU the worker thread's time in the step; on CUDA the
+    # device's, between events around its work on the runner's stream (a step that samples
+    # nothing is reported with the next one that does: its events complete no sooner)
+    device_s: float = 0.0
 
 
 @dataclass(slots=True, eq=False)

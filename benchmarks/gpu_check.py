@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import acb  # noqa: E402
-from acb.testing import ARCHITECTURES, random_prompts, reference_greedy, tiny_model  # noqa: E402
+from acb.testing import ARCHITECTURES, random_prompts, reference_greedy, runner_of, tiny_model  # noqa: E402
 
 DEV = os.environ.get("ACB_GPU_CHECK_DEVICE", "cuda")
 BUDGET_S = float(os.environ.get("ACB_GPU_CHECK_BUDGET_S", "400"))
@@ -92,7 +92,7 @@ def parity() -> bool:
                 async with acb.Engine(model, config=cfg) as engine:
                     hs = [engine.submit(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(prompts, max_new)]
                     res = [await h for h in hs]
-                    g = engine._runner.decode_graphs
+                    g = runner_of(engine).decode_graphs
                     return res, engine.stats(), (len(g.graphs), g.failed) if g is not None else None
 
             res, stats, graph_state = asyncio.run(run())
@@ -179,7 +179,7 @@ def time_acb(model, prompts, warmup, new, **cfg) -> tuple[float, int, Window, st
     async def run():
         config = acb.EngineConfig(max_memory_percent=0.3, allow_prefix_sharing=False, **cfg)
         async with acb.Engine(model, config=config) as engine:
-            runner = engine._runner
+            runner = runner_of(engine)
             await engine.generate_batch(warmup, max_new_tokens=new, ignore_eos=True)
             graphs = runner.decode_graphs
             g0 = len(graphs.graphs) if graphs else 0

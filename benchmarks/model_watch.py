@@ -20,6 +20,7 @@ sys.path.insert(0, __file__.rsplit("/", 2)[0])
 import transformers
 
 import acb
+from acb.testing import runner_of
 
 
 def smollm2_shaped() -> transformers.LlamaForCausalLM:
@@ -38,7 +39,7 @@ async def main() -> None:
         steps0, t = engine.stats().steps, time.perf_counter()
         await engine.generate_batch(prompts, max_new_tokens=32, ignore_eos=True)
         step_ms = (time.perf_counter() - t) / (engine.stats().steps - steps0) * 1e3
-        runner = engine._runner
+        runner = runner_of(engine)
         n = 2000
         t = time.perf_counter()
         for _ in range(n):

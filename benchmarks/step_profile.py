@@ -28,6 +28,7 @@ from systems import load_smollm2  # noqa: E402
 
 import acb  # noqa: E402
 from acb import attention  # noqa: E402
+from acb.testing import runner_of  # noqa: E402
 
 
 class Timers:
@@ -61,7 +62,7 @@ class _KernelProxy:
 
 
 def instrument(engine: acb.Engine, timers: Timers) -> None:
-    runner = engine._runner
+    runner = runner_of(engine)
     execute = runner.execute
 
     def step(s):
@@ -71,8 +72,9 @@ def instrument(engine: acb.Engine, timers: Timers) -> None:
     runner.execute = step
     runner._build = timers.wrap("build step tensors", runner._build)
     attention.paged_attention = timers.wrap("attention (all)", attention.paged_attention)
-    if runner.decode_kernel is not None:
-        runner.decode_kernel = _KernelProxy(runner.decode_kernel, timers, ["paged_decode", "prefill_attention"])
+    if "native" in attention.KERNELS:
+        attention.KERNELS["native"] = _KernelProxy(attention.KERNELS["native"], timers,
+                                                   ["paged_decode", "prefill_attention"])
     import acb.runner as runner_module
 
     runner_module.sample = timers.wrap("sampling", runner_module.sample)
@@ -87,7 +89,7 @@ async def main(args) -> None:
     engine = acb.Engine(model, tokenizer=tok, config=acb.EngineConfig())
     timers = Timers()
     async with engine:
-        fused = engine._runner.fused is not None
+        fused = runner_of(engine).fused is not None
         instrument(engine, timers)
         await engine.generate_batch(w.prompts, max_new_tokens=2, ignore_eos=True)  # warm-up at full size
         engine.kv.evict_all_cached()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import acb
-from acb.testing import reference_greedy, tiny_engine, tiny_model
+from acb.testing import reference_greedy, runner_of, step_counts, tiny_engine, tiny_model
 
 PROMPT = [5, 17, 33, 60, 91, 120]
 
@@ -429,14 +429,14 @@ _EFFECTS = {
     "use_cuda_graph": ({"use_cuda_graph": True}, None),
     "q_padding_interval_size": ({"q_padding_interval_size": 8}, None),
     "kv_padding_interval_size": ({"kv_padding_interval_size": 64}, None),
-    "async_batching": ({"async_batching": False}, lambda e: e._runner.carried_steps == 0),
-    "compile_level": ({"compile_level": 1}, lambda e: e._runner._decode_forward is not e.model),
-    "varlen_compile_level": ({"varlen_compile_level": 1}, lambda e: e._runner._varlen_forward is not e.model
-                             and e._runner._decode_forward is e.model),
-    "decode_compile_level": ({"decode_compile_level": 1}, lambda e: e._runner._decode_forward is not e.model
-                             and e._runner._varlen_forward is e.model),
-    "max_blocks_per_request": ({"max_blocks_per_request": 0}, lambda e: e._runner.fast_decode_steps == 0),
-    "attn_backend": ({"attn_backend": "torch"}, lambda e: e._runner.decode_kernel is None),
+    "async_batching": ({"async_batching": False}, lambda e: step_counts(e).carried == 0),
+    "compile_level": ({"compile_level": 1}, lambda e: runner_of(e).decode_forward is not e.model),
+    "varlen_compile_level": ({"varlen_compile_level": 1}, lambda e: runner_of(e).varlen_forward is not e.model
+                             and runner_of(e).decode_forward is e.model),
+    "decode_compile_level": ({"decode_compile_level": 1}, lambda e: runner_of(e).decode_forward is not e.model
+                             and runner_of(e).varlen_forward is e.model),
+    "max_blocks_per_request": ({"max_blocks_per_request": 0}, lambda e: step_counts(e).fast_decode == 0),
+    "attn_backend": ({"attn_backend": "torch"}, lambda e: e.stats().attn_backend == "torch"),
     "device": ({"device": "cuda"}, "refused or moved"),
     "dtype": ({"dtype": "bfloat16"}, lambda e: next(e.model.parameters()).dtype == torch.bfloat16),
     "debug_checks": ({"debug_checks": True}, "counted"),

@@ -11,7 +11,7 @@ import torch
 import acb
 from acb.attention import resolve_backend
 from acb.integrations.metrics import ServerMetrics
-from acb.testing import random_prompts, reference_greedy, tiny_model
+from acb.testing import random_prompts, reference_greedy, step_counts, tiny_model
 
 pytest.importorskip("triton", reason="triton is installed by scripts/setup.sh")
 
@@ -65,13 +65,12 @@ async def test_triton_backend_matches_generate(arch):
     expected = [reference_greedy(model, p, 6) for p in prompts]
     config = acb.EngineConfig(page_size=4, num_blocks=32, max_batch_tokens=12, attn_backend="triton")
     async with acb.Engine(model, config=config) as engine:
-        runner = engine._runner
         first = await engine.generate(prompts[0], max_new_tokens=6, ignore_eos=True)
         rest = await engine.generate_batch(prompts[1:], max_new_tokens=6, ignore_eos=True)
-        stats = engine.stats()
+        stats, counts = engine.stats(), step_counts(engine)
     assert [r.token_ids for r in [first, *rest]] == expected
     assert stats.attn_backend == "triton"
-    assert runner.fast_decode_steps > 0
+    assert counts.fast_decode > 0
     if arch == "llama":
         assert stats.prefix_hit_rate > 0
 
@@ -84,8 +83,8 @@ async def test_max_blocks_per_request_bounds_the_triton_decode_path():
     # first decode steps on the Triton kernel and the later ones on PyTorch's path
     config = acb.EngineConfig(page_size=4, num_blocks=32, max_blocks_per_request=4, attn_backend="triton")
     async with acb.Engine(model, config=config) as engine:
-        runner = engine._runner
         results = await engine.generate_batch(prompts, max_new_tokens=6, ignore_eos=True)
         decode_steps = engine.stats().steps - 1  # the first step holds the prompts
+        fast = step_counts(engine).fast_decode
     assert [r.token_ids for r in results] == expected
-    assert 0 < runner.fast_decode_steps < decode_steps
+    assert 0 < fast < decode_steps

@@ -13,7 +13,7 @@ import torch
 import acb
 from acb import attention, compiling, cuda_graphs
 from acb.cuda_graphs import DecodePadding, bucket_for, decode_buckets, padded_kv_pages
-from acb.testing import random_prompts, reference_greedy, tiny_model
+from acb.testing import random_prompts, reference_greedy, runner_of, step_counts, tiny_model
 
 # ------------------------------------------------------------------ buckets and padding
 
@@ -84,8 +84,8 @@ def _record_shapes(runner) -> list[tuple[int, int, bool]]:
     def recording(step):
         out = build(step)
         meta = out[3]
-        if meta.decode_pages is not None and not meta.prefills:
-            shapes.append((*meta.decode_pages.shape, meta.padded))
+        if meta.decode is not None and not meta.prefills:
+            shapes.append((*meta.pool.decode_pages.shape, meta.decode.padded))
         return out
 
     runner._build = recording
@@ -102,7 +102,7 @@ async def test_padding_never_changes_a_token(arch, backend):
     config = acb.EngineConfig(page_size=4, num_blocks=96, max_requests_per_batch=16, attn_backend=backend,
                               q_padding_interval_size=4, kv_padding_interval_size=12)
     async with acb.Engine(model, config=config) as engine:
-        runner = engine._runner
+        runner = runner_of(engine)
         assert runner.decode_padding is None  # on CPU the config alone does not pad
         runner.configure_fast_paths(engine.config, engine.max_requests, pad_on_cpu=True)
         shapes = _record_shapes(runner)
@@ -125,8 +125,8 @@ async def test_hybrid_models_are_not_padded_and_stay_exact(caplog):
     config = acb.EngineConfig(page_size=4, num_blocks=96, q_padding_interval_size=4)
     async with acb.Engine(model, config=config) as engine:
         with caplog.at_level("WARNING", logger="acb"):
-            engine._runner.configure_fast_paths(engine.config, engine.max_requests, pad_on_cpu=True)
-        assert engine._runner.decode_padding is None
+            runner_of(engine).configure_fast_paths(engine.config, engine.max_requests, pad_on_cpu=True)
+        assert runner_of(engine).decode_padding is None
         results = await _submit_all(engine, prompts, [10] * len(prompts))
     assert "hybrid" in caplog.text
     assert [r.token_ids for r in results] == expected
@@ -138,8 +138,8 @@ async def test_padded_decode_shapes_repeat():
     config = acb.EngineConfig(page_size=4, num_blocks=96, max_requests_per_batch=16, attn_backend="torch",
                               q_padding_interval_size=8, kv_padding_interval_size=32)
     async with acb.Engine(model, config=config) as engine:
-        engine._runner.configure_fast_paths(engine.config, engine.max_requests, pad_on_cpu=True)
-        shapes = _record_shapes(engine._runner)
+        runner_of(engine).configure_fast_paths(engine.config, engine.max_requests, pad_on_cpu=True)
+        shapes = _record_shapes(runner_of(engine))
         await _submit_all(engine, prompts, [4 + 3 * i for i in range(11)])
     distinct = {(rows, width) for rows, width, _ in shapes}
     assert len(shapes) >= 3 * len(distinct), f"{len(shapes)} decode steps but {len(distinct)} shapes"
@@ -179,10 +179,10 @@ class FailingCapture(CpuGraphs):
 
 def _cpu_graphs(engine, graphs_cls):
     """Pad the engine's decode steps and run them through ``graphs_cls`` (CUDA stood in for)."""
-    runner = engine._runner
+    runner = runner_of(engine)
     runner.configure_fast_paths(engine.config, engine.max_requests, pad_on_cpu=True)
-    runner.decode_graphs = graphs_cls(runner._decode_forward, runner.k_cache, runner.v_cache, runner.page_size,
-                                      engine.max_requests, engine.model.config, None, triton=runner.triton,
+    runner.decode_graphs = graphs_cls(runner.decode_forward, runner.k_cache, runner.v_cache, runner.page_size,
+                                      engine.max_requests, engine.model.config, None, runner.attn_backend,
                                       generator=runner.generator)
     return runner.decode_graphs
 
@@ -242,7 +242,7 @@ async def test_graphs_replay_the_triton_kernels():
                               kv_padding_interval_size=8)
     async with acb.Engine(model, config=config) as engine:
         graphs = _cpu_graphs(engine, CpuGraphs)
-        assert graphs.triton is not None
+        assert graphs.kernel == "triton"
         results = await engine.generate_batch(prompts, max_new_tokens=5, ignore_eos=True)
     assert [r.token_ids for r in results] == expected
     assert graphs.graphs and sum(g.graph.replays for g in graphs.graphs.values()) > len(graphs.graphs)
@@ -258,7 +258,7 @@ async def test_max_blocks_per_request_keeps_wide_steps_out_of_triton_graphs():
     async with acb.Engine(model, config=config) as engine:
         graphs = _cpu_graphs(engine, CpuGraphs)
         results = await engine.generate_batch(prompts, max_new_tokens=4, ignore_eos=True)
-        fast_steps = engine._runner.fast_decode_steps
+        fast_steps = step_counts(engine).fast_decode
     assert [r.token_ids for r in results] == expected
     assert not graphs.graphs and fast_steps == 0
 
@@ -330,9 +330,9 @@ async def test_graph_self_check_keeps_graphs_only_when_replay_matches_eager(grap
     async with acb.Engine(model, config=config) as engine:
         _cpu_graphs(engine, graphs_cls)
         with caplog.at_level(logging.WARNING, logger="acb"):
-            assert engine._runner.check_graphs() is passes
-        assert (engine._runner.decode_graphs is not None) is passes
-        assert (engine._runner.decode_padding is not None) is passes
+            assert runner_of(engine).check_graphs() is passes
+        assert (runner_of(engine).decode_graphs is not None) is passes
+        assert (runner_of(engine).decode_padding is not None) is passes
         out = await engine.generate([5, 6, 7], max_new_tokens=4, ignore_eos=True)
     assert out.token_ids == reference_greedy(model, [5, 6, 7], 4)
     assert ("self-check failed" in caplog.text) is not passes
@@ -348,8 +348,8 @@ async def test_graph_and_compile_settings_are_active():
     assert config.inactive_settings("cpu") == ["use_cuda_graph", "q_padding_interval_size", "kv_padding_interval_size"]
     model = tiny_model("llama")
     async with acb.Engine(model, config=config) as engine:  # the compile levels act on the CPU too
-        runner = engine._runner
-        assert runner._varlen_forward is model and runner._decode_forward is not model
+        runner = runner_of(engine)
+        assert runner.varlen_forward is model and runner.decode_forward is not model
         assert runner.decode_graphs is None and runner.decode_padding is None
 
 
@@ -364,7 +364,7 @@ async def test_cuda_graphs_on_cpu_say_why_they_are_off(caplog):
     model = tiny_model("llama")
     with caplog.at_level(logging.INFO, logger="acb"):
         async with acb.Engine(model, config=acb.EngineConfig(num_blocks=32, use_cuda_graph=True)) as engine:
-            assert engine._runner.decode_padding is None and engine._runner.decode_graphs is None
+            assert runner_of(engine).decode_padding is None and runner_of(engine).decode_graphs is None
             assert (await engine.generate([5, 6, 7], max_new_tokens=3, ignore_eos=True)).token_ids == \
                 reference_greedy(model, [5, 6, 7], 3)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -429,7 +429,7 @@ async def test_engine_compiles_each_path_with_its_level(monkeypatch):
     model = tiny_model("llama")
     config = acb.EngineConfig(num_blocks=32, compile_level=1, decode_compile_level=3)
     async with acb.Engine(model, config=config) as engine:
-        assert engine._runner._decode_forward is not model or calls  # torch.compile was asked
+        assert runner_of(engine).decode_forward is not model or calls  # torch.compile was asked
         out = await engine.generate([9, 8, 7], max_new_tokens=4, ignore_eos=True)
     assert calls == [compiling.compile_kwargs(1), compiling.compile_kwargs(3)]
     assert out.token_ids == reference_greedy(model, [9, 8, 7], 4)
@@ -460,6 +460,6 @@ async def test_cuda_graphs_keep_greedy_parity(async_batching):
                               q_padding_interval_size=4, kv_padding_interval_size=32, async_batching=async_batching)
     async with acb.Engine(model, config=config) as engine:
         results = await _submit_all(engine, prompts, max_new)
-        graphs = engine._runner.decode_graphs
+        graphs = runner_of(engine).decode_graphs
         assert graphs is not None and not graphs.failed and graphs.graphs
     assert [r.token_ids for r in results] == expected

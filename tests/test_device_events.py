@@ -3,11 +3,12 @@ blocking the loop; here a fake event stands in for a CUDA event, on CPU."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import acb
 from acb.runner import PendingOutput, StepOutput
-from acb.testing import random_prompts, reference_greedy, tiny_model
+from acb.testing import random_prompts, reference_greedy, runner_of, tiny_model
 
 
 class FakeEvent:
@@ -26,6 +27,25 @@ class FakeEvent:
         assert self.left < 0, "result() must only be taken once the event reports done"
 
 
+class TimedEvent:
+    """A timing event's stand-in: recorded at ``ms`` milliseconds."""
+
+    def __init__(self, ms: float) -> None:
+        self.ms = ms
+
+    def elapsed_time(self, end: TimedEvent) -> float:
+        return end.ms - self.ms
+
+
+def test_pending_output_reports_the_device_time_of_every_step_it_closes():
+    # a step that sampled nothing (0-3 ms) is reported with the next one that does (5-12 ms)
+    timings = [(TimedEvent(0.0), TimedEvent(3.0)), (TimedEvent(5.0), TimedEvent(12.0))]
+    pending = PendingOutput(FakeEvent(0), torch.tensor([7]), None, timings=timings)
+    assert pending.ready()
+    out = pending.result()
+    assert out.token_ids == [7] and out.device_s == pytest.approx(0.010)
+
+
 def test_pending_output_result_after_ready():
     ev = FakeEvent(2)
     out = PendingOutput(ev, torch.tensor([4, 5]), torch.tensor([-0.5, -1.0]))
@@ -39,7 +59,7 @@ async def test_engine_polls_pending_steps_and_keeps_parity():
     expected = [reference_greedy(model, p, 10) for p in prompts]
     events: list[FakeEvent] = []
     async with acb.Engine(model, config=acb.EngineConfig(num_blocks=64, page_size=4)) as engine:
-        runner = engine._runner
+        runner = runner_of(engine)
         execute = runner.execute
 
         def pending_execute(step):
@@ -47,9 +67,30 @@ async def test_engine_polls_pending_steps_and_keeps_parity():
             ev = FakeEvent(3)
             events.append(ev)
             lp = torch.tensor(done.logprobs) if done.logprobs is not None else None
-            return PendingOutput(ev, torch.tensor(done.token_ids, dtype=torch.long), lp)
+            timed = [(TimedEvent(0.0), TimedEvent(2.5))]  # each step: 2.5 ms on the "device"
+            return PendingOutput(ev, torch.tensor(done.token_ids, dtype=torch.long), lp, timings=timed)
 
         runner.execute = pending_execute
         results = await engine.generate_batch(prompts, max_new_tokens=10, ignore_eos=True)
+        stats = engine.stats()
     assert [r.token_ids for r in results] == expected
     assert events and all(ev.queries >= 4 for ev in events)
+    # the engine's stats add up what each step's output reports
+    assert stats.steps == len(events) and stats.device_time_s == pytest.approx(0.0025 * len(events))
+
+
+async def test_cpu_steps_report_their_compute_time():
+    seen = []
+    async with acb.Engine(tiny_model(), config=acb.EngineConfig(num_blocks=64, page_size=4)) as engine:
+        runner = runner_of(engine)
+        execute = runner.execute
+
+        def spy(step):
+            seen.append(execute(step))
+            return seen[-1]
+
+        runner.execute = spy
+        await engine.generate_batch(random_prompts(3, 3, 20, seed=8), max_new_tokens=4, ignore_eos=True)
+        stats = engine.stats()
+    assert seen and all(out.device_s > 0 for out in seen)
+    assert stats.device_time_s == pytest.approx(sum(out.device_s for out in seen))

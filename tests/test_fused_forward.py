@@ -13,7 +13,7 @@ from acb import EngineConfig, attention
 from acb.kernels.cpu import fused_kernels, paged_decode_kernel
 from acb.runner import ModelRunner
 from acb.step import StepInput
-from acb.testing import random_prompts, reference_greedy, tiny_engine, tiny_model
+from acb.testing import random_prompts, reference_greedy, runner_of, tiny_engine, tiny_model
 
 FUSED_ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 
@@ -78,7 +78,7 @@ def test_other_architectures_keep_transformers_forward(arch, caplog):
     caplog.set_level("INFO", logger="acb")
     runner = _runner(tiny_model(arch))
     try:
-        assert runner.fused is None and runner._decode_forward is runner.model
+        assert runner.fused is None and runner.decode_forward is runner.model
         assert "fused CPU forward not used" in caplog.text
     finally:
         runner.release()
@@ -99,7 +99,7 @@ async def test_greedy_parity_with_the_fused_forward_on_and_off(arch, fused, monk
     monkeypatch.setenv("ACB_CPU_FUSED", fused)
     prompts = random_prompts(6, 3, 50, seed=11)
     async with tiny_engine(arch, seed=2) as engine:
-        assert (engine._runner.fused is not None) == (fused == "1" and fused_kernels() is not None)
+        assert (runner_of(engine).fused is not None) == (fused == "1" and fused_kernels() is not None)
         got = await engine.generate_batch(prompts, max_new_tokens=12, ignore_eos=True)
         for prompt, result in zip(prompts, got, strict=True):
             assert result.token_ids == reference_greedy(engine.model, prompt, 12)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 
 from acb.step import StepInput, StepPlan
-from acb.testing import random_prompts, tiny_engine
+from acb.testing import random_prompts, runner_of, tiny_engine
 
 
 def _tracked(root: object, stop: tuple[type, ...] = ()) -> int:
@@ -33,7 +33,7 @@ async def test_a_step_holds_as_many_gc_tracked_objects_with_20_rows_as_with_1():
     steps: list[StepInput] = []
     plans: list[StepPlan] = []
     async with tiny_engine("llama", max_requests_per_batch=32) as engine:
-        runner = engine._runner
+        runner = runner_of(engine)
         execute = runner.execute
         schedule = engine.scheduler.schedule
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 import acb
-from acb.testing import random_prompts, reference_greedy, tiny_model
+from acb.testing import random_prompts, reference_greedy, runner_of, tiny_model
 
 SYSTEM = random_prompts(1, 40, 40, seed=123)[0]  # 40 tokens = 5 full pages of 8
 
@@ -140,7 +140,7 @@ async def test_hybrid_model_sliding_layers_keep_only_the_window(arch, async_batc
     async with acb.Engine(model, config=config) as engine:
         stats = engine.stats()
         assert stats.sliding_total_blocks == 4 * (2 + 1) + 4 + 1 < stats.total_blocks
-        runner = engine._runner
+        runner = runner_of(engine)
         sliding = sorted(engine.layout.swa_layers)
         assert sliding and all(runner.k_cache[i].shape[1] == 18 * 4 for i in sliding)
         results = await engine.generate_batch(prompts, max_new_tokens=130, ignore_eos=True)

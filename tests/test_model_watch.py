@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import acb
-from acb.testing import random_prompts, reference_greedy, tiny_model
+from acb.testing import random_prompts, reference_greedy, runner_of, step_counts, tiny_model
 from reliability_helpers import consume, expected, four_running_two_queued, idle_and_free, until
 
 PROMPTS = random_prompts(8, 3, 12, seed=61)  # the reliability helpers' prompts (cached references)
@@ -38,7 +38,7 @@ async def test_fault_injected_through_a_hook_registered_while_running_fails_only
     model = tiny_model()
     engine = acb.Engine(model, config=acb.EngineConfig(num_blocks=64, page_size=8, max_requests_per_batch=4))
     async with engine:
-        assert engine._runner.fused is not None, "the fused forward should stand in for this model"
+        assert runner_of(engine).fused is not None, "the fused forward should stand in for this model"
         in_step, streams, got, queued = await four_running_two_queued(engine)
         error = RuntimeError("injected through a forward hook")
         fired = []
@@ -56,12 +56,12 @@ async def test_fault_injected_through_a_hook_registered_while_running_fails_only
             assert toks == expected(p, len(toks)) and len(toks) < 60
         assert fired == [1]
         assert [(await h).token_ids for h in queued] == [expected(p, 6) for p in PROMPTS[4:6]]
-        assert engine._runner.plain_steps > 0
+        assert step_counts(engine).plain > 0
         handle.remove()
-        plain = engine._runner.plain_steps
+        plain = step_counts(engine).plain
         assert (await engine.generate(PROMPTS[6], max_new_tokens=8, ignore_eos=True)).token_ids == \
             expected(PROMPTS[6], 8)
-        assert engine._runner.plain_steps == plain  # the fast path is back once the hook is gone
+        assert step_counts(engine).plain == plain  # the fast path is back once the hook is gone
         await until(lambda: idle_and_free(engine))
         engine.check_integrity()
 

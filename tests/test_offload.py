@@ -136,10 +136,10 @@ def test_runner_swaps_pages_out_and_back_into_other_pages_bit_for_bit():
         ps = runner.page_size
         before = [(k[:, 2 * ps : 4 * ps].clone(), v[:, 5 * ps : 6 * ps].clone())
                   for k, v in zip(runner.k_cache, runner.v_cache, strict=True)]
-        runner._swap_out(_moves((2, 3), (3, 0), (5, 1)))
+        runner.offload.swap_out(_moves((2, 3), (3, 0), (5, 1)))
         for cache in runner.k_cache + runner.v_cache:
             cache[:, : 8 * ps].zero_()
-        runner._swap_in(_moves((3, 6), (0, 7), (1, 0)))
+        runner.offload.swap_in(_moves((3, 6), (0, 7), (1, 0)))
         for (k_want, v_want), k, v in zip(before, runner.k_cache, runner.v_cache, strict=True):
             assert torch.equal(k[:, 6 * ps : 8 * ps], k_want)
             assert torch.equal(v[:, 0:ps], v_want)
@@ -188,10 +188,10 @@ def test_runner_swaps_hybrid_entries_with_and_without_a_sliding_page():
         full_before = runner.k_cache[2][:, 1 * ps : 2 * ps].clone(), runner.v_cache[2][:, 4 * ps : 5 * ps].clone()
         swa_before = runner.k_cache[0][:, 3 * ps : 4 * ps].clone()
         # entry 1: full page 1 with sliding page 3; entry 2: full page 4, its sliding page recycled
-        runner._swap_out(_moves((1, 0, 3), (4, 2, -1)))
+        runner.offload.swap_out(_moves((1, 0, 3), (4, 2, -1)))
         for cache in runner.k_cache + runner.v_cache:
             cache[:, : -ps].zero_()
-        runner._swap_in(_moves((0, 6, 2), (2, 7, -1)))
+        runner.offload.swap_in(_moves((0, 6, 2), (2, 7, -1)))
         assert torch.equal(runner.k_cache[2][:, 6 * ps : 7 * ps], full_before[0])
         assert torch.equal(runner.v_cache[2][:, 7 * ps : 8 * ps], full_before[1])
         assert torch.equal(runner.k_cache[0][:, 2 * ps : 3 * ps], swa_before)

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 import acb
-from acb.testing import ARCHITECTURES, random_prompts, reference_greedy, tiny_model
+from acb.testing import ARCHITECTURES, random_prompts, reference_greedy, step_counts, tiny_model
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -58,7 +58,7 @@ async def test_parity_with_and_without_step_overlap(async_batching):
     config = acb.EngineConfig(page_size=8, num_blocks=64, async_batching=async_batching)
     async with acb.Engine(model, config=config) as engine:
         results = await engine.generate_batch(prompts, max_new_tokens=12, ignore_eos=True)
-        carried = engine._runner.carried_steps  # steps fed a token sampled by the step still in flight
+        carried = step_counts(engine).carried  # steps fed a token sampled by the step still in flight
     assert [r.token_ids for r in results] == expected
     assert (carried > 0) == async_batching
 
@@ -84,7 +84,7 @@ async def test_both_cpu_attention_backends_match_generate(arch, backend):
     config = acb.EngineConfig(page_size=4, num_blocks=96, max_batch_tokens=32, attn_backend=backend)
     async with acb.Engine(model, config=config) as engine:
         if backend == "native":
-            assert engine._runner.decode_kernel is not None, "native CPU kernel did not build"
+            assert engine.stats().attn_backend == "native", "native CPU kernel did not build"
         results = await engine.generate_batch(prompts, max_new_tokens=20, ignore_eos=True)
     assert [r.token_ids for r in results] == expected
 
@@ -98,11 +98,10 @@ async def test_max_blocks_per_request_bounds_the_decode_fast_path(max_blocks):
     # serves the early decode steps on the fast path and the later ones on PyTorch's
     config = acb.EngineConfig(page_size=4, num_blocks=128, max_blocks_per_request=max_blocks)
     async with acb.Engine(model, config=config) as engine:
-        runner = engine._runner
-        if runner.decode_kernel is None:
+        if engine.stats().attn_backend != "native":
             pytest.skip("the native CPU kernel did not build here")
         results = await engine.generate_batch(prompts, max_new_tokens=20, ignore_eos=True)
-        fast, steps = runner.fast_decode_steps, engine.stats().steps
+        fast, steps = step_counts(engine).fast_decode, engine.stats().steps
     assert [r.token_ids for r in results] == expected
     if max_blocks is None:
         assert fast >= steps - 2  # every step with decode rows (not the first prefill)

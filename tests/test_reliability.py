@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from reliability_helpers import PROMPTS, consume, expected, four_running_two_queued, idle_and_free, until
 
 import acb
-from acb.testing import VOCAB_SIZE, tiny_engine
+from acb.testing import VOCAB_SIZE, runner_of, tiny_engine
 
 MAX_LEN = 1024  # the tiny model's max_position_embeddings: what the engines below can ever hold
 
@@ -313,17 +313,19 @@ async def test_aclose_releases_the_kv_cache_memory() -> None:
     engine = tiny_engine(num_blocks=40_000, page_size=16)
     base = _rss()
     await engine.start()
-    caches = engine._runner.k_cache + engine._runner.v_cache
+    runner = runner_of(engine)
+    caches = runner.k_cache + runner.v_cache
     size = sum(t.numel() * t.element_size() for t in caches)
     assert size > 300e6
     for cache in caches:
         cache.fill_(0.5)  # CPU pages are backed by memory only once written: touch them all
     alive = [weakref.ref(cache) for cache in caches]
-    del caches, cache
+    del caches, cache, runner
     await engine.generate(PROMPTS[0], max_new_tokens=4)
     touched = _rss()
     await engine.aclose()
-    assert engine._runner is None
+    with pytest.raises(RuntimeError, match="not started, or closed"):
+        runner_of(engine)
     assert all(r() is None for r in alive)  # the cache tensors themselves are gone
     # RSS shows it only when the cache took fresh memory: after earlier tests in the same
     # process the allocator may have served it from memory it already held (and keeps).

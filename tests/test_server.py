@@ -158,7 +158,7 @@ async def test_models_health_and_metrics(server):
         text = await resp.text()
     for name in ("acb_kv_total_blocks", "acb_kv_free_blocks", "acb_kv_cached_blocks", "acb_requests_running",
                  "acb_requests_waiting", "acb_generated_tokens_total", "acb_preemptions_total",
-                 "acb_kv_offloaded_blocks", "acb_offloads_total", "acb_restores_total"):
+                 "acb_kv_offloaded_blocks", "acb_offloads_total", "acb_restores_total", "acb_device_seconds_total"):
         assert f"\n{name} " in text
     assert 'acb_time_to_first_token_seconds_bucket{le="+Inf"} 1' in text
     assert "acb_time_to_first_token_seconds_count 1" in text

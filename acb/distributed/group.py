@@ -298,13 +298,13 @@ class TPModelRunner(ModelRunner):
     def configure_fast_paths(self, config, max_rows: int, *, pad_on_cpu: bool = False) -> None:
         super().configure_fast_paths(runner_config(config, warn=True), max_rows)
 
-    def _forward(self, step: StepInput) -> tuple:
+    def forward(self, step: StepInput) -> tuple:
         tp = self.tp
         with tp.lock:
             tp.check()
             try:
                 tp.channel.send(step, self.prev_sampled)
                 tp.last_send = time.monotonic()
-                return super()._forward(step)
+                return super().forward(step)
             except Exception as e:
                 raise tp.fail(e) from e

@@ -102,7 +102,7 @@ def _serve(runner: ModelRunner, channel: protocol.Channel) -> None:
                 if op == protocol.OP_STEP:
                     step.sampling = nothing  # rank 0 samples: the others keep no logits
                     step.sample = [False] * step.num_rows
-                    runner._forward(step)
+                    runner.forward(step)
     finally:
         runner.release()
 

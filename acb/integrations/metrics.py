@@ -92,6 +92,8 @@ class ServerMetrics:
         lines += _metric("acb_prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
                          self.prompt_tokens)
         lines += _metric("acb_engine_steps_total", "counter", "Forward passes run.", stats.steps)
+        lines += _metric("acb_device_seconds_total", "counter", "Seconds the engine's steps computed on the device.",
+                         stats.device_time_s)
         lines += _metric("acb_preemptions_total", "counter", "Requests preempted for lack of pages.",
                          stats.preemptions)
         lines += _metric("acb_kv_offloaded_blocks", "gauge", "Preempted requests' pages in the CPU offload pool.",

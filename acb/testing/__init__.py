@@ -25,6 +25,7 @@ import torch
 
 from ..config import EngineConfig, SamplingParams
 from ..engine import Engine
+from .inspection import StepCounts, runner_of, step_counts
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -179,6 +180,6 @@ def _reference_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 __all__ = [
-    "ARCHITECTURES", "BOS_ID", "EOS_ID", "PAD_ID", "VOCAB_SIZE", "random_prompts", "reference_greedy",
-    "tiny_config", "tiny_engine", "tiny_model", "tiny_tokenizer",
+    "ARCHITECTURES", "BOS_ID", "EOS_ID", "PAD_ID", "VOCAB_SIZE", "StepCounts", "random_prompts", "reference_greedy",
+    "runner_of", "step_counts", "tiny_config", "tiny_engine", "tiny_model", "tiny_tokenizer",
 ]
