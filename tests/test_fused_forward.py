@@ -229,7 +229,7 @@ async def test_the_engines_gemms_see_only_padded_row_counts_and_stay_exact(monke
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", Recorder())
     prompts = random_prompts(20, 3, 30, seed=5)
     async with tiny_engine(num_blocks=256, page_size=8) as engine:
-        assert engine._runner.fused is not None and engine._runner.prepacked
+        assert runner_of(engine).fused is not None and runner_of(engine).prepacked
         got = await engine.generate_batch(prompts[:9], max_new_tokens=5, ignore_eos=True)  # 9 decode rows
         layer = engine.model.model.layers[0]
         with layer.register_forward_hook(lambda *a: None):  # transformers' forward, packed linears
