@@ -10,10 +10,10 @@ import asyncio
 
 import pytest
 import torch
+from reliability_helpers import consume, expected, four_running_two_queued, idle_and_free, until
 
 import acb
 from acb.testing import random_prompts, reference_greedy, runner_of, step_counts, tiny_model
-from reliability_helpers import consume, expected, four_running_two_queued, idle_and_free, until
 
 PROMPTS = random_prompts(8, 3, 12, seed=61)  # the reliability helpers' prompts (cached references)
 LONG = random_prompts(1, 30, 30, seed=5)[0]  # spans several pages: a prefix-cache hit when repeated
