@@ -24,6 +24,7 @@ from .errors import (
     RequestFailedError,
 )
 from .handle import ChunkStream, RequestHandle
+from .prompt_logprobs import PromptLogprobs
 from .request import Chunk, Completion, RequestMetrics
 from .sync import generate_batch
 
@@ -42,6 +43,7 @@ __all__ = [
     "EngineStats",
     "EngineStoppedError",
     "InvalidRequestError",
+    "PromptLogprobs",
     "RequestFailedError",
     "RequestHandle",
     "RequestMetrics",

@@ -69,6 +69,10 @@ class SamplingParams:
     (dict or JSON string), ``regex``, ``choice`` (list of strings). ``timeout_s``: a
     deadline in seconds from submission (None = no deadline); a request still running then
     ends with ``finish_reason="timeout"``, its partial output kept and its pages freed.
+    ``prompt_logprobs`` (None = off; k >= 0): the logprob and rank of every prompt token
+    after the first, and its k most likely alternatives, computed in the prefill steps and
+    returned once (``Completion.prompt_logprobs``, the first ``Chunk`` of each choice); such
+    a request does not read the prefix cache (its cached pages' logits were not kept).
 
     Example::
 
@@ -97,6 +101,7 @@ class SamplingParams:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     timeout_s: float | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and stored as tuples so params stay hashable.
@@ -140,6 +145,9 @@ class SamplingParams:
         self._check_number("frequency_penalty", lambda v: True, "a finite number (0 = off)")
         self._check_number("min_p", lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)")
         self._check_number("timeout_s", lambda v: v > 0, "None (no deadline) or a number of seconds > 0")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise InvalidRequestError(f"prompt_logprobs must be None (off) or an int >= 0 (alternatives per prompt "
+                                      f"token), got {self.prompt_logprobs!r}", param="prompt_logprobs")
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         self._check_structure()
 

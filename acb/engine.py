@@ -43,6 +43,7 @@ from .handle import ChunkStream, RequestHandle
 from .inputs import generation_defaults, prepare, sampling_params, tokenize
 from .kv_cache import HostPool, KVCacheManager
 from .live import Choices, LiveRequest, sampling_batch
+from .prompt_logprobs import plan_rows
 from .outputs import Outputs
 from .progress import BatchProgress, check_progress
 from .request import ChoicesMailbox, Completion, EngineStats, Mailbox, Outcome
@@ -334,6 +335,8 @@ class Engine:
             return self._register_choices(request_id, ids, params, stream)
         mailbox = Mailbox(request_id, params.logprobs, self._loop.Event, params.top_logprobs > 0) if stream else None
         req = self._live_request(request_id, ids, params, matcher, mailbox)
+        if params.prompt_logprobs is not None:
+            self._out.score_prompt([req], params.prompt_logprobs)
         self.scheduler.add(req.seq)
         self._wakeup.set()
         return req
@@ -364,6 +367,8 @@ class Engine:
         for req in members:
             req.group = group
             req.seq.status = FORKING
+        if params.prompt_logprobs is not None:
+            self._out.score_prompt(members, params.prompt_logprobs)
         leader = members[0].seq
         leader.forks = [m.seq for m in members[1:]]
         self._out.groups[request_id] = group
@@ -551,6 +556,8 @@ class Engine:
                     if plan.seqs:
                         step = plan.input
                         step.sampling = sampling_batch(plan, self._live, self.vocab_size)
+                        if self._out.scoring:
+                            step.prompt_logprobs, plan.prompt_sinks = plan_rows(plan, self._live)
                         step.plain = hooked is not None
                         step.refresh = refresh
                         controls = step.sampling.controls
@@ -635,6 +642,8 @@ class Engine:
             return
         self._steps += 1
         self._device_s += out.device_s
+        if plan.prompt_sinks:
+            self._out.deliver_prompt_logprobs(plan, out)
         self._out.deliver(self.scheduler.update(plan, out), out)
 
     def _check_model(self) -> tuple[str | None, bool]:

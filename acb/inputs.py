@@ -108,6 +108,9 @@ def prepare(prompt: Any, request_id: str | None, params: SamplingParams, tokeniz
     if params.top_logprobs > vocab_size:
         raise InvalidRequestError(f"top_logprobs ({params.top_logprobs}) exceeds the vocabulary ({vocab_size})",
                                   param="top_logprobs")
+    if (params.prompt_logprobs or 0) > vocab_size:
+        raise InvalidRequestError(f"prompt_logprobs ({params.prompt_logprobs}) exceeds the vocabulary ({vocab_size})",
+                                  param="prompt_logprobs")
     if params.max_new_tokens is None:  # until the context limit
         if len(ids) >= max_model_len:
             raise InvalidRequestError(

@@ -11,6 +11,7 @@ from typing import Any
 
 from .config import SamplingParams
 from .detokenizer import Detokenizer, StopMatcher
+from .prompt_logprobs import PromptSink
 from .request import Mailbox, Outcome, RequestMetrics
 from .sampling import Controls, SamplingBatch
 from .scheduler import Sequence
@@ -28,7 +29,7 @@ class LiveRequest:
     __slots__ = ("request_id", "seq", "params", "mailbox", "future", "detok", "stopper",
                  "text_parts", "logprobs", "top_logprobs", "metrics", "finish_reason",
                  "controlled", "penalized", "min_length_banned", "matcher", "group", "index",
-                 "deadline")
+                 "deadline", "prompt_sink")
 
     def __init__(self, request_id: str, seq: Sequence, params: SamplingParams,
                  mailbox: Mailbox | None, future: Outcome, tokenizer, matcher: Any = None):
@@ -54,6 +55,8 @@ class LiveRequest:
         self.finish_reason: str | None = None
         # time.monotonic() at which timeout_s ends the request (None: no deadline)
         self.deadline = None if params.timeout_s is None else self.metrics.arrival_time + params.timeout_s
+        # prompt_logprobs: where this request's prompt scores gather (shared by its choices)
+        self.prompt_sink: PromptSink | None = None
 
     @classmethod
     def create(cls, request_id: str, prompt_ids: list[int], params: SamplingParams, mailbox: Mailbox | None,
@@ -63,7 +66,8 @@ class LiveRequest:
         ``params.ignore_eos``, end it in ``Scheduler.update``)."""
         stop_ids = frozenset(params.stop_token_ids)
         seq = Sequence(request_id, prompt_ids, params.max_new_tokens, arrival=arrival, stop_ids=stop_ids,
-                       eos_ids=frozenset() if params.ignore_eos else eos_ids)
+                       eos_ids=frozenset() if params.ignore_eos else eos_ids,
+                       prefix_lookup=params.prompt_logprobs is None)
         return cls(request_id, seq, params, mailbox, future, tokenizer, matcher)
 
 

@@ -16,6 +16,7 @@ import time
 
 from .errors import RequestFailedError, caused
 from .live import Choices, LiveRequest
+from .prompt_logprobs import PromptSink
 from .request import Completion
 from .scheduler import Scheduler
 from .step import StepOutput, StepPlan, StepUpdate
@@ -31,6 +32,7 @@ class Outputs:
         self.live: dict[str, LiveRequest] = {}
         self.deadlines = 0  # live requests with a timeout_s: the engine scans for expired ones while > 0
         self.groups: dict[str, Choices] = {}  # requests with n > 1, by request id
+        self.scoring: set[PromptSink] = set()  # prompt_logprobs still to compute: the engine plans them while any
 
     def __contains__(self, request_id: str) -> bool:
         """Whether ``request_id`` names a live request."""
@@ -47,6 +49,9 @@ class Outputs:
         if self.live.pop(req.request_id, None) is not None and req.deadline is not None:
             self.deadlines -= 1
         self.scheduler.finish(req.seq)
+        sink = req.prompt_sink
+        if sink is not None and sink in self.scoring and not any(m.request_id in self.live for m in sink.members):
+            self.scoring.discard(sink)
 
     def expired(self, now: float) -> list[LiveRequest]:
         """The live requests whose deadline is at or before ``now``."""
@@ -69,6 +74,36 @@ class Outputs:
                 if req is not None and req.seq is seq:
                     self.fail(req, caused(RequestFailedError(
                         f"the model step failed for request {req.request_id}{why}: {error!r}", req.request_id), error))
+
+    def score_prompt(self, members: list[LiveRequest], k: int) -> None:
+        """``members`` (a request, or the choices of one) score their shared prompt with
+        ``k`` alternatives per token (``SamplingParams.prompt_logprobs``)."""
+        sink = PromptSink(members[0].seq.prompt_ids, k, members)
+        for req in members:
+            req.prompt_sink = sink
+        if sink.result is None:
+            self.scoring.add(sink)
+        else:  # a one-token prompt: nothing to compute
+            self._prompt_scored(sink)
+
+    def deliver_prompt_logprobs(self, plan: StepPlan, out: StepOutput) -> None:
+        """Store a step's prompt scores (before its tokens are delivered, so a prompt
+        completed by the step that samples its first token rides on that token's chunk)."""
+        scores = out.prompt_logprobs
+        if scores is None:
+            return
+        rows = plan.input.prompt_logprobs
+        offset = 0
+        for (sink, first), count in zip(plan.prompt_sinks, rows.counts, strict=True):
+            if sink.take(first, count, scores, offset):
+                self.scoring.discard(sink)
+                self._prompt_scored(sink)
+            offset += count
+
+    def _prompt_scored(self, sink: PromptSink) -> None:
+        for req in sink.members:
+            if req.mailbox is not None and self.live.get(req.request_id) is req:
+                req.mailbox.put_prompt_logprobs(sink.result)
 
     def deliver(self, update: StepUpdate, out: StepOutput) -> None:
         """Turn the tokens ``Scheduler.update`` took into their requests' text and chunks."""
@@ -177,4 +212,5 @@ class Outputs:
             prompt_token_ids=list(seq.prompt_ids), token_ids=list(seq.output_ids),
             text="".join(req.text_parts), logprobs=req.logprobs, finish_reason=req.finish_reason, metrics=m,
             top_logprobs=req.top_logprobs, index=req.index,
+            prompt_logprobs=req.prompt_sink.result if req.prompt_sink is not None else None,
         )

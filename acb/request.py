@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
+
+if TYPE_CHECKING:
+    from .prompt_logprobs import PromptLogprobs
 
 
 @dataclass(slots=True)
@@ -21,6 +24,8 @@ class Chunk:
         logprobs: one log-probability per token in ``token_ids``, when ``logprobs=True`` was asked for.
         finish_reason: None until the request's last chunk, then ``"length"``, ``"eos"``, ``"stop"``,
             ``"cancelled"`` or ``"timeout"``.
+        prompt_logprobs: with ``prompt_logprobs=k``, the prompt's scores (``acb.PromptLogprobs``) on
+            the first chunk of each choice (the one with its first token), None on the others.
     """
 
     request_id: str
@@ -30,6 +35,7 @@ class Chunk:
     finish_reason: str | None = None
     index: int = 0  # which of the request's ``n`` choices this chunk belongs to
     top_logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob} alternatives
+    prompt_logprobs: PromptLogprobs | None = None  # once, on the first chunk (prompt_logprobs=k)
 
 
 @dataclass(slots=True)
@@ -81,6 +87,8 @@ class Completion:
         logprobs: one log-probability per generated token, when asked for.
         finish_reason: why it ended (see ``Chunk.finish_reason``).
         metrics: timings and counts (``ttft_s``, ``latency_s``, token counts).
+        prompt_logprobs: with ``prompt_logprobs=k``, the prompt's scores (``acb.PromptLogprobs``;
+            None if the request ended before its prompt was computed).
     """
 
     request_id: str
@@ -95,6 +103,7 @@ class Completion:
     # every choice of the request, this one first among them when n == 1; with n > 1 the
     # Completion ``generate`` returns describes choice 0 and lists all n here
     choices: list[Completion] = field(default_factory=list, repr=False, compare=False)
+    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs=k (every choice the same)
 
     def __post_init__(self) -> None:
         if not self.choices:
@@ -107,7 +116,7 @@ class Mailbox:
     chunk, so memory is bounded by the request's tokens, not by the steps taken."""
 
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "top_logprobs", "finish_reason", "error",
-                 "final_taken", "index", "_waiter", "_new_event")
+                 "final_taken", "index", "prompt_logprobs", "_waiter", "_new_event")
 
     def __init__(self, request_id: str, want_logprobs: bool,
                  new_event: Callable[[], anyio.Event] = anyio.Event, want_top_logprobs: bool = False,
@@ -121,6 +130,7 @@ class Mailbox:
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
         self.final_taken = False
+        self.prompt_logprobs: PromptLogprobs | None = None  # until taken with the next chunk
         self._waiter: anyio.Event | None = None  # made only while the consumer waits
         self._new_event = new_event
 
@@ -141,6 +151,11 @@ class Mailbox:
             self.top_logprobs.extend(top_logprobs)
         if finish_reason is not None:
             self.finish_reason = finish_reason
+        self._wake()
+
+    def put_prompt_logprobs(self, scores: PromptLogprobs) -> None:
+        """The prompt's scores, for the next chunk (they come with the first token's step)."""
+        self.prompt_logprobs = scores
         self._wake()
 
     def fail(self, error: BaseException) -> None:
@@ -169,10 +184,12 @@ class Mailbox:
 
     def take(self) -> Chunk | None:
         """All output waiting now as one chunk, or None if there is none."""
-        if not (self.token_ids or self.text or (self.finish_reason and not self.final_taken)):
+        if not (self.token_ids or self.text or self.prompt_logprobs
+                or (self.finish_reason and not self.final_taken)):
             return None
         chunk = Chunk(self.request_id, self.token_ids, "".join(self.text), self.logprobs, self.finish_reason,
-                      self.index, self.top_logprobs)
+                      self.index, self.top_logprobs, self.prompt_logprobs)
+        self.prompt_logprobs = None
         self.token_ids = []
         self.text = []
         if self.logprobs is not None:

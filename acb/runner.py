@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from . import attention, compiling, cuda_graphs, offload, packing
+from . import attention, compiling, cuda_graphs, offload, packing, prompt_logprobs
 from .sampling import sample, top_alternatives
 from .step import PageMoves, StepInput, StepOutput
 from .watch import ModelWatch
@@ -26,7 +26,7 @@ class PendingOutput:
     blocking it) and then takes ``result()``, which no longer waits. ``timings`` are
     (start, end) timing events of the device work it reports (``StepOutput.device_s``)."""
 
-    __slots__ = ("event", "ids", "logprobs", "top", "timings")
+    __slots__ = ("event", "ids", "logprobs", "top", "timings", "prompt")
 
     def __init__(self, event, ids: torch.Tensor, logprobs: torch.Tensor | None,
                  top: tuple[torch.Tensor, torch.Tensor] | None = None, timings: list[tuple] = ()) -> None:
@@ -35,6 +35,7 @@ class PendingOutput:
         self.logprobs = logprobs
         self.top = top  # top-logprob ids and values, in pinned host memory
         self.timings = timings
+        self.prompt = None  # the step's prompt scores (prompt_logprobs), already on the host
 
     def ready(self) -> bool:
         return bool(self.event.query())
@@ -44,6 +45,7 @@ class PendingOutput:
         # engine classifies them with errors.as_device_error)
         out = _step_output(self.ids, self.logprobs, self.top)
         out.device_s = sum(start.elapsed_time(end) for start, end in self.timings) / 1e3
+        out.prompt_logprobs = self.prompt
         return out
 
 
@@ -297,6 +299,8 @@ class ModelRunner:
     def _build(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, attention.StepAttention]:
         """The step's input ids, positions, kept logits rows and attention metadata."""
         p = packing.pack(step, self.page_size, self._zeroed, self._zeroed_swa if self.swa_layers else None)
+        if step.prompt_logprobs is not None:  # scored prompt positions: their logits after the sampled rows'
+            p.keep += step.prompt_logprobs.keep(step.token_offsets)
         # decode rows' contexts; a decode-only step may be padded to a graph bucket
         # (not with forked choices: their rows share the leader's logits row)
         width = max(p.lengths, default=0)
@@ -356,11 +360,17 @@ class ModelRunner:
 
     def _execute(self, step: StepInput) -> StepOutput | PendingOutput:
         logits, sampled = self.forward(step)
+        prompt = None
+        if step.prompt_logprobs is not None:  # (a step scoring its prompt rows is never a graph's)
+            n = len(step.sampling.temperature)
+            # on CUDA this waits for the step's device work, on this worker thread
+            prompt = prompt_logprobs.score(logits[n:], step.prompt_logprobs)
+            logits = logits[:n]
         if not step.sampling.temperature:
             self.prev_sampled = None
             if self.stream is not None:  # reported with the next step that samples
                 self._timings[-1][1].record(self.stream)
-            return StepOutput([], None)
+            return StepOutput([], None, prompt_logprobs=prompt)
         if self.fault_hook is not None:
             self.fault_hook(self.step_index, "sample")
         if sampled is not None:
@@ -370,14 +380,18 @@ class ModelRunner:
         top = top_alternatives(logits, step.sampling.top_logprobs) if step.sampling.top_logprobs else None
         self.prev_sampled = ids
         if self.stream is None:
-            return _step_output(ids, logprobs, top)
+            out = _step_output(ids, logprobs, top)
+            out.prompt_logprobs = prompt
+            return out
         ids_host = _to_pinned(ids)
         lp_host = _to_pinned(logprobs) if logprobs is not None else None
         top_host = (_to_pinned(top[0]), _to_pinned(top[1])) if top is not None else None
         timings, self._timings = self._timings, []
         event = timings[-1][1]
         event.record(self.stream)
-        return PendingOutput(event, ids_host, lp_host, top_host, timings)
+        pending = PendingOutput(event, ids_host, lp_host, top_host, timings)
+        pending.prompt = prompt
+        return pending
 
     def forward(self, step: StepInput) -> tuple[torch.Tensor | None, tuple | None]:
         """The step's offload copies and forward: (the logits of its sampled rows [K, vocab],

@@ -71,6 +71,9 @@ class Sequence:
     # rows: a row carrying its in-flight token takes it from there on the device
     sampled_plan: int = -1
     sampled_row: int = -1
+    # False: never start from the prefix cache (a request scoring its prompt needs every
+    # prompt position's logits, which cached pages do not keep); its pages are still registered
+    prefix_lookup: bool = True
 
     @property
     def num_tokens(self) -> int:
@@ -510,7 +513,7 @@ class Scheduler:
                 continue
             matched: list[int] = []
             first_hash = None
-            if seq.num_computed == 0 and not seq.block_table:
+            if seq.num_computed == 0 and not seq.block_table and seq.prefix_lookup:
                 tokens = seq.token_at(0, seq.num_tokens)
                 matched, last_hash = kv.match_prefix(tokens)
                 if kv.enable_prefix_caching and not matched and len(tokens) > kv.page_size:

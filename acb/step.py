@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from .prompt_logprobs import PromptLogprobRows, PromptSink, Scores
     from .sampling import SamplingBatch
 
 
@@ -86,6 +87,9 @@ class StepInput:
     copy_pages: PageMoves = field(default_factory=PageMoves)
     copy_swa_pages: PageMoves = field(default_factory=PageMoves)
     plain: bool = False  # run the model's own forward (no fused forward, compiled forward or graph)
+    # the prompt positions whose logits are kept and scored too (prompt_logprobs; not in pack():
+    # only rank 0 keeps logits)
+    prompt_logprobs: PromptLogprobRows | None = None
     refresh: bool = False  # the weights changed: rebuild the fast paths first (ModelRunner.check_model)
 
     def add_row(self, tokens: Sequence[int], start: int, pages: Sequence[int], carry_from: int = -1,
@@ -188,6 +192,8 @@ class StepPlan:
     preempted: list[Any] = field(default_factory=list)
     offloaded: list[Any] = field(default_factory=list)
     num_sampled: int = 0  # rows that sample (StepOutput's length)
+    # prompt_logprobs: per row that scores prompt positions, its request's sink and first position
+    prompt_sinks: list[tuple[PromptSink, int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -211,6 +217,7 @@ class StepOutput:
     logprobs: list[float] | None
     top_ids: list[list[int]] | None = None  # per sampled row: the k most likely tokens
     top_logprobs: list[list[float]] | None = None  # and their logprobs
+    prompt_logprobs: Scores | None = None  # the scored prompt positions (StepInput.prompt_logprobs)
     # seconds the step computed: on CPU the worker thread's time in the step; on CUDA the
     # device's, between events around its work on the runner's stream (a step that samples
     # nothing is reported with the next one that does: its events complete no sooner)

@@ -161,6 +161,17 @@ def reference_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_toke
     return out[0, len(prompt_ids):].tolist()
 
 
+def reference_log_softmax(model: torch.nn.Module, prompt_ids: list[int]) -> torch.Tensor:
+    """transformers' own forward over ``prompt_ids`` (a private copy of ``model``), as
+    float32 log-probabilities [len(prompt_ids), vocab]: row ``p`` scores the token after
+    position ``p``. The reference of ``prompt_logprobs``."""
+    ref = _reference_copy(model)
+    ids = torch.tensor([prompt_ids], device=next(ref.parameters()).device)
+    with torch.inference_mode():
+        logits = ref(ids, attention_mask=torch.ones_like(ids)).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1).cpu()
+
+
 def _reference_copy(model: torch.nn.Module) -> torch.nn.Module:
     ref = getattr(model, "_acb_reference", None)
     if ref is None:
@@ -181,5 +192,6 @@ def _reference_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 __all__ = [
     "ARCHITECTURES", "BOS_ID", "EOS_ID", "PAD_ID", "VOCAB_SIZE", "StepCounts", "random_prompts", "reference_greedy",
+    "reference_log_softmax",
     "runner_of", "step_counts", "tiny_config", "tiny_engine", "tiny_model", "tiny_tokenizer",
 ]
