@@ -43,9 +43,9 @@ from .handle import ChunkStream, RequestHandle
 from .inputs import generation_defaults, prepare, sampling_params, tokenize
 from .kv_cache import HostPool, KVCacheManager
 from .live import Choices, LiveRequest, sampling_batch
-from .prompt_logprobs import plan_rows
 from .outputs import Outputs
 from .progress import BatchProgress, check_progress
+from .prompt_logprobs import plan_rows
 from .request import ChoicesMailbox, Completion, EngineStats, Mailbox, Outcome
 from .runner import ModelRunner, PendingOutput
 from .scheduler import FORKING, Scheduler

@@ -203,7 +203,7 @@ async def test_malformed_json_is_400_in_openai_shape(server):
     ("/v1/completions", "logit_bias", {"x": 1}),
     ("/v1/completions", "use_beam_search", True),
     ("/v1/completions", "include_stop_str_in_output", True),
-    ("/v1/completions", "prompt_logprobs", 1),
+    ("/v1/completions", "prompt_logprobs", 21),
     ("/v1/completions", "suffix", "tail"),
     ("/v1/completions", "guided_grammar", "root ::= 'a'"),
     ("/v1/completions", "structured_outputs", {"grammar": "root ::= 'a'"}),

@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -88,6 +89,8 @@ class ParsedRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     echo: bool = False
+    prompt_logprobs: int | None = None  # vLLM's field: the prompt's scores in vLLM's shape
+    scoring_only: bool = False  # completions' echo with max_tokens 0: the prompt, nothing generated
     tokens_as_ids: bool = False
     n: int = 1
     template: dict[str, Any] | None = None
@@ -199,8 +202,6 @@ def _refuse_unhonourable(body: dict, chat: bool) -> None:
         raise _bad("include_stop_str_in_output", "is not supported: the stop string is never included")
     if _bool(body, "skip_special_tokens") is False:
         raise _bad("skip_special_tokens", "is not supported: special tokens are always skipped in text")
-    if body.get("prompt_logprobs") not in (None, 0):
-        raise _bad("prompt_logprobs", "is not supported (only generated tokens get logprobs)")
     for name in ("allowed_token_ids", "bad_words", "guided_grammar", "truncate_prompt_tokens", "suffix", "audio",
                  "functions"):
         if body.get(name) not in (None, [], ""):
@@ -216,8 +217,6 @@ def _refuse_unhonourable(body: dict, chat: bool) -> None:
         raise _bad("add_special_tokens", f"is not supported (only {not chat}, the default)")
     if chat and _bool(body, "echo"):
         raise _bad("echo", "is not supported on chat completions")
-    if not chat and _bool(body, "echo") and body.get("logprobs") is not None:
-        raise _bad("echo", "with 'logprobs' needs prompt logprobs, which acb does not compute")
     for name in ("model", "user"):
         if body.get(name) is not None and not isinstance(body[name], str):
             raise _bad(name, "must be a string")
@@ -335,7 +334,8 @@ def _engine_keywords(body: dict, chat: bool, limits: Limits, n: int,
     """The sampling keywords (only those set to something other than the neutral value,
     so a client that spells out defaults works with any engine) and their wire names."""
     limit_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _int(body, limit_name, 1)
+    echo = not chat and bool(_bool(body, "echo"))
+    max_tokens = _int(body, limit_name, 0 if echo else 1)  # echo with 0: score the prompt only
     if max_tokens is None:
         max_tokens = min(limits.default_max_tokens if chat else 16, limits.max_tokens_limit)
     elif max_tokens > limits.max_tokens_limit:
@@ -344,7 +344,7 @@ def _engine_keywords(body: dict, chat: bool, limits: Limits, n: int,
     if top_k == -1:  # vLLM's spelling of "off"
         top_k = 0
     sampling: dict[str, Any] = {
-        "max_new_tokens": max_tokens,
+        "max_new_tokens": max_tokens or 1,  # (max_tokens 0: the one token sampled is not sent)
         "temperature": _float(body, "temperature", 0.0),
         "top_p": _float(body, "top_p", 0.0, 1.0, open_low=True),
         "top_k": _int({"top_k": top_k}, "top_k", 0) or None,
@@ -367,6 +367,12 @@ def _engine_keywords(body: dict, chat: bool, limits: Limits, n: int,
     want, top = _logprobs(body, chat)
     sampling["logprobs"] = want or None
     sampling["top_logprobs"] = top or None
+    # the prompt's scores: vLLM's prompt_logprobs, and completions' echo with logprobs (the
+    # legacy shape covers the prompt, then the completion)
+    prompt_k = _int(body, "prompt_logprobs", 0, _MAX_LOGPROBS)
+    if echo and want:
+        prompt_k = max(prompt_k or 0, top)
+    sampling["prompt_logprobs"] = prompt_k
     if body.get("stop_token_ids") is not None:
         ids = body["stop_token_ids"]
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
@@ -413,11 +419,14 @@ def parse_request(body: dict[str, Any], *, chat: bool, limits: Limits,
             raise _bad("stream_options", f"'{name}' must be a boolean")
     sampling, wire = _engine_keywords(body, chat, limits, n, default_temperature)
     include_usage = bool(options.get("include_usage"))
+    limit = body.get("max_completion_tokens") if chat and body.get("max_completion_tokens") is not None \
+        else body.get("max_tokens")
     return ParsedRequest(
         chat=chat, prompts=prompts, sampling=sampling, stream=stream, include_usage=include_usage,
         continuous_usage=include_usage and bool(options.get("continuous_usage_stats")),
         logprobs=bool(sampling.get("logprobs")), top_logprobs=sampling.get("top_logprobs", 0),
-        echo=bool(_bool(body, "echo")), tokens_as_ids=bool(_bool(body, "return_tokens_as_token_ids")), n=n,
+        echo=bool(_bool(body, "echo")), prompt_logprobs=_int(body, "prompt_logprobs", 0, _MAX_LOGPROBS),
+        scoring_only=limit == 0, tokens_as_ids=bool(_bool(body, "return_tokens_as_token_ids")), n=n,
         template=_template_options(body) if chat else None, wire_names=wire,
         id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
     )
@@ -491,6 +500,15 @@ class Shaper:
     def _alternatives(self, top: dict[int, float]) -> list[tuple[str, float]]:
         return [(self.token_text(t), lp) for t, lp in sorted(top.items(), key=lambda kv: -kv[1])]
 
+    @staticmethod
+    def _by_text(alternatives: list[tuple[str, float]]) -> dict[str, float]:
+        """The legacy ``top_logprobs`` dict: tokens whose text is the same (bytes of a split
+        character) keep the most likely one's logprob."""
+        out: dict[str, float] = {}
+        for text, lp in alternatives:
+            out.setdefault(text, lp)
+        return out
+
     def logprobs(self, state: _Choice, token_ids: list[int], logprobs: list[float] | None,
                  top_logprobs: list[dict[int, float]] | None = None) -> dict[str, Any] | None:
         """The OpenAI ``logprobs`` object of these tokens (chat or completions shape)."""
@@ -509,7 +527,48 @@ class Shaper:
             offsets.append(state.text_offset)
             state.text_offset += len(s)
         return {"tokens": tokens, "token_logprobs": list(logprobs),
-                "top_logprobs": [dict(alts) for alts in tops] if tops else None, "text_offset": offsets}
+                "top_logprobs": [self._by_text(alts) for alts in tops] if tops else None, "text_offset": offsets}
+
+    def echo_logprobs(self, scores: acb.PromptLogprobs | None, generated: dict[str, Any] | None) -> dict | None:
+        """Completions' ``echo`` with ``logprobs``: the legacy shape over the prompt's tokens
+        (the first one's logprob ``null``), then the generated ones' (``generated``)."""
+        if not (self.request.echo and self.request.logprobs) or scores is None:
+            return generated
+        k = self.request.top_logprobs
+        offsets, at = [], 0
+        tokens = [self.token_text(t) for t in scores.token_ids]
+        for s in tokens:
+            offsets.append(at)
+            at += len(s)
+        prompt = {"tokens": tokens, "token_logprobs": list(scores.logprobs),
+                  "top_logprobs": [None if top is None else self._by_text(self._alternatives(top)[:k])
+                                   for top in scores.top_logprobs] if k else None,
+                  "text_offset": offsets}
+        if generated is None:
+            return prompt
+        if k:
+            prompt["top_logprobs"] += generated["top_logprobs"] or []
+        for key in ("tokens", "token_logprobs", "text_offset"):
+            prompt[key] += generated[key]
+        return prompt
+
+    def vllm_prompt_logprobs(self, scores: acb.PromptLogprobs | None) -> list | None:
+        """vLLM's ``prompt_logprobs``: per prompt token (``null`` for the first) {token id:
+        {logprob, rank, decoded_token}} for the token itself and its ``prompt_logprobs``
+        most likely alternatives."""
+        k = self.request.prompt_logprobs
+        if k is None or scores is None:
+            return None
+        out: list[dict[str, Any] | None] = [None]
+        for p in range(1, len(scores)):
+            token = scores.token_ids[p]
+            entry = {str(token): {"logprob": scores.logprobs[p], "rank": scores.ranks[p],
+                                  "decoded_token": self.token_text(token)}}
+            alternatives = sorted(scores.top_logprobs[p].items(), key=lambda kv: -kv[1])[:k]
+            for rank, (t, lp) in enumerate(alternatives, 1):
+                entry.setdefault(str(t), {"logprob": lp, "rank": rank, "decoded_token": self.token_text(t)})
+            out.append(entry)
+        return out
 
     def _choice(self, index: int, text: str, reason: str | None, logprobs: dict | None,
                 *, first: bool) -> dict[str, Any]:
@@ -527,17 +586,44 @@ class Shaper:
         choice["finish_reason"] = finish_reason(reason)
         return choice
 
+    def visible(self, completions: list[acb.Completion]) -> list[acb.Completion]:
+        """The completions as the client asked for them: with ``max_tokens`` 0 (echo,
+        scoring only) the one token the engine sampled is not part of the answer."""
+        if not self.request.scoring_only:
+            return completions
+        out = []
+        for completion in completions:
+            trimmed = [dataclasses.replace(one, token_ids=[], text="", choices=[],
+                                           logprobs=[] if one.logprobs is not None else None,
+                                           top_logprobs=[] if one.top_logprobs is not None else None)
+                       for one in completion.choices]
+            for one in trimmed:
+                one.choices = trimmed
+            out.append(trimmed[0])
+        return out
+
     def response(self, completions: list[acb.Completion]) -> dict[str, Any]:
         """The non-streaming answer over every prompt's completion."""
+        completions = self.visible(completions)
         choices = []
+        prompt_logprobs = None
         for p, completion in enumerate(completions):
             for i, one in enumerate(completion.choices):
                 state = _Choice(text_offset=len(self.prompt_texts[p]) if self.request.echo else 0)
                 text = (self.prompt_texts[p] if self.request.echo else "") + one.text
                 lp = self.logprobs(state, one.token_ids, one.logprobs, one.top_logprobs)
-                choices.append(self._choice(p * self.request.n + i, text, one.finish_reason, lp, first=False))
+                lp = self.echo_logprobs(one.prompt_logprobs, lp)
+                choice = self._choice(p * self.request.n + i, text, one.finish_reason, lp, first=False)
+                if self.request.prompt_logprobs is not None:
+                    prompt_logprobs = self.vllm_prompt_logprobs(one.prompt_logprobs)
+                    if not self.request.chat:
+                        choice["prompt_logprobs"] = prompt_logprobs
+                choices.append(choice)
         obj = "chat.completion" if self.request.chat else "text_completion"
-        return {**self._head(obj), "choices": choices, "usage": usage(completions)}
+        out = {**self._head(obj), "choices": choices, "usage": usage(completions)}
+        if self.request.chat and self.request.prompt_logprobs is not None:
+            out["prompt_logprobs"] = prompt_logprobs  # vLLM: chat's is the response's (one prompt)
+        return out
 
     def chunk(self, prompt_index: int, chunk: acb.Chunk) -> dict[str, Any] | None:
         """One engine chunk as a streaming chunk (None when it carries nothing to send).
@@ -546,18 +632,27 @@ class Shaper:
         index = prompt_index * self.request.n + chunk.index
         state = self.choices.setdefault(index, _Choice())
         first = not state.started
-        text = chunk.text
+        token_ids, text = chunk.token_ids, chunk.text
+        if self.request.scoring_only:  # max_tokens 0: the token sampled is not sent
+            token_ids, text = [], ""
         if first and self.request.echo:
             text = self.prompt_texts[prompt_index] + text
             state.text_offset = len(self.prompt_texts[prompt_index])
-        state.generated += len(chunk.token_ids)
-        lp = (self.logprobs(state, chunk.token_ids, chunk.logprobs, chunk.top_logprobs)
-              if chunk.token_ids else None)
+        state.generated += len(token_ids)
+        lp = self.logprobs(state, token_ids, chunk.logprobs, chunk.top_logprobs) if token_ids else None
+        if first:
+            lp = self.echo_logprobs(chunk.prompt_logprobs, lp)
         if not (first or text or lp or chunk.finish_reason):
             return None
         state.started = True
-        out = {**self._head(self.obj),
-               "choices": [self._choice(index, text, chunk.finish_reason, lp, first=first and self.request.chat)]}
+        choice = self._choice(index, text, chunk.finish_reason, lp, first=first and self.request.chat)
+        out = {**self._head(self.obj), "choices": [choice]}
+        if first and self.request.prompt_logprobs is not None:
+            prompt_logprobs = self.vllm_prompt_logprobs(chunk.prompt_logprobs)
+            if self.request.chat:
+                out["prompt_logprobs"] = prompt_logprobs
+            else:
+                choice["prompt_logprobs"] = prompt_logprobs
         if self.request.include_usage:
             out["usage"] = (_usage(self.prompt_lengths[prompt_index], state.generated)
                             if self.request.continuous_usage else None)
@@ -565,4 +660,4 @@ class Shaper:
 
     def usage_chunk(self, completions: list[acb.Completion]) -> dict[str, Any]:
         """The closing chunk of ``stream_options.include_usage``: no choices, only usage."""
-        return {**self._head(self.obj), "choices": [], "usage": usage(completions)}
+        return {**self._head(self.obj), "choices": [], "usage": usage(self.visible(completions))}
