@@ -11,7 +11,10 @@ Example::
 
 from __future__ import annotations
 
-from . import distributed  # tensor parallelism: acb.distributed.run_worker() for torchrun's ranks
+from . import (
+    distributed,  # tensor parallelism: acb.distributed.run_worker() for torchrun's ranks
+    tools,  # tool calls: OpenAI's tools checked, forced and parsed
+)
 from .config import EngineConfig, SamplingParams
 from .engine import Engine, EngineStats
 from .errors import (
@@ -50,4 +53,5 @@ __all__ = [
     "SamplingParams",
     "distributed",
     "generate_batch",
+    "tools",
 ]

@@ -17,6 +17,8 @@ import sys
 from collections.abc import Callable, Sequence
 
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+# acb.tools.PARSERS' names (this module imports acb lazily; tests/test_tool_calls.py checks they agree)
+TOOL_CALL_PARSERS = ("hermes", "json", "llama3_json", "mistral")
 
 
 def _positive(text: str) -> int:
@@ -75,6 +77,9 @@ def add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", type=_positive, default=1,
                    help="shard the model over N ranks: acb starts N-1 more processes (gloo on CPU, NCCL on "
                         "CUDA); under torchrun the ranks other than 0 serve as workers (default: 1)")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
+                   help="how tool_choice 'auto' reads the model's tool calls (default: from its chat template; "
+                   "see docs/serving.md)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--log-interval", type=_seconds, default=os.environ.get("ACB_LOG_INTERVAL", "10"),
                    metavar="SECONDS", help="log a throughput/queue summary line every SECONDS while busy; 0 = never "
@@ -199,6 +204,8 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.drain_timeout < 0:
         parser.error("--drain-timeout must be >= 0")
     if args.ray:
+        if args.tool_call_parser is not None:
+            parser.error("--tool-call-parser is not passed to Ray Serve replicas yet: serve without --ray")
         return _serve_ray(args, parser)
     for name in RAY_OPTIONS:
         if getattr(args, name) != parser.get_default(name):
@@ -214,7 +221,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     config = ServerConfig(
         model_name=args.model_name or default_name, api_key=args.api_key, max_tokens_limit=args.max_tokens_limit,
         default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
-        drain_timeout=args.drain_timeout, log_interval=args.log_interval,
+        drain_timeout=args.drain_timeout, log_interval=args.log_interval, tool_call_parser=args.tool_call_parser,
     )
 
     def ready(url: str) -> None:

@@ -53,6 +53,7 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     drain_timeout: float = 30.0
     log_interval: float = 0.0  # seconds between throughput/queue lines in the log; 0 = none
+    tool_call_parser: str | None = None  # acb.tools parser for tool_choice "auto" (None: from the chat template)
 
     def __post_init__(self) -> None:
         for name in ("max_tokens_limit", "default_max_tokens", "max_body_bytes"):
@@ -62,6 +63,9 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.drain_timeout must be >= 0, got {self.drain_timeout!r}")
         if not isinstance(self.log_interval, (int, float)) or self.log_interval < 0:
             raise ValueError(f"ServerConfig.log_interval must be >= 0 seconds, got {self.log_interval!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in acb.tools.PARSERS:
+            raise ValueError(f"ServerConfig.tool_call_parser must be one of {', '.join(sorted(acb.tools.PARSERS))}, "
+                             f"got {self.tool_call_parser!r}")
 
     def limits(self) -> Limits:
         """The per-request bounds these settings give."""
@@ -174,7 +178,7 @@ def create_app(engine: acb.Engine, config: ServerConfig | None = None) -> web.Ap
     config = config or ServerConfig()
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_errors])
     app[SERVICE_KEY] = OpenAIService(engine, model_name=config.model_name, limits=config.limits(),
-                                   api_key=config.api_key)
+                                   api_key=config.api_key, tool_call_parser=config.tool_call_parser)
     app[CONFIG_KEY] = config
     setup_engine(app, engine, drain_timeout=config.drain_timeout)
     if config.log_interval:

@@ -34,7 +34,7 @@ log = logging.getLogger("acb.server")
 # Accepted and without effect here (documented in docs/serving.md); anything not in the
 # tables below is unknown: ignored and logged once.
 _IGNORED = frozenset({
-    "user", "metadata", "store", "service_tier", "parallel_tool_calls", "prediction", "priority", "request_id",
+    "user", "metadata", "store", "service_tier", "prediction", "priority", "request_id",
     "safety_identifier", "prompt_cache_key", "reasoning_effort", "verbosity", "web_search_options",
     "guided_decoding_backend", "guided_whitespace_pattern", "length_penalty", "spaces_between_special_tokens",
     "cache_salt", "kv_transfer_params", "vllm_xargs", "mm_processor_kwargs", "documents", "chat_template",
@@ -52,7 +52,8 @@ _COMMON = frozenset({
 }) | _IGNORED
 _COMPLETION_FIELDS = _COMMON | {"prompt", "suffix"}
 _CHAT_FIELDS = _COMMON | {
-    "messages", "top_logprobs", "max_completion_tokens", "tools", "tool_choice", "functions", "function_call",
+    "messages", "top_logprobs", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls", "functions",
+    "function_call",
     "modalities", "audio", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
 }
 # A request ended by its deadline (timeout_s) was cut short by a limit, as "length" is:
@@ -89,6 +90,10 @@ class ParsedRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     echo: bool = False
+    tools: list[dict[str, Any]] | None = None  # chat: the functions offered (tool_choice not "none")
+    tool_choice: str = "none"  # "none" | "auto" | "required" | "function" (a named one: ``tool_name``)
+    tool_name: str | None = None
+    tool_parser: str | None = None  # the acb.tools parser reading the output (set by the service for "auto")
     prompt_logprobs: int | None = None  # vLLM's field: the prompt's scores in vLLM's shape
     scoring_only: bool = False  # completions' echo with max_tokens 0: the prompt, nothing generated
     tokens_as_ids: bool = False
@@ -163,7 +168,27 @@ def _content(i: int, content: Any) -> str:
     raise _bad("messages", f"[{i}].content must be a string or a list of text parts")
 
 
-def _chat_messages(body: dict) -> list[dict[str, str]]:
+def _history_tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` as chat templates read them (arguments as objects)."""
+    if not isinstance(calls, list):
+        raise _bad("messages", f"[{i}].tool_calls must be a list")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _bad("messages", f"[{i}].tool_calls[{j}] must be {{'type': 'function', 'function': {{name, "
+                       "arguments}}}")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError as e:
+                raise _bad("messages", f"[{i}].tool_calls[{j}].function.arguments is not valid JSON: {e}") from None
+        out.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def _chat_messages(body: dict) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "is required and must be a non-empty list of {role, content} objects")
@@ -172,8 +197,42 @@ def _chat_messages(body: dict) -> list[dict[str, str]]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise _bad("messages", f"[{i}] must be an object with a string 'role'")
         role = "system" if message["role"] == "developer" else message["role"]
-        out.append({"role": role, "content": _content(i, message.get("content"))})
+        entry: dict[str, Any] = {"role": role, "content": _content(i, message.get("content"))}
+        if role == "assistant" and message.get("tool_calls"):
+            entry["tool_calls"] = _history_tool_calls(i, message["tool_calls"])
+        if role == "tool":
+            for key in ("tool_call_id", "name"):
+                if message.get(key) is not None:
+                    if not isinstance(message[key], str):
+                        raise _bad("messages", f"[{i}].{key} must be a string")
+                    entry[key] = message[key]
+        out.append(entry)
     return out
+
+
+def _tool_settings(body: dict) -> tuple[list[dict[str, Any]] | None, str, str | None, bool]:
+    """(tools, tool_choice kind, the named function, parallel_tool_calls) of a chat request."""
+    parallel = _bool(body, "parallel_tool_calls")
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if tools in (None, []):
+        if choice not in (None, "none", "auto"):
+            raise _bad("tool_choice", f"{choice!r} needs 'tools'")
+        return None, "none", None, parallel is not False
+    try:
+        tools = acb.tools.check_tools(tools)
+    except acb.InvalidRequestError as e:
+        raise _bad("tools", str(e).removeprefix("tools")) from None
+    if choice is None or choice in ("none", "auto", "required"):
+        return tools, choice or "auto", None, parallel is not False
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and \
+        choice.get("type") == "function" and isinstance(choice.get("function"), dict) else None
+    if not isinstance(name, str):
+        raise _bad("tool_choice", "must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
+                   f"{{'name': ...}}}}, got {choice!r}")
+    if acb.tools.find_tool(tools, name) is None:
+        raise _bad("tool_choice", f"names the function {name!r}, which is not in 'tools'")
+    return tools, "function", name, parallel is not False
 
 
 def _stop(body: dict) -> list[str] | None:
@@ -206,11 +265,8 @@ def _refuse_unhonourable(body: dict, chat: bool) -> None:
                  "functions"):
         if body.get(name) not in (None, [], ""):
             raise _bad(name, "is not supported")
-    if body.get("tools"):
-        raise _bad("tools", "is not supported: acb does not do tool calling")
-    if body.get("tool_choice") not in (None, "none", "auto") or body.get("function_call") not in (None, "none",
-                                                                                                      "auto"):
-        raise _bad("tool_choice" if "tool_choice" in body else "function_call", "is not supported (no tools)")
+    if body.get("function_call") not in (None, "none", "auto"):
+        raise _bad("function_call", "is not supported: send 'tools' and 'tool_choice'")
     if body.get("modalities") not in (None, ["text"]):
         raise _bad("modalities", "must be ['text']: acb generates text only")
     if _bool(body, "add_special_tokens") is not None and body["add_special_tokens"] != (not chat):
@@ -418,6 +474,15 @@ def parse_request(body: dict[str, Any], *, chat: bool, limits: Limits,
         if not isinstance(options.get(name, False), (bool, type(None))):
             raise _bad("stream_options", f"'{name}' must be a boolean")
     sampling, wire = _engine_keywords(body, chat, limits, n, default_temperature)
+    tools, tool_choice, tool_name, parallel = _tool_settings(body) if chat else (None, "none", None, True)
+    if tool_choice in ("required", "function"):  # forced: the grammar makes the output the call(s)
+        for key in ("json_schema", "regex", "choice"):
+            if key in sampling:
+                raise _bad("tool_choice", f"{tool_choice!r} conflicts with '{wire[key]}': ask for one output "
+                           "constraint")
+        sampling["json_schema"] = acb.tools.required_schema(tools, parallel) if tool_choice == "required" \
+            else acb.tools.named_schema(acb.tools.find_tool(tools, tool_name))
+        wire["json_schema"] = "tools"
     include_usage = bool(options.get("include_usage"))
     limit = body.get("max_completion_tokens") if chat and body.get("max_completion_tokens") is not None \
         else body.get("max_tokens")
@@ -425,6 +490,8 @@ def parse_request(body: dict[str, Any], *, chat: bool, limits: Limits,
         chat=chat, prompts=prompts, sampling=sampling, stream=stream, include_usage=include_usage,
         continuous_usage=include_usage and bool(options.get("continuous_usage_stats")),
         logprobs=bool(sampling.get("logprobs")), top_logprobs=sampling.get("top_logprobs", 0),
+        tools=tools if tool_choice != "none" else None, tool_choice=tool_choice, tool_name=tool_name,
+        tool_parser="json" if tool_choice == "required" else None,
         echo=bool(_bool(body, "echo")), prompt_logprobs=_int(body, "prompt_logprobs", 0, _MAX_LOGPROBS),
         scoring_only=limit == 0, tokens_as_ids=bool(_bool(body, "return_tokens_as_token_ids")), n=n,
         template=_template_options(body) if chat else None, wire_names=wire,
@@ -435,9 +502,12 @@ def parse_request(body: dict[str, Any], *, chat: bool, limits: Limits,
 def prompt_token_ids(request: ParsedRequest, prompt: Any, engine: acb.Engine) -> list[int]:
     """One prompt as the token ids the engine will run (chat: through the template with
     the request's options), so the server knows its length and text up front."""
-    if request.template is not None and engine.tokenizer is not None:
+    if (request.template is not None or request.tools) and engine.tokenizer is not None:
+        options = dict(request.template or {"add_generation_prompt": True})
+        if request.tools:
+            options["tools"] = request.tools
         try:
-            out = engine.tokenizer.apply_chat_template(prompt, tokenize=True, **request.template)
+            out = engine.tokenizer.apply_chat_template(prompt, tokenize=True, **options)
         except Exception as e:
             raise acb.InvalidRequestError(f"chat prompt could not be templated: {e}", param="prompt") from e
         prompt = list(out["input_ids"] if hasattr(out, "keys") else out)
@@ -475,6 +545,8 @@ class _Choice:
     text_offset: int = 0
     generated: int = 0
     started: bool = False
+    tools: acb.tools.ToolStream | None = None  # chat with tools: the parser reading this choice's text
+    calls: int = 0  # tool calls sent
 
 
 class Shaper:
@@ -571,20 +643,58 @@ class Shaper:
         return out
 
     def _choice(self, index: int, text: str, reason: str | None, logprobs: dict | None,
-                *, first: bool) -> dict[str, Any]:
+                *, first: bool, tool_calls: list[dict[str, Any]] | None = None, called: bool = False) -> dict[str, Any]:
+        """One choice; ``tool_calls``: its calls (whole, or a stream's new entries); ``called``:
+        the choice made calls (its finish reason is then ``"tool_calls"``)."""
         choice: dict[str, Any] = {"index": index}
         if self.request.chat and self.request.stream:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text or first:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice["delta"] = delta
         elif self.request.chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if tool_calls:
+                choice["message"].update(content=text or None, tool_calls=tool_calls)
         else:
             choice["text"] = text
         choice["logprobs"] = logprobs
         choice["finish_reason"] = finish_reason(reason)
+        if called and reason in ("eos", "stop"):
+            choice["finish_reason"] = "tool_calls"
         return choice
+
+    def _tool_parser(self) -> acb.tools.ToolParser:
+        names = [t["function"]["name"] for t in self.request.tools]
+        return acb.tools.get_parser(self.request.tool_parser, names)
+
+    def tool_calls(self, text: str) -> tuple[str, list[acb.tools.ToolCall]]:
+        """A whole chat output with tools: (content, calls)."""
+        if self.request.tool_choice == "function":  # the grammar made the output the arguments
+            return "", [acb.tools.ToolCall(self.request.tool_name, text.strip())]
+        return self._tool_parser().parse(text)
+
+    def _stream_tool_calls(self, state: _Choice, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
+        """A streamed chat choice with tools: (content, new ``tool_calls`` delta entries)."""
+        request = self.request
+        if request.tool_choice == "function":  # the text is the arguments, streamed as they come
+            if state.calls:
+                return "", [{"index": 0, "function": {"arguments": text}}] if text else []
+            state.calls = 1
+            return "", [{"index": 0, **acb.tools.ToolCall(request.tool_name, text).to_openai()}]
+        if state.tools is None:
+            state.tools = self._tool_parser().stream()
+        content, calls = state.tools.push(text)
+        if final:
+            more, last = state.tools.finish()
+            content, calls = content + more, calls + last
+        entries = []
+        for call in calls:
+            entries.append({"index": state.calls, **call.to_openai()})
+            state.calls += 1
+        return content, entries
 
     def visible(self, completions: list[acb.Completion]) -> list[acb.Completion]:
         """The completions as the client asked for them: with ``max_tokens`` 0 (echo,
@@ -613,7 +723,12 @@ class Shaper:
                 text = (self.prompt_texts[p] if self.request.echo else "") + one.text
                 lp = self.logprobs(state, one.token_ids, one.logprobs, one.top_logprobs)
                 lp = self.echo_logprobs(one.prompt_logprobs, lp)
-                choice = self._choice(p * self.request.n + i, text, one.finish_reason, lp, first=False)
+                calls = None
+                if self.request.tools:
+                    text, found = self.tool_calls(text)
+                    calls = [c.to_openai() for c in found]
+                choice = self._choice(p * self.request.n + i, text, one.finish_reason, lp, first=False,
+                                      tool_calls=calls, called=bool(calls))
                 if self.request.prompt_logprobs is not None:
                     prompt_logprobs = self.vllm_prompt_logprobs(one.prompt_logprobs)
                     if not self.request.chat:
@@ -642,10 +757,14 @@ class Shaper:
         lp = self.logprobs(state, token_ids, chunk.logprobs, chunk.top_logprobs) if token_ids else None
         if first:
             lp = self.echo_logprobs(chunk.prompt_logprobs, lp)
-        if not (first or text or lp or chunk.finish_reason):
+        calls = None
+        if self.request.tools:
+            text, calls = self._stream_tool_calls(state, text, chunk.finish_reason is not None)
+        if not (first or text or lp or calls or chunk.finish_reason):
             return None
         state.started = True
-        choice = self._choice(index, text, chunk.finish_reason, lp, first=first and self.request.chat)
+        choice = self._choice(index, text, chunk.finish_reason, lp, first=first and self.request.chat,
+                              tool_calls=calls, called=state.calls > 0)
         out = {**self._head(self.obj), "choices": [choice]}
         if first and self.request.prompt_logprobs is not None:
             prompt_logprobs = self.vllm_prompt_logprobs(chunk.prompt_logprobs)

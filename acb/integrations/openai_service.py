@@ -91,7 +91,10 @@ class OpenAIService:
     """
 
     def __init__(self, engine: acb.Engine, *, model_name: str = "acb", limits: Limits | None = None,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, tool_call_parser: str | None = None) -> None:
+        if tool_call_parser is not None:
+            acb.tools.get_parser(tool_call_parser)  # ValueError naming the parsers there are
+        self.tool_call_parser = tool_call_parser  # None: from the chat template
         self.engine = engine
         self.model_name = model_name
         self.limits = limits or Limits()
@@ -113,6 +116,8 @@ class OpenAIService:
         the response object, or for ``stream: true`` an async generator of SSE events.
         Closing that generator early (a client that went away) cancels the request."""
         parsed = parse_request(body, chat=chat, limits=self.limits, default_temperature=self._default_temperature())
+        if parsed.tools and parsed.tool_choice == "auto":
+            parsed.tool_parser = self._auto_tool_parser()
         handles, prompts = self._submit_all(parsed)
         token_text = _token_text(self.engine)
         texts = [self._prompt_text(p, ids) for p, ids in zip(parsed.prompts, prompts)] if parsed.echo else None
@@ -129,6 +134,22 @@ class OpenAIService:
         for completion in completions:
             self.metrics.observe(completion)
         return shaper.response(completions)
+
+    def _auto_tool_parser(self) -> str:
+        """The parser reading ``tool_choice: "auto"`` output: ``--tool-call-parser``, else the
+        one the chat template's tool-call format names; a 400 when the template renders no
+        tools (the model would never hear of them) or no parser is known."""
+        template = getattr(self.engine.tokenizer, "chat_template", None)
+        if isinstance(template, dict):  # named templates: transformers renders tools with "tool_use"
+            template = template.get("tool_use") or template.get("default")
+        if not acb.tools.template_supports_tools(template):
+            raise ApiError(400, "'tools' with tool_choice 'auto' need a chat template that renders tools, and this "
+                           "model's does not: use tool_choice 'required' or a named function", param="tools")
+        name = self.tool_call_parser or acb.tools.parser_for_template(template)
+        if name is None:
+            raise ApiError(400, "'tools': no tool-call parser is known for this model's chat template; start acb "
+                           f"serve with --tool-call-parser ({', '.join(sorted(acb.tools.PARSERS))})", param="tools")
+        return name
 
     def _default_temperature(self) -> float | None:
         """OpenAI's 1.0 for a request without ``temperature``, unless the model's
