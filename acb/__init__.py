@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from . import (
     distributed,  # tensor parallelism: acb.distributed.run_worker() for torchrun's ranks
+    reasoning,  # the <think> split: reasoning apart from the answer
     tools,  # tool calls: OpenAI's tools checked, forced and parsed
 )
 from .config import EngineConfig, SamplingParams
@@ -53,5 +54,6 @@ __all__ = [
     "SamplingParams",
     "distributed",
     "generate_batch",
+    "reasoning",
     "tools",
 ]

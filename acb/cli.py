@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 # acb.tools.PARSERS' names (this module imports acb lazily; tests/test_tool_calls.py checks they agree)
 TOOL_CALL_PARSERS = ("hermes", "json", "llama3_json", "mistral")
+REASONING_PARSERS = ("think", "deepseek_r1")  # acb.reasoning.PARSERS
 
 
 def _positive(text: str) -> int:
@@ -80,6 +81,9 @@ def add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
                    help="how tool_choice 'auto' reads the model's tool calls (default: from its chat template; "
                    "see docs/serving.md)")
+    p.add_argument("--reasoning-parser", choices=(*REASONING_PARSERS, "auto", "none"), default="auto",
+                   help="split chat output's <think> part into reasoning_content (default auto: 'think' when the "
+                   "chat template shows <think>; none: off)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--log-interval", type=_seconds, default=os.environ.get("ACB_LOG_INTERVAL", "10"),
                    metavar="SECONDS", help="log a throughput/queue summary line every SECONDS while busy; 0 = never "
@@ -204,8 +208,9 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.drain_timeout < 0:
         parser.error("--drain-timeout must be >= 0")
     if args.ray:
-        if args.tool_call_parser is not None:
-            parser.error("--tool-call-parser is not passed to Ray Serve replicas yet: serve without --ray")
+        if args.tool_call_parser is not None or args.reasoning_parser != "auto":
+            parser.error("--tool-call-parser and --reasoning-parser are not passed to Ray Serve replicas yet: "
+                         "serve without --ray")
         return _serve_ray(args, parser)
     for name in RAY_OPTIONS:
         if getattr(args, name) != parser.get_default(name):
@@ -222,6 +227,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         model_name=args.model_name or default_name, api_key=args.api_key, max_tokens_limit=args.max_tokens_limit,
         default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
         drain_timeout=args.drain_timeout, log_interval=args.log_interval, tool_call_parser=args.tool_call_parser,
+        reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser,
     )
 
     def ready(url: str) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .errors import InvalidRequestError
+from .reasoning import PARSERS as REASONING_PARSERS
 
 _SCHEDULERS = ("fifo", "prefill_first")
 _ATTN_BACKENDS = ("auto", "native", "torch", "triton", "flash_attn")  # acb.attention.BACKENDS
@@ -73,6 +74,9 @@ class SamplingParams:
     after the first, and its k most likely alternatives, computed in the prefill steps and
     returned once (``Completion.prompt_logprobs``, the first ``Chunk`` of each choice); such
     a request does not read the prefix cache (its cached pages' logits were not kept).
+    ``reasoning_parser`` (None = off; ``"think"``, ``"deepseek_r1"``, see ``acb.reasoning``):
+    the text between ``<think>`` and ``</think>`` goes to ``Chunk.reasoning_text`` /
+    ``Completion.reasoning_text`` instead of ``text``; ``Chunk.reasoning_mask`` marks its tokens.
 
     Example::
 
@@ -102,6 +106,7 @@ class SamplingParams:
     choice: tuple[str, ...] | None = None
     timeout_s: float | None = None
     prompt_logprobs: int | None = None
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and stored as tuples so params stay hashable.
@@ -145,6 +150,9 @@ class SamplingParams:
         self._check_number("frequency_penalty", lambda v: True, "a finite number (0 = off)")
         self._check_number("min_p", lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)")
         self._check_number("timeout_s", lambda v: v > 0, "None (no deadline) or a number of seconds > 0")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise InvalidRequestError(f"reasoning_parser must be None or one of {', '.join(REASONING_PARSERS)}, got "
+                                      f"{self.reasoning_parser!r}", param="reasoning_parser")
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
             raise InvalidRequestError(f"prompt_logprobs must be None (off) or an int >= 0 (alternatives per prompt "
                                       f"token), got {self.prompt_logprobs!r}", param="prompt_logprobs")

@@ -96,6 +96,8 @@ def prepare(prompt: Any, request_id: str | None, params: SamplingParams, tokeniz
             max_model_len: int, live: Container[str]) -> tuple[str, list[int], SamplingParams]:
     """Check one request against the engine: (request id, token ids, sampling params)."""
     ids = tokenize(prompt, tokenizer, vocab_size)
+    if params.reasoning_parser is not None and tokenizer is None:
+        raise InvalidRequestError("reasoning_parser needs a tokenizer (it splits the text)", param="reasoning_parser")
     if params.stop and tokenizer is None:
         raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids instead", param="stop")
     for t in params.stop_token_ids:

@@ -12,6 +12,7 @@ from typing import Any
 from .config import SamplingParams
 from .detokenizer import Detokenizer, StopMatcher
 from .prompt_logprobs import PromptSink
+from .reasoning import ReasoningSplitter, prompt_opens_reasoning
 from .request import Mailbox, Outcome, RequestMetrics
 from .sampling import Controls, SamplingBatch
 from .scheduler import Sequence
@@ -29,7 +30,7 @@ class LiveRequest:
     __slots__ = ("request_id", "seq", "params", "mailbox", "future", "detok", "stopper",
                  "text_parts", "logprobs", "top_logprobs", "metrics", "finish_reason",
                  "controlled", "penalized", "min_length_banned", "matcher", "group", "index",
-                 "deadline", "prompt_sink")
+                 "deadline", "prompt_sink", "reasoning", "reasoning_parts")
 
     def __init__(self, request_id: str, seq: Sequence, params: SamplingParams,
                  mailbox: Mailbox | None, future: Outcome, tokenizer, matcher: Any = None):
@@ -57,6 +58,13 @@ class LiveRequest:
         self.deadline = None if params.timeout_s is None else self.metrics.arrival_time + params.timeout_s
         # prompt_logprobs: where this request's prompt scores gather (shared by its choices)
         self.prompt_sink: PromptSink | None = None
+        # reasoning_parser: splits the text into reasoning and answer (the prompt may open the thought)
+        self.reasoning: ReasoningSplitter | None = None
+        self.reasoning_parts: list[str] | None = None
+        if p.reasoning_parser is not None and tokenizer is not None:
+            tail = tokenizer.decode(seq.prompt_ids[-8:], skip_special_tokens=False)
+            self.reasoning = ReasoningSplitter(p.reasoning_parser, prompt_opens_reasoning(tail))
+            self.reasoning_parts = []
 
     @classmethod
     def create(cls, request_id: str, prompt_ids: list[int], params: SamplingParams, mailbox: Mailbox | None,

@@ -144,9 +144,10 @@ class Outputs:
             alternatives = [dict(zip(top[0][:k], top[1][:k], strict=True))]
             req.top_logprobs.extend(alternatives)
         if finish is None:
+            reasoning, text, mask = self._split(req, text, 1, final=False)
             req.text_parts.append(text)
             if req.mailbox is not None:
-                req.mailbox.put([token], text, lp, top_logprobs=alternatives)
+                req.mailbox.put([token], text, lp, top_logprobs=alternatives, reasoning=reasoning, reasoning_mask=mask)
         else:
             self.finish(req, finish, text, [token], lp, alternatives)  # hands a stop string's finish back
 
@@ -173,13 +174,28 @@ class Outputs:
         already): the last chunk to its mailbox, its ``Completion`` to its future."""
         self._forget(req)
         req.finish_reason = reason
+        reasoning, text, mask = self._split(req, text, len(token_ids or ()), final=True)
         req.text_parts.append(text)
         req.metrics.finish_time = time.monotonic()
         if req.mailbox is not None:
-            req.mailbox.put(token_ids or [], text, logprobs, reason, top_logprobs)
+            req.mailbox.put(token_ids or [], text, logprobs, reason, top_logprobs, reasoning=reasoning,
+                            reasoning_mask=mask)
         if not req.future.done():
             req.future.set_result(self.completion(req))
         self._member_done(req)
+
+    @staticmethod
+    def _split(req: LiveRequest, text: str, tokens: int, final: bool) -> tuple[str, str, list[bool] | None]:
+        """(reasoning, answer, per-token reasoning flags) of the text of ``tokens`` new tokens,
+        with a reasoning parser; else ("", text, None). A token is the reasoning's when the
+        output was in (or could still open) its thought and the token added no answer text."""
+        splitter = req.reasoning
+        if splitter is None:
+            return "", text, None
+        before = splitter.in_reasoning
+        reasoning, answer = splitter.push(text, final)
+        req.reasoning_parts.append(reasoning)
+        return reasoning, answer, [before and not answer] * tokens
 
     def fail(self, req: LiveRequest, error: BaseException) -> None:
         """End ``req`` with ``error`` (and the other choices of its request with it)."""
@@ -213,4 +229,5 @@ class Outputs:
             text="".join(req.text_parts), logprobs=req.logprobs, finish_reason=req.finish_reason, metrics=m,
             top_logprobs=req.top_logprobs, index=req.index,
             prompt_logprobs=req.prompt_sink.result if req.prompt_sink is not None else None,
+            reasoning_text="".join(req.reasoning_parts) if req.reasoning_parts is not None else None,
         )

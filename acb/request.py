@@ -26,6 +26,10 @@ class Chunk:
             ``"cancelled"`` or ``"timeout"``.
         prompt_logprobs: with ``prompt_logprobs=k``, the prompt's scores (``acb.PromptLogprobs``) on
             the first chunk of each choice (the one with its first token), None on the others.
+        reasoning_text: with ``reasoning_parser``, the reasoning text new in this chunk (``text`` is
+            then the answer's only).
+        reasoning_mask: with ``reasoning_parser``, per token of ``token_ids``: True when it belongs to
+            the reasoning (its ``<think>`` / ``</think>`` markers included).
     """
 
     request_id: str
@@ -36,6 +40,8 @@ class Chunk:
     index: int = 0  # which of the request's ``n`` choices this chunk belongs to
     top_logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob} alternatives
     prompt_logprobs: PromptLogprobs | None = None  # once, on the first chunk (prompt_logprobs=k)
+    reasoning_text: str = ""  # reasoning_parser: the thought's text new in this chunk
+    reasoning_mask: list[bool] | None = None  # reasoning_parser: per token, whether it is the thought's
 
 
 @dataclass(slots=True)
@@ -89,6 +95,7 @@ class Completion:
         metrics: timings and counts (``ttft_s``, ``latency_s``, token counts).
         prompt_logprobs: with ``prompt_logprobs=k``, the prompt's scores (``acb.PromptLogprobs``;
             None if the request ended before its prompt was computed).
+        reasoning_text: with ``reasoning_parser``, the reasoning (``text`` is the answer); else None.
     """
 
     request_id: str
@@ -104,6 +111,7 @@ class Completion:
     # Completion ``generate`` returns describes choice 0 and lists all n here
     choices: list[Completion] = field(default_factory=list, repr=False, compare=False)
     prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs=k (every choice the same)
+    reasoning_text: str | None = None  # with reasoning_parser: the thought (text is the answer)
 
     def __post_init__(self) -> None:
         if not self.choices:
@@ -116,7 +124,8 @@ class Mailbox:
     chunk, so memory is bounded by the request's tokens, not by the steps taken."""
 
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "top_logprobs", "finish_reason", "error",
-                 "final_taken", "index", "prompt_logprobs", "_waiter", "_new_event")
+                 "final_taken", "index", "prompt_logprobs", "reasoning", "reasoning_mask", "_waiter",
+                 "_new_event")
 
     def __init__(self, request_id: str, want_logprobs: bool,
                  new_event: Callable[[], anyio.Event] = anyio.Event, want_top_logprobs: bool = False,
@@ -131,6 +140,8 @@ class Mailbox:
         self.error: BaseException | None = None
         self.final_taken = False
         self.prompt_logprobs: PromptLogprobs | None = None  # until taken with the next chunk
+        self.reasoning: list[str] = []
+        self.reasoning_mask: list[bool] | None = None
         self._waiter: anyio.Event | None = None  # made only while the consumer waits
         self._new_event = new_event
 
@@ -141,10 +152,15 @@ class Mailbox:
             waiter.set()
 
     def put(self, token_ids: list[int], text: str, logprobs: list[float] | None,
-            finish_reason: str | None = None, top_logprobs: list[dict[int, float]] | None = None) -> None:
+            finish_reason: str | None = None, top_logprobs: list[dict[int, float]] | None = None,
+            reasoning: str = "", reasoning_mask: list[bool] | None = None) -> None:
         self.token_ids.extend(token_ids)
         if text:
             self.text.append(text)
+        if reasoning:
+            self.reasoning.append(reasoning)
+        if reasoning_mask is not None:
+            self.reasoning_mask = (self.reasoning_mask or []) + reasoning_mask
         if logprobs is not None and self.logprobs is not None:
             self.logprobs.extend(logprobs)
         if top_logprobs is not None and self.top_logprobs is not None:
@@ -184,12 +200,15 @@ class Mailbox:
 
     def take(self) -> Chunk | None:
         """All output waiting now as one chunk, or None if there is none."""
-        if not (self.token_ids or self.text or self.prompt_logprobs
+        if not (self.token_ids or self.text or self.prompt_logprobs or self.reasoning
                 or (self.finish_reason and not self.final_taken)):
             return None
         chunk = Chunk(self.request_id, self.token_ids, "".join(self.text), self.logprobs, self.finish_reason,
-                      self.index, self.top_logprobs, self.prompt_logprobs)
+                      self.index, self.top_logprobs, self.prompt_logprobs, "".join(self.reasoning),
+                      self.reasoning_mask)
         self.prompt_logprobs = None
+        self.reasoning = []
+        self.reasoning_mask = None
         self.token_ids = []
         self.text = []
         if self.logprobs is not None:

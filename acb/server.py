@@ -54,6 +54,9 @@ class ServerConfig:
     drain_timeout: float = 30.0
     log_interval: float = 0.0  # seconds between throughput/queue lines in the log; 0 = none
     tool_call_parser: str | None = None  # acb.tools parser for tool_choice "auto" (None: from the chat template)
+    # acb.reasoning parser splitting chat output into reasoning_content and content: "auto" (from the
+    # chat template: "think" when it shows <think>), None (off), "think" or "deepseek_r1"
+    reasoning_parser: str | None = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_tokens_limit", "default_max_tokens", "max_body_bytes"):
@@ -66,6 +69,9 @@ class ServerConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in acb.tools.PARSERS:
             raise ValueError(f"ServerConfig.tool_call_parser must be one of {', '.join(sorted(acb.tools.PARSERS))}, "
                              f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in ("auto", None, *acb.reasoning.PARSERS):
+            raise ValueError(f"ServerConfig.reasoning_parser must be 'auto', None or one of "
+                             f"{', '.join(acb.reasoning.PARSERS)}, got {self.reasoning_parser!r}")
 
     def limits(self) -> Limits:
         """The per-request bounds these settings give."""
@@ -178,7 +184,8 @@ def create_app(engine: acb.Engine, config: ServerConfig | None = None) -> web.Ap
     config = config or ServerConfig()
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_errors])
     app[SERVICE_KEY] = OpenAIService(engine, model_name=config.model_name, limits=config.limits(),
-                                   api_key=config.api_key, tool_call_parser=config.tool_call_parser)
+                                   api_key=config.api_key, tool_call_parser=config.tool_call_parser,
+                                   reasoning_parser=config.reasoning_parser)
     app[CONFIG_KEY] = config
     setup_engine(app, engine, drain_timeout=config.drain_timeout)
     if config.log_interval:

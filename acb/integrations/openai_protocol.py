@@ -94,6 +94,7 @@ class ParsedRequest:
     tool_choice: str = "none"  # "none" | "auto" | "required" | "function" (a named one: ``tool_name``)
     tool_name: str | None = None
     tool_parser: str | None = None  # the acb.tools parser reading the output (set by the service for "auto")
+    reasoning: bool = False  # chat: the output's thought goes to reasoning_content (the service's parser)
     prompt_logprobs: int | None = None  # vLLM's field: the prompt's scores in vLLM's shape
     scoring_only: bool = False  # completions' echo with max_tokens 0: the prompt, nothing generated
     tokens_as_ids: bool = False
@@ -643,12 +644,16 @@ class Shaper:
         return out
 
     def _choice(self, index: int, text: str, reason: str | None, logprobs: dict | None,
-                *, first: bool, tool_calls: list[dict[str, Any]] | None = None, called: bool = False) -> dict[str, Any]:
+                *, first: bool, tool_calls: list[dict[str, Any]] | None = None, called: bool = False,
+                reasoning: str | None = None) -> dict[str, Any]:
         """One choice; ``tool_calls``: its calls (whole, or a stream's new entries); ``called``:
-        the choice made calls (its finish reason is then ``"tool_calls"``)."""
+        the choice made calls (its finish reason is then ``"tool_calls"``); ``reasoning``: its
+        thought (whole, or a stream's new text)."""
         choice: dict[str, Any] = {"index": index}
         if self.request.chat and self.request.stream:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             if text or first:
                 delta["content"] = text
             if tool_calls:
@@ -656,6 +661,8 @@ class Shaper:
             choice["delta"] = delta
         elif self.request.chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if self.request.reasoning:
+                choice["message"]["reasoning_content"] = reasoning or None
             if tool_calls:
                 choice["message"].update(content=text or None, tool_calls=tool_calls)
         else:
@@ -728,7 +735,7 @@ class Shaper:
                     text, found = self.tool_calls(text)
                     calls = [c.to_openai() for c in found]
                 choice = self._choice(p * self.request.n + i, text, one.finish_reason, lp, first=False,
-                                      tool_calls=calls, called=bool(calls))
+                                      tool_calls=calls, called=bool(calls), reasoning=one.reasoning_text)
                 if self.request.prompt_logprobs is not None:
                     prompt_logprobs = self.vllm_prompt_logprobs(one.prompt_logprobs)
                     if not self.request.chat:
@@ -760,11 +767,11 @@ class Shaper:
         calls = None
         if self.request.tools:
             text, calls = self._stream_tool_calls(state, text, chunk.finish_reason is not None)
-        if not (first or text or lp or calls or chunk.finish_reason):
+        if not (first or text or lp or calls or chunk.reasoning_text or chunk.finish_reason):
             return None
         state.started = True
         choice = self._choice(index, text, chunk.finish_reason, lp, first=first and self.request.chat,
-                              tool_calls=calls, called=state.calls > 0)
+                              tool_calls=calls, called=state.calls > 0, reasoning=chunk.reasoning_text)
         out = {**self._head(self.obj), "choices": [choice]}
         if first and self.request.prompt_logprobs is not None:
             prompt_logprobs = self.vllm_prompt_logprobs(chunk.prompt_logprobs)

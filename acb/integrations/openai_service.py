@@ -91,10 +91,18 @@ class OpenAIService:
     """
 
     def __init__(self, engine: acb.Engine, *, model_name: str = "acb", limits: Limits | None = None,
-                 api_key: str | None = None, tool_call_parser: str | None = None) -> None:
+                 api_key: str | None = None, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = "auto") -> None:
         if tool_call_parser is not None:
             acb.tools.get_parser(tool_call_parser)  # ValueError naming the parsers there are
         self.tool_call_parser = tool_call_parser  # None: from the chat template
+        if reasoning_parser == "auto":  # from the chat template: one that shows <think> gets "think"
+            template = getattr(engine.tokenizer, "chat_template", None) if engine.tokenizer is not None else None
+            reasoning_parser = acb.reasoning.parser_for_template(template)
+        elif reasoning_parser not in (None, *acb.reasoning.PARSERS):
+            raise ValueError(f"reasoning_parser must be 'auto', None or one of {', '.join(acb.reasoning.PARSERS)}, "
+                             f"got {reasoning_parser!r}")
+        self.reasoning_parser = reasoning_parser  # chat completions: reasoning_content apart from content
         self.engine = engine
         self.model_name = model_name
         self.limits = limits or Limits()
@@ -118,6 +126,9 @@ class OpenAIService:
         parsed = parse_request(body, chat=chat, limits=self.limits, default_temperature=self._default_temperature())
         if parsed.tools and parsed.tool_choice == "auto":
             parsed.tool_parser = self._auto_tool_parser()
+        if chat and self.reasoning_parser is not None and parsed.tool_choice not in ("required", "function"):
+            parsed.sampling["reasoning_parser"] = self.reasoning_parser  # (a forced call is all answer)
+            parsed.reasoning = True
         handles, prompts = self._submit_all(parsed)
         token_text = _token_text(self.engine)
         texts = [self._prompt_text(p, ids) for p, ids in zip(parsed.prompts, prompts)] if parsed.echo else None
