@@ -149,3 +149,15 @@ async def test_a_tool_call_after_the_thought_is_parsed_and_the_thought_kept_apar
             args, reason = message.tool_calls[0].function.arguments, answer.choices[0].finish_reason
         assert (reasoning, content, reason) == ("plan", "", "tool_calls")
         assert json.loads(args) == {"x": 1}
+
+
+def test_the_cli_and_server_config_know_the_parsers():
+    from acb.cli import REASONING_PARSERS, build_parser
+    from acb.server import ServerConfig
+
+    assert REASONING_PARSERS == acb.reasoning.PARSERS
+    args = build_parser().parse_args(["serve", "--tiny", "--reasoning-parser", "none", "--tool-call-parser", "mistral"])
+    assert (args.reasoning_parser, args.tool_call_parser) == ("none", "mistral")
+    for field in ("reasoning_parser", "tool_call_parser"):
+        with pytest.raises(ValueError, match=field):
+            ServerConfig(**{field: "nope"})
