@@ -73,6 +73,11 @@ def add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--max-waiting-requests", type=_positive,
                    help="requests queued beyond the running batch before new ones get 429 with Retry-After "
                         "(default: 4 x the batch's request cap)")
+    p.add_argument("--scheduler", choices=["fifo", "prefill_first", "priority"], default="fifo",
+                   help="admission order (default: fifo); priority honours the requests' 'priority' field")
+    p.add_argument("--priority-aging-steps", type=int, default=5000,
+                   help="with --scheduler priority: engine steps per priority level a waiting request ages "
+                        "by (0: no aging; default: 5000)")
     p.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="weights dtype")
     p.add_argument("--tensor-parallel-size", type=_positive, default=1,
@@ -109,7 +114,8 @@ def _model_source(args: argparse.Namespace):
     import acb
 
     fields = {k: getattr(args, k) for k in ("num_blocks", "max_batch_tokens", "device", "dtype", "cpu_offload_space",
-                                            "tensor_parallel_size", "max_waiting_requests")}
+                                            "tensor_parallel_size", "max_waiting_requests", "scheduler",
+                                            "priority_aging_steps")}
     if args.tiny:
         from acb.testing import tiny_engine
 

@@ -15,7 +15,7 @@ from typing import Any
 from .errors import InvalidRequestError
 from .reasoning import PARSERS as REASONING_PARSERS
 
-_SCHEDULERS = ("fifo", "prefill_first")
+_SCHEDULERS = ("fifo", "prefill_first", "priority")
 _ATTN_BACKENDS = ("auto", "native", "torch", "triton", "flash_attn")  # acb.attention.BACKENDS
 
 
@@ -77,6 +77,9 @@ class SamplingParams:
     ``reasoning_parser`` (None = off; ``"think"``, ``"deepseek_r1"``, see ``acb.reasoning``):
     the text between ``<think>`` and ``</think>`` goes to ``Chunk.reasoning_text`` /
     ``Completion.reasoning_text`` instead of ``text``; ``Chunk.reasoning_mask`` marks its tokens.
+    ``priority`` (0; lower = more urgent, vLLM's convention): the order of admission and
+    preemption under ``EngineConfig(scheduler="priority")``; any other scheduler refuses a
+    request that sets it (``InvalidRequestError`` naming ``priority``).
 
     Example::
 
@@ -107,6 +110,7 @@ class SamplingParams:
     timeout_s: float | None = None
     prompt_logprobs: int | None = None
     reasoning_parser: str | None = None
+    priority: int = 0
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and stored as tuples so params stay hashable.
@@ -156,6 +160,9 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
             raise InvalidRequestError(f"prompt_logprobs must be None (off) or an int >= 0 (alternatives per prompt "
                                       f"token), got {self.prompt_logprobs!r}", param="prompt_logprobs")
+        if not _is_int(self.priority) or not -(2**31) <= self.priority < 2**31:
+            raise InvalidRequestError(f"priority must be an int in [-2**31, 2**31) (lower = more urgent), got "
+                                      f"{self.priority!r}", param="priority")
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         self._check_structure()
 
@@ -283,6 +290,15 @@ class EngineConfig:
     raise ``acb.EngineOverloadedError`` at once and queue nothing (``generate_batch`` when
     the queue is already full).
 
+    ``scheduler="priority"`` admits waiting requests by ``SamplingParams.priority`` (lower
+    first), then arrival, and preempts the least urgent running request first, never one
+    more urgent than the request that needs the room. ``priority_aging_steps`` bounds
+    starvation: a request is ranked as if it had arrived ``priority * priority_aging_steps``
+    engine steps after it did, so a later, more urgent request overtakes it only if it
+    arrives within that many steps per priority level of difference (0: no aging, strict
+    priority, a flood of urgent work can starve less urgent work for ever). See
+    docs/design.md, "Scheduling".
+
     A setting that has no effect where the engine runs (the CUDA-graph settings on the
     CPU, say) is named by :meth:`inactive_settings`, and the engine logs a warning naming
     it at construction.
@@ -313,6 +329,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 120.0
     max_waiting_requests: int | None = None
+    priority_aging_steps: int = 5000
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:
@@ -382,6 +399,8 @@ class EngineConfig:
             not _is_int(self.max_waiting_requests) or self.max_waiting_requests < 1
         ):
             bad("max_waiting_requests", "must be None or an int >= 1")
+        if not _is_int(self.priority_aging_steps) or self.priority_aging_steps < 0:
+            bad("priority_aging_steps", "must be an int >= 0 (0 = no aging)")
 
     def inactive_settings(self, device: Any = None, dtype: Any = None) -> list[str]:
         """Names of the fields set to a value that has no effect on ``device`` (default:
@@ -410,13 +429,16 @@ class EngineConfig:
             inert += [n for n in ("q_padding_interval_size", "kv_padding_interval_size") if getattr(self, n)]
         elif self.use_cuda_graph is False:  # graphs off: nothing is padded
             inert += [n for n in ("q_padding_interval_size", "kv_padding_interval_size") if getattr(self, n)]
+        if self.scheduler != "priority" and self.priority_aging_steps != 5000:
+            inert.append("priority_aging_steps")  # it ranks requests under scheduler="priority" only
         if self.max_blocks_per_request is not None and backend not in (None, "native", "triton"):
             inert.append("max_blocks_per_request")  # it bounds the native and Triton decode kernels only
         return inert
 
     @property
     def effective_safety_margin(self) -> float:
-        """``safety_margin``, or the scheduler's default when it is None (0.15 for fifo, else 0)."""
+        """``safety_margin``, or the scheduler's default when it is None (0.15 for fifo and
+        priority, 0 for prefill_first)."""
         if self.safety_margin is not None:
             return self.safety_margin
-        return 0.15 if self.scheduler == "fifo" else 0.0
+        return 0.0 if self.scheduler == "prefill_first" else 0.15

@@ -124,6 +124,9 @@ class Engine:
             log.warning("acb: EngineConfig.%s=%r has no effect on %s with %s weights; it is ignored", name,
                         getattr(self.config, name), param.device, str(param.dtype).removeprefix("torch."))
         self.sampling = sampling or SamplingParams()
+        if self.sampling.priority and self.config.scheduler != "priority":
+            raise ValueError(f"SamplingParams.priority={self.sampling.priority} needs EngineConfig(scheduler="
+                             f"'priority'); the scheduler is {self.config.scheduler!r}")
         # what the model's generation_config sets for fields a request leaves unset
         self.generation_defaults = generation_defaults(model)
         self.vocab_size = model.get_input_embeddings().num_embeddings
@@ -152,6 +155,7 @@ class Engine:
             self.kv, self.max_batch_tokens, self.max_requests,
             policy=self.config.scheduler, safety_margin=self.config.effective_safety_margin,
             sliding_window=self.layout.sliding_window, host_pool=self.host_pool, kv_swa=self.kv_swa,
+            aging_steps=self.config.priority_aging_steps,
         )
         self._out = Outputs(self.scheduler)
         self._grammars = Grammars(tokenizer, self.vocab_size, self.eos_token_ids)
@@ -313,6 +317,10 @@ class Engine:
                  overrides: dict[str, Any]) -> tuple[str, list[int], SamplingParams, Any]:
         """(request id, prompt ids, resolved params, grammar matcher or None), or InvalidRequestError."""
         params = sampling_params(self.sampling, sampling, overrides, self.generation_defaults)
+        if params.priority and self.config.scheduler != "priority":
+            raise InvalidRequestError(f"priority={params.priority} needs an engine built with EngineConfig("
+                                      f"scheduler='priority'); this one schedules {self.config.scheduler!r}",
+                                      param="priority")
         rid, ids, params = prepare(prompt, request_id, params, self.tokenizer, self.vocab_size, self.max_model_len,
                                    self._out)
         if params.n > 1:

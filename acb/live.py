@@ -75,7 +75,7 @@ class LiveRequest:
         stop_ids = frozenset(params.stop_token_ids)
         seq = Sequence(request_id, prompt_ids, params.max_new_tokens, arrival=arrival, stop_ids=stop_ids,
                        eos_ids=frozenset() if params.ignore_eos else eos_ids,
-                       prefix_lookup=params.prompt_logprobs is None)
+                       prefix_lookup=params.prompt_logprobs is None, priority=params.priority)
         return cls(request_id, seq, params, mailbox, future, tokenizer, matcher)
 
 

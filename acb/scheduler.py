@@ -10,6 +10,7 @@ seen here), and its row takes that token from the previous step's output.
 
 from __future__ import annotations
 
+import bisect
 import enum
 from collections import deque
 from dataclasses import dataclass, field
@@ -41,6 +42,11 @@ class Sequence:
     prompt_ids: list[int]
     max_new_tokens: int
     arrival: int = 0
+    priority: int = 0  # lower = more urgent (scheduler="priority")
+    # the order of admission and of the running list, lowest first (Scheduler._rank):
+    # (arrival,) for fifo and prefill_first; priority aged by the plan it was queued at
+    rank: tuple[int, ...] = ()
+    queued_plan: int = -1  # the plan index when it was first queued
     stop_ids: frozenset[int] = frozenset()  # sampled, these end it with "stop"
     eos_ids: frozenset[int] = frozenset()  # and these with "eos" (empty with ignore_eos)
     output_ids: list[int] = field(default_factory=list)
@@ -95,13 +101,20 @@ class Sequence:
 
 
 class Scheduler:
-    """FIFO or prefill-first scheduling under a token budget and a request cap.
+    """FIFO, prefill-first or priority scheduling under a token budget and a request cap.
 
     Preemption (when pages run out for a running sequence) takes the running
-    sequence that arrived last and has not been given a row in this step yet; if
-    there is none, the sequence that needs the page preempts itself. The victim's
-    pages are released and it goes back to the head of the waiting queue, so it
-    resumes before anything that arrived after it. With a host pool (CPU offload)
+    sequence that ranks last (arrived last; under ``priority``, the least urgent)
+    and has not been given a row in this step yet; if there is none, the sequence
+    that needs the page preempts itself. The victim's pages are released and it goes
+    back to the waiting queue in rank order (the head, for fifo), so it resumes
+    before anything that arrived after it.
+
+    ``priority``: sequences are ranked by ``(arrival step + priority * aging_steps,
+    priority, arrival)`` (``(priority, arrival)`` with ``aging_steps=0``). Rows are
+    planned in rank order over running and waiting sequences together, and a waiting
+    sequence that does not fit preempts running ones that rank after it, least urgent
+    first, when that makes it fit. With a host pool (CPU offload)
     the victim's KV is copied out first and copied back into fresh pages when it
     resumes, so only its last known token is computed again (for its logits);
     without one, or when the pool is full, it is recomputed from the start.
@@ -117,11 +130,15 @@ class Scheduler:
         sliding_window: int | None = None,
         host_pool: HostPool | None = None,
         kv_swa: KVCacheManager | None = None,
+        aging_steps: int = 0,
     ) -> None:
         self.kv = kv
         self.max_batch_tokens = max_batch_tokens
         self.max_requests = max_requests
+        if policy not in ("fifo", "prefill_first", "priority"):
+            raise ValueError(f"policy must be fifo, prefill_first or priority, got {policy!r}")
         self.policy = policy
+        self.aging_steps = aging_steps
         self.safety_margin = safety_margin
         # Set only when *every* layer slides: pages wholly behind the window are then
         # dead for all layers and go back to the pool, bounding a request's memory.
@@ -146,7 +163,29 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence (with ``forks`` set: the first choice of an n > 1 request)."""
         seq.status = WAITING
-        self.waiting.append(seq)
+        for s in (seq, *(seq.forks or ())):
+            s.queued_plan = self.plan_index
+            s.rank = self._rank(s)
+        self._enqueue(seq)
+
+    def _rank(self, seq: Sequence) -> tuple[int, ...]:
+        if self.policy != "priority":
+            return (seq.arrival,)
+        if self.aging_steps:
+            # aged: ranked as if it arrived priority * aging_steps plans later, so a more
+            # urgent request overtakes it only within that window (bounded starvation)
+            return (seq.queued_plan + seq.priority * self.aging_steps, seq.priority, seq.arrival)
+        return (seq.priority, seq.arrival)
+
+    def _enqueue(self, seq: Sequence, front: bool = False) -> None:
+        """Put ``seq`` in the waiting queue: in rank order under ``priority``; else at the
+        tail (new) or the head (``front``: a victim or an heir, older than what waits)."""
+        if self.policy == "priority":
+            bisect.insort(self.waiting, seq, key=_rank_of)
+        elif front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a sequence (finished, cancelled or failed) and release its pages. A
@@ -168,7 +207,7 @@ class Scheduler:
             heir, *rest = seq.forks
             heir.forks = rest or None
             heir.status = WAITING
-            self.waiting.appendleft(heir)
+            self._enqueue(heir, front=True)
             seq.forks = None
         self.kv.release(seq.block_table)
         seq.block_table = []
@@ -256,6 +295,8 @@ class Scheduler:
         if self.policy == "prefill_first":
             budget = self._admit(plan, budget)
             self._continue_running(plan, budget)
+        elif self.policy == "priority":
+            self._plan_by_rank(plan, budget)
         else:
             budget = self._continue_running(plan, budget)
             self._admit(plan, budget)
@@ -350,30 +391,62 @@ class Scheduler:
         for seq in list(self.running):
             if budget <= 0 or len(plan.seqs) >= self.max_requests:
                 break
-            if seq.status is not RUNNING or id(seq) in scheduled:
+            budget = self._continue(plan, seq, budget, scheduled)
+        return budget
+
+    def _continue(self, plan: StepPlan, seq: Sequence, budget: int, scheduled: set[int]) -> int:
+        """Give running ``seq`` its next row (preempting to find its pages); the budget left."""
+        if seq.status is not RUNNING or id(seq) in scheduled:
+            return budget
+        n = min(self._tokens_wanted(seq), budget)
+        if n <= 0:
+            return budget
+        if self.sliding_window:
+            self._recycle_out_of_window(seq)
+        need = self.kv.pages_for(seq.num_computed + n) - len(seq.block_table)
+        cow = self._shares_partial_page(seq)
+        while not self._fits(need + cow):
+            victim = self._pick_victim(scheduled)
+            self._preempt(victim, plan)
+            if victim is seq:
+                break
+        if seq.status is not RUNNING:
+            return budget
+        if cow:
+            self._copy_on_write(seq, plan)
+        if need > 0:
+            self._allocate(seq, need)
+        before = len(plan.seqs)
+        self._add_row(plan, seq, n)
+        scheduled.update(id(s) for s in plan.seqs[before:])  # with any choices forked from it
+        return budget - n
+
+    def _plan_by_rank(self, plan: StepPlan, budget: int) -> int:
+        """``priority``: rows in rank order over running and waiting sequences together, so
+        an urgent newcomer takes the budget (and, preempting, the pages) before less urgent
+        running sequences. Admission stays strictly in rank order: once the waiting head
+        cannot be admitted, nothing behind it is."""
+        scheduled: set[int] = set()
+        running = list(self.running)  # in rank order
+        k = 0
+        admitting = True
+        while budget > 0 and len(plan.seqs) < self.max_requests:
+            while k < len(running) and (running[k].status is not RUNNING or id(running[k]) in scheduled):
+                k += 1
+            seq = running[k] if k < len(running) else None
+            if admitting and self.waiting and (seq is None or self.waiting[0].rank < seq.rank):
+                before = len(plan.seqs)
+                left = self._admit_one(plan, self.waiting[0], budget, scheduled)
+                if left is None:
+                    admitting = False
+                else:
+                    scheduled.update(id(s) for s in plan.seqs[before:])
+                    budget = left
                 continue
-            n = min(self._tokens_wanted(seq), budget)
-            if n <= 0:
-                continue
-            if self.sliding_window:
-                self._recycle_out_of_window(seq)
-            need = self.kv.pages_for(seq.num_computed + n) - len(seq.block_table)
-            cow = self._shares_partial_page(seq)
-            while not self._fits(need + cow):
-                victim = self._pick_victim(scheduled)
-                self._preempt(victim, plan)
-                if victim is seq:
-                    break
-            if seq.status is not RUNNING:
-                continue
-            if cow:
-                self._copy_on_write(seq, plan)
-            if need > 0:
-                self._allocate(seq, need)
-            before = len(plan.seqs)
-            self._add_row(plan, seq, n)
-            scheduled.update(id(s) for s in plan.seqs[before:])  # with any choices forked from it
-            budget -= n
+            if seq is None:
+                break
+            k += 1
+            budget = self._continue(plan, seq, budget, scheduled)
         return budget
 
     def _recycle_out_of_window(self, seq: Sequence) -> None:
@@ -407,6 +480,8 @@ class Scheduler:
             seq.swa_table = []
 
     def _pick_victim(self, scheduled: set[int]) -> Sequence:
+        # ``running`` is in rank order: the last one unscheduled ranks after the caller
+        # (itself unscheduled), so a victim is never more urgent than who needs the page
         for seq in reversed(self.running):
             if id(seq) not in scheduled:
                 return seq
@@ -431,8 +506,8 @@ class Scheduler:
         seq.num_preemptions += 1
         seq.status = WAITING
         self.num_preemptions += 1
-        # Victims are taken newest first, so appendleft keeps arrival order.
-        self.waiting.appendleft(seq)
+        # Victims are taken newest first, so the head keeps arrival order (fifo).
+        self._enqueue(seq, front=True)
         plan.preempted.append(seq)
 
     def _offload(self, seq: Sequence, keep: int) -> bool:
@@ -460,7 +535,39 @@ class Scheduler:
         seq.num_offloaded_tokens = keep
         return True
 
-    def _admit_offloaded(self, plan: StepPlan, seq: Sequence, budget: int) -> int | None:
+    def _room(self, plan: StepPlan, seq: Sequence, need: int, swa_need: int | None,
+              scheduled: set[int] | None) -> bool:
+        """Whether waiting ``seq`` can take ``need`` pages now (keeping the safety margin
+        unless the engine is idle). Under ``priority`` (``scheduled`` given: the sequences
+        with rows in this plan) it preempts running sequences that rank after it, least
+        urgent first, when their pages make it fit; none if they would not."""
+        kv = self.kv
+        idle = not self.running and not plan.seqs
+        reserve = 0.0 if idle else self.safety_margin * kv.num_pages
+        if self._fits(need, reserve, swa_need):
+            return True
+        if scheduled is None:
+            return False
+        victims = []
+        freed = swa_freed = 0
+        for victim in reversed(self.running):
+            if victim.rank <= seq.rank:
+                break
+            if id(victim) in scheduled:
+                continue
+            victims.append(victim)
+            freed += sum(1 for p in victim.block_table if p >= 0 and kv.refcount[p] == 1)
+            if self.kv_swa is not None:
+                swa_freed += sum(1 for p in victim.swa_table if p >= 0 and self.kv_swa.refcount[p] == 1)
+            swa_ok = self.kv_swa is None or (need if swa_need is None else swa_need) <= self.kv_swa.num_free + swa_freed
+            if need <= kv.num_free + freed - reserve and swa_ok:
+                for v in victims:
+                    self._preempt(v, plan)
+                return self._fits(need, reserve, swa_need)
+        return False
+
+    def _admit_offloaded(self, plan: StepPlan, seq: Sequence, budget: int,
+                         scheduled: set[int] | None = None) -> int | None:
         """Resume an offloaded sequence into fresh pages; None if they are not free."""
         kv = self.kv
         slots = [s for s in seq.host_table if s >= 0]
@@ -468,8 +575,7 @@ class Scheduler:
         extra = kv.pages_for(seq.num_offloaded_tokens + n) - len(seq.host_table)
         need = len(slots) + extra
         swa_need = sum(seq.host_swa) + extra if seq.host_swa is not None else 0
-        idle = not self.running and not plan.seqs
-        if not self._fits(need, 0.0 if idle else self.safety_margin * kv.num_pages, swa_need):
+        if not self._room(plan, seq, need, swa_need, scheduled):
             return None
         self.waiting.popleft()
         pages = kv.allocate(need)
@@ -501,50 +607,55 @@ class Scheduler:
         return budget - n
 
     def _admit(self, plan: StepPlan, budget: int) -> int:
-        kv = self.kv
-        margin_pages = self.safety_margin * kv.num_pages
         while self.waiting and budget > 0 and len(plan.seqs) < self.max_requests:
-            seq = self.waiting[0]
-            if seq.host_table is not None:
-                left = self._admit_offloaded(plan, seq, budget)
-                if left is None:
-                    break
-                budget = left
-                continue
-            matched: list[int] = []
-            first_hash = None
-            if seq.num_computed == 0 and not seq.block_table and seq.prefix_lookup:
-                tokens = seq.token_at(0, seq.num_tokens)
-                matched, last_hash = kv.match_prefix(tokens)
-                if kv.enable_prefix_caching and not matched and len(tokens) > kv.page_size:
-                    first_hash = chain_hash(None, tokens[: kv.page_size])
-                    if self._first_page_in_flight(first_hash):
-                        break  # FIFO: wait until the leader's page is cached
-            n = min(seq.num_tokens - len(matched) * kv.page_size, budget)
-            need = kv.pages_for(len(matched) * kv.page_size + n) - len(matched)
-            idle = not self.running and not plan.seqs
-            # Below the safety margin only running sequences grow; an idle engine
-            # still admits, or a request that needs most of the cache would wait forever.
-            if not self._fits(need, 0.0 if idle else margin_pages):
-                kv.release(matched)
-                break
-            self.waiting.popleft()
-            if matched:
-                seq.block_table = matched
-                seq.num_computed = len(matched) * kv.page_size
-                seq.num_registered_pages = len(matched)
-                seq.last_page_hash = last_hash
-            if seq.num_preemptions == 0:
-                seq.num_cached_prompt_tokens = seq.num_computed
-                kv.record_lookup(len(seq.prompt_ids), seq.num_computed)
-            self._allocate(seq, need)
-            if first_hash is not None:
-                self.pending_first_page[first_hash] = seq
-            seq.status = RUNNING
-            self._insert_running(seq)
-            self._add_row(plan, seq, n)
-            budget -= n
+            left = self._admit_one(plan, self.waiting[0], budget)
+            if left is None:
+                break  # strictly in order: nothing overtakes the head
+            budget = left
         return budget
+
+    def _admit_one(self, plan: StepPlan, seq: Sequence, budget: int,
+                   scheduled: set[int] | None = None) -> int | None:
+        """Admit ``seq``, the head of the waiting queue, with its first row; the budget
+        left, or None if it cannot be admitted now (under ``priority``, ``scheduled`` given,
+        after preempting what ranks after it if that is enough)."""
+        kv = self.kv
+        if seq.host_table is not None:
+            return self._admit_offloaded(plan, seq, budget, scheduled)
+        matched: list[int] = []
+        first_hash = None
+        last_hash = None
+        if seq.num_computed == 0 and not seq.block_table and seq.prefix_lookup:
+            tokens = seq.token_at(0, seq.num_tokens)
+            matched, last_hash = kv.match_prefix(tokens)
+            if kv.enable_prefix_caching and not matched and len(tokens) > kv.page_size:
+                first_hash = chain_hash(None, tokens[: kv.page_size])
+                if self._first_page_in_flight(first_hash):
+                    kv.release(matched)
+                    return None  # in order: wait until the leader's page is cached
+        n = min(seq.num_tokens - len(matched) * kv.page_size, budget)
+        need = kv.pages_for(len(matched) * kv.page_size + n) - len(matched)
+        # Below the safety margin only running sequences grow; an idle engine
+        # still admits, or a request that needs most of the cache would wait forever.
+        if not self._room(plan, seq, need, None, scheduled):
+            kv.release(matched)
+            return None
+        self.waiting.popleft()
+        if matched:
+            seq.block_table = matched
+            seq.num_computed = len(matched) * kv.page_size
+            seq.num_registered_pages = len(matched)
+            seq.last_page_hash = last_hash
+        if seq.num_preemptions == 0:
+            seq.num_cached_prompt_tokens = seq.num_computed
+            kv.record_lookup(len(seq.prompt_ids), seq.num_computed)
+        self._allocate(seq, need)
+        if first_hash is not None:
+            self.pending_first_page[first_hash] = seq
+        seq.status = RUNNING
+        self._insert_running(seq)
+        self._add_row(plan, seq, n)
+        return budget - n
 
     def _first_page_in_flight(self, first_hash: int) -> bool:
         owner = self.pending_first_page.get(first_hash)
@@ -556,8 +667,12 @@ class Scheduler:
         return False
 
     def _insert_running(self, seq: Sequence) -> None:
-        # Keep ``running`` in arrival order (resumed victims are older than the tail).
+        # Keep ``running`` in rank order (resumed victims rank before the tail).
         i = len(self.running)
-        while i > 0 and self.running[i - 1].arrival > seq.arrival:
+        while i > 0 and self.running[i - 1].rank > seq.rank:
             i -= 1
         self.running.insert(i, seq)
+
+
+def _rank_of(seq: Sequence) -> tuple[int, ...]:
+    return seq.rank

@@ -40,11 +40,13 @@ def test_serve_options_reach_the_engine_config():
     from acb.cli import _build_engine, build_parser
 
     parser = build_parser()
-    args = parser.parse_args(["serve", "--tiny", "--num-blocks", "40", "--cpu-offload-space", "0.001"])
+    args = parser.parse_args(["serve", "--tiny", "--num-blocks", "40", "--cpu-offload-space", "0.001",
+                              "--scheduler", "priority", "--priority-aging-steps", "7"])
     engine, name = _build_engine(args, parser)
     assert name == "acb-tiny"
     stats = engine.stats()
     assert stats.total_blocks == 40 and stats.host_blocks > 0
+    assert engine.scheduler.policy == "priority" and engine.scheduler.aging_steps == 7
 
 
 def test_a_taken_port_exits_1_with_a_message(capsys):

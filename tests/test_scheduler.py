@@ -96,8 +96,19 @@ def test_full_cache_preempts_the_newest_request_and_it_resumes_first():
     assert kv.num_free == 4
 
 
+def _check_priority_order(s, plan, waiting_before):
+    """What scheduler="priority" promises of every plan: admissions in rank order (all
+    of them rank before whatever still waits), and no victim more urgent than a row."""
+    admitted = [q for q in plan.seqs if id(q) in waiting_before and q not in plan.preempted]
+    if admitted and s.waiting:
+        assert max(q.rank for q in admitted) < min(q.rank for q in s.waiting)
+    for victim in plan.preempted:
+        assert all(q is victim or q.rank < victim.rank for q in plan.seqs)
+
+
 @settings(max_examples=150, deadline=None)
-@given(st.integers(0, 10_000), st.integers(6, 40), st.integers(2, 24), st.sampled_from(["fifo", "prefill_first"]),
+@given(st.integers(0, 10_000), st.integers(6, 40), st.integers(2, 24),
+       st.sampled_from(["fifo", "prefill_first", "priority"]),
        st.booleans(), st.sampled_from([0, 3, 64]), st.booleans())
 def test_random_workloads_finish_without_leaking_pages(seed, num_pages, budget, policy, overlap, host_slots,
                                                         hybrid):
@@ -110,7 +121,7 @@ def test_random_workloads_finish_without_leaking_pages(seed, num_pages, budget, 
     kv_swa = KVCacheManager(rng.randint(6, num_pages), page_size, enable_prefix_caching=False) if hybrid else None
     s = Scheduler(kv, max_batch_tokens=budget, max_requests=rng.randint(1, 6), policy=policy,
                   safety_margin=rng.choice([0.0, 0.15]), host_pool=host, kv_swa=kv_swa,
-                  sliding_window=8 if hybrid else None)
+                  sliding_window=8 if hybrid else None, aging_steps=rng.choice([0, 5, 1000]))
     capacity = num_pages * page_size
     seqs = []
     pending = None
@@ -120,13 +131,16 @@ def test_random_workloads_finish_without_leaking_pages(seed, num_pages, budget, 
             m = rng.randint(1, 8)
             if n + m <= capacity:
                 seq = Sequence(f"r{len(seqs)}", [rng.randrange(3) for _ in range(n)], m, arrival=len(seqs),
-                               eos_ids=frozenset({EOS}))
+                               eos_ids=frozenset({EOS}), priority=rng.randrange(3))
                 seqs.append(seq)
                 s.add(seq)
         live = [q for q in seqs if q.status is not FINISHED]
         if live and rng.random() < 0.05:
             s.finish(rng.choice(live))  # a cancel
+        waiting_before = {id(q) for q in s.waiting}
         plan = s.schedule() if s.has_work() else None
+        if plan is not None and policy == "priority":
+            _check_priority_order(s, plan, waiting_before)
         # with overlap, step N's tokens are processed after step N+1 is planned
         if overlap:
             if pending is not None:

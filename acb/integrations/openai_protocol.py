@@ -34,7 +34,7 @@ log = logging.getLogger("acb.server")
 # Accepted and without effect here (documented in docs/serving.md); anything not in the
 # tables below is unknown: ignored and logged once.
 _IGNORED = frozenset({
-    "user", "metadata", "store", "service_tier", "prediction", "priority", "request_id",
+    "user", "metadata", "store", "service_tier", "prediction", "request_id",
     "safety_identifier", "prompt_cache_key", "reasoning_effort", "verbosity", "web_search_options",
     "guided_decoding_backend", "guided_whitespace_pattern", "length_penalty", "spaces_between_special_tokens",
     "cache_salt", "kv_transfer_params", "vllm_xargs", "mm_processor_kwargs", "documents", "chat_template",
@@ -47,6 +47,7 @@ _COMMON = frozenset({
     "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs", "allowed_token_ids", "bad_words",
     "truncate_prompt_tokens", "return_tokens_as_token_ids", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "structured_outputs", "add_special_tokens", "best_of", "echo",
+    "priority",
     # acb's own
     "timeout_s",
 }) | _IGNORED
@@ -416,6 +417,8 @@ def _engine_keywords(body: dict, chat: bool, limits: Limits, n: int,
         "logit_bias": _logit_bias(body),
         "n": n if n > 1 else None,
         "timeout_s": _float(body, "timeout_s", 0.0, open_low=True),
+        # honoured under scheduler="priority"; any other engine refuses it by name
+        "priority": _int(body, "priority", -(2**31), 2**31 - 1) or None,
     }
     if (sampling["min_new_tokens"] or 0) > max_tokens:
         raise _bad("min_tokens", f"({sampling['min_new_tokens']}) must be at most {limit_name} ({max_tokens})")
