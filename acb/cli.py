@@ -89,6 +89,9 @@ def add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", choices=(*REASONING_PARSERS, "auto", "none"), default="auto",
                    help="split chat output's <think> part into reasoning_content (default auto: 'think' when the "
                    "chat template shows <think>; none: off)")
+    p.add_argument("--enable-per-request-metrics", action="store_true",
+                   help="every answer carries a 'metrics' object (queue time, TTFT, ITL, tokens/s; vLLM's "
+                        "names); without it only requests with 'include_metrics': true get one")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--log-interval", type=_seconds, default=os.environ.get("ACB_LOG_INTERVAL", "10"),
                    metavar="SECONDS", help="log a throughput/queue summary line every SECONDS while busy; 0 = never "
@@ -178,6 +181,7 @@ def _serve_ray(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
                         api_key=args.api_key, max_tokens_limit=args.max_tokens_limit,
                         default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
                         drain_timeout=args.drain_timeout, log_interval=args.log_interval,
+                        enable_per_request_metrics=args.enable_per_request_metrics,
                         ray_actor_options={"num_cpus": args.replica_cpus, "num_gpus": args.replica_gpus}, **scaling)
     except (ValueError, FileNotFoundError, OSError) as e:
         parser.error(str(e))
@@ -234,6 +238,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
         drain_timeout=args.drain_timeout, log_interval=args.log_interval, tool_call_parser=args.tool_call_parser,
         reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser,
+        enable_per_request_metrics=args.enable_per_request_metrics,
     )
 
     def ready(url: str) -> None:

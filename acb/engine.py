@@ -561,6 +561,8 @@ class Engine:
                         self._omp_reset()
                     hooked, refresh = self._check_model()
                     plan = self.scheduler.schedule()
+                    if plan.admitted:
+                        self._out.scheduled(plan)
                     if plan.seqs:
                         step = plan.input
                         step.sampling = sampling_batch(plan, self._live, self.vocab_size)

@@ -107,21 +107,34 @@ class Outputs:
 
     def deliver(self, update: StepUpdate, out: StepOutput) -> None:
         """Turn the tokens ``Scheduler.update`` took into their requests' text and chunks."""
+        now = time.monotonic()
         for seq, j, reason in zip(update.seqs, update.samples, update.reasons, strict=True):
             req = self.live.get(seq.seq_id)
             if req is None or req.seq is not seq:
                 continue
             top = (out.top_ids[j], out.top_logprobs[j]) if out.top_ids is not None else None
             self.on_token(req, out.token_ids[j], out.logprobs[j] if out.logprobs is not None else None, top,
-                          reason)
+                          reason, now)
+
+    def scheduled(self, plan: StepPlan) -> None:
+        """Stamp the requests ``plan`` took out of the queue for the first time (their
+        ``RequestMetrics.scheduled_time``)."""
+        now = time.monotonic()
+        for seq in plan.admitted:
+            req = self.live.get(seq.seq_id)
+            if req is not None and req.seq is seq and req.metrics.scheduled_time is None:
+                req.metrics.scheduled_time = now
 
     def on_token(self, req: LiveRequest, token: int, logprob: float | None,
-                 top: tuple[list[int], list[float]] | None = None, finish: str | None = None) -> None:
-        """``token`` was taken into ``req``'s sequence, ending it with ``finish`` (None:
-        it goes on); a stop string or a completed grammar ends it too."""
+                 top: tuple[list[int], list[float]] | None = None, finish: str | None = None,
+                 now: float | None = None) -> None:
+        """``token`` was taken into ``req``'s sequence (at ``now``, default the present), ending
+        it with ``finish`` (None: it goes on); a stop string or a completed grammar ends it too."""
         params = req.params
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = time.monotonic()
+        m = req.metrics
+        m.last_token_time = now = time.monotonic() if now is None else now
+        if m.first_token_time is None:
+            m.first_token_time = now
         if req.matcher is not None and not req.matcher.is_terminated():
             if not req.matcher.accept_token(token):
                 log.warning("acb: request %s: token %d breaks its grammar", req.request_id, token)
@@ -177,7 +190,9 @@ class Outputs:
         reasoning, text, mask = self._split(req, text, len(token_ids or ()), final=True)
         req.text_parts.append(text)
         req.metrics.finish_time = time.monotonic()
+        self._count(req)
         if req.mailbox is not None:
+            req.mailbox.metrics = req.metrics
             req.mailbox.put(token_ids or [], text, logprobs, reason, top_logprobs, reasoning=reasoning,
                             reasoning_mask=mask)
         if not req.future.done():
@@ -217,12 +232,19 @@ class Outputs:
             self.fail(req, error_for(req))
 
     @staticmethod
-    def completion(req: LiveRequest) -> Completion:
+    def _count(req: LiveRequest) -> None:
+        """Copy the sequence's counts into the request's metrics."""
         seq = req.seq
         m = req.metrics
         m.num_generated_tokens = len(seq.output_ids)
         m.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
         m.num_preemptions = seq.num_preemptions
+
+    @classmethod
+    def completion(cls, req: LiveRequest) -> Completion:
+        seq = req.seq
+        m = req.metrics
+        cls._count(req)
         return Completion(
             request_id=req.group.request_id if req.group is not None else req.request_id,
             prompt_token_ids=list(seq.prompt_ids), token_ids=list(seq.output_ids),

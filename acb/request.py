@@ -30,6 +30,8 @@ class Chunk:
             then the answer's only).
         reasoning_mask: with ``reasoning_parser``, per token of ``token_ids``: True when it belongs to
             the reasoning (its ``<think>`` / ``</think>`` markers included).
+        metrics: on the last chunk only (None before), the request's ``RequestMetrics``, as
+            ``Completion.metrics``.
     """
 
     request_id: str
@@ -42,20 +44,36 @@ class Chunk:
     prompt_logprobs: PromptLogprobs | None = None  # once, on the first chunk (prompt_logprobs=k)
     reasoning_text: str = ""  # reasoning_parser: the thought's text new in this chunk
     reasoning_mask: list[bool] | None = None  # reasoning_parser: per token, whether it is the thought's
+    metrics: RequestMetrics | None = None  # the last chunk only: the request's metrics
 
 
 @dataclass(slots=True)
 class RequestMetrics:
-    """Timing and token counts of one request (``Completion.metrics``).
+    """Timing and token counts of one request (``Completion.metrics``, and the last
+    ``Chunk.metrics`` of a stream). Times are ``time.monotonic()`` seconds; the derived
+    durations are None until the events they span have happened.
 
     Attributes:
-        arrival_time: ``time.monotonic()`` at submission.
+        arrival_time: at submission.
+        scheduled_time: when the first step computing the request was planned (it left the queue).
         first_token_time: when the first generated token was ready (None before it).
+        last_token_time: when the last generated token was ready.
         finish_time: when the request ended (None while it runs).
         num_prompt_tokens: tokens in the prompt.
         num_generated_tokens: tokens generated.
         num_cached_prompt_tokens: prompt tokens served from the prefix cache instead of computed.
         num_preemptions: how often the scheduler preempted the request to make room.
+
+    Derived (seconds): ``queue_time_s`` (arrival to scheduled), ``ttft_s`` (arrival to first
+    token), ``prefill_time_s`` (scheduled to first token), ``decode_time_s`` (first to last
+    token), ``generation_time_s`` (scheduled to last token: prefill plus decode),
+    ``mean_itl_s`` (decode time per token after the first), ``latency_s`` (arrival to end),
+    and ``tokens_per_s`` (generated tokens over the generation time).
+
+    Example::
+
+        done = await engine.generate("Hi", max_new_tokens=16)
+        print(done.metrics.queue_time_s, done.metrics.ttft_s, done.metrics.tokens_per_s)
     """
 
     arrival_time: float = 0.0  # time.monotonic() at submission
@@ -65,6 +83,48 @@ class RequestMetrics:
     num_generated_tokens: int = 0
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
+    scheduled_time: float | None = None
+    last_token_time: float | None = None
+
+    @staticmethod
+    def _span(start: float | None, end: float | None) -> float | None:
+        return None if start is None or end is None else end - start
+
+    @property
+    def queue_time_s(self) -> float | None:
+        """Seconds from submission until the first step computing it was planned."""
+        return self._span(self.arrival_time, self.scheduled_time)
+
+    @property
+    def prefill_time_s(self) -> float | None:
+        """Seconds from leaving the queue to the first generated token."""
+        return self._span(self.scheduled_time, self.first_token_time)
+
+    @property
+    def decode_time_s(self) -> float | None:
+        """Seconds from the first generated token to the last."""
+        return self._span(self.first_token_time, self.last_token_time)
+
+    @property
+    def generation_time_s(self) -> float | None:
+        """Seconds from leaving the queue to the last generated token (prefill plus decode)."""
+        return self._span(self.scheduled_time, self.last_token_time)
+
+    @property
+    def mean_itl_s(self) -> float | None:
+        """Mean seconds between consecutive generated tokens (None with fewer than two)."""
+        decode = self.decode_time_s
+        if decode is None or self.num_generated_tokens < 2:
+            return None
+        return decode / (self.num_generated_tokens - 1)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Generated tokens per second of generation time (queueing excluded)."""
+        generation = self.generation_time_s
+        if not generation or not self.num_generated_tokens:
+            return None
+        return self.num_generated_tokens / generation
 
     @property
     def ttft_s(self) -> float | None:
@@ -124,7 +184,7 @@ class Mailbox:
     chunk, so memory is bounded by the request's tokens, not by the steps taken."""
 
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "top_logprobs", "finish_reason", "error",
-                 "final_taken", "index", "prompt_logprobs", "reasoning", "reasoning_mask", "_waiter",
+                 "final_taken", "index", "prompt_logprobs", "reasoning", "reasoning_mask", "metrics", "_waiter",
                  "_new_event")
 
     def __init__(self, request_id: str, want_logprobs: bool,
@@ -137,6 +197,7 @@ class Mailbox:
         self.logprobs: list[float] | None = [] if want_logprobs else None
         self.top_logprobs: list[dict[int, float]] | None = [] if want_top_logprobs else None
         self.finish_reason: str | None = None
+        self.metrics: RequestMetrics | None = None  # set with the finish: the last chunk carries it
         self.error: BaseException | None = None
         self.final_taken = False
         self.prompt_logprobs: PromptLogprobs | None = None  # until taken with the next chunk
@@ -205,7 +266,8 @@ class Mailbox:
             return None
         chunk = Chunk(self.request_id, self.token_ids, "".join(self.text), self.logprobs, self.finish_reason,
                       self.index, self.top_logprobs, self.prompt_logprobs, "".join(self.reasoning),
-                      self.reasoning_mask)
+                      self.reasoning_mask,
+                      self.metrics if self.finish_reason is not None else None)
         self.prompt_logprobs = None
         self.reasoning = []
         self.reasoning_mask = None

@@ -357,6 +357,7 @@ class Scheduler:
             seq.num_cached_prompt_tokens = leader.num_cached_prompt_tokens
             seq.status = RUNNING
             self._insert_running(seq)
+            plan.admitted.append(seq)
             self._add_row(plan, seq, 0, end)
         leader.forks = None
 
@@ -578,6 +579,7 @@ class Scheduler:
         if not self._room(plan, seq, need, swa_need, scheduled):
             return None
         self.waiting.popleft()
+        plan.admitted.append(seq)
         pages = kv.allocate(need)
         it = iter(pages)
         seq.block_table = [RECYCLED if s < 0 else next(it) for s in seq.host_table]
@@ -641,6 +643,7 @@ class Scheduler:
             kv.release(matched)
             return None
         self.waiting.popleft()
+        plan.admitted.append(seq)
         if matched:
             seq.block_table = matched
             seq.num_computed = len(matched) * kv.page_size

@@ -57,6 +57,9 @@ class ServerConfig:
     # acb.reasoning parser splitting chat output into reasoning_content and content: "auto" (from the
     # chat template: "think" when it shows <think>), None (off), "think" or "deepseek_r1"
     reasoning_parser: str | None = "auto"
+    # every answer carries its per-request ``metrics`` object (else only requests that ask,
+    # with ``include_metrics`` or ``stream_options.include_metrics``)
+    enable_per_request_metrics: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_tokens_limit", "default_max_tokens", "max_body_bytes"):
@@ -185,7 +188,8 @@ def create_app(engine: acb.Engine, config: ServerConfig | None = None) -> web.Ap
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_errors])
     app[SERVICE_KEY] = OpenAIService(engine, model_name=config.model_name, limits=config.limits(),
                                    api_key=config.api_key, tool_call_parser=config.tool_call_parser,
-                                   reasoning_parser=config.reasoning_parser)
+                                   reasoning_parser=config.reasoning_parser,
+                                   per_request_metrics=config.enable_per_request_metrics)
     app[CONFIG_KEY] = config
     setup_engine(app, engine, drain_timeout=config.drain_timeout)
     if config.log_interval:

@@ -183,7 +183,8 @@ class StepPlan:
     """The scheduler's decision for one step: the runner's columns (``input``) plus, per
     row, the sequence it belongs to and that sequence's epoch when planned (a row of an
     older epoch than its sequence's is stale: preempted since). ``preempted``: the
-    sequences this plan preempted; ``offloaded``: those whose swap-outs it carries."""
+    sequences this plan preempted; ``offloaded``: those whose swap-outs it carries;
+    ``admitted``: those it took out of the waiting queue (choices forked from one included)."""
 
     index: int = 0
     seqs: list[Any] = field(default_factory=list)  # acb.scheduler.Sequence per row
@@ -191,6 +192,7 @@ class StepPlan:
     input: StepInput = field(default_factory=StepInput)
     preempted: list[Any] = field(default_factory=list)
     offloaded: list[Any] = field(default_factory=list)
+    admitted: list[Any] = field(default_factory=list)  # sequences taken out of the queue by this plan
     num_sampled: int = 0  # rows that sample (StepOutput's length)
     # prompt_logprobs: per row that scores prompt positions, its request's sink and first position
     prompt_sinks: list[tuple[PromptSink, int]] = field(default_factory=list)

@@ -51,6 +51,34 @@ class Histogram:
         return lines
 
 
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000.0, 3)
+
+
+def request_metrics(metrics: acb.RequestMetrics) -> dict[str, float | int | None]:
+    """One request's metrics as the ``metrics`` object of an OpenAI response: vLLM's names
+    (PR #46768: ``time_to_first_token_ms``, ``generation_time_ms``, ``queue_time_ms``,
+    ``mean_itl_ms``, ``tokens_per_second``) plus acb's own (the prefill/decode split, the
+    end-to-end latency, preemptions and prefix-cache hits). A span that did not happen
+    (no token generated, one token and so no inter-token latency) is null."""
+    m = metrics
+    tps = m.tokens_per_s
+    return {
+        "time_to_first_token_ms": _ms(m.ttft_s),
+        "generation_time_ms": _ms(m.generation_time_s),
+        "queue_time_ms": _ms(m.queue_time_s),
+        "mean_itl_ms": _ms(m.mean_itl_s),
+        "tokens_per_second": None if tps is None else round(tps, 3),
+        "prefill_time_ms": _ms(m.prefill_time_s),
+        "decode_time_ms": _ms(m.decode_time_s),
+        "e2e_latency_ms": _ms(m.latency_s),
+        "prompt_tokens": m.num_prompt_tokens,
+        "completion_tokens": m.num_generated_tokens,
+        "cached_prompt_tokens": m.num_cached_prompt_tokens,
+        "num_preemptions": m.num_preemptions,
+    }
+
+
 def _metric(name: str, kind: str, help: str, value: float) -> list[str]:
     return [f"# HELP {name} {help}", f"# TYPE {name} {kind}", f"{name} {_number(value)}"]
 

@@ -27,6 +27,7 @@ from typing import Any
 import acb
 
 from .common import ApiError
+from .metrics import request_metrics
 
 log = logging.getLogger("acb.server")
 
@@ -48,6 +49,7 @@ _COMMON = frozenset({
     "truncate_prompt_tokens", "return_tokens_as_token_ids", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "structured_outputs", "add_special_tokens", "best_of", "echo",
     "priority",
+    "include_metrics",
     # acb's own
     "timeout_s",
 }) | _IGNORED
@@ -100,6 +102,7 @@ class ParsedRequest:
     scoring_only: bool = False  # completions' echo with max_tokens 0: the prompt, nothing generated
     tokens_as_ids: bool = False
     n: int = 1
+    include_metrics: bool = False  # per-request metrics in the answer (vLLM's ``include_metrics``)
     template: dict[str, Any] | None = None
     wire_names: dict[str, str] = field(default_factory=dict)
     id: str = ""
@@ -474,7 +477,7 @@ def parse_request(body: dict[str, Any], *, chat: bool, limits: Limits,
     if options is not None and not isinstance(options, dict):
         raise _bad("stream_options", "must be an object like {'include_usage': true}")
     options = options or {}
-    for name in ("include_usage", "continuous_usage_stats"):
+    for name in ("include_usage", "continuous_usage_stats", "include_metrics"):
         if not isinstance(options.get(name, False), (bool, type(None))):
             raise _bad("stream_options", f"'{name}' must be a boolean")
     sampling, wire = _engine_keywords(body, chat, limits, n, default_temperature)
@@ -498,6 +501,7 @@ def parse_request(body: dict[str, Any], *, chat: bool, limits: Limits,
         tool_parser="json" if tool_choice == "required" else None,
         echo=bool(_bool(body, "echo")), prompt_logprobs=_int(body, "prompt_logprobs", 0, _MAX_LOGPROBS),
         scoring_only=limit == 0, tokens_as_ids=bool(_bool(body, "return_tokens_as_token_ids")), n=n,
+        include_metrics=bool(_bool(body, "include_metrics") or options.get("include_metrics")),
         template=_template_options(body) if chat else None, wire_names=wire,
         id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
     )
@@ -743,9 +747,13 @@ class Shaper:
                     prompt_logprobs = self.vllm_prompt_logprobs(one.prompt_logprobs)
                     if not self.request.chat:
                         choice["prompt_logprobs"] = prompt_logprobs
+                if self.request.include_metrics:
+                    choice["metrics"] = request_metrics(one.metrics)
                 choices.append(choice)
         obj = "chat.completion" if self.request.chat else "text_completion"
         out = {**self._head(obj), "choices": choices, "usage": usage(completions)}
+        if self.request.include_metrics and len(choices) == 1:  # vLLM's place: one request, one answer
+            out["metrics"] = choices[0].pop("metrics")
         if self.request.chat and self.request.prompt_logprobs is not None:
             out["prompt_logprobs"] = prompt_logprobs  # vLLM: chat's is the response's (one prompt)
         return out
@@ -785,6 +793,8 @@ class Shaper:
         if self.request.include_usage:
             out["usage"] = (_usage(self.prompt_lengths[prompt_index], state.generated)
                             if self.request.continuous_usage else None)
+        if self.request.include_metrics and chunk.metrics is not None:  # the choice's last chunk
+            out["metrics"] = request_metrics(chunk.metrics)
         return out
 
     def usage_chunk(self, completions: list[acb.Completion]) -> dict[str, Any]:

@@ -92,7 +92,7 @@ class OpenAIService:
 
     def __init__(self, engine: acb.Engine, *, model_name: str = "acb", limits: Limits | None = None,
                  api_key: str | None = None, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = "auto") -> None:
+                 reasoning_parser: str | None = "auto", per_request_metrics: bool = False) -> None:
         if tool_call_parser is not None:
             acb.tools.get_parser(tool_call_parser)  # ValueError naming the parsers there are
         self.tool_call_parser = tool_call_parser  # None: from the chat template
@@ -104,6 +104,8 @@ class OpenAIService:
                              f"got {reasoning_parser!r}")
         self.reasoning_parser = reasoning_parser  # chat completions: reasoning_content apart from content
         self.engine = engine
+        # every answer carries its per-request ``metrics`` (else only those that ask: include_metrics)
+        self.per_request_metrics = per_request_metrics
         self.model_name = model_name
         self.limits = limits or Limits()
         self.api_key = api_key
@@ -129,6 +131,7 @@ class OpenAIService:
         if chat and self.reasoning_parser is not None and parsed.tool_choice not in ("required", "function"):
             parsed.sampling["reasoning_parser"] = self.reasoning_parser  # (a forced call is all answer)
             parsed.reasoning = True
+        parsed.include_metrics = parsed.include_metrics or self.per_request_metrics
         handles, prompts = self._submit_all(parsed)
         token_text = _token_text(self.engine)
         texts = [self._prompt_text(p, ids) for p, ids in zip(parsed.prompts, prompts)] if parsed.echo else None

@@ -122,9 +122,10 @@ class AcbDeployment:
                        engine_config: acb.EngineConfig | None = None, *, model_name: str = "acb",
                        api_key: str | None = None, limits: Limits | None = None,
                        max_body_bytes: int = 1 << 20, drain_timeout: float = 30.0,
-                       log_interval: float = 0.0) -> None:
+                       log_interval: float = 0.0, enable_per_request_metrics: bool = False) -> None:
         self.engine = _build_engine(model, gguf_file, engine_config)
-        self.service = OpenAIService(self.engine, model_name=model_name, limits=limits, api_key=api_key)
+        self.service = OpenAIService(self.engine, model_name=model_name, limits=limits, api_key=api_key,
+                                     per_request_metrics=enable_per_request_metrics)
         self.max_body_bytes = max_body_bytes
         self.drain_timeout = drain_timeout
         self.replica = serve.get_replica_context().replica_id.unique_id
@@ -228,7 +229,8 @@ def build_app(model: ModelSource, *, num_replicas: int | None = None,
               max_tokens_limit: int = 4096, default_max_tokens: int = 256, max_body_bytes: int = 1 << 20,
               drain_timeout: float = 30.0, ray_actor_options: dict[str, Any] | None = None,
               max_ongoing_requests: int = 256, request_router: type | None = None,
-              name: str = "AcbDeployment", log_interval: float = 0.0) -> serve.Application:
+              name: str = "AcbDeployment", log_interval: float = 0.0,
+              enable_per_request_metrics: bool = False) -> serve.Application:
     """A Ray Serve application serving ``model`` over the OpenAI routes; run it with
     ``serve.run(app)`` (or ``acb serve --ray``).
 
@@ -248,7 +250,8 @@ def build_app(model: ModelSource, *, num_replicas: int | None = None,
     :class:`FreePagesRouter`; default: Serve's power-of-two-choices on queue depth).
     ``log_interval`` > 0: every replica logs a throughput/queue line (as ``acb serve``
     does) every that many seconds while busy, to its stderr (Ray forwards it to the
-    driver's console).
+    driver's console). ``enable_per_request_metrics``: every answer carries its per-request
+    ``metrics`` object (as ``acb serve --enable-per-request-metrics``).
 
     Example::
 
@@ -294,7 +297,8 @@ def build_app(model: ModelSource, *, num_replicas: int | None = None,
                                             "request_routing_stats_period_s": 1.0}
     deployment = serve.deployment(AcbDeployment).options(**options)
     return deployment.bind(model, gguf_file, engine_config, model_name=model_name, api_key=api_key, limits=limits,
-                           max_body_bytes=max_body_bytes, drain_timeout=drain_timeout, log_interval=log_interval)
+                           max_body_bytes=max_body_bytes, drain_timeout=drain_timeout, log_interval=log_interval,
+                           enable_per_request_metrics=enable_per_request_metrics)
 
 
 __all__ = ["REPLICA_HEADER", "AcbDeployment", "FreePagesRouter", "build_app"]
