@@ -28,6 +28,7 @@ from .errors import (
     RequestFailedError,
 )
 from .handle import ChunkStream, RequestHandle
+from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventStream
 from .prompt_logprobs import PromptLogprobs
 from .request import Chunk, Completion, RequestMetrics
 from .sync import generate_batch
@@ -36,6 +37,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AcbError",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
     "Chunk",
     "ChunkStream",
     "Completion",
@@ -47,6 +51,8 @@ __all__ = [
     "EngineStats",
     "EngineStoppedError",
     "InvalidRequestError",
+    "KVEventBatch",
+    "KVEventStream",
     "PromptLogprobs",
     "RequestFailedError",
     "RequestHandle",

@@ -89,6 +89,9 @@ def add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", choices=(*REASONING_PARSERS, "auto", "none"), default="auto",
                    help="split chat output's <think> part into reasoning_content (default auto: 'think' when the "
                    "chat template shows <think>; none: off)")
+    p.add_argument("--kv-events", action="store_true",
+                   help="publish the prefix cache's events (BlockStored/BlockRemoved/AllBlocksCleared) on "
+                        "GET /v1/kv_events, as server-sent events")
     p.add_argument("--enable-per-request-metrics", action="store_true",
                    help="every answer carries a 'metrics' object (queue time, TTFT, ITL, tokens/s; vLLM's "
                         "names); without it only requests with 'include_metrics': true get one")
@@ -118,7 +121,7 @@ def _model_source(args: argparse.Namespace):
 
     fields = {k: getattr(args, k) for k in ("num_blocks", "max_batch_tokens", "device", "dtype", "cpu_offload_space",
                                             "tensor_parallel_size", "max_waiting_requests", "scheduler",
-                                            "priority_aging_steps")}
+                                            "priority_aging_steps", "kv_events")}
     if args.tiny:
         from acb.testing import tiny_engine
 

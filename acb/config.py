@@ -299,6 +299,9 @@ class EngineConfig:
     priority, a flood of urgent work can starve less urgent work for ever). See
     docs/design.md, "Scheduling".
 
+    ``kv_events`` (False): publish the prefix cache's events (``BlockStored``,
+    ``BlockRemoved``, ``AllBlocksCleared``) to ``engine.kv_events()`` subscribers.
+
     A setting that has no effect where the engine runs (the CUDA-graph settings on the
     CPU, say) is named by :meth:`inactive_settings`, and the engine logs a warning naming
     it at construction.
@@ -330,6 +333,7 @@ class EngineConfig:
     distributed_timeout_s: float = 120.0
     max_waiting_requests: int | None = None
     priority_aging_steps: int = 5000
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:
@@ -399,6 +403,8 @@ class EngineConfig:
             not _is_int(self.max_waiting_requests) or self.max_waiting_requests < 1
         ):
             bad("max_waiting_requests", "must be None or an int >= 1")
+        if not isinstance(self.kv_events, bool):
+            bad("kv_events", "must be a bool")
         if not _is_int(self.priority_aging_steps) or self.priority_aging_steps < 0:
             bad("priority_aging_steps", "must be an int >= 0 (0 = no aging)")
 

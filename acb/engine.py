@@ -42,6 +42,7 @@ from .eventloop import LoopHandle
 from .handle import ChunkStream, RequestHandle
 from .inputs import generation_defaults, prepare, sampling_params, tokenize
 from .kv_cache import HostPool, KVCacheManager
+from .kv_events import KVEventPublisher, KVEventStream
 from .live import Choices, LiveRequest, sampling_batch
 from .outputs import Outputs
 from .progress import BatchProgress, check_progress
@@ -147,7 +148,15 @@ class Engine:
         self.max_batch_tokens = self.layout.max_batch_tokens
         self.max_requests = self.layout.max_requests
         self.max_waiting = self.config.max_waiting_requests or 4 * self.max_requests
-        self.kv = KVCacheManager(self.num_pages, self.page_size, enable_prefix_caching=self.layout.prefix_caching)
+        self._kv_events: KVEventPublisher | None = None
+        if self.config.kv_events:
+            self._kv_events = KVEventPublisher(lambda: self.kv.registered())
+            if not self.layout.prefix_caching:
+                log.warning("acb: EngineConfig.kv_events=True, but prefix caching is off for this model (sliding-"
+                            "window layers, or allow_prefix_sharing=False): no page will ever be stored")
+        self.kv = KVCacheManager(self.num_pages, self.page_size, enable_prefix_caching=self.layout.prefix_caching,
+                                 events=self._kv_events.pending if self._kv_events else None,
+                                 medium="GPU" if self.device.type == "cuda" else self.device.type.upper())
         self.host_pool = HostPool(self.layout.host_pages) if self.layout.host_pages else None
         self.kv_swa = KVCacheManager(self.layout.swa_pages, self.page_size, enable_prefix_caching=False) \
             if self.layout.swa_pages else None
@@ -542,8 +551,35 @@ class Engine:
             sliding_total_blocks=self.kv_swa.num_pages if self.kv_swa else 0,
             sliding_free_blocks=self.kv_swa.num_free if self.kv_swa else 0,
             attn_backend=self._runner.attn_backend if self._runner is not None else self.attn_backend,
-            device_time_s=self._device_s,
+            device_time_s=self._device_s, hashed_blocks=len(kv.page_key),
         )
+
+    def kv_events(self, max_batches: int = 1024) -> KVEventStream:
+        """Subscribe to the prefix cache's events (needs ``EngineConfig(kv_events=True)``):
+        an async iterator of ``acb.KVEventBatch``, one per engine step that changed the set
+        of prefix pages, starting with a resync (the whole current set). A subscriber that
+        falls ``max_batches`` behind loses the queued batches (``stream.dropped`` counts them)
+        and gets a resync next; the engine never waits for it. The iterator ends when the
+        engine stops or on ``stream.close()``.
+
+        Example::
+
+            cached = set()
+            async for batch in engine.kv_events():
+                for event in batch.events:
+                    if isinstance(event, acb.AllBlocksCleared):
+                        cached.clear()
+                    elif isinstance(event, acb.BlockStored):
+                        cached.update(event.block_hashes)
+                    else:
+                        cached.difference_update(event.block_hashes)
+        """
+        self._check_not_closed()
+        if self._kv_events is None:
+            raise ValueError("engine.kv_events() needs an engine built with EngineConfig(kv_events=True)")
+        if not isinstance(max_batches, int) or isinstance(max_batches, bool) or max_batches < 1:
+            raise ValueError(f"max_batches must be an int >= 1, got {max_batches!r}")
+        return self._kv_events.subscribe(max_batches)
 
     # ------------------------------------------------------------------ the loop
     async def _run(self) -> None:
@@ -590,6 +626,8 @@ class Engine:
                 elif masks is not None:
                     masks.fill()
                 inflight = launched
+                if self._kv_events is not None:
+                    self._kv_events.flush()  # this iteration's: what schedule() evicted, update() stored
                 if inflight is None:
                     if self._state is EngineState.DRAINING and not self._live:
                         break
@@ -629,6 +667,8 @@ class Engine:
                     if self._stop_reason is not None:  # ended by a device failure, not by stop()
                         self._transition(EngineState.STOPPED)
             finally:
+                if self._kv_events is not None:
+                    self._kv_events.close()  # every kv_events() stream ends with the loop
                 self._finished.set()  # stop() waits for this
 
     async def _complete(self, launched: tuple[StepPlan, Future]) -> None:
@@ -655,6 +695,9 @@ class Engine:
         if plan.prompt_sinks:
             self._out.deliver_prompt_logprobs(plan, out)
         self._out.deliver(self.scheduler.update(plan, out), out)
+        if self._kv_events is not None:
+            # before anyone awaiting a request that just finished runs: its pages' events are out
+            self._kv_events.flush()
 
     def _check_model(self) -> tuple[str | None, bool]:
         """Has the model changed since the last step (hooks, forwards, weights)? When it
@@ -687,6 +730,8 @@ class Engine:
             return  # nothing packed yet: start() takes the weights as they are
         await self._loop.wait_future(self._executor.submit(self._runner.refresh_weights, True))
         self.kv.forget_prefixes()
+        if self._kv_events is not None:
+            self._kv_events.flush()
 
     def _device_failed(self, error: DeviceError) -> None:
         """The device is unusable: fail every unfinished request and stop the loop

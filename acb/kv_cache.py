@@ -18,7 +18,9 @@ one of three states:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+
+from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 RECYCLED = -1
 
@@ -34,7 +36,12 @@ class OutOfPagesError(RuntimeError):
 
 
 class KVCacheManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:
+    """Pages of one pool. ``events``: a list the manager appends ``acb.kv_events`` events to
+    as prefix hashes are registered and forgotten (None: no events); ``medium`` names the
+    pool's memory in them."""
+
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
+                 events: list[KVEvent] | None = None, medium: str | None = None) -> None:
         if num_pages < 1 or page_size < 1:
             raise ValueError("num_pages and page_size must be >= 1")
         self.num_pages = num_pages
@@ -44,8 +51,10 @@ class KVCacheManager:
         # A stack: the most recently freed page is reused first, so the memory a
         # lazily-allocated cache touches stays bounded by the peak in use.
         self.free_pages: list[int] = list(range(num_pages - 1, -1, -1))
-        # page -> (hash, tokens) for full pages whose contents are registered
-        self.page_key: dict[int, tuple[int, tuple[int, ...]]] = {}
+        # page -> (hash, tokens, parent hash) for full pages whose contents are registered
+        self.page_key: dict[int, tuple[int, tuple[int, ...], int | None]] = {}
+        self.events = events
+        self.medium = medium
         self.hash_to_page: dict[int, int] = {}
         self.cached_lru: OrderedDict[int, None] = OrderedDict()
         self.prefix_queries = 0  # prompt tokens looked up
@@ -116,6 +125,13 @@ class KVCacheManager:
         key = self.page_key.pop(page, None)
         if key is not None and self.hash_to_page.get(key[0]) == page:
             del self.hash_to_page[key[0]]
+            events = self.events
+            if events is not None:
+                last = events[-1] if events else None
+                if type(last) is BlockRemoved:
+                    last.block_hashes.append(key[0])  # one event for a run of evictions
+                else:
+                    events.append(BlockRemoved([key[0]], self.medium))
 
     # -- prefix caching --------------------------------------------------------------
     def match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], int | None]:
@@ -162,13 +178,23 @@ class KVCacheManager:
             return num_registered, parent
         ps = self.page_size
         full = min(num_computed // ps, len(block_table))
+        events = self.events
+        stored: BlockStored | None = None  # the event of the run of pages registered just now
         for i in range(num_registered, full):
             chunk = tuple(token_ids[i * ps : (i + 1) * ps])
             h = chain_hash(parent, chunk)
             page = block_table[i]
             if h not in self.hash_to_page and page not in self.page_key:
                 self.hash_to_page[h] = page
-                self.page_key[page] = (h, chunk)
+                self.page_key[page] = (h, chunk, parent)
+                if events is not None:
+                    if stored is None:
+                        stored = BlockStored([], parent, [], ps, None, self.medium)
+                        events.append(stored)
+                    stored.block_hashes.append(h)
+                    stored.token_ids.extend(chunk)
+            else:
+                stored = None  # a page left out breaks the run: the next one names its parent
             parent = h
         return max(full, num_registered), parent
 
@@ -181,9 +207,21 @@ class KVCacheManager:
     def forget_prefixes(self) -> None:
         """Forget every registered prefix (the model changed: its KV is another model's).
         Cached pages become free; pages in use stay with their requests, unshared."""
-        self.evict_all_cached()
-        for page in list(self.page_key):
-            self._forget(page)
+        events, self.events = self.events, None  # one AllBlocksCleared says it all
+        try:
+            self.evict_all_cached()
+            for page in list(self.page_key):
+                self._forget(page)
+        finally:
+            self.events = events
+        if events is not None:
+            events.append(AllBlocksCleared())
+
+    def registered(self) -> Iterator[BlockStored]:
+        """One ``BlockStored`` per page whose prefix hash is registered now (in use or
+        cached): the current set, as a resync of ``kv_events()`` describes it."""
+        for h, chunk, parent in self.page_key.values():
+            yield BlockStored([h], parent, list(chunk), self.page_size, None, self.medium)
 
     # -- checks ------------------------------------------------------------------------
     def check_integrity(self, block_tables: Iterable[Sequence[int]] = ()) -> None:

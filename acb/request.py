@@ -409,6 +409,8 @@ class EngineStats:
             ``torch``; see ``EngineConfig.attn_backend``).
         device_time_s: seconds the steps computed (on CPU the step thread's time in them,
             on CUDA the device's, timed by events on the runner's stream).
+        hashed_blocks: pages whose prefix hash is registered, in use or cached: the set
+            ``engine.kv_events()`` describes (equal to ``cached_blocks`` when nothing runs).
     """
 
     running: int
@@ -432,3 +434,4 @@ class EngineStats:
     sliding_free_blocks: int = 0
     attn_backend: str = ""  # the attention backend serving the engine: native | triton | torch
     device_time_s: float = 0.0  # seconds the steps computed (summed StepOutput.device_s)
+    hashed_blocks: int = 0  # pages holding a registered prefix, in use or cached (what kv_events() describe)

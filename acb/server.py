@@ -1,8 +1,9 @@
 """An OpenAI-compatible HTTP server over one acb engine, on aiohttp.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as SSE
-ending with ``data: [DONE]``, or whole), ``GET /v1/models``, ``GET /health`` and
-``GET /metrics`` (Prometheus text). Request bodies and ``max_tokens`` are bounded,
+ending with ``data: [DONE]``, or whole), ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (Prometheus text) and ``GET /v1/kv_events`` (the KV-cache events as SSE,
+with ``--kv-events``). Request bodies and ``max_tokens`` are bounded,
 ``Authorization: Bearer`` is checked when an API key is set, and every error is an
 OpenAI-style JSON object. SIGINT/SIGTERM drain the engine, then stop it hard.
 
@@ -157,6 +158,21 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response(body, status=status)
 
 
+async def kv_events(request: web.Request) -> web.StreamResponse:
+    """``GET /v1/kv_events``: the engine's KV-cache events as SSE (``acb serve --kv-events``)."""
+    events = request.app[SERVICE_KEY].kv_events()
+    resp = web.StreamResponse(headers=SSE_HEADERS)
+    try:
+        await resp.prepare(request)
+        async for event in events:
+            await resp.write(event)
+    except ConnectionError:
+        pass  # the client went away
+    finally:
+        await events.aclose()
+    return resp
+
+
 async def metrics(request: web.Request) -> web.Response:
     """``GET /metrics``: Prometheus text exposition."""
     text = request.app[SERVICE_KEY].metrics_text()
@@ -202,6 +218,12 @@ def create_app(engine: acb.Engine, config: ServerConfig | None = None) -> web.Ap
     app.router.add_get("/v1/models/{model}", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/kv_events", kv_events)
+
+    async def end_event_streams(app: web.Application) -> None:
+        app[SERVICE_KEY].close_kv_events()  # endless streams would hold the shutdown to its timeout
+
+    app.on_shutdown.append(end_event_streams)
     return app
 
 

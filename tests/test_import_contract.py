@@ -24,8 +24,8 @@ ACB = ROOT / "acb"
 # - integrations: the serving adapters, on the public API only;
 # - app: the `acb` command and its server; testing: acb.testing.
 LAYERS = {
-    "plain": ["detokenizer.py", "errors.py", "eventloop.py", "handle.py", "kv_cache.py", "progress.py",
-              "prompt_logprobs.py", "request.py", "scheduler.py", "step.py", "tools.py",
+    "plain": ["detokenizer.py", "errors.py", "eventloop.py", "handle.py", "kv_cache.py", "kv_events.py",
+              "progress.py", "prompt_logprobs.py", "request.py", "scheduler.py", "step.py", "tools.py",
               "reasoning.py"],
     "kernels": ["kernels/__init__.py", "kernels/cpu.py", "kernels/cpu_linear.py", "kernels/triton_attention.py"],
     "device": ["attention.py", "compiling.py", "cuda_graphs.py", "distributed/__init__.py", "distributed/group.py",
