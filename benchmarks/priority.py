@@ -11,7 +11,9 @@ tokens) arrive every 1/``--rate`` seconds from t=0.5 s. ``--max-requests`` bound
 of a step (``max_requests_per_batch``), so that the batch work fills the batch and a queue
 forms, which is what priority reorders: with rows and pages to spare both schedulers admit
 an arrival in the next step. Prints each scheduler's interactive TTFT p50/p99 (from
-``Completion.metrics``), the batch work's completion time and the preemptions.
+``Completion.metrics``), when all the work was done, the engine steps it took (the
+load-independent count: wall times on a shared machine vary with its load) and the
+preemptions.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ async def run(make_engine, scheduler: str, args: argparse.Namespace) -> dict:
         ttft = [c.metrics.ttft_s for c in done[: args.interactive]]
         stats = engine.stats()
     return {"scheduler": scheduler, "ttft_p50_s": _percentile(ttft, 0.5), "ttft_p99_s": _percentile(ttft, 0.99),
-            "ttft_s": ttft, "all_done_s": elapsed, "preemptions": stats.preemptions,
+            "ttft_s": ttft, "all_done_s": elapsed, "preemptions": stats.preemptions, "steps": stats.steps,
             "generated_tokens": stats.generated_tokens}
 
 
@@ -84,10 +86,10 @@ def main() -> None:
     results = [asyncio.run(run(make_engine, scheduler, args)) for scheduler in ("fifo", "priority")]
     print(f"{args.batch} batch requests ({args.batch_prompt} prompt + {args.batch_new} new tokens, priority 10) + "
           f"{args.interactive} interactive at {args.rate}/s (priority 0), max_requests_per_batch={args.max_requests}")
-    print(f"{'scheduler':<10} {'TTFT p50':>9} {'TTFT p99':>9} {'all done':>9} {'preempt':>8}")
+    print(f"{'scheduler':<10} {'TTFT p50':>9} {'TTFT p99':>9} {'all done':>9} {'steps':>6} {'preempt':>8}")
     for r in results:
         print(f"{r['scheduler']:<10} {r['ttft_p50_s']:>8.3f}s {r['ttft_p99_s']:>8.3f}s {r['all_done_s']:>8.1f}s "
-              f"{r['preemptions']:>8}")
+              f"{r['steps']:>6} {r['preemptions']:>8}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)
