@@ -160,6 +160,9 @@ def _serve_ray(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
     if args.port == 0:
         parser.error("--ray needs a fixed --port (Ray Serve's proxy cannot pick a free one)")
+    if args.kv_events:
+        parser.error("--kv-events is not served with --ray yet (each replica would publish its own events and "
+                     "nothing reads them): run acb serve without --ray, or use build_app's engines directly")
     if args.max_replicas is None and args.target_queue_depth != parser.get_default("target_queue_depth"):
         parser.error("--target-queue-depth steers autoscaling: give --max-replicas too")
     if args.max_replicas is not None and args.max_replicas < args.num_replicas:

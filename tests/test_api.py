@@ -444,6 +444,9 @@ _EFFECTS = {
     "tensor_parallel_size": ({"tensor_parallel_size": 2}, "tests/test_tensor_parallel.py"),
     "distributed_timeout_s": ({"distributed_timeout_s": 5.0}, "tests/test_tensor_parallel.py"),
     "max_waiting_requests": ({"max_waiting_requests": 5}, lambda e: e.max_waiting == 5),
+    # away from scheduler="priority" it ranks nothing: named (its effect: tests/test_priority.py)
+    "priority_aging_steps": ({"priority_aging_steps": 7}, None),
+    "kv_events": ({"kv_events": True}, lambda e: e.kv_events().pending()[0].resync),
 }
 
 
