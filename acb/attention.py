@@ -7,10 +7,11 @@ writes k/v into acb's pages at the step's slot mapping, then attends:
 - decode rows (one query token each) together, in one batched matmul over their
   gathered pages (the gather index is built once per step and shared by all layers);
 - prefill rows: a fresh prompt attends to its own k/v (no gather), a continued one
-  (chunked prefill, prefix hit) gathers its context pages. On float32 CPU models the
+  (chunked prefill, prefix hit) gathers its context pages. On CPU models the
   native kernel (``paged_decode_cpu.cpp``: causal register tiles, only the key blocks
   a row can see) takes all fresh prompts of a step in one call and each continued
-  one in its own; elsewhere PyTorch's SDPA, row by row.
+  one in its own; elsewhere PyTorch's SDPA, row by row. The native kernels read
+  float32, bfloat16 or float16 pages and compute in float32.
 
 That is the ``native`` and ``torch`` backends. The ``triton`` backend (CUDA; see
 ``acb/kernels/triton_attention.py``) writes the step's k/v with one kernel, then attends
@@ -133,6 +134,8 @@ class StepAttention:
 
 
 BACKENDS = ("auto", "native", "torch", "triton", "flash_attn")
+# the model (and so KV page) dtypes the native CPU kernels read; they compute in float32
+NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def triton_unavailable(device: torch.device) -> str | None:
@@ -155,9 +158,9 @@ def triton_unavailable(device: torch.device) -> str | None:
 
 def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
     """The attention backend that serves ``EngineConfig.attn_backend=requested`` for a
-    model of ``dtype`` on ``device``: ``native`` (float32 CPU), ``triton`` or ``torch``.
-    ``auto`` picks Triton on CUDA (PyTorch when triton is missing), the native kernels
-    on float32 CPU models, PyTorch otherwise. A backend that cannot run here raises
+    model of ``dtype`` on ``device``: ``native`` (CPU: float32, bfloat16 or float16),
+    ``triton`` or ``torch``. ``auto`` picks Triton on CUDA (PyTorch when triton is
+    missing), the native kernels on CPU models, PyTorch otherwise. A backend that cannot run here raises
     ``ValueError`` naming ``attn_backend`` and why."""
     device = torch.device(device)
 
@@ -167,9 +170,10 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) ->
     if requested == "auto":
         if device.type == "cuda":
             return "triton" if triton_unavailable(device) is None else "torch"
-        return "native" if device.type == "cpu" and dtype == torch.float32 else "torch"
-    if requested == "native" and not (device.type == "cpu" and dtype == torch.float32):
-        raise refuse(f"the native kernels serve float32 models on CPU; this model is {dtype} on {device}")
+        return "native" if device.type == "cpu" and dtype in NATIVE_DTYPES else "torch"
+    if requested == "native" and not (device.type == "cpu" and dtype in NATIVE_DTYPES):
+        raise refuse(f"the native kernels serve float32, bfloat16 and float16 models on CPU; this model is "
+                     f"{dtype} on {device}")
     if requested == "triton":
         why = triton_unavailable(device)
         if why is not None:
@@ -315,7 +319,13 @@ def paged_attention(
     v_cache.index_copy_(1, pool.slot_mapping, v_new.to(v_cache.dtype))
 
     q_all = query[0]  # [H, T, d]
-    out = query.new_empty(total, num_heads, head_dim)
+    # The native kernels compute in float32 whatever the model's dtype (bf16/fp16 pages are
+    # widened as they are read): a half-precision step hands them float32 queries and new
+    # keys/values and takes float32 outputs, rounded to the model's dtype once at the end.
+    widen = meta.kernel == "native" and query.dtype != torch.float32
+    if widen:
+        q_all, k_new, v_new = q_all.float(), k_new.float(), v_new.float()
+    out = q_all.new_empty(total, num_heads, head_dim)
 
     decode = meta.decode
     if decode is not None:
@@ -351,6 +361,8 @@ def paged_attention(
         else:
             k = _gather_pages(k_cache, context_pages, meta.page_size)[:, 0, :length]
             v = _gather_pages(v_cache, context_pages, meta.page_size)[:, 0, :length]
+            if widen:
+                k, v = k.float(), v.float()
             if kernel is not None and kernel.prefill_attention(
                     q_all, k, v, span.kernel_row, out, scaling, cap, sliding_window or 0):
                 continue
@@ -375,7 +387,7 @@ def paged_attention(
             o = o.view(num_heads, n, head_dim)
         out[qs:qe] = o.transpose(0, 1)
 
-    return out.unsqueeze(0), None
+    return (out.to(query.dtype) if widen else out).unsqueeze(0), None
 
 
 def _triton_attention(meta: StepAttention, pool: PagePool, q_all: torch.Tensor, k_new: torch.Tensor,

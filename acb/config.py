@@ -265,7 +265,7 @@ class EngineConfig:
     ``max_batch_tokens`` (default 2048 on CPU, 8192 on GPU), ``max_requests_per_batch``
     (default 256), ``scheduler``, ``safety_margin``, ``allow_prefix_sharing``,
     ``async_batching``, ``attn_backend`` (``auto`` | ``native`` | ``torch`` | ``triton`` |
-    ``flash_attn``: ``auto`` is Triton on CUDA, native on float32 CPU, PyTorch otherwise; the
+    ``flash_attn``: ``auto`` is Triton on CUDA, native on CPU (float32, bfloat16, float16), PyTorch otherwise; the
     engine refuses a backend that cannot run where it is, see ``acb.attention.resolve_backend``), ``device``,
     ``dtype``, ``debug_checks`` (integrity check whenever the engine goes idle),
     ``cpu_offload_space`` (GiB of host memory that preempted requests' KV pages go to, so

@@ -539,6 +539,7 @@ class Engine:
         """
         kv = self.kv
         host = self.host_pool
+        runner = self._runner
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             total_blocks=kv.num_pages, free_blocks=kv.num_free, cached_blocks=kv.num_cached,
@@ -552,6 +553,9 @@ class Engine:
             sliding_free_blocks=self.kv_swa.num_free if self.kv_swa else 0,
             attn_backend=self._runner.attn_backend if self._runner is not None else self.attn_backend,
             device_time_s=self._device_s, hashed_blocks=len(kv.page_key),
+            dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."),
+            forward_path=runner.forward_path if runner is not None else "",
+            forward_reason=runner.forward_reason if runner is not None else "",
         )
 
     def kv_events(self, max_batches: int = 1024) -> KVEventStream:

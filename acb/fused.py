@@ -23,9 +23,18 @@ of the MLP's columns; the two row-parallel GEMMs (``Wo``, ``Wdown``) then give p
 sums, which ``row_reduce`` adds up over the ranks in place (rank 0's carries the
 residual, so the sum is the layer's output on every rank).
 
-It is used only where it is known to compute what the model does: float32 on CPU,
-every projection prepacked, decoder layers of the classes listed in
+It is used only where it is known to compute what the model does: float32 or
+bfloat16 on CPU, every projection prepacked, decoder layers of the classes listed in
 ``_WINDOW``, SiLU MLPs, plain RMSNorms, and the native kernels built.
+
+In bfloat16 the weights are prepacked bf16 (oneDNN's ``avx512_bf16``/AMX kernels, fp32
+accumulation), the pages hold bf16 keys and values that the attention kernels widen
+to float32 as they read them, the norms and RoPE round where transformers' bf16
+modules round, and the logits handed to sampling are float32 (the ``lm_head`` GEMM
+runs in bf16 like transformers' and vLLM's). The fused GEMM epilogues (SiLU times
+up, the residual adds) round once where transformers rounds twice, so bf16 outputs
+agree with transformers' bf16 forward within bf16's precision, not bit for bit
+(``tests/test_fused_forward.py`` states the tolerance).
 ``ACB_CPU_FUSED=0`` turns it off (the HF forward runs, as on every other model).
 Greedy parity with transformers' ``generate`` is tested with it on.
 """
@@ -82,8 +91,12 @@ class _Layer:
     window: int | None
 
 
+# The dtypes the fused forward runs in (the native kernels' and oneDNN's prepacked ones)
+DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _norm(module: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
-    if type(module).__name__ not in _NORMS or module.weight.dtype != torch.float32:
+    if type(module).__name__ not in _NORMS or module.weight.dtype not in DTYPES:
         return None
     return module.weight.detach().contiguous(), float(module.variance_epsilon)
 
@@ -107,7 +120,7 @@ class FusedForward:
         """The fused forward over ``model`` (its linears packed by ``packed``, a
         :class:`acb.kernels.cpu_linear.Prepacked`), or None, with the reason logged,
         where it does not apply. ``row_reduce``: the tensor-parallel sum, when sharded."""
-        reason = _unsupported(model, packed, kernels)
+        reason = why_not(model, packed, kernels)
         if reason:
             log.info("acb: fused CPU forward not used (%s); transformers' forward runs", reason)
             return None
@@ -172,7 +185,7 @@ class FusedForward:
             x = x[-logits_to_keep:] if logits_to_keep else x
         elif logits_to_keep is not None:
             x = x.index_select(0, logits_to_keep)
-        return _Logits(self.lm_head(k.rms_norm(x, *self.norm)).unsqueeze(0))
+        return _Logits(self.lm_head(k.rms_norm(x, *self.norm)).float().unsqueeze(0))
 
     def _add_projection(self, h: torch.Tensor, x: torch.Tensor, weight: tuple) -> torch.Tensor:
         """``x + h @ W`` (one GEMM, the add fused); sharded, summed over the ranks, of
@@ -187,7 +200,7 @@ class FusedForward:
         return out
 
 
-def _unsupported(model: torch.nn.Module, packed, kernels) -> str | None:
+def why_not(model: torch.nn.Module, packed, kernels) -> str | None:
     """Why the fused forward cannot stand in for ``model``'s, or None."""
     if os.environ.get("ACB_CPU_FUSED", "1") == "0":
         return "ACB_CPU_FUSED=0"
@@ -203,6 +216,9 @@ def _unsupported(model: torch.nn.Module, packed, kernels) -> str | None:
         return "not a decoder-only model with .model.layers and .lm_head"
     if any(not hasattr(base, a) for a in ("embed_tokens", "rotary_emb", "norm")):
         return "the model lacks embed_tokens, rotary_emb or norm"
+    dtype = base.embed_tokens.weight.dtype if hasattr(base.embed_tokens, "weight") else None
+    if dtype not in DTYPES or any(p.dtype != dtype for p in model.parameters()):
+        return f"its weights are not all float32 or all bfloat16 ({dtype})"
     if type(base.embed_tokens) is not torch.nn.Embedding or _norm(base.norm) is None:
         return "its embedding or final norm is not the plain kind"
     if getattr(config, "hidden_act", None) != "silu" or getattr(config, "pretraining_tp", 1) != 1:
@@ -215,7 +231,7 @@ def _unsupported(model: torch.nn.Module, packed, kernels) -> str | None:
         if type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
             return "the MLP activation is not SiLU"
         if _norm(layer.input_layernorm) is None or _norm(layer.post_attention_layernorm) is None:
-            return "a layer norm is not a plain float32 RMSNorm"
+            return "a layer norm is not a plain float32/bfloat16 RMSNorm"
         if name == "Qwen3DecoderLayer" and (_norm(attn.q_norm) is None or _norm(attn.k_norm) is None):
             return "Qwen3's q/k norms are not plain RMSNorms"
         for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):

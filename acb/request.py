@@ -411,6 +411,10 @@ class EngineStats:
             on CUDA the device's, timed by events on the runner's stream).
         hashed_blocks: pages whose prefix hash is registered, in use or cached: the set
             ``engine.kv_events()`` describes (equal to ``cached_blocks`` when nothing runs).
+        dtype: the dtype the model (and so the KV pages) runs in, e.g. ``"bfloat16"``.
+        forward_path: the forward serving the steps: ``"fused"`` (acb's fused CPU forward),
+            ``"compiled"`` (``compile_level``) or ``"transformers"`` (the model's own).
+        forward_reason: why the fused forward does not serve ("" when it does).
     """
 
     running: int
@@ -435,3 +439,6 @@ class EngineStats:
     attn_backend: str = ""  # the attention backend serving the engine: native | triton | torch
     device_time_s: float = 0.0  # seconds the steps computed (summed StepOutput.device_s)
     hashed_blocks: int = 0  # pages holding a registered prefix, in use or cached (what kv_events() describe)
+    dtype: str = ""  # the model's (and the KV pages') dtype
+    forward_path: str = ""  # fused | compiled | transformers ("" before the engine first starts)
+    forward_reason: str = ""  # why the fused forward does not serve ("" when it does)

@@ -149,6 +149,9 @@ class ModelRunner:
         self.decode_padding: cuda_graphs.DecodePadding | None = None
         self.decode_graphs: cuda_graphs.DecodeGraphs | None = None
         self._want_fused = False
+        # which forward serves the steps, and why not the fused one (EngineStats.forward_path)
+        self.forward_path = "transformers"
+        self.forward_reason = "not configured yet"
         self._graph_rows = 0
         self._graph_kv_interval = 0
         self.watch = ModelWatch(model, self._own_forward)
@@ -175,7 +178,14 @@ class ModelRunner:
                                                config.decode_compile_level)
         self.varlen_forward = self.decode_forward = self.model
         self.fused = None
-        self._want_fused = not (varlen or decode) and self.prepacked and self.dtype == torch.float32
+        self._want_fused = not (varlen or decode) and self.prepacked and self.dtype in (torch.float32, torch.bfloat16)
+        if varlen or decode:
+            self.forward_path, self.forward_reason = "compiled", f"compile_level: varlen {varlen}, decode {decode}"
+        elif not self._want_fused:
+            self.forward_reason = ("the fused forward runs on CPU only" if self.device.type != "cpu" else
+                                   f"its weights are {self.dtype} (fused: float32, bfloat16)"
+                                   if self.dtype not in (torch.float32, torch.bfloat16) else
+                                   "the linear layers are not prepacked (oneDNN unavailable or ACB_CPU_PREPACK=0)")
         self._build_fused()
         if varlen or decode:
             if self.prepacked:  # inductor cannot lower oneDNN-prepacked linears;
@@ -238,11 +248,14 @@ class ModelRunner:
         """(Re)build the fused CPU forward over the model's current modules and weights."""
         if not self._want_fused:
             return
-        from .fused import FusedForward
+        from .fused import FusedForward, why_not
         from .kernels.cpu import fused_kernels
 
-        self.fused = FusedForward.build(self.model, self._packed, fused_kernels(), self.row_reduce)
+        kernels = fused_kernels()
+        self.fused = FusedForward.build(self.model, self._packed, kernels, self.row_reduce)
         self.varlen_forward = self.decode_forward = self.fused or self.model
+        self.forward_path = "fused" if self.fused is not None else "transformers"
+        self.forward_reason = "" if self.fused is not None else why_not(self.model, self._packed, kernels)
 
     def _build_graphs(self) -> None:
         """(Re)create the CUDA-graph set (graphs are captured lazily, per bucket): a

@@ -18,9 +18,10 @@ pytest.importorskip("triton", reason="triton is installed by scripts/setup.sh")
 CPU = torch.device("cpu")
 
 
-def test_auto_picks_native_on_float32_cpu_and_torch_otherwise():
-    assert resolve_backend("auto", CPU, torch.float32) == "native"
-    assert resolve_backend("auto", CPU, torch.bfloat16) == "torch"
+def test_auto_picks_native_on_cpu_in_the_dtypes_its_kernels_read_and_torch_otherwise():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert resolve_backend("auto", CPU, dtype) == "native"
+    assert resolve_backend("auto", CPU, torch.float64) == "torch"
     assert resolve_backend("torch", CPU, torch.bfloat16) == "torch"
 
 
@@ -30,7 +31,7 @@ def test_auto_picks_triton_on_cuda():
 
 
 @pytest.mark.parametrize(("backend", "dtype", "why"), [
-    ("native", torch.bfloat16, "float32 models on CPU"),
+    ("native", torch.float64, "float32, bfloat16 and float16 models on CPU"),
     ("flash_attn", torch.float32, "flash-attn"),
 ])
 def test_a_backend_that_cannot_run_here_is_refused_by_name(backend, dtype, why):

@@ -50,6 +50,44 @@ def test_native_decode_kernel_matches_pytorch(heads, kv_heads, dim, window, soft
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("page_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 8, 128), (6, 2, 32)])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (37, 0.0), (0, 30.0)])
+def test_native_decode_kernel_reads_half_precision_pages(page_dtype, heads, kv_heads, dim, window, softcap):
+    """bf16/fp16 pages are widened as they are read and everything after is float32: the
+    result equals the float32 kernel's over the same (rounded) values."""
+    kernel = paged_decode_kernel()
+    if kernel is None:
+        pytest.skip("the native CPU kernel did not build here")
+    torch.manual_seed(heads * dim + window + 1)
+    ps, rows = 16, 5
+    lengths = torch.tensor([1, 16, 17, 100, 203])
+    npages = int((lengths.max() + ps - 1) // ps)
+    kc = torch.randn(kv_heads, (rows * npages + 1) * ps, dim).to(page_dtype)
+    vc = torch.randn_like(kc)
+    pages = torch.randperm(rows * npages).view(rows, npages)
+    q = torch.randn(rows, heads, dim)
+    out, want = torch.empty_like(q), torch.empty_like(q)
+    kernel.paged_decode(q, kc, vc, pages, lengths, out, ps, dim**-0.5, softcap, window)
+    kernel.paged_decode(q, kc.float(), vc.float(), pages, lengths, want, ps, dim**-0.5, softcap, window)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, _reference(q, kc.float(), vc.float(), pages, lengths, ps, dim**-0.5, softcap,
+                                               window), rtol=1e-5, atol=1e-5)
+
+
+def test_native_decode_kernel_refuses_what_it_cannot_read():
+    kernel = paged_decode_kernel()
+    if kernel is None:
+        pytest.skip("the native CPU kernel did not build here")
+    kc = torch.zeros(1, 32, 64, dtype=torch.float64)
+    q, pages, lengths = torch.zeros(1, 1, 64), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        kernel.paged_decode(q, kc, kc, pages, lengths, torch.empty_like(q), 16, 0.125, 0.0, 0)
+    with pytest.raises(RuntimeError, match="q and out must be contiguous float32"):
+        kernel.paged_decode(q.bfloat16(), kc.float(), kc.float(), pages, lengths, torch.empty_like(q), 16, 0.125,
+                            0.0, 0)
+
+
 @torch.inference_mode()
 def test_prepacked_linears_compute_the_same_and_restore_the_weights_exactly():
     if not cpu_linear.available(torch.float32):

@@ -137,6 +137,72 @@ def test_native_rope_is_bit_identical_to_transformers():
     assert torch.equal(k, want_k[0].transpose(0, 1).reshape(t, -1))
 
 
+def test_native_rms_norm_rounds_where_transformers_bf16_module_rounds():
+    _kernels_or_skip()
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(96, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.normal_()
+    norm = norm.to(torch.bfloat16)
+    x = (torch.randn(37, 96) * 3).bfloat16()
+    got = fused_kernels().rms_norm(x, norm.weight.detach(), norm.variance_epsilon)
+    assert got.dtype == torch.bfloat16
+    # the sum of squares is accumulated in another order than PyTorch's: at most one bf16 step apart
+    want = norm(x).detach()
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-6).all()
+    assert (got == want).float().mean() > 0.95
+
+
+def test_native_rope_in_bf16_is_bit_identical_to_transformers():
+    _kernels_or_skip()
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    torch.manual_seed(1)
+    t, heads, kv_heads, d = 29, 6, 2, 32
+    cos, sin = torch.randn(t, d).bfloat16(), torch.randn(t, d).bfloat16()
+    q, k = torch.randn(t, heads * d).bfloat16(), torch.randn(t, kv_heads * d).bfloat16()
+    want_q, want_k = apply_rotary_pos_emb(q.view(1, t, heads, d).transpose(1, 2),
+                                          k.view(1, t, kv_heads, d).transpose(1, 2), cos[None], sin[None])
+    fused_kernels().rope_(q, cos, sin, d)
+    fused_kernels().rope_(k, cos, sin, d)
+    assert torch.equal(q, want_q[0].transpose(0, 1).reshape(t, -1))
+    assert torch.equal(k, want_k[0].transpose(0, 1).reshape(t, -1))
+
+
+# bf16 tolerance against transformers' own bf16 forward: logits of these tiny models are
+# O(5); the fused epilogues round once where transformers rounds twice, and attention
+# accumulates in float32 where transformers' SDPA rounds its output. Measured: max
+# |diff| 0.04-0.09 over 2 layers; a few bf16 steps (2**-8 relative) per layer.
+BF16_ATOL = 0.25
+
+
+@pytest.mark.parametrize("arch", FUSED_ARCHS)
+def test_fused_forward_in_bf16_agrees_with_transformers_bf16_forward(arch):
+    _kernels_or_skip()
+    model = tiny_model(arch, seed=3).to(torch.bfloat16)
+    prompts = random_prompts(3, 5, 40, seed=7)
+    # transformers' own bf16 forward, its own attention, one prompt at a time
+    with torch.inference_mode():
+        want = [model(input_ids=torch.tensor([p])).logits[0, -1].float() for p in prompts]
+    runner = _runner(model)
+    try:
+        assert runner.fused is not None and runner.attn_backend == "native", arch
+        rows, next_page = [], 0
+        for p in prompts:
+            need = (len(p) + 1 + 7) // 8
+            rows.append((p, 0, list(range(next_page, next_page + need))))
+            next_page += need
+        got = _logits(runner, runner.fused, rows)
+        assert got.dtype == torch.float32  # logits handed to sampling are float32
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=BF16_ATOL)
+            assert g.argmax() == w.argmax()
+    finally:
+        runner.release()
+
+
 def _attention_reference(q, k, v, past, scale, softcap, window):
     """q [H, n, d] at positions past.., k/v [KVH, past + n, d] -> [n, H, d], in float64."""
     groups = q.shape[0] // k.shape[0]
@@ -237,3 +303,33 @@ async def test_the_engines_gemms_see_only_padded_row_counts_and_stay_exact(monke
     for prompt, result in zip(prompts, got, strict=True):
         assert result.token_ids == reference_greedy(engine.model, prompt, 5)
     assert rows and sorted(r for r in rows if padded_rows(r) != r) == []  # decode steps of 9 and 11 rows ran at 10, 12
+
+
+async def test_a_bf16_engine_runs_the_fused_forward_on_bf16_pages_and_says_so():
+    _kernels_or_skip()
+    from acb import sizing
+
+    fp32 = sizing.layout(tiny_model("llama"), EngineConfig(max_memory_percent=0.01))
+    bf16 = sizing.layout(tiny_model("llama").to(torch.bfloat16), EngineConfig(max_memory_percent=0.01))
+    assert bf16.num_pages >= 2 * fp32.num_pages - 1  # half the bytes per token: twice the pages
+    prompts = random_prompts(4, 3, 30, seed=5)
+    async with tiny_engine("llama", seed=2, dtype="bfloat16") as engine:
+        runner = runner_of(engine)
+        assert runner.k_cache[0].dtype == torch.bfloat16
+        got = await engine.generate_batch(prompts, max_new_tokens=8, ignore_eos=True)
+        stats = engine.stats()
+        assert (stats.dtype, stats.forward_path, stats.forward_reason, stats.attn_backend) == \
+            ("bfloat16", "fused", "", "native")
+        assert runner.fast_decode_steps > 0
+    assert all(len(r.token_ids) == 8 for r in got)
+
+
+async def test_stats_name_the_forward_path_and_why_not_fused(monkeypatch):
+    monkeypatch.setenv("ACB_CPU_FUSED", "0")
+    async with tiny_engine("llama") as engine:
+        stats = engine.stats()
+    assert (stats.forward_path, stats.forward_reason) == ("transformers", "ACB_CPU_FUSED=0")
+    monkeypatch.delenv("ACB_CPU_FUSED")
+    async with tiny_engine("gemma2") as engine:
+        stats = engine.stats()
+    assert stats.forward_path == "transformers" and "embedding" in stats.forward_reason  # Gemma scales its own

@@ -5,44 +5,87 @@
 // the same float operations, in the same order, as transformers' modules (RoPE is
 // bit-identical; RMSNorm differs from PyTorch's only in the order its sum of
 // squares is accumulated).
+//
+// bfloat16 tensors are computed in float32 and rounded to bfloat16 (round to nearest
+// even, as PyTorch rounds) at exactly the points where transformers' modules round
+// when the model is bf16: RMSNorm rounds the normalised row, then the product with its
+// weight; RoPE rounds each of its two products and their sum.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 namespace {
 
 void check_rows(const torch::Tensor& x, const char* name) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32, name, " must be float32");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, name,
+              " must be float32 or bfloat16");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " must be a 2-D tensor with contiguous rows");
+}
+
+// bfloat16 <-> float32 by bits (vectorises under omp simd, unlike c10::BFloat16's class)
+inline float widen(float v) { return v; }
+inline float widen(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1u);                       // round to nearest, ties to even
+  return static_cast<uint16_t>(u >> 16);
+}
+// the value as the tensor's dtype holds it: identity for float32, rounded for bfloat16
+template <typename T> inline float held(float f);
+template <> inline float held<float>(float f) { return f; }
+template <> inline float held<uint16_t>(float f) { return widen(to_bf16(f)); }
+inline void store(float* p, float v) { *p = v; }
+inline void store(uint16_t* p, float v) { *p = to_bf16(v); }
+
+template <typename T>
+T* ptr(const torch::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
 }
 
 }  // namespace
 
-// out[t] = w * (x[t] * rsqrt(mean(x[t]^2) + eps)), row by row (transformers' LlamaRMSNorm
-// for float32). x: [T, D] (rows may be strided), w: [D].
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
-  check_rows(x, "x");
-  TORCH_CHECK(w.is_contiguous() && w.numel() == x.size(1) && w.scalar_type() == torch::kFloat32,
-              "w must be a contiguous float32 [D]");
-  const int64_t T = x.size(0), D = x.size(1), xs = x.stride(0);
-  auto out = torch::empty({T, D}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+// out[t] = w * (x[t] * rsqrt(mean(x[t]^2) + eps)), row by row (transformers' LlamaRMSNorm).
+// x: [T, D] (rows may be strided), w: [D] of x's dtype.
+template <typename T>
+static void rms_norm_t(const torch::Tensor& x, const torch::Tensor& w, double eps, torch::Tensor& out) {
+  const int64_t T_ = x.size(0), D = x.size(1), xs = x.stride(0);
+  const T* xp = ptr<T>(x);
+  const T* wp = ptr<T>(w);
+  T* op = ptr<T>(out);
   const float feps = static_cast<float>(eps);
   const float fd = static_cast<float>(D);
-  at::parallel_for(0, T, std::max<int64_t>(1, 32768 / std::max<int64_t>(D, 1)), [&](int64_t b, int64_t e) {
+  at::parallel_for(0, T_, std::max<int64_t>(1, 32768 / std::max<int64_t>(D, 1)), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
-      const float* xr = xp + t * xs;
-      float* orow = op + t * D;
+      const T* xr = xp + t * xs;
+      T* orow = op + t * D;
       float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < D; ++i) ss += xr[i] * xr[i];
+      for (int64_t i = 0; i < D; ++i) ss += widen(xr[i]) * widen(xr[i]);
       const float inv = 1.f / std::sqrt(ss / fd + feps);
 #pragma omp simd
-      for (int64_t i = 0; i < D; ++i) orow[i] = wp[i] * (xr[i] * inv);
+      for (int64_t i = 0; i < D; ++i) store(orow + i, widen(wp[i]) * held<T>(widen(xr[i]) * inv));
     }
   });
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(w.is_contiguous() && w.numel() == x.size(1) && w.scalar_type() == x.scalar_type(),
+              "w must be a contiguous [D] of x's dtype");
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  if (x.scalar_type() == torch::kFloat32)
+    rms_norm_t<float>(x, w, eps, out);
+  else
+    rms_norm_t<uint16_t>(x, w, eps, out);
   return out;
 }
 
@@ -50,35 +93,43 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 // x1' = x1*cos1 - x2*sin1, x2' = x2*cos2 + x1*sin2 over the two halves of each head.
 // x: [T, heads * d] (rows may be strided, e.g. a column slice of a fused projection);
 // cos, sin: [T, d] contiguous.
-void rope_(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin, int64_t d) {
-  check_rows(x, "x");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == d &&
-                  cos.size(0) == x.size(0) && sin.sizes() == cos.sizes() && cos.scalar_type() == torch::kFloat32 &&
-                  sin.scalar_type() == torch::kFloat32,
-              "cos/sin must be contiguous float32 [T, d]");
-  TORCH_CHECK(d % 2 == 0 && x.size(1) % d == 0, "row width must be a multiple of an even head dim");
-  const int64_t T = x.size(0), heads = x.size(1) / d, xs = x.stride(0), h2 = d / 2;
-  float* xp = x.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  at::parallel_for(0, T * heads, std::max<int64_t>(1, 16384 / d), [&](int64_t b, int64_t e) {
+template <typename T>
+static void rope_t(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, int64_t d) {
+  const int64_t T_ = x.size(0), heads = x.size(1) / d, xs = x.stride(0), h2 = d / 2;
+  T* xp = ptr<T>(x);
+  const T* cp = ptr<T>(cos);
+  const T* sp = ptr<T>(sin);
+  at::parallel_for(0, T_ * heads, std::max<int64_t>(1, 16384 / d), [&](int64_t b, int64_t e) {
     for (int64_t item = b; item < e; ++item) {
       const int64_t t = item / heads, h = item % heads;
-      float* v = xp + t * xs + h * d;
-      const float* c = cp + t * d;
-      const float* s = sp + t * d;
+      T* v = xp + t * xs + h * d;
+      const T* c = cp + t * d;
+      const T* s = sp + t * d;
 #pragma omp simd
       for (int64_t i = 0; i < h2; ++i) {
-        const float a = v[i], bb = v[i + h2];
-        v[i] = a * c[i] - bb * s[i];
-        v[i + h2] = bb * c[i + h2] + a * s[i + h2];
+        const float a = widen(v[i]), bb = widen(v[i + h2]);
+        store(v + i, held<T>(a * widen(c[i])) - held<T>(bb * widen(s[i])));
+        store(v + i + h2, held<T>(bb * widen(c[i + h2])) + held<T>(a * widen(s[i + h2])));
       }
     }
   });
 }
 
+void rope_(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin, int64_t d) {
+  check_rows(x, "x");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == d &&
+                  cos.size(0) == x.size(0) && sin.sizes() == cos.sizes() && cos.scalar_type() == x.scalar_type() &&
+                  sin.scalar_type() == x.scalar_type(),
+              "cos/sin must be contiguous [T, d] of x's dtype");
+  TORCH_CHECK(d % 2 == 0 && x.size(1) % d == 0, "row width must be a multiple of an even head dim");
+  if (x.scalar_type() == torch::kFloat32)
+    rope_t<float>(x, cos, sin, d);
+  else
+    rope_t<uint16_t>(x, cos, sin, d);
+}
+
 // The GIL is released while a kernel runs: the event loop's thread keeps serving.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm over rows (float32)", py::call_guard<py::gil_scoped_release>());
-  m.def("rope_", &rope_, "rotary embedding in place (float32)", py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "RMSNorm over rows (float32 or bfloat16)", py::call_guard<py::gil_scoped_release>());
+  m.def("rope_", &rope_, "rotary embedding in place (float32 or bfloat16)", py::call_guard<py::gil_scoped_release>());
 }

@@ -5,6 +5,11 @@
 // it is the same masked softmax as the PyTorch path: scores * scale, optional
 // tanh soft-capping, sliding window (key pos > query pos - window), then the
 // weighted sum of values.
+//
+// The pages may hold float32, bfloat16 or float16 keys and values (the cache has the
+// model's dtype): each row is widened to float32 as it is read, and queries, scores,
+// the softmax and the accumulators are float32 whatever the pages hold, so a bf16 cache
+// reads half the bytes of a float32 one and loses nothing more than its storage did.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -34,31 +39,41 @@ static inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// 16 lanes of a cached row, widened to float32 (bf16: the top half of a float's bits).
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // Pages are scattered, so hardware prefetch stops at each one: fetch a key's (or value's)
 // row ahead of its use.
-template <int D, int HINT = _MM_HINT_T0>
-static inline void prefetch_row(const float* base, const int64_t* pages, int64_t page_size, int64_t pos) {
+template <int D, typename T, int HINT = _MM_HINT_T0>
+static inline void prefetch_row(const T* base, const int64_t* pages, int64_t page_size, int64_t pos) {
   const char* row = reinterpret_cast<const char*>(base + (pages[pos / page_size] * page_size + pos % page_size) * D);
-  for (int c = 0; c < D * 4; c += 64) _mm_prefetch(row + c, static_cast<_mm_hint>(HINT));
+  for (int c = 0; c < D * static_cast<int>(sizeof(T)); c += 64) _mm_prefetch(row + c, static_cast<_mm_hint>(HINT));
 }
 
 // The row at position first + i (of n) of one head's paged keys or values, fetching the
 // row 8 positions ahead into L1 and the one 32 ahead into L2 (the kernel was bound by
 // memory latency without the far one: 15 -> 25 GB/s at 64 rows x 1000 tokens).
-template <int D>
-static inline const float* paged_row(const float* base, const int64_t* pages, int64_t page_size, int64_t first,
-                                     int64_t i, int64_t n) {
+template <int D, typename T>
+static inline const T* paged_row(const T* base, const int64_t* pages, int64_t page_size, int64_t first,
+                                 int64_t i, int64_t n) {
   constexpr int64_t AHEAD = 8, FAR = 32;
   const int64_t pos = first + i;
-  if (i + AHEAD < n) prefetch_row<D>(base, pages, page_size, pos + AHEAD);
-  if (i + FAR < n) prefetch_row<D, _MM_HINT_T1>(base, pages, page_size, pos + FAR);
+  if (i + AHEAD < n) prefetch_row<D, T>(base, pages, page_size, pos + AHEAD);
+  if (i + FAR < n) prefetch_row<D, T, _MM_HINT_T1>(base, pages, page_size, pos + FAR);
   return base + (pages[pos / page_size] * page_size + pos % page_size) * D;
 }
 
 // One (row, kv head): G query heads of DC*16 dims over n keys starting at position
 // `first`. Queries and the G x D accumulator live in registers (G, DC compile-time).
-template <int G, int DC>
-static void decode_item_avx512(const float* qrow, const float* kbase, const float* vbase, const int64_t* pages,
+template <int G, int DC, typename T>
+static void decode_item_avx512(const float* qrow, const T* kbase, const T* vbase, const int64_t* pages,
                                int64_t page_size, int64_t first, int64_t n, float scale, float* scores,
                                float* out) {
   constexpr int D = DC * 16;
@@ -66,10 +81,12 @@ static void decode_item_avx512(const float* qrow, const float* kbase, const floa
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < DC; ++c) q[g * DC + c] = _mm512_loadu_ps(qrow + g * D + c * 16);
   for (int64_t i = 0; i < n; ++i) {
-    const float* k = paged_row<D>(kbase, pages, page_size, first, i, n);
+    const T* kp = paged_row<D>(kbase, pages, page_size, first, i, n);
+    __m512 k[DC];
+    for (int c = 0; c < DC; ++c) k[c] = load16(kp + c * 16);
     for (int g = 0; g < G; ++g) {
-      __m512 acc = _mm512_mul_ps(q[g * DC], _mm512_loadu_ps(k));
-      for (int c = 1; c < DC; ++c) acc = _mm512_fmadd_ps(q[g * DC + c], _mm512_loadu_ps(k + c * 16), acc);
+      __m512 acc = _mm512_mul_ps(q[g * DC], k[0]);
+      for (int c = 1; c < DC; ++c) acc = _mm512_fmadd_ps(q[g * DC + c], k[c], acc);
       scores[g * n + i] = _mm512_reduce_add_ps(acc) * scale;
     }
   }
@@ -99,10 +116,12 @@ static void decode_item_avx512(const float* qrow, const float* kbase, const floa
   __m512 acc[G * DC];
   for (int j = 0; j < G * DC; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
-    const float* v = paged_row<D>(vbase, pages, page_size, first, i, n);
+    const T* vp = paged_row<D>(vbase, pages, page_size, first, i, n);
+    __m512 v[DC];
+    for (int c = 0; c < DC; ++c) v[c] = load16(vp + c * 16);
     for (int g = 0; g < G; ++g) {
       const __m512 w = _mm512_set1_ps(scores[g * n + i]);
-      for (int c = 0; c < DC; ++c) acc[g * DC + c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + c * 16), acc[g * DC + c]);
+      for (int c = 0; c < DC; ++c) acc[g * DC + c] = _mm512_fmadd_ps(w, v[c], acc[g * DC + c]);
     }
   }
   for (int g = 0; g < G; ++g) {
@@ -111,54 +130,53 @@ static void decode_item_avx512(const float* qrow, const float* kbase, const floa
   }
 }
 
-using ItemFn = void (*)(const float*, const float*, const float*, const int64_t*, int64_t, int64_t, int64_t, float,
-                        float*, float*);
+template <typename T>
+using ItemFn = void (*)(const float*, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, float, float*,
+                        float*);
 
-template <int DC>
-static ItemFn pick_g(int64_t G) {
+template <int DC, typename T>
+static ItemFn<T> pick_g(int64_t G) {
   switch (G) {
-    case 1: return decode_item_avx512<1, DC>;
-    case 2: return decode_item_avx512<2, DC>;
-    case 3: return decode_item_avx512<3, DC>;
-    case 4: return decode_item_avx512<4, DC>;
-    case 5: return decode_item_avx512<5, DC>;
-    case 6: return decode_item_avx512<6, DC>;
-    case 7: return decode_item_avx512<7, DC>;
-    case 8: return decode_item_avx512<8, DC>;
+    case 1: return decode_item_avx512<1, DC, T>;
+    case 2: return decode_item_avx512<2, DC, T>;
+    case 3: return decode_item_avx512<3, DC, T>;
+    case 4: return decode_item_avx512<4, DC, T>;
+    case 5: return decode_item_avx512<5, DC, T>;
+    case 6: return decode_item_avx512<6, DC, T>;
+    case 7: return decode_item_avx512<7, DC, T>;
+    case 8: return decode_item_avx512<8, DC, T>;
     default: return nullptr;
   }
 }
 
-static ItemFn pick_item(int64_t G, int64_t D) {
+template <typename T>
+static ItemFn<T> pick_item(int64_t G, int64_t D) {
   switch (D) {
-    case 64: return pick_g<4>(G);
-    case 128: return pick_g<8>(G);
-    case 256: return pick_g<16>(G);
+    case 64: return pick_g<4, T>(G);
+    case 128: return pick_g<8, T>(G);
+    case 256: return pick_g<16, T>(G);
     default: return nullptr;
   }
 }
 #endif
 
-void paged_decode(const torch::Tensor& q,        // [B, H, D] float32, contiguous
-                  const torch::Tensor& k_cache,  // [KVH, S, D] float32
-                  const torch::Tensor& v_cache,  // [KVH, S, D] float32
-                  const torch::Tensor& pages,    // [B, P] int64
-                  const torch::Tensor& lengths,  // [B] int64: context length, query at length - 1
-                  torch::Tensor& out,            // [B, H, D] float32
-                  int64_t page_size, double scale, double softcap, int64_t window) {
+template <typename T>
+static void paged_decode_t(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                           const torch::Tensor& pages, const torch::Tensor& lengths, torch::Tensor& out,
+                           int64_t page_size, double scale, double softcap, int64_t window) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = k_cache.size(0), S = k_cache.size(1), P = pages.size(1);
   const int64_t G = H / KVH;
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
   const int64_t* pg = pages.data_ptr<int64_t>();
   const int64_t* len = lengths.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
 #if defined(__AVX512F__)
   // The vectorised path: no soft-capping (Gemma 2 takes the portable loop below).
-  const ItemFn fast = fcap > 0.f ? nullptr : pick_item(G, D);
+  const ItemFn<T> fast = fcap > 0.f ? nullptr : pick_item<T>(G, D);
   if (fast != nullptr) {
     at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
@@ -186,17 +204,17 @@ void paged_decode(const torch::Tensor& q,        // [B, H, D] float32, contiguou
       const int64_t n = L - first;
       scores.assign(G * n, 0.f);
       const float* qrow = qp + (b * H + kh * G) * D;
-      const float* kbase = kp + kh * S * D;
-      const float* vbase = vp + kh * S * D;
+      const T* kbase = kp + kh * S * D;
+      const T* vbase = vp + kh * S * D;
       for (int64_t i = 0; i < n; ++i) {
         const int64_t pos = first + i;
         const int64_t slot = pg[b * P + pos / page_size] * page_size + pos % page_size;
-        const float* k = kbase + slot * D;
+        const T* k = kbase + slot * D;
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qrow + g * D;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qg[d] * k[d];
+          for (int64_t d = 0; d < D; ++d) dot += qg[d] * static_cast<float>(k[d]);
           float s = dot * fscale;
           if (fcap > 0.f) s = tanhf(s / fcap) * fcap;
           scores[g * n + i] = s;
@@ -218,12 +236,12 @@ void paged_decode(const torch::Tensor& q,        // [B, H, D] float32, contiguou
       for (int64_t i = 0; i < n; ++i) {
         const int64_t pos = first + i;
         const int64_t slot = pg[b * P + pos / page_size] * page_size + pos % page_size;
-        const float* v = vbase + slot * D;
+        const T* v = vbase + slot * D;
         for (int64_t g = 0; g < G; ++g) {
           const float w = scores[g * n + i];
           float* a = acc.data() + g * D;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += w * v[d];
+          for (int64_t d = 0; d < D; ++d) a[d] += w * static_cast<float>(v[d]);
         }
       }
       for (int64_t g = 0; g < G; ++g) {
@@ -233,6 +251,32 @@ void paged_decode(const torch::Tensor& q,        // [B, H, D] float32, contiguou
       }
     }
   });
+}
+
+
+void paged_decode(const torch::Tensor& q,        // [B, H, D] float32, contiguous
+                  const torch::Tensor& k_cache,  // [KVH, S, D] float32, bfloat16 or float16
+                  const torch::Tensor& v_cache,  // [KVH, S, D] as k_cache
+                  const torch::Tensor& pages,    // [B, P] int64
+                  const torch::Tensor& lengths,  // [B] int64: context length, query at length - 1
+                  torch::Tensor& out,            // [B, H, D] float32
+                  int64_t page_size, double scale, double softcap, int64_t window) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32 && q.is_contiguous() &&
+                  out.is_contiguous(), "paged_decode: q and out must be contiguous float32 [B, H, D]");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_decode: k_cache and v_cache must be contiguous and of one dtype");
+  TORCH_CHECK(pages.scalar_type() == torch::kInt64 && lengths.scalar_type() == torch::kInt64 && pages.is_contiguous(),
+              "paged_decode: pages and lengths must be int64");
+  switch (k_cache.scalar_type()) {
+    case torch::kFloat32: return paged_decode_t<float>(q, k_cache, v_cache, pages, lengths, out, page_size, scale,
+                                                       softcap, window);
+    case torch::kBFloat16: return paged_decode_t<at::BFloat16>(q, k_cache, v_cache, pages, lengths, out, page_size,
+                                                               scale, softcap, window);
+    case torch::kHalf: return paged_decode_t<at::Half>(q, k_cache, v_cache, pages, lengths, out, page_size, scale,
+                                                       softcap, window);
+    default: TORCH_CHECK(false, "paged_decode: pages must be float32, bfloat16 or float16, not ",
+                         k_cache.scalar_type());
+  }
 }
 
 
