@@ -195,10 +195,15 @@ class Engine:
                         sampling: SamplingParams | None = None, **model_kwargs: Any) -> Engine:
         """Load a model and tokenizer from a local HF folder (or a folder plus
         ``gguf_file``) and build an engine over them."""
-        from .loading import load
+        from .loading import default_dtype, load
 
         config = config or EngineConfig()
         device = config.device
+        if config.dtype is None and config.tensor_parallel_size == 1:
+            dtype = default_dtype(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            log.info("acb: loading the model in %s (EngineConfig.dtype=None picks it for this device; "
+                     "dtype='float32' or acb serve --dtype float32 keeps full precision)", dtype)
+            config = dataclasses.replace(config, dtype=dtype)
         if config.tensor_parallel_size > 1:
             # the full model stays on the host; each rank takes its share to its device
             device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")

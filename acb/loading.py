@@ -44,6 +44,19 @@ def cache_dir() -> Path:
     return Path(os.environ.get("ACB_CACHE_DIR", Path.home() / ".cache" / "acb"))
 
 
+def default_dtype(device: str) -> str:
+    """The dtype ``Engine.from_pretrained`` loads when ``EngineConfig.dtype`` is None:
+    bfloat16 on CUDA and on CPUs whose oneDNN has native bf16 kernels (AVX-512 BF16 or
+    AMX: there acb's bf16 fast path runs the GEMMs at about twice float32's rate, as
+    vLLM's CPU engine does by default), float32 on other CPUs (bf16 would be emulated
+    there, slower than float32)."""
+    if device.startswith("cuda"):
+        return "bfloat16"
+    from .kernels import cpu_linear
+
+    return "bfloat16" if cpu_linear.available(torch.bfloat16) else "float32"
+
+
 def _resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype

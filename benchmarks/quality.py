@@ -1,0 +1,192 @@
+"""What a lower precision costs: acb's bf16 (and other) forwards against its float32 one.
+
+    python benchmarks/quality.py                        # float32 vs bfloat16, SmolLM2-135M
+    python benchmarks/quality.py --dtypes float32,bfloat16 --tokens 24000 --prompts 16
+
+Three measures, each of acb's own forward as the engine runs it (the fused CPU forward,
+the native attention kernels over the paged cache):
+
+1. teacher-forced perplexity on held-out real text (the license texts every Debian
+   system ships in /usr/share/common-licenses: English prose no benchmark prompt is cut
+   from), in windows of ``--window`` tokens, each a fresh prefill;
+2. top-1 agreement: the share of those positions where a dtype's argmax next token is
+   float32's;
+3. greedy generation on the standard workload's prompts (``--prompts`` of them, 64 new
+   tokens, EOS ignored) through the engine: how many come out identical to float32's
+   and, for the others, where the first token differs. Also against transformers' own
+   ``generate`` in the same dtype (bf16 greedy is reported, never pretended exact).
+
+Prints a table and writes JSON (default bench-results/quality.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import workloads  # noqa: E402
+
+LICENSES = ("GPL-3", "Apache-2.0", "MPL-2.0", "LGPL-2.1", "GFDL-1.3", "Artistic", "CC0-1.0", "GPL-2")
+
+
+def held_out_text() -> str:
+    folder = Path("/usr/share/common-licenses")
+    texts = [(folder / name).read_text(errors="replace") for name in LICENSES if (folder / name).is_file()]
+    if not texts:
+        raise SystemExit("quality.py: /usr/share/common-licenses is missing (not a Debian-like system)")
+    return "\n\n".join(texts)
+
+
+def window_logits(runner, tokens: list[int], pages: list[int]) -> torch.Tensor:
+    """float32 logits at every position of ``tokens``, one fresh prefill through the
+    runner's forward (the fused one where it serves) and acb's attention."""
+    from acb import attention
+    from acb.step import StepInput
+
+    step = StepInput()
+    step.add_row(tokens, 0, pages)
+    input_ids, position_ids, _, meta = runner._build(step)
+    attention.set_step(meta)
+    try:
+        with torch.inference_mode():
+            out = runner.varlen_forward(input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
+                                        attention_mask=None, use_cache=False,
+                                        logits_to_keep=torch.arange(len(tokens)))
+    finally:
+        attention.set_step(None)
+    return out.logits[0].float()
+
+
+def teacher_forced(model, ids: list[int], window: int) -> dict:
+    """Negative log-likelihood and argmax per position over ``ids`` in windows."""
+    from acb import EngineConfig
+    from acb.runner import ModelRunner
+
+    page_size = 16
+    pages = list(range(-(-window // page_size) + 1))
+    runner = ModelRunner(model, len(pages) + 1, page_size)
+    runner.configure_fast_paths(EngineConfig(), 1)
+    nll, argmax = [], []
+    try:
+        for s in range(0, len(ids) - 1, window):
+            chunk = ids[s: s + window + 1]
+            if len(chunk) < 2:
+                break
+            logits = window_logits(runner, chunk[:-1], pages)
+            logp = torch.log_softmax(logits.double(), -1)
+            target = torch.tensor(chunk[1:])
+            nll += (-logp.gather(1, target[:, None])[:, 0]).tolist()
+            argmax += logits.argmax(-1).tolist()
+        path = runner.forward_path
+    finally:
+        runner.release()
+    return {"nll": nll, "argmax": argmax, "forward_path": path}
+
+
+def greedy(model, tok, prompts: list[list[int]], new: int) -> list[list[int]]:
+    import acb
+
+    async def run():
+        async with acb.Engine(model, tokenizer=tok, config=acb.EngineConfig()) as engine:
+            done = await engine.generate_batch(prompts, max_new_tokens=new, ignore_eos=True)
+        return [d.token_ids for d in done]
+
+    return asyncio.run(run())
+
+
+def hf_greedy(model, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """transformers' own greedy ``generate`` (EOS ignored, as the engine's run), in the model's dtype."""
+    from acb.testing import reference_greedy
+
+    return [reference_greedy(model, p, new) for p in prompts]
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None
+
+
+def divergence_summary(got: list[list[int]], ref: list[list[int]]) -> dict:
+    firsts = [first_divergence(g, r) for g, r in zip(got, ref, strict=True)]
+    diverged = sorted(f for f in firsts if f is not None)
+    return {"identical": sum(f is None for f in firsts), "of": len(firsts), "first_divergence": diverged,
+            "token_agreement": sum(x == y for g, r in zip(got, ref, strict=True) for x, y in zip(g, r, strict=False))
+            / max(1, sum(len(r) for r in ref))}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--tokens", type=int, default=24000, help="held-out tokens to score (>= 20000 for the report)")
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--prompts", type=int, default=16, help="standard-workload prompts for the greedy comparison")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--no-hf", action="store_true", help="skip transformers' own generate in each dtype")
+    p.add_argument("--out", default="bench-results/quality.json")
+    args = p.parse_args()
+
+    from systems import load_smollm2
+
+    base, tok = load_smollm2()  # float32
+    ids = tok(held_out_text())["input_ids"][: args.tokens + 1]
+    w = workloads.build("standard", None, args.prompts, 2.0)
+    results: dict[str, dict] = {}
+    for name in args.dtypes.split(","):
+        t0 = time.perf_counter()
+        model = base if name == "float32" else copy.deepcopy(base).to(getattr(torch, name))
+        tf = teacher_forced(model, ids, args.window)
+        gen = greedy(model, tok, w.prompts, args.new_tokens)
+        hf = None if args.no_hf else hf_greedy(model, w.prompts, args.new_tokens)
+        results[name] = {"ppl": math.exp(sum(tf["nll"]) / len(tf["nll"])), "tf": tf, "greedy": gen, "hf": hf,
+                         "forward_path": tf["forward_path"], "seconds": time.perf_counter() - t0}
+        print(f"-- {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    ref = results["float32"]
+    rows = []
+    for name, r in results.items():
+        agree = sum(a == b for a, b in zip(r["tf"]["argmax"], ref["tf"]["argmax"], strict=True)) / len(
+            ref["tf"]["argmax"])
+        row = {"dtype": name, "forward_path": r["forward_path"], "scored_tokens": len(r["tf"]["nll"]),
+               "ppl": r["ppl"], "ppl_vs_fp32": r["ppl"] / ref["ppl"] - 1, "top1_agreement": agree,
+               "greedy_vs_fp32": divergence_summary(r["greedy"], ref["greedy"])}
+        if r["hf"] is not None:
+            row["greedy_vs_hf_same_dtype"] = divergence_summary(r["greedy"], r["hf"])
+        rows.append(row)
+    head = f"{'dtype':<10}{'path':<8}{'tokens':>8}{'ppl':>9}{'vs fp32':>9}{'top-1':>8}{'greedy = fp32':>15}" \
+           f"{'greedy = HF':>13}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        g = r["greedy_vs_fp32"]
+        h = r.get("greedy_vs_hf_same_dtype")
+        print(f"{r['dtype']:<10}{r['forward_path']:<8}{r['scored_tokens']:>8}{r['ppl']:>9.4f}"
+              f"{r['ppl_vs_fp32']:>+9.2%}{r['top1_agreement']:>8.2%}{g['identical']:>11}/{g['of']:<3}"
+              f"{(str(h['identical']) + '/' + str(h['of'])) if h else '-':>13}")
+        if g["first_divergence"]:
+            print(f"   {r['dtype']}: first divergence from fp32 at tokens {g['first_divergence']}; "
+                  f"token agreement {g['token_agreement']:.1%}")
+        if h and h["first_divergence"]:
+            print(f"   {r['dtype']}: first divergence from transformers' {r['dtype']} generate at tokens "
+                  f"{h['first_divergence']}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "rows": rows,
+                               "text": "/usr/share/common-licenses: " + ", ".join(LICENSES),
+                               "window": args.window}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
