@@ -1,4 +1,5 @@
-"""acb's fused CPU forward for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3).
+"""acb's fused CPU forward for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3) and
+Gemma 2/3.
 
 transformers' eager forward of one decoder layer is ~200 PyTorch calls (views,
 casts, the RMSNorm's six ops, RoPE's slices and concatenations, the SiLU and the
@@ -18,6 +19,14 @@ standard workload: decode steps 10.6 -> 9.2-9.6 s, prefill steps 15.2 -> 13.8 s)
 
 Only the rows whose logits are kept go through the final norm and ``lm_head``.
 
+Gemma 2/3 layers add a norm on the attention's and on the MLP's output before each
+residual add (so those adds are not fused into the GEMMs), compute their norms in
+float32 with a ``1 + weight`` scale (``rms_norm_f32w``), use GELU-tanh (oneDNN's
+``gelu``/``tanh`` epilogue), scale the embedding (their embedding module's own forward),
+soft-cap the attention logits (Gemma 2) and the final logits, and slide the windows of
+their sliding layers over the hybrid page pools as transformers' forward does; Gemma 3
+has one rotary embedding per layer type (local and global bases).
+
 Under tensor parallelism (acb.distributed) each rank holds its share of the heads and
 of the MLP's columns; the two row-parallel GEMMs (``Wo``, ``Wdown``) then give partial
 sums, which ``row_reduce`` adds up over the ranks in place (rank 0's carries the
@@ -25,7 +34,7 @@ residual, so the sum is the layer's output on every rank).
 
 It is used only where it is known to compute what the model does: float32 or
 bfloat16 on CPU, every projection prepacked, decoder layers of the classes listed in
-``_WINDOW``, SiLU MLPs, plain RMSNorms, and the native kernels built.
+``_WINDOW``, SiLU or GELU-tanh MLPs, plain RMSNorms, and the native kernels built.
 
 In bfloat16 the weights are prepacked bf16 (oneDNN's ``avx512_bf16``/AMX kernels, fp32
 accumulation), the pages hold bf16 keys and values that the attention kernels widen
@@ -35,12 +44,14 @@ runs in bf16 like transformers' and vLLM's). The fused GEMM epilogues (SiLU time
 up, the residual adds) round once where transformers rounds twice, so bf16 outputs
 agree with transformers' bf16 forward within bf16's precision, not bit for bit
 (``tests/test_fused_forward.py`` states the tolerance).
+
 ``ACB_CPU_FUSED=0`` turns it off (the HF forward runs, as on every other model).
 Greedy parity with transformers' ``generate`` is tested with it on.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from dataclasses import dataclass
@@ -59,8 +70,21 @@ _WINDOW = {
     "MistralDecoderLayer": lambda attn, config: getattr(config, "sliding_window", None),
     "Qwen2DecoderLayer": lambda attn, config: attn.sliding_window,
     "Qwen3DecoderLayer": lambda attn, config: attn.sliding_window,
+    "Gemma2DecoderLayer": lambda attn, config: attn.sliding_window,
+    "Gemma3DecoderLayer": lambda attn, config: attn.sliding_window,
 }
+# Gemma's layers: a norm after attention and after the MLP too, GELU-tanh, norms that
+# compute in float32 with a 1 + weight scale
+_GEMMA = {"Gemma2DecoderLayer", "Gemma3DecoderLayer"}
 _NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
+_GEMMA_NORMS = {"Gemma2RMSNorm", "Gemma3RMSNorm"}
+_EMBEDDINGS = {"Embedding", "Gemma2TextScaledWordEmbedding", "Gemma3TextScaledWordEmbedding"}
+# the MLP activation of each family, as oneDNN's fused GEMM epilogue (name, algorithm)
+_ACTIVATIONS = {"SiLU": ("swish", ""), "SiLUActivation": ("swish", ""), "GELUTanh": ("gelu", "tanh")}
+
+# A norm: (weight, eps, gemma). Llama's: the module's weight, the row rounded to the model's
+# dtype before the product; Gemma's: 1 + weight in float32, one rounding at the end.
+Norm = tuple[torch.Tensor, float, bool]
 
 
 class _Logits:
@@ -73,8 +97,8 @@ class _Logits:
 @dataclass(slots=True)
 class _Layer:
     attn: torch.nn.Module  # passed to the attention function (its layer_idx picks the cache)
-    ln1: tuple[torch.Tensor, float]
-    ln2: tuple[torch.Tensor, float]
+    ln1: Norm  # before attention
+    ln2: Norm  # before the MLP
     q: tuple[torch.Tensor, torch.Tensor | None]  # (packed weight, bias)
     k: tuple[torch.Tensor, torch.Tensor | None]
     v: tuple[torch.Tensor, torch.Tensor | None]
@@ -82,23 +106,34 @@ class _Layer:
     gate: tuple[torch.Tensor, torch.Tensor | None]
     up: tuple[torch.Tensor, torch.Tensor | None]
     down: tuple[torch.Tensor, torch.Tensor | None]
-    q_norm: tuple[torch.Tensor, float] | None
-    k_norm: tuple[torch.Tensor, float] | None
+    q_norm: Norm | None
+    k_norm: Norm | None
     heads: int
     kv_heads: int
     head_dim: int
     scaling: float
     window: int | None
+    act: tuple[str, str] = ("swish", "")  # oneDNN epilogue of the gate projection
+    post_attn: Norm | None = None  # Gemma: on the attention's output, before the residual add
+    post_mlp: Norm | None = None  # Gemma: on the MLP's output, before the residual add
+    softcap: float | None = None  # Gemma 2: attention logit soft-capping
+    rope: str | None = None  # Gemma 3: which rotary embedding (its layer type); None: the one
 
 
 # The dtypes the fused forward runs in (the native kernels' and oneDNN's prepacked ones)
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _norm(module: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
-    if type(module).__name__ not in _NORMS or module.weight.dtype not in DTYPES:
+def _norm(module: torch.nn.Module) -> Norm | None:
+    name = type(module).__name__
+    weight = getattr(module, "weight", None)
+    if weight is None or weight.dtype not in DTYPES:
         return None
-    return module.weight.detach().contiguous(), float(module.variance_epsilon)
+    if name in _NORMS:
+        return weight.detach().contiguous(), float(module.variance_epsilon), False
+    if name in _GEMMA_NORMS:
+        return (1.0 + weight.detach().float()).contiguous(), float(module.eps), True
+    return None
 
 
 class FusedForward:
@@ -107,10 +142,12 @@ class FusedForward:
 
     def __init__(self, model: torch.nn.Module, layers: list[_Layer], kernels, row_reduce=None) -> None:
         base = model.model
-        self.embed = base.embed_tokens
+        self.embed = base.embed_tokens  # Gemma's scales its output (the module's own forward)
         self.rotary = base.rotary_emb
         self.norm = _norm(base.norm)
         self.lm_head = model.lm_head
+        self.final_softcap = getattr(model.config, "final_logit_softcapping", None)
+        self.rope_types = sorted({layer.rope for layer in layers if layer.rope is not None})
         self.layers = layers
         self.k = kernels
         self.row_reduce = row_reduce
@@ -125,15 +162,19 @@ class FusedForward:
             log.info("acb: fused CPU forward not used (%s); transformers' forward runs", reason)
             return None
         config = model.config
+        layer_types = getattr(config, "layer_types", None)
+        per_type_rope = "layer_type" in inspect.signature(model.model.rotary_emb.forward).parameters
         layers = []
-        for layer in model.model.layers[: config.num_hidden_layers]:
+        for i, layer in enumerate(model.model.layers[: config.num_hidden_layers]):
             attn, mlp = layer.self_attn, layer.mlp
+            gemma = type(layer).__name__ in _GEMMA
 
             def lin(m: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
                 return packed.layers[m].packed, m.bias
 
             layers.append(_Layer(
-                attn=attn, ln1=_norm(layer.input_layernorm), ln2=_norm(layer.post_attention_layernorm),
+                attn=attn, ln1=_norm(layer.input_layernorm),
+                ln2=_norm(layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm),
                 q=lin(attn.q_proj), k=lin(attn.k_proj), v=lin(attn.v_proj), o=lin(attn.o_proj),
                 gate=lin(mlp.gate_proj), up=lin(mlp.up_proj), down=lin(mlp.down_proj),
                 q_norm=_norm(attn.q_norm) if hasattr(attn, "q_norm") else None,
@@ -141,9 +182,20 @@ class FusedForward:
                 heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
                 head_dim=attn.head_dim, scaling=float(attn.scaling),
                 window=_WINDOW[type(layer).__name__](attn, config),
+                act=_ACTIVATIONS[type(mlp.act_fn).__name__],
+                post_attn=_norm(layer.post_attention_layernorm) if gemma else None,
+                post_mlp=_norm(layer.post_feedforward_layernorm) if gemma else None,
+                softcap=getattr(attn, "attn_logit_softcapping", None) if type(layer).__name__ == "Gemma2DecoderLayer"
+                else None,
+                rope=layer_types[i] if per_type_rope else None,
             ))
-        log.info("acb: fused CPU forward over %d %s layers", len(layers), type(model.model.layers[0]).__name__)
+        log.info("acb: fused CPU forward over %d %s layers (%s)", len(layers), type(model.model.layers[0]).__name__,
+                 str(next(model.parameters()).dtype).removeprefix("torch."))
         return cls(model, layers, kernels, row_reduce)
+
+    def _rms(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
+        weight, eps, gemma = norm
+        return self.k.rms_norm_f32w(x, weight, eps) if gemma else self.k.rms_norm(x, weight, eps)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
                  use_cache: bool = False, logits_to_keep: torch.Tensor | int | None = None) -> _Logits:
@@ -154,17 +206,21 @@ class FusedForward:
         total = x.shape[0]
         rows = padded_rows(total)  # the GEMMs run on zero-padded rows (see acb.kernels.cpu_linear)
         x = pad_rows(x, rows)
-        cos, sin = self.rotary(x[:total].unsqueeze(0), position_ids)
-        cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, head_dim]
+        if self.rope_types:  # Gemma 3: one rotary embedding per layer type (local and global bases)
+            ropes = {t: self.rotary(x[:total].unsqueeze(0), position_ids, t) for t in self.rope_types}
+        else:
+            ropes = {None: self.rotary(x[:total].unsqueeze(0), position_ids)}
+        ropes = {t: (cos[0].contiguous(), sin[0].contiguous()) for t, (cos, sin) in ropes.items()}  # [T, head_dim]
         for layer in self.layers:
             d = layer.head_dim
-            h = k.rms_norm(x, *layer.ln1)
+            cos, sin = ropes[layer.rope]
+            h = self._rms(x, layer.ln1)
             q = linear(h, *layer.q, "none", [], "")
             kk = linear(h, *layer.k, "none", [], "")
             v = linear(h, *layer.v, "none", [], "")
-            if layer.q_norm is not None:  # Qwen3: RMSNorm over each head, before RoPE
-                q = k.rms_norm(q.view(-1, d), *layer.q_norm).view(rows, -1)
-                kk = k.rms_norm(kk.view(-1, d), *layer.k_norm).view(rows, -1)
+            if layer.q_norm is not None:  # Qwen3, Gemma 3: RMSNorm over each head, before RoPE
+                q = self._rms(q.view(-1, d), layer.q_norm).view(rows, -1)
+                kk = self._rms(kk.view(-1, d), layer.k_norm).view(rows, -1)
             q, kk, v = q[:total], kk[:total], v[:total]  # contiguous views: the padding stays out of the cache
             k.rope_(q, cos, sin, d)
             k.rope_(kk, cos, sin, d)
@@ -173,19 +229,36 @@ class FusedForward:
                 q.view(total, layer.heads, d).transpose(0, 1).unsqueeze(0),
                 kk.view(total, layer.kv_heads, d).transpose(0, 1).unsqueeze(0),
                 v.view(total, layer.kv_heads, d).transpose(0, 1).unsqueeze(0),
-                None, scaling=layer.scaling, sliding_window=layer.window,
+                None, scaling=layer.scaling, sliding_window=layer.window, softcap=layer.softcap,
             )
-            x = self._add_projection(pad_rows(a.view(total, -1), rows), x, layer.o)
-            h = k.rms_norm(x, *layer.ln2)
-            g = linear(h, *layer.gate, "swish", [], "")
+            a = pad_rows(a.view(total, -1), rows)
+            if layer.post_attn is None:
+                x = self._add_projection(a, x, layer.o)
+            else:  # Gemma: normed before the residual add, which then cannot be fused into the GEMM
+                x = x + self._rms(self._projection(a, layer.o), layer.post_attn)
+            h = self._rms(x, layer.ln2)
+            g = linear(h, *layer.gate, layer.act[0], [], layer.act[1])
             m = binary(h, g, *layer.up, "mul")
-            x = self._add_projection(m, x, layer.down)
+            if layer.post_mlp is None:
+                x = self._add_projection(m, x, layer.down)
+            else:
+                x = x + self._rms(self._projection(m, layer.down), layer.post_mlp)
         x = x[:total]
         if isinstance(logits_to_keep, int):  # transformers' convention: the last N rows, 0 = all
             x = x[-logits_to_keep:] if logits_to_keep else x
         elif logits_to_keep is not None:
             x = x.index_select(0, logits_to_keep)
-        return _Logits(self.lm_head(k.rms_norm(x, *self.norm)).float().unsqueeze(0))
+        logits = self.lm_head(self._rms(x, self.norm))
+        if self.final_softcap is not None:  # Gemma 2/3, in the model's dtype as transformers does
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return _Logits(logits.float().unsqueeze(0))
+
+    def _projection(self, h: torch.Tensor, weight: tuple) -> torch.Tensor:
+        """``h @ W``; sharded, summed over the ranks."""
+        out = torch.ops.mkldnn._linear_pointwise(h, *weight, "none", [], "")
+        if self.row_reduce is not None:
+            self.row_reduce(out)
+        return out
 
     def _add_projection(self, h: torch.Tensor, x: torch.Tensor, weight: tuple) -> torch.Tensor:
         """``x + h @ W`` (one GEMM, the add fused); sharded, summed over the ranks, of
@@ -219,21 +292,24 @@ def why_not(model: torch.nn.Module, packed, kernels) -> str | None:
     dtype = base.embed_tokens.weight.dtype if hasattr(base.embed_tokens, "weight") else None
     if dtype not in DTYPES or any(p.dtype != dtype for p in model.parameters()):
         return f"its weights are not all float32 or all bfloat16 ({dtype})"
-    if type(base.embed_tokens) is not torch.nn.Embedding or _norm(base.norm) is None:
+    if type(base.embed_tokens).__name__ not in _EMBEDDINGS or _norm(base.norm) is None:
         return "its embedding or final norm is not the plain kind"
-    if getattr(config, "hidden_act", None) != "silu" or getattr(config, "pretraining_tp", 1) != 1:
-        return f"hidden_act {getattr(config, 'hidden_act', None)!r} (only silu)"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return "pretraining_tp != 1"
     for layer in layers[: config.num_hidden_layers]:
         name = type(layer).__name__
         if name not in _WINDOW:
-            return f"{name} is not a Llama-family decoder layer"
+            return f"{name} is not a Llama-, Qwen-, Mistral- or Gemma-family decoder layer"
         attn, mlp = layer.self_attn, layer.mlp
-        if type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
-            return "the MLP activation is not SiLU"
-        if _norm(layer.input_layernorm) is None or _norm(layer.post_attention_layernorm) is None:
-            return "a layer norm is not a plain float32/bfloat16 RMSNorm"
-        if name == "Qwen3DecoderLayer" and (_norm(attn.q_norm) is None or _norm(attn.k_norm) is None):
-            return "Qwen3's q/k norms are not plain RMSNorms"
+        if type(mlp.act_fn).__name__ not in _ACTIVATIONS:
+            return f"the MLP activation {type(mlp.act_fn).__name__} is not SiLU or GELU-tanh"
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if name in _GEMMA:
+            norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
+        if hasattr(attn, "q_norm"):
+            norms += [attn.q_norm, attn.k_norm]
+        if any(_norm(n) is None for n in norms):
+            return "a norm is not a plain float32/bfloat16 RMSNorm"
         for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
             if m not in packed.layers:
                 return "a projection is not prepacked (shared or wrapped weight)"

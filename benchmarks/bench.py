@@ -4,6 +4,7 @@
     python benchmarks/bench.py --workload prefix        # shared 400-token system prompt
     python benchmarks/bench.py --workload stream --rate 2
     python benchmarks/bench.py --vllm-venv ~/vllm-venv  # adds vLLM's CPU engine (or set ACB_VLLM_VENV)
+    python benchmarks/bench.py --systems acb_fp32,acb_bf16,vllm,vllm_fp32 --vllm-venv ~/vllm-venv  # dtypes
     python benchmarks/bench.py --systems acb --limit 16 # quick look
 
 Each system runs in its own process, so peak RSS is its own. Prints a table,
@@ -30,7 +31,10 @@ sys.path.insert(0, str(HERE))
 import plots  # noqa: E402
 import workloads  # noqa: E402
 
-SYSTEMS = ("acb", "hf_generate_batch", "hf_generate", "vllm")
+# acb: its default dtype here (Engine.from_pretrained's); vllm: its default (dtype="auto": bf16 on x86);
+# the _fp32 / _bf16 variants force a dtype
+SYSTEMS = ("acb", "acb_fp32", "acb_bf16", "hf_generate_batch", "hf_generate", "vllm", "vllm_fp32", "vllm_bf16")
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def matrix_ceiling(w: workloads.Workload) -> dict:
@@ -83,14 +87,15 @@ def child(system: str, args: argparse.Namespace) -> dict:
     import systems
 
     w = workloads.build(args.workload, args.workload_file, args.limit, args.rate)
-    if system == "acb":
-        return systems.run_acb(w, json.loads(args.acb_config) if args.acb_config else None)
+    if system == "acb" or system.startswith("acb_"):
+        return systems.run_acb(w, json.loads(args.acb_config) if args.acb_config else None,
+                               _DTYPES.get(system.removeprefix("acb_")))
     if system == "hf_generate_batch":
         return systems.run_hf_generate_batch(w)
     if system == "hf_generate":
         return systems.run_hf_generate(w, batch_size=args.hf_batch_size)
-    if system == "vllm":
-        return systems.run_vllm(w, args.vllm_venv)
+    if system == "vllm" or system.startswith("vllm_"):
+        return systems.run_vllm(w, args.vllm_venv, _DTYPES.get(system.removeprefix("vllm_"), "auto"))
     if system == "ceiling":
         return matrix_ceiling(w)
     raise ValueError(system)
@@ -117,7 +122,7 @@ def fmt(v, spec=".1f") -> str:
 
 
 def table(results: list[dict], ceiling: dict | None) -> str:
-    acb = next((r for r in results if r["system"] == "acb"), None)
+    acb = next((r for r in results if r["system"].startswith("acb")), None)
     head = (f"{'system':<22}{'tok/s':>8}{'req/s':>7}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}"
             f"{'RSS GiB':>9}{'acb x':>7}")
     lines = [head, "-" * len(head)]

@@ -85,7 +85,7 @@ def plot_peers(runs: list[dict], out: Path) -> Path:
     fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 3.6), squeeze=False)
     for ax, data in zip(axes[0], runs):
         rows = sorted(data["results"], key=lambda r: r["tok_per_s"])
-        acb = next((r for r in rows if r["system"] == "acb"), None)
+        acb = next((r for r in rows if r["system"].startswith("acb")), None)
         colours = [ACB_COLOUR if r["system"].startswith("acb") else PEER_COLOUR for r in rows]
         bars = ax.barh([label(r) for r in rows], [r["tok_per_s"] for r in rows], color=colours)
         for bar, r in zip(bars, rows):

@@ -4,6 +4,7 @@ takes a Workload, and returns its measurements as a dict."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import resource
@@ -42,6 +43,9 @@ def summarize(name: str, w: Workload, elapsed: float, generated: int, ttft: list
     return out
 
 
+SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
 def load_smollm2():
     from acb.loading import load, smollm2
 
@@ -72,12 +76,18 @@ class LagTicker:
         self._task.cancel()
 
 
-def run_acb(w: Workload, config_kwargs: dict | None = None) -> dict:
+def run_acb(w: Workload, config_kwargs: dict | None = None, dtype: str | None = None) -> dict:
+    """acb over SmolLM2 in ``dtype`` (None: what ``Engine.from_pretrained`` picks here by default)."""
     import acb
+    from acb.loading import default_dtype
     from acb.progress import BatchProgress
 
     model, tok = load_smollm2()
     config = acb.EngineConfig(**(config_kwargs or {}))
+    requested = config.dtype or dtype
+    dtype = requested or default_dtype("cpu")
+    config = dataclasses.replace(config, dtype=dtype)
+    name = f"acb_{SHORT[dtype]}" + ("" if requested else "_default")
 
     async def main() -> dict:
         engine = acb.Engine(model, tokenizer=tok, config=config)
@@ -113,11 +123,12 @@ def run_acb(w: Workload, config_kwargs: dict | None = None) -> dict:
                 elapsed = time.perf_counter() - t0
             s = engine.stats()
             lags = ticker.lags
-            return summarize("acb", w, elapsed, sum(counts), ttft, itl, {
+            return summarize(name, w, elapsed, sum(counts), ttft, itl, {
                 "loop_lag_p50_ms": 1e3 * pct(lags, 50), "loop_lag_p99_ms": 1e3 * pct(lags, 99),
                 "loop_lag_max_ms": 1e3 * max(lags), "steps": s.steps - steps0,
                 "prefix_hit_rate": s.prefix_hit_rate, "preemptions": s.preemptions,
                 "max_batch_tokens": s.max_batch_tokens, "total_blocks": s.total_blocks,
+                "dtype": s.dtype, "forward_path": s.forward_path,
             })
 
     try:
@@ -203,7 +214,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 if __name__ == "__main__":
     spec = json.load(open(sys.argv[1]))
-    llm = LLM(model=spec["model_dir"], tokenizer=spec["model_dir"], dtype="float32", max_model_len=1024,
+    llm = LLM(model=spec["model_dir"], tokenizer=spec["model_dir"], dtype=spec["dtype"], max_model_len=1024,
               enforce_eager=False)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     sp = SamplingParams(max_tokens=spec["max_new_tokens"], temperature=0.0, ignore_eos=True)
@@ -221,21 +232,24 @@ if __name__ == "__main__":
         if m is not None and getattr(m, "first_token_time", None) and getattr(m, "arrival_time", None):
             ttft.append(m.first_token_time - m.arrival_time)
     json.dump({"elapsed_s": elapsed, "generated": sum(len(o.outputs[0].token_ids) for o in outs),
+               "dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch."),
                "ttft": ttft, "tokens": [list(o.outputs[0].token_ids) for o in outs],
                "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20},
               open(spec["out"], "w"))
 '''
 
 
-def run_vllm(w: Workload, venv: str) -> dict:
-    """vLLM's CPU engine, run by the venv's own python as a subprocess (never imported here)."""
+def run_vllm(w: Workload, venv: str, dtype: str = "auto") -> dict:
+    """vLLM's CPU engine, run by the venv's own python as a subprocess (never imported here).
+    ``dtype="auto"`` is what ``vllm serve`` runs by default: on x86 CPUs it downcasts a
+    float32 checkpoint to bfloat16."""
     from acb.loading import _converted_gguf, smollm2
 
     model_dir = str(_converted_gguf(*smollm2()))
     py = Path(venv) / "bin" / "python"
     with tempfile.TemporaryDirectory() as tmp:
         spec = {"model_dir": model_dir, "prompts": w.prompts, "max_new_tokens": w.max_new_tokens,
-                "out": os.path.join(tmp, "out.json")}
+                "out": os.path.join(tmp, "out.json"), "dtype": dtype}
         Path(tmp, "spec.json").write_text(json.dumps(spec))
         Path(tmp, "run.py").write_text(VLLM_SCRIPT)
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
@@ -243,7 +257,10 @@ def run_vllm(w: Workload, venv: str) -> dict:
         subprocess.run([str(py), os.path.join(tmp, "run.py"), os.path.join(tmp, "spec.json")], env=env,
                        check=True, stdout=sys.stderr)
         res = json.loads(Path(spec["out"]).read_text())
-    out = summarize("vllm_cpu", w, res["elapsed_s"], res["generated"], res["ttft"], [])
+    ran = res.get("dtype", dtype)
+    out = summarize(f"vllm_cpu_{SHORT.get(ran, ran)}" + ("_default" if dtype == "auto" else ""), w, res["elapsed_s"],
+                    res["generated"], res["ttft"], [])
+    out["dtype"] = ran
     out["peak_rss_gib"] = res["peak_rss_gib"]
     out["tokens_sha"] = hash(json.dumps(res["tokens"]))
     return out

@@ -15,7 +15,7 @@ from acb.runner import ModelRunner
 from acb.step import StepInput
 from acb.testing import random_prompts, reference_greedy, runner_of, tiny_engine, tiny_model
 
-FUSED_ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+FUSED_ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"]
 
 
 def _kernels_or_skip():
@@ -72,14 +72,17 @@ def test_fused_forward_computes_the_models_logits(arch):
         runner.release()
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
-def test_other_architectures_keep_transformers_forward(arch, caplog):
+def test_a_layer_it_does_not_reproduce_keeps_transformers_forward(caplog):
     _kernels_or_skip()
     caplog.set_level("INFO", logger="acb")
-    runner = _runner(tiny_model(arch))
+    model = tiny_model("llama")
+    for layer in model.model.layers:
+        layer.mlp.act_fn = torch.nn.ReLU()
+    runner = _runner(model)
     try:
         assert runner.fused is None and runner.decode_forward is runner.model
         assert "fused CPU forward not used" in caplog.text
+        assert runner.forward_path == "transformers" and "ReLU" in runner.forward_reason
     finally:
         runner.release()
 
@@ -94,7 +97,7 @@ def test_fused_forward_can_be_turned_off(monkeypatch):
 
 
 @pytest.mark.parametrize("fused", ["1", "0"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "gemma3"])
 async def test_greedy_parity_with_the_fused_forward_on_and_off(arch, fused, monkeypatch):
     monkeypatch.setenv("ACB_CPU_FUSED", fused)
     prompts = random_prompts(6, 3, 50, seed=11)
@@ -330,6 +333,6 @@ async def test_stats_name_the_forward_path_and_why_not_fused(monkeypatch):
         stats = engine.stats()
     assert (stats.forward_path, stats.forward_reason) == ("transformers", "ACB_CPU_FUSED=0")
     monkeypatch.delenv("ACB_CPU_FUSED")
-    async with tiny_engine("gemma2") as engine:
+    async with tiny_engine("gemma3") as engine:
         stats = engine.stats()
-    assert stats.forward_path == "transformers" and "embedding" in stats.forward_reason  # Gemma scales its own
+    assert (stats.forward_path, stats.forward_reason) == ("fused", "")

@@ -89,6 +89,43 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   return out;
 }
 
+// Gemma's RMSNorm: out[t] = (x[t] * rsqrt(mean(x[t]^2) + eps)) * w, all in float32 and
+// rounded once to x's dtype (transformers' Gemma2/3RMSNorm, whose float32 weight ``w``
+// is the module's 1 + weight). x: [T, D] float32 or bfloat16, w: [D] float32.
+template <typename T>
+static void rms_norm_f32w_t(const torch::Tensor& x, const torch::Tensor& w, double eps, torch::Tensor& out) {
+  const int64_t T_ = x.size(0), D = x.size(1), xs = x.stride(0);
+  const T* xp = ptr<T>(x);
+  const float* wp = w.data_ptr<float>();
+  T* op = ptr<T>(out);
+  const float feps = static_cast<float>(eps);
+  const float fd = static_cast<float>(D);
+  at::parallel_for(0, T_, std::max<int64_t>(1, 32768 / std::max<int64_t>(D, 1)), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const T* xr = xp + t * xs;
+      T* orow = op + t * D;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < D; ++i) ss += widen(xr[i]) * widen(xr[i]);
+      const float inv = 1.f / std::sqrt(ss / fd + feps);
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) store(orow + i, (widen(xr[i]) * inv) * wp[i]);
+    }
+  });
+}
+
+torch::Tensor rms_norm_f32w(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(w.is_contiguous() && w.numel() == x.size(1) && w.scalar_type() == torch::kFloat32,
+              "w must be a contiguous float32 [D]");
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  if (x.scalar_type() == torch::kFloat32)
+    rms_norm_f32w_t<float>(x, w, eps, out);
+  else
+    rms_norm_f32w_t<uint16_t>(x, w, eps, out);
+  return out;
+}
+
 // Rotary embedding in place, transformers' rotate_half convention:
 // x1' = x1*cos1 - x2*sin1, x2' = x2*cos2 + x1*sin2 over the two halves of each head.
 // x: [T, heads * d] (rows may be strided, e.g. a column slice of a fused projection);
@@ -131,5 +168,7 @@ void rope_(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin, 
 // The GIL is released while a kernel runs: the event loop's thread keeps serving.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over rows (float32 or bfloat16)", py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm_f32w", &rms_norm_f32w, "Gemma's RMSNorm over rows (float32 weight, one rounding)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("rope_", &rope_, "rotary embedding in place (float32 or bfloat16)", py::call_guard<py::gil_scoped_release>());
 }
