@@ -218,12 +218,7 @@ def create_app(engine: acb.Engine, config: ServerConfig | None = None) -> web.Ap
     app.router.add_get("/v1/models/{model}", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
-    app.router.add_get("/v1/kv_events", kv_events)
-
-    async def end_event_streams(app: web.Application) -> None:
-        app[SERVICE_KEY].close_kv_events()  # endless streams would hold the shutdown to its timeout
-
-    app.on_shutdown.append(end_event_streams)
+    app.router.add_get("/v1/kv_events", kv_events)  # its streams end with the engine's drain on shutdown
     return app
 
 

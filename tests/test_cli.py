@@ -70,6 +70,7 @@ async def test_serve_process_answers_then_drains_and_exits_0_on_signal(signum, s
     port = free_port()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "acb.cli", "serve", "--tiny", "--port", str(port), "--drain-timeout", "20",
+        "--scheduler", "priority", "--kv-events", "--enable-per-request-metrics",
         stdout=asyncio.subprocess.PIPE, stderr=server_log, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     try:
@@ -79,9 +80,12 @@ async def test_serve_process_answers_then_drains_and_exits_0_on_signal(signum, s
         async with aiohttp.ClientSession(base_url=url) as session:
             async with session.get("/health") as resp:
                 assert resp.status == 200
-            async with session.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4,
-                                                                      "ignore_eos": True}) as resp:
-                assert (await resp.json())["usage"]["completion_tokens"] == 4
+            async with session.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True,
+                                                             "priority": -1}) as resp:
+                answer = await resp.json()
+                assert answer["usage"]["completion_tokens"] == answer["metrics"]["completion_tokens"] == 4
+            kv_events = await session.get("/v1/kv_events")  # never ends by itself: the engine's drain ends it
+            assert json.loads((await anext(sse_events(kv_events)))[1])["resync"]
             body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 60, "ignore_eos": True,
                     "stream": True}
             async with session.post("/v1/chat/completions", json=body) as resp:
@@ -89,6 +93,8 @@ async def test_serve_process_answers_then_drains_and_exits_0_on_signal(signum, s
                 await anext(events)
                 proc.send_signal(signum)  # mid-stream: the request must still finish
                 rest = [data async for _, data in events]
+            await asyncio.wait_for(kv_events.read(), 10)  # not after aiohttp's 25 s handler timeout
+            kv_events.release()
         assert rest[-1] == "[DONE]"
         assert json.loads(rest[-2])["choices"][0]["finish_reason"] == "length"
         assert await asyncio.wait_for(proc.wait(), 60) == 0

@@ -34,7 +34,8 @@ def _free_port() -> int:
 
 def _deploy(num_replicas: int) -> None:
     app = build_app(tiny_engine, num_replicas=num_replicas, engine_config=CONFIG,
-                    ray_actor_options={"num_cpus": 0.5}, drain_timeout=20.0, request_router=FreePagesRouter)
+                    ray_actor_options={"num_cpus": 0.5}, drain_timeout=20.0, request_router=FreePagesRouter,
+                    enable_per_request_metrics=True)
     serve.run(app, name=APP, route_prefix="/")
 
 
@@ -142,6 +143,8 @@ async def test_openai_client_streams_and_completes_against_the_ray_app(url):
                                                       stream=True)
         text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
         assert text == whole.choices[0].message.content and whole.usage.completion_tokens >= 1
+        # deployed with enable_per_request_metrics: every answer has its metrics object
+        assert whole.model_extra["metrics"]["completion_tokens"] == whole.usage.completion_tokens
         with pytest.raises(openai.BadRequestError) as error:
             await client.completions.create(model="acb", prompt="x", max_tokens=0)
         assert error.value.body["param"] == "max_tokens"

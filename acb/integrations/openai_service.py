@@ -107,7 +107,6 @@ class OpenAIService:
         self.engine = engine
         # every answer carries its per-request ``metrics`` (else only those that ask: include_metrics)
         self.per_request_metrics = per_request_metrics
-        self._kv_streams: set[acb.KVEventStream] = set()
         self.model_name = model_name
         self.limits = limits or Limits()
         self.api_key = api_key
@@ -270,12 +269,11 @@ class OpenAIService:
         """``GET /v1/kv_events``: the engine's KV-cache event batches as server-sent events,
         one ``data: {"ts", "events": [{"type": "BlockStored", ...}], "dropped", "resync"}``
         each, starting with a resync; 400 unless the engine was built with ``kv_events=True``.
-        The stream ends when the engine stops, the client leaves or ``close_kv_events()``."""
+        The stream ends when the engine stops (a server's shutdown drains it) or the client leaves."""
         try:
             stream = self.engine.kv_events()
         except ValueError as e:
             raise ApiError(400, f"{e} (acb serve --kv-events)", param="kv_events") from None
-        self._kv_streams.add(stream)
         return self._kv_event_source(stream)
 
     async def _kv_event_source(self, stream: acb.KVEventStream) -> AsyncGenerator[bytes, None]:
@@ -284,12 +282,6 @@ class OpenAIService:
                 yield sse_event({"ts": batch.ts, "dropped": batch.dropped, "resync": batch.resync,
                                  "events": [{"type": type(e).__name__, **dataclasses.asdict(e)} for e in batch.events]})
         finally:
-            stream.close()
-            self._kv_streams.discard(stream)
-
-    def close_kv_events(self) -> None:
-        """End every ``/v1/kv_events`` stream (the server is shutting down)."""
-        for stream in list(self._kv_streams):
             stream.close()
 
     def metrics_text(self) -> str:
