@@ -201,3 +201,17 @@ async def test_priority_through_the_openai_client():
                                                     extra_body={"priority": 0})
             finally:
                 await client.close()
+
+
+async def test_choices_and_offload_work_under_the_priority_scheduler():
+    """n > 1 forks and CPU offload go through the same rank-ordered planning."""
+    config = acb.EngineConfig(scheduler="priority", num_blocks=10, page_size=8, cpu_offload_space=0.001)
+    async with tiny_engine(config=config) as engine:
+        many = await engine.generate([1, 2, 3], max_new_tokens=6, n=3, temperature=1.0, seed=1, priority=2)
+        crowd = await engine.generate_batch([[i] * 30 for i in range(3, 8)], max_new_tokens=12, ignore_eos=True,
+                                            priority=1)
+        stats = engine.stats()
+        engine.check_integrity()
+    assert len(many.choices) == 3 and all(len(c.token_ids) <= 6 for c in many.choices)
+    assert all(len(c.token_ids) == 12 for c in crowd) and stats.preemptions > 0 and stats.restores > 0
+    assert stats.free_blocks == stats.total_blocks
