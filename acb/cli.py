@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 # acb.tools.PARSERS' names (this module imports acb lazily; tests/test_tool_calls.py checks they agree)
-TOOL_CALL_PARSERS = ("hermes", "json", "llama3_json", "mistral")
+TOOL_CALL_PARSERS = ("generic", "hermes", "json", "llama3_json", "mistral")
 REASONING_PARSERS = ("think", "deepseek_r1")  # acb.reasoning.PARSERS
 
 

@@ -16,6 +16,9 @@ Parsers (``PARSERS``; ``parser_for_template`` picks one from a chat template):
   ``[TOOL_CALLS]name[ARGS]{...}`` when those markers reach the text.
 - ``json``: the output is a JSON array of ``{"name", "arguments"}`` objects: what
   ``tool_choice="required"`` forces (acb's own, never picked from a template).
+- ``generic``: ``{"tool_calls": [...]}`` or ``{"response": "..."}``, for chat templates that
+  render no tools: ``generic_messages`` describes the tools in the system turn and
+  ``generic_schema`` constrains the output to this format.
 
 Text outside a call is content; a call the parser cannot read (bad JSON, an unknown
 function) stays in the content as the model wrote it. Arguments are a JSON string
@@ -344,11 +347,70 @@ class MistralParser(JsonArrayParser):
         return Parsed(head, calls)
 
 
+class GenericParser(ToolParser):
+    """The output is ``{"tool_calls": [{"name", "arguments"}, ...]}`` or ``{"response":
+    "..."}`` (the generic format, for chat templates that know no tools: see
+    ``generic_messages``); read once the object is complete."""
+
+    name = "generic"
+
+    def read(self, text: str, final: bool) -> Parsed:
+        stripped = text.lstrip()
+        try:
+            value, end = _DECODER.raw_decode(stripped)
+        except ValueError:
+            return Parsed(text if final else "", [])
+        if isinstance(value, dict) and isinstance(value.get("response"), str) and len(value) == 1:
+            return Parsed(value["response"], [])
+        calls = value.get("tool_calls") if isinstance(value, dict) else None
+        parsed = [_as_call(c, self.names) for c in calls] if isinstance(calls, list) and calls else [None]
+        if None in parsed:
+            return Parsed(text if final else "", [])
+        return Parsed("", parsed)
+
+
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser,
-                                                              JsonArrayParser)}
+                                                              JsonArrayParser, GenericParser)}
 # what a chat template prints around a tool call -> the parser that reads it (first match wins)
 _TEMPLATE_SIGNS = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json"),
                    ('"parameters": ', "llama3_json"))
+
+
+def generic_schema(tools: Sequence[dict[str, Any]], parallel: bool = True, answer: bool = True) -> dict[str, Any]:
+    """The generic format's JSON schema: ``{"tool_calls": <required_schema>}``, or (``answer``:
+    tool_choice "auto") ``{"response": str}`` instead."""
+    calls = {"type": "object", "properties": {"tool_calls": required_schema(tools, parallel)},
+             "required": ["tool_calls"], "additionalProperties": False}
+    if not answer:
+        return calls
+    response = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+                "additionalProperties": False}
+    return {"anyOf": [calls, response]}
+
+
+def generic_messages(messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]],
+                     answer: bool = True) -> list[dict[str, Any]]:
+    """A conversation for a chat template that knows no tools: the tools and the generic
+    reply format described in the system turn (added, or appended to the first), earlier
+    calls written as the JSON the model replies with; tool results stay ``tool`` turns."""
+    specs = [{"name": t["function"]["name"], "description": t["function"].get("description", ""),
+              "parameters": _parameters(t)} for t in tools]
+    how = ('To call tools, reply with only the JSON object {"tool_calls": [{"name": <tool name>, "arguments": '
+           "<arguments object>}]}")
+    if answer:
+        how += '; to answer without a tool, reply with only {"response": <your answer>}'
+    note = f"You can use these tools:\n{json.dumps(specs, ensure_ascii=False)}\n{how}."
+    out = [dict(m) for m in messages]
+    for m in out:
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            calls = [{"name": c["function"]["name"], "arguments": c["function"].get("arguments", {})}
+                     for c in m.pop("tool_calls")]
+            m["content"] = json.dumps({"tool_calls": calls}, ensure_ascii=False)
+    if out and out[0].get("role") == "system":
+        out[0]["content"] = f"{out[0].get('content') or ''}\n\n{note}".lstrip()
+    else:
+        out.insert(0, {"role": "system", "content": note})
+    return out
 
 
 def get_parser(name: str, names: Sequence[str] | None = None) -> ToolParser:
@@ -407,7 +469,10 @@ def _tool_request(engine: Any, messages: list[dict[str, Any]], tools: list[dict[
         template = tokenizer.chat_template
         if isinstance(template, dict):
             template = template.get("tool_use") or template.get("default")
-        name = parser or parser_for_template(template)
+        if parser == "generic" or (parser is None and not template_supports_tools(template)):
+            messages = generic_messages(messages, tools)
+            extra["json_schema"] = generic_schema(tools, parallel)
+        name = parser or parser_for_template(template) or ("generic" if "json_schema" in extra else None)
         if name is None:
             raise InvalidRequestError("no tool-call parser is known for this chat template: pass parser= "
                                       f"({', '.join(sorted(PARSERS))})", param="parser")

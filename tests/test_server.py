@@ -214,7 +214,7 @@ async def test_malformed_json_is_400_in_openai_shape(server):
     ("/v1/chat/completions", "logprobs", 3),
     ("/v1/chat/completions", "top_logprobs", 21),
     ("/v1/chat/completions", "echo", True),
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "not a name"}}]),
     ("/v1/chat/completions", "tool_choice", "required"),
     ("/v1/chat/completions", "modalities", ["audio"]),
 ])

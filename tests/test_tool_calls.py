@@ -184,17 +184,38 @@ async def test_bad_tool_fields_are_400_naming_them(client, extra, param):
     assert e.value.body["param"] == param
 
 
-async def test_auto_needs_a_template_that_renders_tools():
-    app = create_app(tiny_engine(), ServerConfig(model_name="tiny"))  # the tiny template knows no tools
+@pytest.mark.parametrize("seed", range(2))
+async def test_a_template_without_tools_gets_the_generic_format(seed):
+    """The tools described in the system turn, the output constrained to the generic JSON
+    (a random model's answer being either form, the test takes what the grammar allows)."""
+    engine = tiny_engine()  # the tiny template renders no tools
+    app = create_app(engine, ServerConfig(model_name="tiny"))
     async with running_app(app) as url:
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-        with pytest.raises(openai.BadRequestError) as e:
-            await client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=2)
-        assert e.value.body["param"] == "tools" and "template" in e.value.body["message"]
-        forced = await client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=200,
-                                                      tool_choice="required", temperature=0)
-        check_calls(forced.choices[0].message.tool_calls)
-        await client.close()
+        kwargs = dict(messages=ASK, tools=[COUNT], max_tokens=300, temperature=1.0, seed=seed)
+        try:
+            auto = await client.chat.completions.create(model="tiny", **kwargs)
+            content, calls, reason = await streamed(client, **kwargs)
+            required = await client.chat.completions.create(model="tiny", **{**kwargs, "tool_choice": "required"})
+            plain = await client.chat.completions.create(model="tiny", messages=ASK, max_tokens=1)
+            with pytest.raises(openai.BadRequestError) as e:  # auto needs the generic format's grammar
+                await client.chat.completions.create(model="tiny", **kwargs, response_format={"type": "json_object"})
+            assert e.value.body["param"] == "tool_choice"
+        finally:
+            await client.close()
+    assert auto.usage.prompt_tokens > plain.usage.prompt_tokens + 100  # the tools are described
+    message = auto.choices[0].message
+    if message.tool_calls:  # the model called a tool, or answered: either is well formed
+        assert auto.choices[0].finish_reason == "tool_calls" and message.content is None
+        check_calls(message.tool_calls)
+    else:
+        assert auto.choices[0].finish_reason == "stop" and isinstance(message.content, str)
+        assert not message.content.startswith('{"response"')
+    assert (content or None, reason) == (message.content, auto.choices[0].finish_reason)
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+    assert required.choices[0].finish_reason == "tool_calls"
+    check_calls(required.choices[0].message.tool_calls)
 
 
 def test_the_cli_knows_every_parser():

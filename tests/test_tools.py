@@ -34,6 +34,11 @@ CASES = [
     ("mistral", "Sure, [1, 2] are numbers.", "Sure, [1, 2] are numbers.", []),
     ("json", f"[{WEATHER}, {TIME}]", "", [("get_weather", {"city": "Paris", "unit": "c"}),
                                           ("get_time", {"tz": "UTC"})]),
+    ("generic", f'{{"tool_calls": [{WEATHER}, {TIME}]}}', "", [("get_weather", {"city": "Paris", "unit": "c"}),
+                                                               ("get_time", {"tz": "UTC"})]),
+    ("generic", '{"response": "It is sunny, {no call}."}', "It is sunny, {no call}.", []),
+    ("generic", '{"tool_calls": [{"name": "unknown", "arguments": {}}]}',
+     '{"tool_calls": [{"name": "unknown", "arguments": {}}]}', []),
 ]
 NAMES = ["get_weather", "get_time"]
 
@@ -90,6 +95,24 @@ def test_bad_tools_are_refused_naming_the_field(tools):
     with pytest.raises(acb.InvalidRequestError) as e:
         check_tools(tools)
     assert e.value.param == "tools"
+
+
+def test_generic_messages_describe_the_tools_and_write_earlier_calls_as_json():
+    from acb.tools import generic_messages, generic_schema
+
+    tools = [{"type": "function", "function": {"name": "f", "description": "does f",
+                                               "parameters": {"type": "object"}}}]
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    out = generic_messages(history, tools)
+    assert out[0]["role"] == "system" and out[0]["content"].startswith("Be brief.") and "does f" in out[0]["content"]
+    assert json.loads(out[2]["content"]) == {"tool_calls": [{"name": "f", "arguments": {"x": 1}}]}
+    assert "tool_calls" not in out[2] and out[3] == history[3]
+    assert "tool_calls" in history[2]  # the caller's messages are left as they were
+    assert generic_messages(history[1:], tools, answer=False)[0]["role"] == "system"
+    assert len(generic_schema(tools)["anyOf"]) == 2 and "anyOf" not in generic_schema(tools, answer=False)
 
 
 def test_required_schema_limits_parallel_calls():
@@ -161,3 +184,15 @@ async def test_engine_helpers_force_required_and_named_calls():
         jsonschema.validate(call.parsed_arguments(), schemas[call.name])
     assert [c.name for c in named.tool_calls] == ["get_time"]
     jsonschema.validate(named.tool_calls[0].parsed_arguments(), schemas["get_time"])
+
+
+async def test_engine_helpers_use_the_generic_format_when_the_template_knows_no_tools():
+    from acb.testing import tiny_engine
+    from acb.tools import generate_with_tools
+
+    async with tiny_engine() as engine:  # the tiny template renders no tools
+        done = await generate_with_tools(engine, ASK, ENGINE_TOOLS[1:], max_new_tokens=300, temperature=1.0, seed=0)
+    assert "get_time" in engine.tokenizer.decode(done.completion.prompt_token_ids)  # described in the prompt
+    assert done.completion.finish_reason in ("eos", "stop")  # the grammar completed
+    assert done.tool_calls or done.content  # the grammar allows a call or an answer, nothing else
+    assert all(c.name == "get_time" and c.parsed_arguments()["tz"] in ("UTC", "CET") for c in done.tool_calls)

@@ -96,6 +96,7 @@ class ParsedRequest:
     tools: list[dict[str, Any]] | None = None  # chat: the functions offered (tool_choice not "none")
     tool_choice: str = "none"  # "none" | "auto" | "required" | "function" (a named one: ``tool_name``)
     tool_name: str | None = None
+    parallel_tool_calls: bool = True
     tool_parser: str | None = None  # the acb.tools parser reading the output (set by the service for "auto")
     reasoning: bool = False  # chat: the output's thought goes to reasoning_content (the service's parser)
     prompt_logprobs: int | None = None  # vLLM's field: the prompt's scores in vLLM's shape
@@ -498,6 +499,7 @@ def parse_request(body: dict[str, Any], *, chat: bool, limits: Limits,
         continuous_usage=include_usage and bool(options.get("continuous_usage_stats")),
         logprobs=bool(sampling.get("logprobs")), top_logprobs=sampling.get("top_logprobs", 0),
         tools=tools if tool_choice != "none" else None, tool_choice=tool_choice, tool_name=tool_name,
+        parallel_tool_calls=parallel,
         tool_parser="json" if tool_choice == "required" else None,
         echo=bool(_bool(body, "echo")), prompt_logprobs=_int(body, "prompt_logprobs", 0, _MAX_LOGPROBS),
         scoring_only=limit == 0, tokens_as_ids=bool(_bool(body, "return_tokens_as_token_ids")), n=n,

@@ -127,10 +127,11 @@ class OpenAIService:
         the response object, or for ``stream: true`` an async generator of SSE events.
         Closing that generator early (a client that went away) cancels the request."""
         parsed = parse_request(body, chat=chat, limits=self.limits, default_temperature=self._default_temperature())
-        if parsed.tools and parsed.tool_choice == "auto":
-            parsed.tool_parser = self._auto_tool_parser()
-        if chat and self.reasoning_parser is not None and parsed.tool_choice not in ("required", "function"):
-            parsed.sampling["reasoning_parser"] = self.reasoning_parser  # (a forced call is all answer)
+        if parsed.tools:
+            self._tool_format(parsed)
+        if chat and self.reasoning_parser is not None and parsed.tool_choice not in ("required", "function") \
+                and parsed.tool_parser != "generic":  # (a forced call, or the generic JSON, is all answer)
+            parsed.sampling["reasoning_parser"] = self.reasoning_parser
             parsed.reasoning = True
         parsed.include_metrics = parsed.include_metrics or self.per_request_metrics
         handles, prompts = self._submit_all(parsed)
@@ -150,16 +151,37 @@ class OpenAIService:
             self.metrics.observe(completion)
         return shaper.response(completions)
 
-    def _auto_tool_parser(self) -> str:
-        """The parser reading ``tool_choice: "auto"`` output: ``--tool-call-parser``, else the
-        one the chat template's tool-call format names; a 400 when the template renders no
-        tools (the model would never hear of them) or no parser is known."""
+    def _tool_format(self, parsed: ParsedRequest) -> None:
+        """How a request with tools reaches the model and comes back. A chat template that
+        renders tools (and ``--tool-call-parser`` other than ``generic``) gets them natively;
+        ``"auto"`` output is read by the parser of the template's format. Otherwise the
+        generic format: the tools described in the system turn and the output constrained to
+        ``{"tool_calls": [...]}`` (or, with ``"auto"``, ``{"response": ...}``)."""
         template = getattr(self.engine.tokenizer, "chat_template", None)
         if isinstance(template, dict):  # named templates: transformers renders tools with "tool_use"
             template = template.get("tool_use") or template.get("default")
-        if not acb.tools.template_supports_tools(template):
-            raise ApiError(400, "'tools' with tool_choice 'auto' need a chat template that renders tools, and this "
-                           "model's does not: use tool_choice 'required' or a named function", param="tools")
+        if self.tool_call_parser != "generic" and acb.tools.template_supports_tools(template):
+            if parsed.tool_choice == "auto":
+                parsed.tool_parser = self._auto_tool_parser(template)
+            return
+        choice = parsed.tool_choice
+        parsed.prompts = [acb.tools.generic_messages(parsed.prompts[0], parsed.tools, answer=choice == "auto")]
+        if choice == "function":
+            return  # the grammar makes the output the named function's arguments
+        if choice == "auto":
+            for key in ("json_schema", "regex", "choice"):
+                if key in parsed.sampling:
+                    raise ApiError(400, f"'tool_choice' 'auto' with a chat template that renders no tools constrains "
+                                   f"the output to acb's generic tool-call JSON: it conflicts with "
+                                   f"'{parsed.wire_names.get(key, key)}'", param="tool_choice")
+        parsed.sampling["json_schema"] = acb.tools.generic_schema(parsed.tools, parsed.parallel_tool_calls,
+                                                                  answer=choice == "auto")
+        parsed.wire_names["json_schema"] = "tools"
+        parsed.tool_parser = "generic"
+
+    def _auto_tool_parser(self, template: str) -> str:
+        """The parser reading ``tool_choice: "auto"`` output: ``--tool-call-parser``, else the
+        one the chat template's tool-call format names; a 400 when no parser is known."""
         name = self.tool_call_parser or acb.tools.parser_for_template(template)
         if name is None:
             raise ApiError(400, "'tools': no tool-call parser is known for this model's chat template; start acb "
