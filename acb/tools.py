@@ -347,10 +347,36 @@ class MistralParser(JsonArrayParser):
         return Parsed(head, calls)
 
 
+_RESPONSE_HEAD = re.compile(r'\s*\{\s*"response"\s*:\s*"')
+_CALLS_HEAD = re.compile(r'\s*\{\s*"tool_calls"')
+
+
+def _string_prefix(body: str) -> str:
+    """The decoded text of a JSON string's body as far as it has arrived (up to its closing
+    quote if there is one; an escape sequence still arriving is left out)."""
+    escaped = False
+    for i, ch in enumerate(body):
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif ch == '"':
+            body = body[:i]
+            break
+    for cut in range(len(body), max(len(body) - 6, -1), -1):  # an escape is at most 6 characters
+        try:
+            return json.loads(f'"{body[:cut]}"')
+        except ValueError:
+            continue
+    return ""
+
+
 class GenericParser(ToolParser):
     """The output is ``{"tool_calls": [{"name", "arguments"}, ...]}`` or ``{"response":
     "..."}`` (the generic format, for chat templates that know no tools: see
-    ``generic_messages``); read once the object is complete."""
+    ``generic_messages``). The response's text streams as it arrives (also when
+    ``max_tokens`` cuts it short); calls are read once the object is complete (a cut-short
+    call is dropped: the finish reason says "length")."""
 
     name = "generic"
 
@@ -359,7 +385,12 @@ class GenericParser(ToolParser):
         try:
             value, end = _DECODER.raw_decode(stripped)
         except ValueError:
-            return Parsed(text if final else "", [])
+            head = _RESPONSE_HEAD.match(text)
+            if head is not None:
+                return Parsed(_string_prefix(text[head.end():]), [])
+            if final and _CALLS_HEAD.match(text) is None:
+                return Parsed(text, [])
+            return Parsed("", [])
         if isinstance(value, dict) and isinstance(value.get("response"), str) and len(value) == 1:
             return Parsed(value["response"], [])
         calls = value.get("tool_calls") if isinstance(value, dict) else None
@@ -463,16 +494,20 @@ def _tool_request(engine: Any, messages: list[dict[str, Any]], tools: list[dict[
         raise InvalidRequestError("tool calls need the engine's tokenizer and its chat template", param="tools")
     extra: dict[str, Any] = {}
     names = [t["function"]["name"] for t in tools]
-    if tool_choice == "required":
+    template = tokenizer.chat_template
+    if isinstance(template, dict):
+        template = template.get("tool_use") or template.get("default")
+    # a template that renders no tools gets the generic format, as on the server
+    generic = parser == "generic" or (parser is None and not template_supports_tools(template))
+    if generic:
+        messages = generic_messages(messages, tools, answer=tool_choice == "auto")
+    if tool_choice in ("required", "auto") and generic:
+        extra["json_schema"] = generic_schema(tools, parallel, answer=tool_choice == "auto")
+        reader = GenericParser(names)
+    elif tool_choice == "required":
         extra["json_schema"], reader = required_schema(tools, parallel), JsonArrayParser(names)
     elif tool_choice == "auto":
-        template = tokenizer.chat_template
-        if isinstance(template, dict):
-            template = template.get("tool_use") or template.get("default")
-        if parser == "generic" or (parser is None and not template_supports_tools(template)):
-            messages = generic_messages(messages, tools)
-            extra["json_schema"] = generic_schema(tools, parallel)
-        name = parser or parser_for_template(template) or ("generic" if "json_schema" in extra else None)
+        name = parser or parser_for_template(template)
         if name is None:
             raise InvalidRequestError("no tool-call parser is known for this chat template: pass parser= "
                                       f"({', '.join(sorted(PARSERS))})", param="parser")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -123,3 +124,49 @@ async def test_lm_evaluation_harness_scores_equal_its_transformers_backend(tmp_p
     for (got, got_greedy), (want, want_greedy), item in zip(served, expected, items, strict=True):
         assert abs(got - want) < 1e-3, (item, got, want)
         assert got_greedy == want_greedy, item
+
+
+async def test_tool_calls_through_the_openai_client(smollm2):
+    """An agent turn on the default model, whose template renders no tools (the generic
+    format): auto, required and a named function, whole and streamed, arguments valid."""
+    openai = pytest.importorskip("openai")
+    jsonschema = pytest.importorskip("jsonschema")
+    from http_helpers import running_app
+
+    from acb.server import ServerConfig, create_app
+
+    model, tok = smollm2
+    weather = {"type": "object", "properties": {"city": {"type": "string"},
+                                                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+               "required": ["city", "unit"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                               "parameters": weather}}]
+    ask = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+    engine = acb.Engine(model, tokenizer=tok, config=acb.EngineConfig(num_blocks=256, max_batch_tokens=256))
+    async with running_app(create_app(engine, ServerConfig(model_name="smollm2"))) as url:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        try:
+            for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
+                kwargs = dict(model="smollm2", messages=ask, tools=tools, tool_choice=choice, temperature=0,
+                              max_tokens=60)
+                whole = await client.chat.completions.create(**kwargs)
+                message = whole.choices[0].message
+                stream = await client.chat.completions.create(stream=True, **kwargs)
+                content, arguments = "", {}
+                async for chunk in stream:
+                    delta = chunk.choices[0].delta if chunk.choices else None
+                    content += (delta.content or "") if delta else ""
+                    for tc in (delta.tool_calls or []) if delta else []:
+                        arguments[tc.index] = arguments.get(tc.index, "") + (tc.function.arguments or "")
+                if choice != "auto" or message.tool_calls:
+                    assert whole.choices[0].finish_reason == "tool_calls", choice
+                    for call in message.tool_calls:
+                        assert call.function.name == "get_weather"
+                        jsonschema.validate(json.loads(call.function.arguments), weather)
+                    assert [json.loads(a) for a in arguments.values()] == \
+                        [json.loads(c.function.arguments) for c in message.tool_calls]
+                else:  # it answered in words: plain content, no JSON around it
+                    assert message.content and not message.content.lstrip().startswith("{")
+                    assert content == message.content
+        finally:
+            await client.close()

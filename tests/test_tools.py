@@ -37,6 +37,9 @@ CASES = [
     ("generic", f'{{"tool_calls": [{WEATHER}, {TIME}]}}', "", [("get_weather", {"city": "Paris", "unit": "c"}),
                                                                ("get_time", {"tz": "UTC"})]),
     ("generic", '{"response": "It is sunny, {no call}."}', "It is sunny, {no call}.", []),
+    ("generic", '{"response": "quote \\" and \\u00e9 and \\\\ done"}', 'quote " and \u00e9 and \\ done', []),
+    ("generic", '{"response": "cut short by max_tok', "cut short by max_tok", []),
+    ("generic", '{"tool_calls": [{"name": "get_time", "argu', "", []),
     ("generic", '{"tool_calls": [{"name": "unknown", "arguments": {}}]}',
      '{"tool_calls": [{"name": "unknown", "arguments": {}}]}', []),
 ]
