@@ -10,7 +10,7 @@ from http_helpers import running_app
 from acb.server import ServerConfig, create_app
 from acb.testing import tiny_engine
 
-openai = pytest.importorskip("openai")
+openai = pytest.importorskip("openai", reason="the openai client comes with acb[test]")
 
 CHAT = [{"role": "user", "content": "hello there"}]
 

@@ -13,6 +13,8 @@ import pytest
 import acb
 from acb.testing import random_prompts, tiny_engine
 
+pytest.importorskip("xgrammar", reason="structured outputs need xgrammar: pip install 'acb[structured]'")
+
 SCHEMA = {
     "type": "object",
     "properties": {
