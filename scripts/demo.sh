@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec "${PYTHON:-python3}" examples/stream_chat.py "$@"
+source scripts/python-env.sh
+echo "demo: streaming 6 chat answers at once from SmolLM2-135M-Instruct with $PY"
+exec "$PY" examples/stream_chat.py "$@"

@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec "${PYTHON:-python3}" -m pytest -q "$@"
+source scripts/python-env.sh
+echo "test: python -m pytest -q $* with $PY"
+exec "$PY" -m pytest -q "$@"

@@ -1,0 +1,36 @@
+# Sourced by setup.sh, test.sh and demo.sh: sets PY, the Python they install into and run with.
+#   1. $PYTHON, when set (your choice, used as given);
+#   2. else the active virtual environment ($VIRTUAL_ENV, or a conda environment other than base);
+#   3. else the project's own virtual environment, .venv ($ACB_VENV to put it elsewhere), made
+#      with python3 on first use and reused after. So nothing is installed into a system
+#      Python (PEP 668 refuses that on Debian and Ubuntu) or a user's global site-packages.
+# ENV_NOTE says which, for the scripts' one-line summaries.
+
+if [ -n "${PYTHON:-}" ]; then
+  PY=$PYTHON
+  ENV_NOTE="PYTHON=$PYTHON"
+elif [ -n "${VIRTUAL_ENV:-}" ]; then
+  PY=$VIRTUAL_ENV/bin/python
+  ENV_NOTE="the active virtual environment $VIRTUAL_ENV"
+elif [ -n "${CONDA_PREFIX:-}" ] && [ "${CONDA_DEFAULT_ENV:-base}" != base ]; then
+  PY=$CONDA_PREFIX/bin/python
+  ENV_NOTE="the active conda environment $CONDA_PREFIX"
+else
+  ACB_VENV=${ACB_VENV:-.venv}
+  case $ACB_VENV in /*) ;; *) ACB_VENV=$PWD/$ACB_VENV ;; esac
+  PY=$ACB_VENV/bin/python
+  ENV_NOTE="the project's virtual environment $ACB_VENV"
+  if [ ! -x "$PY" ]; then
+    BASE=${ACB_BASE_PYTHON:-python3}
+    if ! "$BASE" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+      echo "acb: $BASE is missing or older than 3.10; set ACB_BASE_PYTHON to a Python 3.10+ to make $ACB_VENV from" >&2
+      exit 1
+    fi
+    if ! "$BASE" -m venv "$ACB_VENV"; then
+      rm -rf "$ACB_VENV"
+      echo "acb: '$BASE -m venv' failed; on Debian or Ubuntu: apt-get install python3-venv" >&2
+      exit 1
+    fi
+    ENV_NOTE="$ENV_NOTE (made now from $("$BASE" -c 'import sys; print(sys.executable)'))"
+  fi
+fi
