@@ -5,7 +5,7 @@ Example::
     import acb
 
     async with acb.Engine.from_pretrained(folder, gguf_file="model.gguf") as engine:
-        async for chunk in engine.stream("Name a cat breed.", max_new_tokens=32):
+        async for chunk in engine.stream([{"role": "user", "content": "Name a cat breed."}], max_new_tokens=32):
             print(chunk.text, end="", flush=True)
 """
 

@@ -106,7 +106,7 @@ class Engine:
 
         engine = acb.Engine.from_pretrained(folder, gguf_file="model.gguf")
         async with engine:
-            async for chunk in engine.stream("Name a cat breed.", max_new_tokens=32):
+            async for chunk in engine.stream([{"role": "user", "content": "Name a cat breed."}], max_new_tokens=32):
                 print(chunk.text, end="", flush=True)
     """
 
@@ -424,7 +424,7 @@ class Engine:
 
         Example::
 
-            async for chunk in engine.stream("Hi", max_new_tokens=16):
+            async for chunk in engine.stream([{"role": "user", "content": "Hi!"}], max_new_tokens=16):
                 print(chunk.text, end="")
         """
         return aiter(self.submit(prompt, request_id=request_id, sampling=sampling, **kwargs))

@@ -17,7 +17,8 @@ def generate_batch(model_or_path: Any, prompts: list[Any], *, tokenizer: Any = N
 
     Example::
 
-        results = acb.generate_batch("/models/smollm2", ["Hi", "Name a cat"], max_new_tokens=16, progress=True)
+        chats = [[{"role": "user", "content": "Hi!"}], [{"role": "user", "content": "Name a cat."}]]
+        results = acb.generate_batch("/models/smollm2", chats, max_new_tokens=16, progress=True)
     """
     from .engine import Engine
     from .progress import check_progress

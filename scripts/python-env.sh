@@ -22,8 +22,8 @@ else
   ENV_NOTE="the project's virtual environment $ACB_VENV"
   if [ ! -x "$PY" ]; then
     BASE=${ACB_BASE_PYTHON:-python3}
-    if ! "$BASE" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
-      echo "acb: $BASE is missing or older than 3.10; set ACB_BASE_PYTHON to a Python 3.10+ to make $ACB_VENV from" >&2
+    if ! "$BASE" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+      echo "acb: $BASE is missing or older than 3.11; set ACB_BASE_PYTHON to a Python 3.11+ to make $ACB_VENV from" >&2
       exit 1
     fi
     if ! "$BASE" -m venv "$ACB_VENV"; then

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs acb and what its demo and tests need, on a fresh machine with Python 3.10+, into the
+# Installs acb and what its demo and tests need, on a fresh machine with Python 3.11+, into the
 # environment scripts/python-env.sh picks: $PYTHON, the active virtual environment, or the
 # project's own .venv (made on first use). Run again, it installs nothing unless pyproject.toml
 # or this script changed (a stamp in the environment records what was installed).
