@@ -82,7 +82,6 @@ async def test_a_prompt_that_opens_the_thought():
 
 
 # ---------------------------------------------------------------------------- acb serve
-openai = pytest.importorskip("openai")
 ASK = [{"role": "user", "content": "Why?"}]
 TOOLS_AND_THINKING = THINKING_TEMPLATE.replace(
     "{% for m in messages %}", "{% if tools %}<s>system: tools <tool_call></tool_call>\n{% endif %}"
@@ -91,6 +90,7 @@ TOOLS_AND_THINKING = THINKING_TEMPLATE.replace(
 
 @pytest.fixture
 async def client():
+    openai = pytest.importorskip("openai", reason="the official openai client")  # (the tests above need none)
     from http_helpers import running_app
 
     from acb.server import ServerConfig, create_app
