@@ -85,12 +85,16 @@ def plot_peers(runs: list[dict], out: Path) -> Path:
     fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 3.6), squeeze=False)
     for ax, data in zip(axes[0], runs):
         rows = sorted(data["results"], key=lambda r: r["tok_per_s"])
-        acb = next((r for r in rows if r["system"].startswith("acb")), None)
+        acbs = [r for r in rows if r["system"].startswith("acb")]
         colours = [ACB_COLOUR if r["system"].startswith("acb") else PEER_COLOUR for r in rows]
         bars = ax.barh([label(r) for r in rows], [r["tok_per_s"] for r in rows], color=colours)
         for bar, r in zip(bars, rows):
             text = f"{r['tok_per_s']:.1f}"
-            if acb is not None and r is not acb:
+            # a peer is compared with acb in its own dtype where the run has it (runs without
+            # dtypes: the one acb row)
+            acb = next((a for a in acbs if a.get("dtype") and a.get("dtype") == r.get("dtype")),
+                       acbs[0] if acbs else None)
+            if acb is not None and not r["system"].startswith("acb"):
                 text += f"   (acb {acb['tok_per_s'] / r['tok_per_s']:.2f}×)"
             ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, " " + text, va="center", fontsize=8)
         ax.set_xlim(0, 1.45 * max(r["tok_per_s"] for r in rows))
