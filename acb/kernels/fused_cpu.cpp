@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -53,13 +54,17 @@ T* ptr(const torch::Tensor& t) {
 
 }  // namespace
 
-// out[t] = w * (x[t] * rsqrt(mean(x[t]^2) + eps)), row by row (transformers' LlamaRMSNorm).
-// x: [T, D] (rows may be strided), w: [D] of x's dtype.
-template <typename T>
+// RMSNorm over rows. x: [T, D] (rows may be strided), float32 or bfloat16.
+// GEMMA = false, transformers' LlamaRMSNorm: out[t] = w * held(x[t] * rsqrt(mean(x[t]^2) + eps)),
+//   the normalised row rounded to x's dtype before the product; w: [D] of x's dtype.
+// GEMMA = true, transformers' Gemma2/3RMSNorm: out[t] = (x[t] * rsqrt(...)) * w, all in float32,
+//   rounded once; w: [D] float32 (the module's 1 + weight).
+template <typename T, bool GEMMA>
 static void rms_norm_t(const torch::Tensor& x, const torch::Tensor& w, double eps, torch::Tensor& out) {
+  using W = std::conditional_t<GEMMA, float, T>;
   const int64_t T_ = x.size(0), D = x.size(1), xs = x.stride(0);
   const T* xp = ptr<T>(x);
-  const T* wp = ptr<T>(w);
+  const W* wp = ptr<W>(w);
   T* op = ptr<T>(out);
   const float feps = static_cast<float>(eps);
   const float fd = static_cast<float>(D);
@@ -72,58 +77,36 @@ static void rms_norm_t(const torch::Tensor& x, const torch::Tensor& w, double ep
       for (int64_t i = 0; i < D; ++i) ss += widen(xr[i]) * widen(xr[i]);
       const float inv = 1.f / std::sqrt(ss / fd + feps);
 #pragma omp simd
-      for (int64_t i = 0; i < D; ++i) store(orow + i, widen(wp[i]) * held<T>(widen(xr[i]) * inv));
+      for (int64_t i = 0; i < D; ++i) {
+        if constexpr (GEMMA)
+          store(orow + i, (widen(xr[i]) * inv) * wp[i]);
+        else
+          store(orow + i, widen(wp[i]) * held<T>(widen(xr[i]) * inv));
+      }
     }
   });
+}
+
+template <bool GEMMA>
+static torch::Tensor rms_norm_any(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  check_rows(x, "x");
+  const auto wtype = GEMMA ? torch::kFloat32 : x.scalar_type();
+  TORCH_CHECK(w.is_contiguous() && w.numel() == x.size(1) && w.scalar_type() == wtype,
+              GEMMA ? "w must be a contiguous float32 [D]" : "w must be a contiguous [D] of x's dtype");
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  if (x.scalar_type() == torch::kFloat32)
+    rms_norm_t<float, GEMMA>(x, w, eps, out);
+  else
+    rms_norm_t<uint16_t, GEMMA>(x, w, eps, out);
+  return out;
 }
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
-  check_rows(x, "x");
-  TORCH_CHECK(w.is_contiguous() && w.numel() == x.size(1) && w.scalar_type() == x.scalar_type(),
-              "w must be a contiguous [D] of x's dtype");
-  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
-  if (x.scalar_type() == torch::kFloat32)
-    rms_norm_t<float>(x, w, eps, out);
-  else
-    rms_norm_t<uint16_t>(x, w, eps, out);
-  return out;
-}
-
-// Gemma's RMSNorm: out[t] = (x[t] * rsqrt(mean(x[t]^2) + eps)) * w, all in float32 and
-// rounded once to x's dtype (transformers' Gemma2/3RMSNorm, whose float32 weight ``w``
-// is the module's 1 + weight). x: [T, D] float32 or bfloat16, w: [D] float32.
-template <typename T>
-static void rms_norm_f32w_t(const torch::Tensor& x, const torch::Tensor& w, double eps, torch::Tensor& out) {
-  const int64_t T_ = x.size(0), D = x.size(1), xs = x.stride(0);
-  const T* xp = ptr<T>(x);
-  const float* wp = w.data_ptr<float>();
-  T* op = ptr<T>(out);
-  const float feps = static_cast<float>(eps);
-  const float fd = static_cast<float>(D);
-  at::parallel_for(0, T_, std::max<int64_t>(1, 32768 / std::max<int64_t>(D, 1)), [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const T* xr = xp + t * xs;
-      T* orow = op + t * D;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < D; ++i) ss += widen(xr[i]) * widen(xr[i]);
-      const float inv = 1.f / std::sqrt(ss / fd + feps);
-#pragma omp simd
-      for (int64_t i = 0; i < D; ++i) store(orow + i, (widen(xr[i]) * inv) * wp[i]);
-    }
-  });
+  return rms_norm_any<false>(x, w, eps);
 }
 
 torch::Tensor rms_norm_f32w(const torch::Tensor& x, const torch::Tensor& w, double eps) {
-  check_rows(x, "x");
-  TORCH_CHECK(w.is_contiguous() && w.numel() == x.size(1) && w.scalar_type() == torch::kFloat32,
-              "w must be a contiguous float32 [D]");
-  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
-  if (x.scalar_type() == torch::kFloat32)
-    rms_norm_f32w_t<float>(x, w, eps, out);
-  else
-    rms_norm_f32w_t<uint16_t>(x, w, eps, out);
-  return out;
+  return rms_norm_any<true>(x, w, eps);
 }
 
 // Rotary embedding in place, transformers' rotate_half convention:
