@@ -33,6 +33,7 @@ Example::
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 import uuid
@@ -156,7 +157,7 @@ class Parsed:
     calls: list[ToolCall]
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
     """A model's tool-call format. ``parse`` reads a whole output; ``stream`` returns a
     ``ToolStream`` that reads it delta by delta. ``names``: the functions offered (a call
     of another name is content), None to accept any."""
@@ -166,8 +167,9 @@ class ToolParser:
     def __init__(self, names: Sequence[str] | None = None) -> None:
         self.names = frozenset(names) if names is not None else None
 
-    def read(self, text: str, final: bool) -> Parsed:  # pragma: no cover - each format's own
-        raise NotImplementedError
+    @abc.abstractmethod
+    def read(self, text: str, final: bool) -> Parsed:
+        """What ``text`` holds so far (``final``: nothing more will come); each format its own."""
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """(content, calls) of a whole output."""
