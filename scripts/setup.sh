@@ -21,7 +21,7 @@ if [ -n "$STAMP" ] && [ -f "$STAMP" ] && { [ "$(cat "$STAMP")" = "$WANT" ] || [ 
   echo "setup: acb is already installed in $ENV_NOTE"
   exit 0
 fi
-echo "setup: installing acb with its test, demo and docs packages$([ "$EXTRAS" = 1 ] && echo ' and the extras (Ray)') into $ENV_NOTE"
+echo "setup: installing acb with its test, demo and docs packages$([ "$EXTRAS" = 1 ] && echo ' and the extras (Ray, lm-evaluation-harness)') into $ENV_NOTE"
 
 "${PIP[@]}" "torch==2.13.0"
 "${PIP[@]}" -e ".[test,serve,gguf,docs,fastapi,structured]" "torch==2.13.0"
@@ -41,5 +41,7 @@ fi
 if [ "$EXTRAS" = 1 ]; then
   # Ray Serve for tests/test_ray.py (acb[ray]); the version measured in docs/scale-out.md.
   "${PIP[@]}" "ray[serve]==2.60.0"
+  # lm-evaluation-harness (acb[eval]) for the two tests that run it against acb serve
+  "${PIP[@]}" "lm-eval[api]==0.4.13"
 fi
 [ -z "$STAMP" ] || echo "$WANT" > "$STAMP"

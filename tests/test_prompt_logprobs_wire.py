@@ -162,6 +162,7 @@ async def test_bad_prompt_logprobs_fields_are_400_naming_them(server, field, val
     assert error["error"]["param"] == field
 
 
+@pytest.mark.extras  # needs acb[eval] (lm-evaluation-harness), installed by setup.sh --extras
 async def test_lm_evaluation_harness_local_completions_matches_its_transformers_backend(server, tmp_path):
     """The harness itself: its ``local-completions`` model against this server, item by item
     against its own transformers backend (``HFLM``) on the same weights."""

@@ -92,6 +92,7 @@ async def test_prompt_logprobs_equal_transformers_forward(smollm2):
     assert worst < 5e-4, worst
 
 
+@pytest.mark.extras  # needs acb[eval] (lm-evaluation-harness), installed by setup.sh --extras
 async def test_lm_evaluation_harness_scores_equal_its_transformers_backend(tmp_path):
     """lm-evaluation-harness's local-completions model against acb serve on the real model,
     item by item against the harness's own transformers backend (HFLM) on the same weights (measured: the
