@@ -178,6 +178,7 @@ def main() -> None:
     data = {
         "date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "workload": args.workload, "limit": args.limit, "results": results, "ceiling": ceiling,
+        "source": "python benchmarks/bench.py " + " ".join(sys.argv[1:]),
     }
     out.write_text(json.dumps(data, indent=2))
     print(f"wrote {out}")

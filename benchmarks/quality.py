@@ -204,6 +204,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "rows": rows,
+                               "source": "python benchmarks/quality.py " + " ".join(sys.argv[1:]),
                                "text": "/usr/share/common-licenses: " + ", ".join(LICENSES),
                                "window": args.window}, indent=2))
     print(f"wrote {out}")
