@@ -25,10 +25,18 @@ from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 RECYCLED = -1
 
 
+# What a chain's first page hashes as its parent. Not None: CPython before 3.12 hashes None
+# by its address, which differs from process to process, and a router in another process
+# hashes prompts to match the hashes kv_events() publishes (acb.integrations.prefix_index).
+# Ints and tuples of ints hash alike in every process (PYTHONHASHSEED salts only str/bytes).
+ROOT_PARENT_HASH = 0x2545F4914F6CDD1D
+
+
 def chain_hash(parent: int | None, tokens: Sequence[int]) -> int:
     """Hash of a full page: its tokens *and* its parent's hash, so equal pages at
-    different positions or after different prefixes never collide by construction."""
-    return hash((parent, tuple(tokens)))
+    different positions or after different prefixes never collide by construction.
+    The same in every process for the same token ids."""
+    return hash((ROOT_PARENT_HASH if parent is None else parent, tuple(tokens)))
 
 
 class OutOfPagesError(RuntimeError):

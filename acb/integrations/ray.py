@@ -15,6 +15,7 @@ Example::
 
     import ray
     from ray import serve
+from ray.serve.handle import DeploymentHandle
     from acb.integrations.ray import build_app
 
     ray.init()  # or ray.init(address="auto") on a cluster started with `ray start --head`
@@ -28,22 +29,26 @@ import logging
 import os
 import random
 import sys
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import FIFOMixin, LocalityMixin, PendingRequest, RequestRouter, RunningReplica
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 import acb
 
+from ..inputs import tokenize
 from ..progress import log_throughput
+from . import ray_prefix
 from .common import ApiError, json_object, stop_engine
 from .metrics import CONTENT_TYPE
-from .openai_protocol import Limits
+from .openai_protocol import Limits, parse_request, prompt_token_ids
 from .openai_service import SSE_HEADERS, OpenAIService, route_error
+from .ray_prefix import PrefixAwareRouter
 
 log = logging.getLogger("acb.integrations.ray")
 
@@ -51,14 +56,13 @@ REPLICA_HEADER = "x-acb-replica"
 ModelSource = str | os.PathLike | Callable[..., acb.Engine]
 
 api = FastAPI(title="acb", docs_url=None, redoc_url=None, openapi_url=None)
+front_api = FastAPI(title="acb", docs_url=None, redoc_url=None, openapi_url=None)
 
 
-@api.exception_handler(ApiError)
 async def _api_error(request: Request, error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
-@api.exception_handler(HTTPException)
 async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
     allowed = (error.headers or {}).get("Allow")
     if error.status_code in (404, 405):
@@ -68,10 +72,15 @@ async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
     return JSONResponse(api_error.body(), status_code=api_error.status, headers=error.headers)
 
 
-@api.exception_handler(Exception)
 async def _bug(request: Request, error: Exception) -> JSONResponse:
     log.exception("unhandled error in %s %s", request.method, request.url.path)
     return JSONResponse(ApiError(500, "internal server error").body(), status_code=500)
+
+
+for _app in (api, front_api):
+    _app.add_exception_handler(ApiError, _api_error)
+    _app.add_exception_handler(HTTPException, _http_error)
+    _app.add_exception_handler(Exception, _bug)
 
 
 class _EventStream(StreamingResponse):
@@ -122,8 +131,12 @@ class AcbDeployment:
                        engine_config: acb.EngineConfig | None = None, *, model_name: str = "acb",
                        api_key: str | None = None, limits: Limits | None = None,
                        max_body_bytes: int = 1 << 20, drain_timeout: float = 30.0,
-                       log_interval: float = 0.0, enable_per_request_metrics: bool = False) -> None:
+                       log_interval: float = 0.0, enable_per_request_metrics: bool = False,
+                       publish_kv_events: bool = False) -> None:
         self.engine = _build_engine(model, gguf_file, engine_config)
+        if publish_kv_events and not self.engine.config.kv_events:
+            raise ValueError("the prefix-aware router reads the replicas' KV-cache events, but the model factory "
+                             "returned an engine without EngineConfig(kv_events=True)")
         self.service = OpenAIService(self.engine, model_name=model_name, limits=limits, api_key=api_key,
                                      per_request_metrics=enable_per_request_metrics)
         self.max_body_bytes = max_body_bytes
@@ -134,6 +147,11 @@ class AcbDeployment:
         if log_interval:
             self._throughput_task = asyncio.ensure_future(
                 log_throughput(self.engine.stats, log_interval, _replica_logger(self.replica)))
+        self._kv_events_task = None
+        if publish_kv_events:  # to the index the prefix-aware router matches prompts against
+            context = serve.get_replica_context()
+            self._kv_events_task = asyncio.ensure_future(ray_prefix.publish_kv_events(
+                self.engine, self.replica, ray_prefix.index_name(context.app_name, context.deployment)))
 
     def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         return {**(extra or {}), REPLICA_HEADER: self.replica}
@@ -181,6 +199,53 @@ class AcbDeployment:
         """``GET /metrics``: this replica's Prometheus text (its queue, its KV pages)."""
         return Response(self.service.metrics_text(), headers=self._headers({"Content-Type": CONTENT_TYPE}))
 
+    # -- called by AcbFront through a handle (prefix-aware routing) ----------------------
+    async def openai(self, body: dict[str, Any], chat: bool, authorization: str | None,
+                     routing_token_ids: list[int] | None = None) -> AsyncGenerator[Any, None]:
+        """Answer a ``/v1/completions`` or ``/v1/chat/completions`` body for the front, as a
+        stream: first ``(kind, status, payload, headers, replica)`` (``kind`` "json": the
+        whole answer or an error in ``payload``; "sse": the SSE events follow as bytes).
+        ``routing_token_ids`` is the prompt as the front tokenized it, for
+        :class:`PrefixAwareRouter` (which reads it from the call); the engine tokenizes
+        the body itself."""
+        try:
+            self.service.check_api_key(authorization)
+            answer = await self.service.generate(body, chat=chat)
+        except ApiError as e:
+            yield "json", e.status, e.body(), e.headers, self.replica
+            return
+        if isinstance(answer, dict):
+            yield "json", 200, answer, {}, self.replica
+            return
+        yield "sse", 200, None, dict(SSE_HEADERS), self.replica
+        try:
+            async for event in answer:
+                yield event
+        finally:
+            await answer.aclose()  # a client that went away (Serve cancels this call) cancels the request
+
+    def prompt_tokenizer(self) -> tuple[Any, int]:
+        """The engine's tokenizer and vocabulary size: the front tokenizes prompts with them to
+        route on their cached prefix."""
+        return self.engine.tokenizer, self.engine.vocab_size
+
+    def models_answer(self, model: str | None, authorization: str | None) -> tuple[int, Any, str]:
+        """``GET /v1/models[/{model}]`` for the front: (status, body, replica)."""
+        try:
+            self.service.check_api_key(authorization)
+            return 200, self.service.models(model), self.replica
+        except ApiError as e:
+            return e.status, e.body(), self.replica
+
+    def health_answer(self) -> tuple[int, Any, str]:
+        """``GET /health`` for the front: (status, body, replica)."""
+        status, body = self.service.health()
+        return status, body, self.replica
+
+    def metrics_answer(self) -> tuple[str, str]:
+        """``GET /metrics`` for the front: (Prometheus text, replica)."""
+        return self.service.metrics_text(), self.replica
+
     def check_health(self) -> None:
         """Ray Serve's health check: a replica whose engine stopped is restarted."""
         if not self.engine.is_running:
@@ -194,9 +259,9 @@ class AcbDeployment:
     async def __del__(self) -> None:
         """Ray Serve calls this once running requests are done (scale-down, redeploy,
         shutdown): stop the engine cleanly and free it."""
-        task = getattr(self, "_throughput_task", None)
-        if task is not None:
-            task.cancel()
+        for task in (getattr(self, "_throughput_task", None), getattr(self, "_kv_events_task", None)):
+            if task is not None:
+                task.cancel()
         engine = getattr(self, "engine", None)
         if engine is not None:
             await stop_engine(engine, self.drain_timeout)
@@ -223,6 +288,121 @@ class FreePagesRouter(FIFOMixin, LocalityMixin, RequestRouter):
         return [replicas[:2]] if replicas else []
 
 
+class _Tokenizing:
+    """What ``prompt_token_ids`` needs of an engine, for the front's routing hint."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+
+    def tokenize(self, prompt: Any) -> list[int]:
+        return tokenize(prompt, self.tokenizer, self.vocab_size)
+
+
+async def _forwarded(answer: Any) -> AsyncGenerator[bytes, None]:
+    """The rest of an engine replica's SSE answer; closing it cancels the replica's call."""
+    try:
+        async for event in answer:
+            yield event
+    finally:
+        answer.cancel()
+
+
+@serve.ingress(front_api)
+class AcbFront:
+    """The HTTP front of a prefix-routed app (``build_app(...,
+    request_router=PrefixAwareRouter)``): reads each request, tokenizes its prompt as the
+    engines will, and calls the engine deployment through a handle with those token ids,
+    which :class:`PrefixAwareRouter` routes on (Ray Serve's HTTP proxy routes a request
+    before its body is read). The answers are the engine replicas' own, named in
+    ``x-acb-replica``."""
+
+    def __init__(self, engines: DeploymentHandle, engine_deployment: str, *, limits: Limits,
+                 max_body_bytes: int) -> None:
+        self.engines = engines
+        self.limits = limits
+        self.max_body_bytes = max_body_bytes
+        # Made here, owned by this replica: the engine replicas find it by name and publish to it.
+        context = serve.get_replica_context()
+        self.index = ray_prefix.get_or_create_index(ray_prefix.index_name(context.app_name, engine_deployment))
+        self._tokenizing: asyncio.Future | None = None
+
+    async def _routing_token_ids(self, body: dict[str, Any], chat: bool) -> list[int] | None:
+        """The request's (first) prompt as the engine will run it, or None if it is not a
+        valid request (then the engine replica answers the error)."""
+        if self._tokenizing is None:
+            self._tokenizing = asyncio.ensure_future(self.engines.prompt_tokenizer.remote())
+        try:
+            tokenizing = _Tokenizing(*await asyncio.shield(self._tokenizing))
+        except Exception:
+            log.exception("could not fetch the engines' tokenizer: routing on load until it comes")
+            self._tokenizing = None
+            return None
+        try:
+            parsed = parse_request(body, chat=chat, limits=self.limits)
+            return prompt_token_ids(parsed, parsed.prompts[0], tokenizing)
+        except (ApiError, acb.AcbError, TypeError, ValueError):
+            return None
+
+    async def _generate(self, request: Request, *, chat: bool) -> Response:
+        raw = await request.body()
+        if len(raw) > self.max_body_bytes:
+            raise ApiError(413, f"request body too large: {len(raw)} bytes, at most {self.max_body_bytes}")
+        body = json_object(raw)
+        routing = await self._routing_token_ids(body, chat)
+        answer = self.engines.options(stream=True).openai.remote(body, chat, request.headers.get("Authorization"),
+                                                                 routing_token_ids=routing)
+        try:
+            kind, status, payload, headers, replica = await answer.__anext__()
+        except BaseException:
+            answer.cancel()  # the client went away while the replica computed the answer
+            raise
+        headers = {**headers, REPLICA_HEADER: replica}
+        if kind == "sse":
+            return _EventStream(_forwarded(answer), headers)
+        return JSONResponse(payload, status_code=status, headers=headers)
+
+    @front_api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        """``POST /v1/completions``."""
+        return await self._generate(request, chat=False)
+
+    @front_api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        """``POST /v1/chat/completions``."""
+        return await self._generate(request, chat=True)
+
+    @front_api.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        """``GET /v1/models``."""
+        status, body, replica = await self.engines.models_answer.remote(None, request.headers.get("Authorization"))
+        return JSONResponse(body, status_code=status, headers={REPLICA_HEADER: replica})
+
+    @front_api.get("/v1/models/{model:path}")
+    async def model(self, model: str, request: Request) -> Response:
+        """``GET /v1/models/{model}``."""
+        status, body, replica = await self.engines.models_answer.remote(model, request.headers.get("Authorization"))
+        return JSONResponse(body, status_code=status, headers={REPLICA_HEADER: replica})
+
+    @front_api.get("/health")
+    async def health(self) -> Response:
+        """``GET /health``: the engine replica Serve routes it to."""
+        status, body, replica = await self.engines.health_answer.remote()
+        return JSONResponse(body, status_code=status, headers={REPLICA_HEADER: replica})
+
+    @front_api.get("/metrics")
+    async def metrics(self) -> Response:
+        """``GET /metrics``: one engine replica's Prometheus text (the one Serve routes it to)."""
+        text, replica = await self.engines.metrics_answer.remote()
+        return Response(text, headers={"Content-Type": CONTENT_TYPE, REPLICA_HEADER: replica})
+
+    @front_api.get("/v1/kv_events")
+    async def kv_events(self) -> Response:
+        """Not served under Ray: each replica's events feed the router."""
+        raise ApiError(404, "GET /v1/kv_events is not served by a Ray Serve app: each replica's KV-cache events feed "
+                       "its prefix-aware router; acb serve without --ray serves one engine's events")
+
+
 def build_app(model: ModelSource, *, num_replicas: int | None = None,
               autoscaling_config: dict[str, Any] | None = None, engine_config: acb.EngineConfig | None = None,
               gguf_file: str | None = None, model_name: str | None = None, api_key: str | None = None,
@@ -230,7 +410,8 @@ def build_app(model: ModelSource, *, num_replicas: int | None = None,
               drain_timeout: float = 30.0, ray_actor_options: dict[str, Any] | None = None,
               max_ongoing_requests: int = 256, request_router: type | None = None,
               name: str = "AcbDeployment", log_interval: float = 0.0,
-              enable_per_request_metrics: bool = False) -> serve.Application:
+              enable_per_request_metrics: bool = False,
+              request_router_kwargs: dict[str, Any] | None = None) -> serve.Application:
     """A Ray Serve application serving ``model`` over the OpenAI routes; run it with
     ``serve.run(app)`` (or ``acb serve --ray``).
 
@@ -247,7 +428,13 @@ def build_app(model: ModelSource, *, num_replicas: int | None = None,
     replica at once (its engine batches them). Running streams get ``drain_timeout``
     seconds to finish when a replica is scaled down or redeployed.
     ``request_router`` picks a Ray Serve request router class (e.g.
-    :class:`FreePagesRouter`; default: Serve's power-of-two-choices on queue depth).
+    :class:`FreePagesRouter`; default: Serve's power-of-two-choices on queue depth), and
+    ``request_router_kwargs`` its options. :class:`PrefixAwareRouter` sends each request
+    to the replica caching the longest prefix of its prompt: the app then has a front
+    deployment (:class:`AcbFront`, ``{name}Front``, no CPU reserved) that reads requests
+    and tokenizes them for the router, and the engines publish their KV-cache events
+    (``engine_config`` must have ``kv_events=True``; without ``engine_config`` they get
+    ``EngineConfig(kv_events=True)``).
     ``log_interval`` > 0: every replica logs a throughput/queue line (as ``acb serve``
     does) every that many seconds while busy, to its stderr (Ray forwards it to the
     driver's console). ``enable_per_request_metrics``: every answer carries its per-request
@@ -276,6 +463,15 @@ def build_app(model: ModelSource, *, num_replicas: int | None = None,
     if not callable(model) and not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a model folder or file, or a factory returning an acb.Engine, "
                         f"got {type(model).__name__}")
+    if request_router_kwargs is not None and request_router is None:
+        raise ValueError("request_router_kwargs are the options of a request_router: give request_router too")
+    prefix_routing = isinstance(request_router, type) and issubclass(request_router, PrefixAwareRouter)
+    if prefix_routing:
+        if engine_config is None:
+            engine_config = acb.EngineConfig(kv_events=True)
+        elif not engine_config.kv_events:
+            raise ValueError("request_router=PrefixAwareRouter routes on the replicas' KV-cache events: give an "
+                             "engine_config with kv_events=True (or none, for the defaults with kv_events on)")
     if model_name is None:
         model_name = "acb" if callable(model) else \
             os.path.basename(os.path.normpath(gguf_file or os.fspath(model))).removesuffix(".gguf")
@@ -294,11 +490,21 @@ def build_app(model: ModelSource, *, num_replicas: int | None = None,
         options["num_replicas"] = num_replicas or 1
     if request_router is not None:
         options["request_router_config"] = {"request_router_class": request_router,
+                                            "request_router_kwargs": request_router_kwargs or {},
                                             "request_routing_stats_period_s": 1.0}
     deployment = serve.deployment(AcbDeployment).options(**options)
-    return deployment.bind(model, gguf_file, engine_config, model_name=model_name, api_key=api_key, limits=limits,
-                           max_body_bytes=max_body_bytes, drain_timeout=drain_timeout, log_interval=log_interval,
-                           enable_per_request_metrics=enable_per_request_metrics)
+    engines = deployment.bind(model, gguf_file, engine_config, model_name=model_name, api_key=api_key, limits=limits,
+                              max_body_bytes=max_body_bytes, drain_timeout=drain_timeout, log_interval=log_interval,
+                              enable_per_request_metrics=enable_per_request_metrics,
+                              publish_kv_events=prefix_routing)
+    if not prefix_routing:
+        return engines
+    most_replicas = num_replicas or (autoscaling_config or {}).get("max_replicas", 1)
+    front = serve.deployment(AcbFront).options(
+        name=f"{name}Front", num_replicas=1, ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=max_ongoing_requests * most_replicas,
+        graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=drain_timeout + 10.0)
+    return front.bind(engines, name, limits=limits, max_body_bytes=max_body_bytes)
 
 
-__all__ = ["REPLICA_HEADER", "AcbDeployment", "FreePagesRouter", "build_app"]
+__all__ = ["REPLICA_HEADER", "AcbDeployment", "AcbFront", "FreePagesRouter", "PrefixAwareRouter", "build_app"]

@@ -1,0 +1,175 @@
+"""Prefix-aware routing for the Ray Serve deployment (``build_app(...,
+request_router=PrefixAwareRouter)``, ``acb serve --ray --kv-events``).
+
+Three parts, one application:
+
+- every engine replica subscribes to its ``engine.kv_events()`` and sends the batches,
+  numbered, to one small actor per deployment, the index (:class:`KVIndexActor` over
+  :class:`~acb.integrations.prefix_index.PrefixIndex`), which rebuilds each replica's set
+  of cached pages (:func:`publish_kv_events`);
+- a front deployment (:class:`~acb.integrations.ray.AcbFront`) takes the HTTP request,
+  tokenizes its prompt as the engines will (a routing hint: the engine tokenizes it again),
+  and calls the engine deployment through a handle with those token ids: Ray Serve's HTTP
+  proxy routes before the body is read, so only a call made after reading it can be
+  routed on the prompt;
+- :class:`PrefixAwareRouter`, the engine deployment's Ray Serve request router, asks the
+  index how many of the prompt's first pages each replica holds and ranks the replicas
+  (:func:`~acb.integrations.prefix_index.rank_replicas`): the longest cached prefix first
+  unless that replica's queue is ``max_queue_gap`` longer than the shortest, then the
+  replicas with the most free pages, as :class:`~acb.integrations.ray.FreePagesRouter`.
+
+The index is owned by the process that created it (the front, or whoever first routes
+through a handle): if it dies, the next router call makes a new, empty one, and each
+replica finds out at its next push or heartbeat (every ``HEARTBEAT_S``), subscribes again
+and sends a resync. Until then a replica is unknown and competes on load only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+from typing import Any
+
+import ray
+from ray.serve.request_router import FIFOMixin, LocalityMixin, PendingRequest, RequestRouter, RunningReplica
+
+import acb
+
+from .prefix_index import Load, PrefixIndex, rank_replicas, wire_batch
+
+log = logging.getLogger("acb.integrations.ray")
+
+INDEX_NAMESPACE = "acb"
+HEARTBEAT_S = 2.0  # an idle replica's empty push: how soon it learns the index was replaced
+ROUTING_KWARG = "routing_token_ids"  # the engine call's keyword the router reads the prompt from
+
+
+def index_name(app_name: str, deployment: str) -> str:
+    """The name of the index actor of one engine deployment."""
+    return f"kv-index:{app_name}:{deployment}"
+
+
+@ray.remote(num_cpus=0)
+class KVIndexActor:
+    """A :class:`PrefixIndex` as a Ray actor: replicas ``apply`` their event batches,
+    routers ``match`` prompts."""
+
+    def __init__(self) -> None:
+        self.index = PrefixIndex()
+
+    def apply(self, replica: str, stream: str, seq: int, page_size: int, batches: list) -> bool:
+        return self.index.apply(replica, stream, seq, page_size, batches)
+
+    def match(self, token_ids: list[int], replicas: list[str]) -> dict[str, int | None]:
+        return self.index.match(token_ids, replicas)
+
+    def retain(self, replicas: list[str]) -> None:
+        self.index.retain(replicas)
+
+    def summary(self) -> dict[str, dict[str, int | bool]]:
+        return self.index.summary()
+
+
+def get_or_create_index(name: str) -> ray.actor.ActorHandle:
+    """The index actor called ``name``, created (owned by this process) if there is none."""
+    return KVIndexActor.options(name=name, namespace=INDEX_NAMESPACE, get_if_exists=True).remote()
+
+
+_streams = itertools.count(1)
+
+
+async def publish_kv_events(engine: acb.Engine, replica: str, name: str) -> None:
+    """Run for the replica's life: send ``engine.kv_events()`` to the index actor ``name``
+    (waiting for it to exist), one numbered push per wake-up, a heartbeat when idle, and a
+    new subscription (so a resync) whenever the index says it lost the stream."""
+    while True:
+        try:
+            index = await asyncio.to_thread(ray.get_actor, name, INDEX_NAMESPACE)
+        except ValueError:  # no router made it yet
+            await asyncio.sleep(HEARTBEAT_S / 2)
+            continue
+        stream = engine.kv_events()
+        stream_id = f"{replica}/{next(_streams)}"
+        try:
+            seq = 0
+            while True:
+                try:
+                    first = await asyncio.wait_for(stream.__anext__(), HEARTBEAT_S)
+                    batches = [wire_batch(first)] + [wire_batch(b) for b in stream.pending()]
+                except TimeoutError:
+                    batches = []  # heartbeat
+                except StopAsyncIteration:
+                    return  # the engine stopped
+                seq += 1
+                if not await index.apply.remote(replica, stream_id, seq, engine.page_size, batches):
+                    break  # resubscribe: the new stream starts with a resync
+        except ray.exceptions.RayActorError:
+            log.info("acb replica %s: the KV index actor went away; reconnecting", replica)
+            await asyncio.sleep(HEARTBEAT_S / 2)
+        finally:
+            stream.close()
+
+
+class PrefixAwareRouter(FIFOMixin, LocalityMixin, RequestRouter):
+    """Ray Serve request router for acb engine replicas publishing KV-cache events: a
+    request goes to the replica holding the longest cached prefix of its prompt, or by
+    load (free pages, then queue) when none holds one or that replica is overloaded.
+
+    Use it through ``build_app(model, request_router=PrefixAwareRouter)``, which deploys
+    the front that gives the router the prompt's token ids and turns the replicas'
+    ``kv_events`` on. ``request_router_kwargs``: ``max_queue_gap`` (default 8: a holder
+    whose queue is longer than the shortest by more than this is overloaded) and
+    ``min_match_pages`` (default 1).
+
+    Example::
+
+        build_app(model, num_replicas=2, request_router=PrefixAwareRouter,
+                  request_router_kwargs={"max_queue_gap": 16})
+    """
+
+    def initialize_state(self, max_queue_gap: int = 8, min_match_pages: int = 1) -> None:
+        rank_replicas({}, {}, max_queue_gap=max_queue_gap, min_match_pages=min_match_pages)  # checks them
+        self.max_queue_gap = max_queue_gap
+        self.min_match_pages = min_match_pages
+        self._index: Any = None
+
+    def _index_actor(self) -> Any:
+        if self._index is None:
+            self._index = get_or_create_index(index_name(self._deployment_id.app_name, self._deployment_id.name))
+        return self._index
+
+    def _load(self, replica: RunningReplica) -> Load:
+        stats = replica.routing_stats
+        queue = self.replica_queue_len_cache.get(replica.replica_id)  # Serve's count: current, unlike the stats
+        return Load(stats.get("queue_depth", 0) if queue is None else queue, stats.get("free_kv_pages", 0))
+
+    async def _matches(self, token_ids: list[int], replicas: list[str]) -> dict[str, int | None]:
+        try:
+            return await self._index_actor().match.remote(token_ids, replicas)
+        except ray.exceptions.RayActorError:
+            self._index = None  # gone with its owner: the next call makes a new one
+            return {}
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        ids = self.apply_locality_routing(pending_request=pending_request)
+        replicas = [self._replicas[i] for i in ids] if ids else list(candidate_replicas)
+        if not replicas:
+            return []
+        random.shuffle(replicas)  # ties (idle replicas) spread at random
+        by_id = {r.replica_id.unique_id: r for r in replicas}
+        token_ids = pending_request.kwargs.get(ROUTING_KWARG) if pending_request is not None else None
+        matches = await self._matches(token_ids, list(by_id)) if token_ids else {}
+        ranks = rank_replicas(matches, {i: self._load(r) for i, r in by_id.items()},
+                              max_queue_gap=self.max_queue_gap, min_match_pages=self.min_match_pages)
+        return [[by_id[i] for i in rank] for rank in ranks if rank]
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        if self._index is not None:  # forget stopped replicas' sets
+            self._index.retain.remote([r.replica_id.unique_id for r in replicas])
+
+
+__all__ = ["HEARTBEAT_S", "KVIndexActor", "PrefixAwareRouter", "index_name", "publish_kv_events"]
