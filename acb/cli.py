@@ -20,6 +20,7 @@ SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 # acb.tools.PARSERS' names (this module imports acb lazily; tests/test_tool_calls.py checks they agree)
 TOOL_CALL_PARSERS = ("generic", "hermes", "json", "llama3_json", "mistral")
 REASONING_PARSERS = ("think", "deepseek_r1")  # acb.reasoning.PARSERS
+RAY_ROUTERS = ("queue", "free-pages", "prefix")
 
 
 def _positive(text: str) -> int:
@@ -111,6 +112,11 @@ def add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                      help="ongoing requests per replica autoscaling aims for (default: 32)")
     ray.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs reserved per replica (default: 1)")
     ray.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs reserved per replica (default: 0)")
+    ray.add_argument("--router", choices=RAY_ROUTERS,
+                     help="how requests are spread over the replicas: queue (Ray Serve's power of two choices on "
+                          "queue depth), free-pages (the replicas with the most free KV pages), prefix (the replica "
+                          "caching the longest prefix of the prompt, from the replicas' KV-cache events; else by "
+                          "free pages). Default: prefix with --kv-events, else queue")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # acb.testing's tiny model, for tests
     return p
 
@@ -150,7 +156,8 @@ def _build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser):
         parser.error(str(e))
 
 
-RAY_OPTIONS = ("ray_address", "num_replicas", "max_replicas", "target_queue_depth", "replica_cpus", "replica_gpus")
+RAY_OPTIONS = ("ray_address", "num_replicas", "max_replicas", "target_queue_depth", "replica_cpus", "replica_gpus",
+               "router")
 
 
 def _serve_ray(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -160,9 +167,11 @@ def _serve_ray(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
     if args.port == 0:
         parser.error("--ray needs a fixed --port (Ray Serve's proxy cannot pick a free one)")
-    if args.kv_events:
-        parser.error("--kv-events is not served with --ray yet (each replica would publish its own events and "
-                     "nothing reads them): run acb serve without --ray, or use build_app's engines directly")
+    router = args.router or ("prefix" if args.kv_events else "queue")
+    if args.kv_events and router != "prefix":
+        parser.error(f"--kv-events under --ray feeds the prefix-aware router (the replicas' events are not served "
+                     f"on GET /v1/kv_events): it needs --router prefix, not --router {router}")
+    args.kv_events = router == "prefix"  # the prefix-aware router reads the replicas' events
     if args.max_replicas is None and args.target_queue_depth != parser.get_default("target_queue_depth"):
         parser.error("--target-queue-depth steers autoscaling: give --max-replicas too")
     if args.max_replicas is not None and args.max_replicas < args.num_replicas:
@@ -171,7 +180,7 @@ def _serve_ray(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         import ray
         from ray import serve
 
-        from acb.integrations.ray import build_app
+        from acb.integrations.ray import FreePagesRouter, PrefixAwareRouter, build_app
     except ImportError as e:
         parser.error(f"--ray needs Ray Serve ({e}): pip install 'acb[ray]'")
     own_ray = args.ray_address is None and not os.environ.get("RAY_ADDRESS")
@@ -179,6 +188,7 @@ def _serve_ray(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         source, gguf_file, config, name = _model_source(args)
         if own_ray and not callable(source) and not os.path.exists(source):  # replicas open it on this machine
             raise FileNotFoundError(f"no such model folder or file: {source}")
+        routers = {"queue": None, "free-pages": FreePagesRouter, "prefix": PrefixAwareRouter}
         scaling: dict = {"num_replicas": args.num_replicas}
         if args.max_replicas is not None:
             scaling = {"autoscaling_config": {"min_replicas": args.num_replicas, "max_replicas": args.max_replicas,
@@ -188,7 +198,9 @@ def _serve_ray(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
                         default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
                         drain_timeout=args.drain_timeout, log_interval=args.log_interval,
                         enable_per_request_metrics=args.enable_per_request_metrics,
-                        ray_actor_options={"num_cpus": args.replica_cpus, "num_gpus": args.replica_gpus}, **scaling)
+                        ray_actor_options={"num_cpus": args.replica_cpus, "num_gpus": args.replica_gpus},
+                        request_router=routers[router],
+                        **scaling)
     except (ValueError, FileNotFoundError, OSError) as e:
         parser.error(str(e))
     ray.init(address=args.ray_address)  # None: $RAY_ADDRESS if set, else a local Ray instance

@@ -28,7 +28,9 @@ def test_console_script_points_at_main():
                                   ["serve", "--tiny", "--ray", "--port", "0"],
                                   ["serve", "--tiny", "--ray", "--target-queue-depth", "8"],
                                   ["serve", "--tiny", "--ray", "--num-replicas", "3", "--max-replicas", "2"],
-                                  ["serve", "--tiny", "--ray", "--port", "8000", "--kv-events"],
+                                  ["serve", "--tiny", "--ray", "--port", "8000", "--kv-events", "--router", "queue"],
+                                  ["serve", "--tiny", "--router", "prefix"],  # needs --ray
+                                  ["serve", "--tiny", "--ray", "--port", "8000", "--router", "nearest"],
                                   ["serve", "--ray", "/no/such/model/dir"]])
 def test_bad_command_lines_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:

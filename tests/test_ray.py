@@ -20,7 +20,8 @@ openai = pytest.importorskip("openai", reason="the openai client comes with acb[
 from ray import serve  # noqa: E402
 
 import acb  # noqa: E402
-from acb.integrations.ray import REPLICA_HEADER, FreePagesRouter, build_app  # noqa: E402
+from acb.integrations.ray import REPLICA_HEADER, FreePagesRouter, PrefixAwareRouter, build_app  # noqa: E402
+from acb.integrations.ray_prefix import INDEX_NAMESPACE, index_name  # noqa: E402
 from acb.testing import random_prompts, tiny_engine  # noqa: E402
 
 APP = "acb"
@@ -152,6 +153,78 @@ async def test_openai_client_streams_and_completes_against_the_ray_app(url):
         assert error.value.body["param"] == "max_tokens"
     finally:
         await client.close()
+
+
+def test_prefix_routing_needs_the_engines_kv_events():
+    with pytest.raises(ValueError, match="kv_events=True"):
+        build_app(tiny_engine, engine_config=CONFIG, request_router=PrefixAwareRouter)
+    with pytest.raises(ValueError, match="request_router_kwargs"):
+        build_app(tiny_engine, request_router_kwargs={"max_queue_gap": 4})
+
+
+async def _index_summary() -> dict:
+    index = ray.get_actor(index_name(PREFIX_APP, "AcbDeployment"), namespace=INDEX_NAMESPACE)
+    return await index.summary.remote()
+
+
+async def _held_anywhere(prompt: list[int]) -> bool:
+    index = ray.get_actor(index_name(PREFIX_APP, "AcbDeployment"), namespace=INDEX_NAMESPACE)
+    held = await index.match.remote(prompt, list(await index.summary.remote()))
+    return any(held.values())
+
+
+PREFIX_APP = "acb-prefix"
+
+
+@pytest.fixture
+def prefix_url(url):
+    """A second app on the same cluster: 2 replicas behind the prefix-aware router, at /prefix."""
+    app = build_app(tiny_engine, num_replicas=2, engine_config=acb.EngineConfig(num_blocks=64, page_size=8,
+                                                                                kv_events=True),
+                    ray_actor_options={"num_cpus": 0.5}, request_router=PrefixAwareRouter,
+                    enable_per_request_metrics=True)
+    serve.run(app, name=PREFIX_APP, route_prefix="/prefix")
+    try:
+        yield f"{url}/prefix"
+    finally:
+        serve.delete(PREFIX_APP)
+
+
+async def test_requests_sharing_a_prefix_land_on_the_replica_that_caches_it(prefix_url):
+    deadline = time.monotonic() + 120  # a bound on waiting for both replicas' first resync
+    while sum(s["known"] for s in (await _index_summary()).values()) < 2:
+        assert time.monotonic() < deadline, await _index_summary()
+        await asyncio.sleep(0.1)
+    docs = random_prompts(4, 40, 40, seed=11)  # 5 pages each
+    questions = {d: [docs[d] + q for q in random_prompts(3, 4, 6, seed=20 + d)] for d in range(len(docs))}
+    async with aiohttp.ClientSession() as session:
+        home = {}
+        for d, doc in enumerate(docs):
+            async with session.post(f"{prefix_url}/v1/completions",
+                                    json={"prompt": doc + [7], "max_tokens": 2, "ignore_eos": True}) as resp:
+                assert resp.status == 200, await resp.text()
+                home[d] = resp.headers[REPLICA_HEADER]
+            while not await _held_anywhere(doc + [7]):  # its pages reach the index after its step
+                await asyncio.sleep(0.05)
+        asked = [(d, q) for i in range(3) for d, q in ((d, questions[d][i]) for d in range(len(docs)))]
+        answers = await asyncio.gather(*(session.post(f"{prefix_url}/v1/completions", json={
+            "prompt": q, "max_tokens": 2, "ignore_eos": True}) for _, q in asked))
+        for (d, _), resp in zip(asked, answers):
+            assert resp.status == 200, await resp.text()
+            assert resp.headers[REPLICA_HEADER] == home[d], (d, home)
+            # the replica had the document cached: 5 pages of 8 tokens came from it
+            assert (await resp.json())["metrics"]["cached_prompt_tokens"] >= 40
+            resp.release()
+        # the front serves the other routes too, and errors keep their status
+        async with session.get(f"{prefix_url}/v1/models") as resp:
+            assert resp.status == 200 and REPLICA_HEADER in resp.headers
+        async with session.post(f"{prefix_url}/v1/completions", json={"prompt": "x", "max_tokens": 0}) as resp:
+            assert resp.status == 400 and (await resp.json())["error"]["param"] == "max_tokens"
+        async with session.get(f"{prefix_url}/v1/kv_events") as resp:
+            assert resp.status == 404 and "prefix-aware router" in (await resp.json())["error"]["message"]
+        resp = await _open_stream(session, prefix_url, docs[0] + [9], 6)
+        assert resp.headers[REPLICA_HEADER] == home[0]
+        assert await _read_stream(resp) == (True, 6)
 
 
 async def test_a_disconnect_frees_the_pages_on_the_replica_that_served_it(url):

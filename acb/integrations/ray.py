@@ -32,71 +32,27 @@ import sys
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from ray import serve
-from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import FIFOMixin, LocalityMixin, PendingRequest, RequestRouter, RunningReplica
-from starlette.exceptions import HTTPException
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 import acb
 
-from ..inputs import tokenize
 from ..progress import log_throughput
 from . import ray_prefix
 from .common import ApiError, json_object, stop_engine
 from .metrics import CONTENT_TYPE
-from .openai_protocol import Limits, parse_request, prompt_token_ids
-from .openai_service import SSE_HEADERS, OpenAIService, route_error
-from .ray_prefix import PrefixAwareRouter
+from .openai_protocol import Limits
+from .openai_service import SSE_HEADERS, OpenAIService
+from .ray_http import REPLICA_HEADER, EventStream, new_api
+from .ray_prefix import AcbFront, PrefixAwareRouter
 
 log = logging.getLogger("acb.integrations.ray")
 
-REPLICA_HEADER = "x-acb-replica"
 ModelSource = str | os.PathLike | Callable[..., acb.Engine]
 
-api = FastAPI(title="acb", docs_url=None, redoc_url=None, openapi_url=None)
-front_api = FastAPI(title="acb", docs_url=None, redoc_url=None, openapi_url=None)
-
-
-async def _api_error(request: Request, error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-
-async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
-    allowed = (error.headers or {}).get("Allow")
-    if error.status_code in (404, 405):
-        api_error = route_error(error.status_code, request.method, request.url.path, allowed)
-    else:
-        api_error = ApiError(error.status_code, str(error.detail))
-    return JSONResponse(api_error.body(), status_code=api_error.status, headers=error.headers)
-
-
-async def _bug(request: Request, error: Exception) -> JSONResponse:
-    log.exception("unhandled error in %s %s", request.method, request.url.path)
-    return JSONResponse(ApiError(500, "internal server error").body(), status_code=500)
-
-
-for _app in (api, front_api):
-    _app.add_exception_handler(ApiError, _api_error)
-    _app.add_exception_handler(HTTPException, _http_error)
-    _app.add_exception_handler(Exception, _bug)
-
-
-class _EventStream(StreamingResponse):
-    """SSE whose request is cancelled however the response ends: a finished stream,
-    a client that went away, or Ray cancelling the call."""
-
-    def __init__(self, events: Any, headers: dict[str, str]) -> None:
-        super().__init__(events, headers=headers)
-        self._events = events
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._events.aclose()
-
+api = new_api()
 
 def _build_engine(model: ModelSource, gguf_file: str | None, engine_config: acb.EngineConfig | None) -> acb.Engine:
     if callable(model):
@@ -120,12 +76,11 @@ def _replica_logger(replica: str) -> logging.Logger:
     return logger
 
 
-@serve.ingress(api)
-class AcbDeployment:
-    """One Ray Serve replica: one acb engine and the OpenAI routes over it.
-
-    Built by :func:`build_app`; use that rather than binding this class yourself.
-    """
+class AcbEngineReplica:
+    """One Ray Serve replica's engine, without HTTP routes: what :class:`AcbDeployment`
+    serves over HTTP, and what the engine deployment of a prefix-routed app is (its front,
+    :class:`AcbFront`, calls the methods below through a handle; Ray Serve allows one
+    FastAPI ingress per application)."""
 
     async def __init__(self, model: ModelSource, gguf_file: str | None = None,
                        engine_config: acb.EngineConfig | None = None, *, model_name: str = "acb",
@@ -153,53 +108,7 @@ class AcbDeployment:
             self._kv_events_task = asyncio.ensure_future(ray_prefix.publish_kv_events(
                 self.engine, self.replica, ray_prefix.index_name(context.app_name, context.deployment)))
 
-    def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        return {**(extra or {}), REPLICA_HEADER: self.replica}
-
-    async def _generate(self, request: Request, *, chat: bool) -> Response:
-        self.service.check_api_key(request.headers.get("Authorization"))
-        raw = await request.body()
-        if len(raw) > self.max_body_bytes:
-            raise ApiError(413, f"request body too large: {len(raw)} bytes, at most {self.max_body_bytes}")
-        answer = await self.service.generate(json_object(raw), chat=chat)
-        if isinstance(answer, dict):
-            return JSONResponse(answer, headers=self._headers())
-        return _EventStream(answer, self._headers(SSE_HEADERS))
-
-    @api.post("/v1/completions")
-    async def completions(self, request: Request) -> Response:
-        """``POST /v1/completions``."""
-        return await self._generate(request, chat=False)
-
-    @api.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request) -> Response:
-        """``POST /v1/chat/completions``."""
-        return await self._generate(request, chat=True)
-
-    @api.get("/v1/models")
-    async def models(self, request: Request) -> Response:
-        """``GET /v1/models``."""
-        self.service.check_api_key(request.headers.get("Authorization"))
-        return JSONResponse(self.service.models(), headers=self._headers())
-
-    @api.get("/v1/models/{model:path}")
-    async def model(self, model: str, request: Request) -> Response:
-        """``GET /v1/models/{model}``."""
-        self.service.check_api_key(request.headers.get("Authorization"))
-        return JSONResponse(self.service.models(model), headers=self._headers())
-
-    @api.get("/health")
-    async def health(self) -> Response:
-        """``GET /health``: this replica's engine."""
-        status, body = self.service.health()
-        return JSONResponse(body, status_code=status, headers=self._headers())
-
-    @api.get("/metrics")
-    async def metrics(self) -> Response:
-        """``GET /metrics``: this replica's Prometheus text (its queue, its KV pages)."""
-        return Response(self.service.metrics_text(), headers=self._headers({"Content-Type": CONTENT_TYPE}))
-
-    # -- called by AcbFront through a handle (prefix-aware routing) ----------------------
+    # -- what AcbFront calls through a handle (prefix-aware routing) ------------------
     async def openai(self, body: dict[str, Any], chat: bool, authorization: str | None,
                      routing_token_ids: list[int] | None = None) -> AsyncGenerator[Any, None]:
         """Answer a ``/v1/completions`` or ``/v1/chat/completions`` body for the front, as a
@@ -268,6 +177,60 @@ class AcbDeployment:
             await engine.aclose()
 
 
+@serve.ingress(api)
+class AcbDeployment(AcbEngineReplica):
+    """One Ray Serve replica: one acb engine and the OpenAI routes over it.
+
+    Built by :func:`build_app`; use that rather than binding this class yourself.
+    """
+
+    def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        return {**(extra or {}), REPLICA_HEADER: self.replica}
+
+    async def _generate(self, request: Request, *, chat: bool) -> Response:
+        self.service.check_api_key(request.headers.get("Authorization"))
+        raw = await request.body()
+        if len(raw) > self.max_body_bytes:
+            raise ApiError(413, f"request body too large: {len(raw)} bytes, at most {self.max_body_bytes}")
+        answer = await self.service.generate(json_object(raw), chat=chat)
+        if isinstance(answer, dict):
+            return JSONResponse(answer, headers=self._headers())
+        return EventStream(answer, self._headers(SSE_HEADERS))
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        """``POST /v1/completions``."""
+        return await self._generate(request, chat=False)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        """``POST /v1/chat/completions``."""
+        return await self._generate(request, chat=True)
+
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        """``GET /v1/models``."""
+        self.service.check_api_key(request.headers.get("Authorization"))
+        return JSONResponse(self.service.models(), headers=self._headers())
+
+    @api.get("/v1/models/{model:path}")
+    async def model(self, model: str, request: Request) -> Response:
+        """``GET /v1/models/{model}``."""
+        self.service.check_api_key(request.headers.get("Authorization"))
+        return JSONResponse(self.service.models(model), headers=self._headers())
+
+    @api.get("/health")
+    async def health(self) -> Response:
+        """``GET /health``: this replica's engine."""
+        status, body = self.service.health()
+        return JSONResponse(body, status_code=status, headers=self._headers())
+
+    @api.get("/metrics")
+    async def metrics(self) -> Response:
+        """``GET /metrics``: this replica's Prometheus text (its queue, its KV pages)."""
+        return Response(self.service.metrics_text(), headers=self._headers({"Content-Type": CONTENT_TYPE}))
+
+
 class FreePagesRouter(FIFOMixin, LocalityMixin, RequestRouter):
     """Ray Serve request router for acb replicas: the two replicas reporting the most
     free KV pages (``record_routing_stats``) are the candidates, and Serve sends the
@@ -286,121 +249,6 @@ class FreePagesRouter(FIFOMixin, LocalityMixin, RequestRouter):
         random.shuffle(replicas)  # ties (idle replicas) spread at random
         replicas.sort(key=lambda r: (-r.routing_stats.get("free_kv_pages", 0), r.routing_stats.get("queue_depth", 0)))
         return [replicas[:2]] if replicas else []
-
-
-class _Tokenizing:
-    """What ``prompt_token_ids`` needs of an engine, for the front's routing hint."""
-
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-
-    def tokenize(self, prompt: Any) -> list[int]:
-        return tokenize(prompt, self.tokenizer, self.vocab_size)
-
-
-async def _forwarded(answer: Any) -> AsyncGenerator[bytes, None]:
-    """The rest of an engine replica's SSE answer; closing it cancels the replica's call."""
-    try:
-        async for event in answer:
-            yield event
-    finally:
-        answer.cancel()
-
-
-@serve.ingress(front_api)
-class AcbFront:
-    """The HTTP front of a prefix-routed app (``build_app(...,
-    request_router=PrefixAwareRouter)``): reads each request, tokenizes its prompt as the
-    engines will, and calls the engine deployment through a handle with those token ids,
-    which :class:`PrefixAwareRouter` routes on (Ray Serve's HTTP proxy routes a request
-    before its body is read). The answers are the engine replicas' own, named in
-    ``x-acb-replica``."""
-
-    def __init__(self, engines: DeploymentHandle, engine_deployment: str, *, limits: Limits,
-                 max_body_bytes: int) -> None:
-        self.engines = engines
-        self.limits = limits
-        self.max_body_bytes = max_body_bytes
-        # Made here, owned by this replica: the engine replicas find it by name and publish to it.
-        context = serve.get_replica_context()
-        self.index = ray_prefix.get_or_create_index(ray_prefix.index_name(context.app_name, engine_deployment))
-        self._tokenizing: asyncio.Future | None = None
-
-    async def _routing_token_ids(self, body: dict[str, Any], chat: bool) -> list[int] | None:
-        """The request's (first) prompt as the engine will run it, or None if it is not a
-        valid request (then the engine replica answers the error)."""
-        if self._tokenizing is None:
-            self._tokenizing = asyncio.ensure_future(self.engines.prompt_tokenizer.remote())
-        try:
-            tokenizing = _Tokenizing(*await asyncio.shield(self._tokenizing))
-        except Exception:
-            log.exception("could not fetch the engines' tokenizer: routing on load until it comes")
-            self._tokenizing = None
-            return None
-        try:
-            parsed = parse_request(body, chat=chat, limits=self.limits)
-            return prompt_token_ids(parsed, parsed.prompts[0], tokenizing)
-        except (ApiError, acb.AcbError, TypeError, ValueError):
-            return None
-
-    async def _generate(self, request: Request, *, chat: bool) -> Response:
-        raw = await request.body()
-        if len(raw) > self.max_body_bytes:
-            raise ApiError(413, f"request body too large: {len(raw)} bytes, at most {self.max_body_bytes}")
-        body = json_object(raw)
-        routing = await self._routing_token_ids(body, chat)
-        answer = self.engines.options(stream=True).openai.remote(body, chat, request.headers.get("Authorization"),
-                                                                 routing_token_ids=routing)
-        try:
-            kind, status, payload, headers, replica = await answer.__anext__()
-        except BaseException:
-            answer.cancel()  # the client went away while the replica computed the answer
-            raise
-        headers = {**headers, REPLICA_HEADER: replica}
-        if kind == "sse":
-            return _EventStream(_forwarded(answer), headers)
-        return JSONResponse(payload, status_code=status, headers=headers)
-
-    @front_api.post("/v1/completions")
-    async def completions(self, request: Request) -> Response:
-        """``POST /v1/completions``."""
-        return await self._generate(request, chat=False)
-
-    @front_api.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request) -> Response:
-        """``POST /v1/chat/completions``."""
-        return await self._generate(request, chat=True)
-
-    @front_api.get("/v1/models")
-    async def models(self, request: Request) -> Response:
-        """``GET /v1/models``."""
-        status, body, replica = await self.engines.models_answer.remote(None, request.headers.get("Authorization"))
-        return JSONResponse(body, status_code=status, headers={REPLICA_HEADER: replica})
-
-    @front_api.get("/v1/models/{model:path}")
-    async def model(self, model: str, request: Request) -> Response:
-        """``GET /v1/models/{model}``."""
-        status, body, replica = await self.engines.models_answer.remote(model, request.headers.get("Authorization"))
-        return JSONResponse(body, status_code=status, headers={REPLICA_HEADER: replica})
-
-    @front_api.get("/health")
-    async def health(self) -> Response:
-        """``GET /health``: the engine replica Serve routes it to."""
-        status, body, replica = await self.engines.health_answer.remote()
-        return JSONResponse(body, status_code=status, headers={REPLICA_HEADER: replica})
-
-    @front_api.get("/metrics")
-    async def metrics(self) -> Response:
-        """``GET /metrics``: one engine replica's Prometheus text (the one Serve routes it to)."""
-        text, replica = await self.engines.metrics_answer.remote()
-        return Response(text, headers={"Content-Type": CONTENT_TYPE, REPLICA_HEADER: replica})
-
-    @front_api.get("/v1/kv_events")
-    async def kv_events(self) -> Response:
-        """Not served under Ray: each replica's events feed the router."""
-        raise ApiError(404, "GET /v1/kv_events is not served by a Ray Serve app: each replica's KV-cache events feed "
-                       "its prefix-aware router; acb serve without --ray serves one engine's events")
 
 
 def build_app(model: ModelSource, *, num_replicas: int | None = None,
@@ -492,7 +340,7 @@ def build_app(model: ModelSource, *, num_replicas: int | None = None,
         options["request_router_config"] = {"request_router_class": request_router,
                                             "request_router_kwargs": request_router_kwargs or {},
                                             "request_routing_stats_period_s": 1.0}
-    deployment = serve.deployment(AcbDeployment).options(**options)
+    deployment = serve.deployment(AcbEngineReplica if prefix_routing else AcbDeployment).options(**options)
     engines = deployment.bind(model, gguf_file, engine_config, model_name=model_name, api_key=api_key, limits=limits,
                               max_body_bytes=max_body_bytes, drain_timeout=drain_timeout, log_interval=log_interval,
                               enable_per_request_metrics=enable_per_request_metrics,
@@ -507,4 +355,5 @@ def build_app(model: ModelSource, *, num_replicas: int | None = None,
     return front.bind(engines, name, limits=limits, max_body_bytes=max_body_bytes)
 
 
-__all__ = ["REPLICA_HEADER", "AcbDeployment", "AcbFront", "FreePagesRouter", "PrefixAwareRouter", "build_app"]
+__all__ = ["REPLICA_HEADER", "AcbDeployment", "AcbEngineReplica", "AcbFront", "FreePagesRouter", "PrefixAwareRouter",
+           "build_app"]

@@ -24,26 +24,38 @@ replica finds out at its next push or heartbeat (every ``HEARTBEAT_S``), subscri
 and sends a resync. Until then a replica is unknown and competes on load only.
 """
 
-from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
 import random
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import ray
+from fastapi import Request
+from ray import serve
+from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import FIFOMixin, LocalityMixin, PendingRequest, RequestRouter, RunningReplica
+from starlette.responses import JSONResponse, Response
 
 import acb
 
+from ..inputs import tokenize
+from .common import ApiError, json_object
+from .metrics import CONTENT_TYPE
+from .openai_protocol import Limits, parse_request, prompt_token_ids
 from .prefix_index import Load, PrefixIndex, rank_replicas, wire_batch
+from .ray_http import REPLICA_HEADER, EventStream, new_api
 
 log = logging.getLogger("acb.integrations.ray")
 
 INDEX_NAMESPACE = "acb"
 HEARTBEAT_S = 2.0  # an idle replica's empty push: how soon it learns the index was replaced
 ROUTING_KWARG = "routing_token_ids"  # the engine call's keyword the router reads the prompt from
+
+
+front_api = new_api()
 
 
 def index_name(app_name: str, deployment: str) -> str:
@@ -172,4 +184,119 @@ class PrefixAwareRouter(FIFOMixin, LocalityMixin, RequestRouter):
             self._index.retain.remote([r.replica_id.unique_id for r in replicas])
 
 
-__all__ = ["HEARTBEAT_S", "KVIndexActor", "PrefixAwareRouter", "index_name", "publish_kv_events"]
+class _Tokenizing:
+    """What ``prompt_token_ids`` needs of an engine, for the front's routing hint."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+
+    def tokenize(self, prompt: Any) -> list[int]:
+        return tokenize(prompt, self.tokenizer, self.vocab_size)
+
+
+async def _forwarded(answer: Any) -> AsyncGenerator[bytes, None]:
+    """The rest of an engine replica's SSE answer; closing it cancels the replica's call."""
+    try:
+        async for event in answer:
+            yield event
+    finally:
+        answer.cancel()
+
+
+@serve.ingress(front_api)
+class AcbFront:
+    """The HTTP front of a prefix-routed app (``acb.integrations.ray.build_app(...,
+    request_router=PrefixAwareRouter)``): reads each request, tokenizes its prompt as the
+    engines will, and calls the engine deployment through a handle with those token ids,
+    which :class:`PrefixAwareRouter` routes on (Ray Serve's HTTP proxy routes a request
+    before its body is read). The answers are the engine replicas' own, named in
+    ``x-acb-replica``."""
+
+    def __init__(self, engines: DeploymentHandle, engine_deployment: str, *, limits: Limits,
+                 max_body_bytes: int) -> None:
+        self.engines = engines
+        self.limits = limits
+        self.max_body_bytes = max_body_bytes
+        # Made here, owned by this replica: the engine replicas find it by name and publish to it.
+        context = serve.get_replica_context()
+        self.index = get_or_create_index(index_name(context.app_name, engine_deployment))
+        self._tokenizing: asyncio.Future | None = None
+
+    async def _routing_token_ids(self, body: dict[str, Any], chat: bool) -> list[int] | None:
+        """The request's (first) prompt as the engine will run it, or None if it is not a
+        valid request (then the engine replica answers the error)."""
+        if self._tokenizing is None:
+            self._tokenizing = asyncio.ensure_future(self.engines.prompt_tokenizer.remote())
+        try:
+            tokenizing = _Tokenizing(*await asyncio.shield(self._tokenizing))
+        except Exception:
+            log.exception("could not fetch the engines' tokenizer: routing on load until it comes")
+            self._tokenizing = None
+            return None
+        try:
+            parsed = parse_request(body, chat=chat, limits=self.limits)
+            return prompt_token_ids(parsed, parsed.prompts[0], tokenizing)
+        except (ApiError, acb.AcbError, TypeError, ValueError):
+            return None
+
+    async def _generate(self, request: Request, *, chat: bool) -> Response:
+        raw = await request.body()
+        if len(raw) > self.max_body_bytes:
+            raise ApiError(413, f"request body too large: {len(raw)} bytes, at most {self.max_body_bytes}")
+        body = json_object(raw)
+        routing = await self._routing_token_ids(body, chat)
+        answer = self.engines.options(stream=True).openai.remote(body, chat, request.headers.get("Authorization"),
+                                                                 routing_token_ids=routing)
+        try:
+            kind, status, payload, headers, replica = await answer.__anext__()
+        except BaseException:
+            answer.cancel()  # the client went away while the replica computed the answer
+            raise
+        headers = {**headers, REPLICA_HEADER: replica}
+        if kind == "sse":
+            return EventStream(_forwarded(answer), headers)
+        return JSONResponse(payload, status_code=status, headers=headers)
+
+    @front_api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        """``POST /v1/completions``."""
+        return await self._generate(request, chat=False)
+
+    @front_api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        """``POST /v1/chat/completions``."""
+        return await self._generate(request, chat=True)
+
+    @front_api.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        """``GET /v1/models``."""
+        status, body, replica = await self.engines.models_answer.remote(None, request.headers.get("Authorization"))
+        return JSONResponse(body, status_code=status, headers={REPLICA_HEADER: replica})
+
+    @front_api.get("/v1/models/{model:path}")
+    async def model(self, model: str, request: Request) -> Response:
+        """``GET /v1/models/{model}``."""
+        status, body, replica = await self.engines.models_answer.remote(model, request.headers.get("Authorization"))
+        return JSONResponse(body, status_code=status, headers={REPLICA_HEADER: replica})
+
+    @front_api.get("/health")
+    async def health(self) -> Response:
+        """``GET /health``: the engine replica Serve routes it to."""
+        status, body, replica = await self.engines.health_answer.remote()
+        return JSONResponse(body, status_code=status, headers={REPLICA_HEADER: replica})
+
+    @front_api.get("/metrics")
+    async def metrics(self) -> Response:
+        """``GET /metrics``: one engine replica's Prometheus text (the one Serve routes it to)."""
+        text, replica = await self.engines.metrics_answer.remote()
+        return Response(text, headers={"Content-Type": CONTENT_TYPE, REPLICA_HEADER: replica})
+
+    @front_api.get("/v1/kv_events")
+    async def kv_events(self) -> Response:
+        """Not served under Ray: each replica's events feed the router."""
+        raise ApiError(404, "GET /v1/kv_events is not served by a Ray Serve app: each replica's KV-cache events feed "
+                       "its prefix-aware router; acb serve without --ray serves one engine's events")
+
+
+__all__ = ["HEARTBEAT_S", "AcbFront", "KVIndexActor", "PrefixAwareRouter", "index_name", "publish_kv_events"]

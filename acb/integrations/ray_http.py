@@ -1,0 +1,61 @@
+"""The HTTP side shared by the Ray Serve deployments (:mod:`acb.integrations.ray`): the
+FastAPI apps' error answers and the SSE response that cancels its request however it ends."""
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, StreamingResponse
+
+from .common import ApiError
+from .openai_service import route_error
+
+log = logging.getLogger("acb.integrations.ray")
+
+REPLICA_HEADER = "x-acb-replica"
+
+
+async def _api_error(request: Request, error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+    allowed = (error.headers or {}).get("Allow")
+    if error.status_code in (404, 405):
+        api_error = route_error(error.status_code, request.method, request.url.path, allowed)
+    else:
+        api_error = ApiError(error.status_code, str(error.detail))
+    return JSONResponse(api_error.body(), status_code=api_error.status, headers=error.headers)
+
+
+async def _bug(request: Request, error: Exception) -> JSONResponse:
+    log.exception("unhandled error in %s %s", request.method, request.url.path)
+    return JSONResponse(ApiError(500, "internal server error").body(), status_code=500)
+
+
+def new_api() -> FastAPI:
+    """A FastAPI app answering errors as ``acb serve`` does (OpenAI's error body)."""
+    app = FastAPI(title="acb", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _bug)
+    return app
+
+
+class EventStream(StreamingResponse):
+    """SSE whose request is cancelled however the response ends: a finished stream,
+    a client that went away, or Ray cancelling the call."""
+
+    def __init__(self, events: Any, headers: dict[str, str]) -> None:
+        super().__init__(events, headers=headers)
+        self._events = events
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+
+
+__all__ = ["REPLICA_HEADER", "EventStream", "new_api"]
