@@ -28,6 +28,7 @@ from .errors import (
     RequestFailedError,
 )
 from .handle import ChunkStream, RequestHandle
+from .kv_cache import prefix_page_hashes
 from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventStream
 from .prompt_logprobs import PromptLogprobs
 from .request import Chunk, Completion, RequestMetrics
@@ -60,6 +61,7 @@ __all__ = [
     "SamplingParams",
     "distributed",
     "generate_batch",
+    "prefix_page_hashes",
     "reasoning",
     "tools",
 ]

@@ -39,6 +39,27 @@ def chain_hash(parent: int | None, tokens: Sequence[int]) -> int:
     return hash((ROOT_PARENT_HASH if parent is None else parent, tuple(tokens)))
 
 
+def prefix_page_hashes(token_ids: Sequence[int], page_size: int) -> list[int]:
+    """The hashes ``kv_events()`` names the pages of ``token_ids`` by, for the pages a
+    prefix-cache lookup can take: full pages only, and never the page of the last token
+    (that one is always computed). A page is cached where its hash was stored (and not
+    removed since). The same in every process: a router elsewhere matches prompts with it.
+
+    Example::
+
+        hashes = acb.prefix_page_hashes(prompt_ids, page_size=16)
+        held = next((i for i, h in enumerate(hashes) if h not in replica_hashes), len(hashes))
+    """
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    hashes: list[int] = []
+    parent: int | None = None
+    for i in range((len(token_ids) - 1) // page_size):
+        parent = chain_hash(parent, token_ids[i * page_size : (i + 1) * page_size])
+        hashes.append(parent)
+    return hashes
+
+
 class OutOfPagesError(RuntimeError):
     """Raised by ``allocate`` when fewer pages are allocatable than asked for."""
 

@@ -7,7 +7,8 @@ import sys
 import pytest
 
 import acb
-from acb.integrations.prefix_index import Load, PrefixIndex, prompt_page_hashes, rank_replicas, wire_batch
+from acb import prefix_page_hashes
+from acb.integrations.prefix_index import Load, PrefixIndex, rank_replicas, wire_batch
 from acb.kv_cache import KVCacheManager, chain_hash
 from acb.kv_events import KVEventPublisher
 
@@ -27,17 +28,17 @@ def _index_with(**held: list[int]) -> PrefixIndex:
     """An index where each replica (keyword) holds the first pages of a prompt (its tokens)."""
     index = PrefixIndex()
     for replica, tokens in held.items():
-        index.apply(replica, "s1", 1, PAGE, [_resync(prompt_page_hashes(tokens + [0], PAGE))])
+        index.apply(replica, "s1", 1, PAGE, [_resync(prefix_page_hashes(tokens + [0], PAGE))])
     return index
 
 
-def test_prompt_page_hashes_are_the_engines_chained_hashes():
+def test_prefix_page_hashes_are_the_engines_chained_hashes():
     tokens = list(range(10, 23))  # 13 tokens: 3 full pages, all usable (the last token is on page 4)
     h0 = chain_hash(None, tokens[:4])
     h1 = chain_hash(h0, tokens[4:8])
-    assert prompt_page_hashes(tokens, PAGE) == [h0, h1, chain_hash(h1, tokens[8:12])]
+    assert prefix_page_hashes(tokens, PAGE) == [h0, h1, chain_hash(h1, tokens[8:12])]
     # the page holding the last prompt token is never taken from the cache: not hashed
-    assert prompt_page_hashes(tokens[:12], PAGE) == [h0, h1]
+    assert prefix_page_hashes(tokens[:12], PAGE) == [h0, h1]
 
 
 def test_page_hashes_are_the_same_in_another_process():
@@ -67,7 +68,7 @@ def test_index_rebuilt_from_the_cache_events_matches_what_the_cache_would_hit():
 def test_removed_pages_no_longer_match():
     tokens = list(range(1, 14))
     index = _index_with(r1=tokens[:12])
-    hashes = prompt_page_hashes(tokens, PAGE)
+    hashes = prefix_page_hashes(tokens, PAGE)
     assert index.apply("r1", "s1", 2, PAGE, [(False, [("removed", hashes[1:2])])])
     assert index.match(tokens, ["r1"]) == {"r1": 1}  # the run stops at the first missing page
 
@@ -116,7 +117,7 @@ def test_a_replica_is_unknown_until_its_first_resync():
 
 def test_a_missing_push_makes_the_replica_unknown_until_a_resync_rebuilds_it():
     tokens = list(range(1, 14))
-    hashes = prompt_page_hashes(tokens, PAGE)
+    hashes = prefix_page_hashes(tokens, PAGE)
     index = _index_with(r1=tokens[:12])
     assert not index.apply("r1", "s1", 3, PAGE, [_stored([42])])  # push 2 never came
     assert index.match(tokens, ["r1"]) == {"r1": None}
@@ -160,6 +161,8 @@ def test_bad_options_are_refused_by_name():
         rank_replicas({}, {}, min_match_pages=0)
     with pytest.raises(ValueError, match="page_size"):
         PrefixIndex().apply("r", "s", 1, 0, [])
+    with pytest.raises(ValueError, match="page_size"):
+        prefix_page_hashes([1, 2, 3], 0)
 
 
 async def test_index_follows_a_live_engine_and_matches_its_hits():

@@ -162,6 +162,42 @@ def test_prefix_routing_needs_the_engines_kv_events():
         build_app(tiny_engine, request_router_kwargs={"max_queue_gap": 4})
 
 
+@pytest.mark.parametrize("flags, router", [([], None), (["--kv-events"], PrefixAwareRouter),
+                                           (["--router", "prefix"], PrefixAwareRouter),
+                                           (["--router", "free-pages"], FreePagesRouter)])
+def test_acb_serve_ray_router_flags_reach_build_app(flags, router, monkeypatch, capsys):
+    from acb.cli import main
+
+    seen = {}
+
+    def capture(model, **kwargs):
+        seen.update(kwargs)
+        raise ValueError("captured")  # stop before Ray starts
+
+    monkeypatch.setattr("acb.integrations.ray.build_app", capture)
+    with pytest.raises(SystemExit):
+        main(["serve", "--tiny", "--ray", "--port", "8000", *flags])
+    assert "captured" in capsys.readouterr().err
+    assert seen["request_router"] is router
+    assert seen["engine_config"].kv_events == (router is PrefixAwareRouter)  # the prefix router reads them
+
+
+@pytest.mark.parametrize("body, chat", [({"prompt": "Once upon a time"}, False),
+                                        ({"prompt": [5, 6, 7, 8]}, False),
+                                        ({"messages": [{"role": "system", "content": "Be brief."},
+                                                       {"role": "user", "content": "Hi"}]}, True)])
+async def test_the_front_routes_on_the_token_ids_the_engine_runs(body, chat):
+    from acb.integrations.openai_protocol import Limits, parse_request, prompt_token_ids
+    from acb.integrations.ray_prefix import _Tokenizing
+
+    async with tiny_engine(config=CONFIG) as engine:
+        parsed = parse_request({**body, "max_tokens": 1}, chat=chat, limits=Limits())
+        engine_ids = prompt_token_ids(parsed, parsed.prompts[0], engine)
+        front = _Tokenizing(engine.tokenizer, engine.vocab_size)  # what the front gets from a replica
+        assert prompt_token_ids(parsed, parsed.prompts[0], front) == engine_ids
+        assert (await engine.generate(engine_ids, max_new_tokens=1)).prompt_token_ids == engine_ids
+
+
 async def _index_summary() -> dict:
     index = ray.get_actor(index_name(PREFIX_APP, "AcbDeployment"), namespace=INDEX_NAMESPACE)
     return await index.summary.remote()
@@ -182,6 +218,7 @@ def prefix_url(url):
     app = build_app(tiny_engine, num_replicas=2, engine_config=acb.EngineConfig(num_blocks=64, page_size=8,
                                                                                 kv_events=True),
                     ray_actor_options={"num_cpus": 0.5}, request_router=PrefixAwareRouter,
+                    request_router_kwargs={"max_queue_gap": 64},  # the 12 at once all go home, however they split
                     enable_per_request_metrics=True)
     serve.run(app, name=PREFIX_APP, route_prefix="/prefix")
     try:

@@ -6,7 +6,7 @@ Each replica's set of cached pages is rebuilt from its ``engine.kv_events()``: t
 sends its event batches, numbered, to a :class:`PrefixIndex` (``apply``); the index adds
 the hashes of ``BlockStored``, removes those of ``BlockRemoved`` and clears on
 ``AllBlocksCleared``. A prompt's pages are hashed as the engine's prefix cache hashes them
-(:func:`prompt_page_hashes`: chained page hashes, the same in every process), so the
+(``acb.prefix_page_hashes``: chained page hashes, the same in every process), so the
 longest run of a prompt's first pages found in a replica's set is what that replica's
 cache would hit (``match``).
 
@@ -25,26 +25,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from ..kv_cache import chain_hash
-from ..kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from acb import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, prefix_page_hashes
 
 # One batch as a replica sends it: (resync, events), each event ("stored", hashes),
 # ("removed", hashes) or ("cleared",). Hashes only: token ids are not needed to match.
 WireBatch = tuple[bool, list[tuple]]
-
-
-def prompt_page_hashes(token_ids: Sequence[int], page_size: int) -> list[int]:
-    """The chained hashes of the prompt pages an engine can take from its prefix cache,
-    as ``KVCacheManager.match_prefix`` walks them: full pages only, and never the page
-    of the last prompt token (that one is always computed)."""
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size!r}")
-    hashes: list[int] = []
-    parent: int | None = None
-    for i in range((len(token_ids) - 1) // page_size):
-        parent = chain_hash(parent, token_ids[i * page_size : (i + 1) * page_size])
-        hashes.append(parent)
-    return hashes
 
 
 def wire_batch(batch: KVEventBatch) -> WireBatch:
@@ -146,7 +131,7 @@ class PrefixIndex:
                 continue
             hashes = hashes_by_size.get(state.page_size)
             if hashes is None:
-                hashes = hashes_by_size[state.page_size] = prompt_page_hashes(token_ids, state.page_size)
+                hashes = hashes_by_size[state.page_size] = prefix_page_hashes(token_ids, state.page_size)
             held = 0
             for h in hashes:
                 if h not in state.hashes:
@@ -199,4 +184,4 @@ def rank_replicas(matches: dict[str, int | None], loads: dict[str, Load], *, max
     return [holders, *ranks]
 
 
-__all__ = ["Load", "PrefixIndex", "ReplicaPages", "prompt_page_hashes", "rank_replicas", "wire_batch"]
+__all__ = ["Load", "PrefixIndex", "ReplicaPages", "rank_replicas", "wire_batch"]

@@ -41,7 +41,6 @@ from starlette.responses import JSONResponse, Response
 
 import acb
 
-from ..inputs import tokenize
 from .common import ApiError, json_object
 from .metrics import CONTENT_TYPE
 from .openai_protocol import Limits, parse_request, prompt_token_ids
@@ -185,14 +184,14 @@ class PrefixAwareRouter(FIFOMixin, LocalityMixin, RequestRouter):
 
 
 class _Tokenizing:
-    """What ``prompt_token_ids`` needs of an engine, for the front's routing hint."""
+    """What ``prompt_token_ids`` needs of an engine, for the front's routing hint: the
+    engine's tokenizer and ``Engine.tokenize`` (which reads the tokenizer and vocab_size)."""
+
+    tokenize = acb.Engine.tokenize
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-
-    def tokenize(self, prompt: Any) -> list[int]:
-        return tokenize(prompt, self.tokenizer, self.vocab_size)
 
 
 async def _forwarded(answer: Any) -> AsyncGenerator[bytes, None]:
