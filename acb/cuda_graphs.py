@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from . import attention
+from .model_shape import ModelShape
 from .sampling import MIN_TEMPERATURE, filter_top_k_top_p
 
 log = logging.getLogger("acb")
@@ -129,29 +130,16 @@ class DecodePadding:
         return padded_kv_pages(max(lengths), self.kv_interval, self.page_size) * self.page_size
 
 
-def _model_shape(config) -> dict[str, int]:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    return dict(
-        heads=heads,
-        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-        hidden=text.hidden_size,
-        intermediate=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
-        vocab=text.vocab_size,
-    )
-
-
 def decode_step_bytes(config, dtype: torch.dtype, rows: int, kv_tokens: int) -> int:
     """An upper estimate of one eager decode step's transient device memory: one layer's
     gathered keys and values and attention scores (the PyTorch decode path), the
     per-token activations, and the logits (model dtype, then float32 for sampling)."""
-    s = _model_shape(config)
-    e = torch.tensor([], dtype=dtype).element_size()
-    gathered = 2 * s["kv_heads"] * rows * kv_tokens * s["head_dim"] * e
-    scores = 3 * s["heads"] * rows * kv_tokens * max(e, 4)  # scores, masked, softmax
-    activations = rows * (4 * s["hidden"] + 3 * s["intermediate"]) * e
-    logits = rows * s["vocab"] * (e + 4)
+    s = ModelShape.of(config)
+    e = dtype.itemsize
+    gathered = 2 * s.kv_heads * rows * kv_tokens * s.head_dim * e
+    scores = 3 * s.heads * rows * kv_tokens * max(e, 4)  # scores, masked, softmax
+    activations = rows * (4 * s.hidden + 3 * s.intermediate) * e
+    logits = rows * s.vocab * (e + 4)
     return gathered + scores + activations + logits
 
 
@@ -165,9 +153,8 @@ def graph_memory_reserve(model_config, dtype: torch.dtype, engine_config, cuda: 
     if not graphs_requested(c.use_cuda_graph, c.q_padding_interval_size, c.kv_padding_interval_size, cuda):
         return 0
     max_rows = c.max_requests_per_batch or 256  # the engine's default cap
-    e = torch.tensor([], dtype=dtype).element_size()
-    vocab = _model_shape(model_config)["vocab"]
-    return decode_step_bytes(model_config, dtype, max_rows, MAX_GRAPH_KV_TOKENS) + max_rows * vocab * e
+    vocab = ModelShape.of(model_config).vocab
+    return decode_step_bytes(model_config, dtype, max_rows, MAX_GRAPH_KV_TOKENS) + max_rows * vocab * dtype.itemsize
 
 
 def sampling_mode(batch) -> str | None:

@@ -11,7 +11,7 @@ import torch
 
 from .config import EngineConfig
 from .cuda_graphs import graph_memory_reserve
-from .runner import kv_bytes_per_token, model_layers_info
+from .model_shape import ModelShape, text_config
 
 log = logging.getLogger("acb")
 
@@ -33,10 +33,10 @@ class Layout:
 
 
 def layout(model: torch.nn.Module, config: EngineConfig) -> Layout:
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text = text_config(model.config)
     param = next(model.parameters())
     page_size = config.page_size or 16
-    per_page = kv_bytes_per_token(model.config, param.dtype) * page_size
+    per_page = ModelShape.of(model.config).kv_bytes_per_token(param.dtype) * page_size
     window = getattr(text, "sliding_window", None)
     layer_types = list(getattr(text, "layer_types", None) or [])
     swa_layers = frozenset(i for i, t in enumerate(layer_types) if t == "sliding_attention")
@@ -93,7 +93,7 @@ def _cache_pages(model, config: EngineConfig, param: torch.Tensor, per_page: int
     pages = max(16, budget // per_page)
     if not swa_layers or pages <= swa_cap:
         return pages, min(pages, swa_cap)
-    layers, _, _ = model_layers_info(model.config)
+    layers = ModelShape.of(model.config).layers
     per_layer_page = per_page // layers
     full = (budget - swa_cap * swa_layers * per_layer_page) // (per_layer_page * (layers - swa_layers))
     return max(16, full), swa_cap

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .. import attention
+from ..model_shape import ModelShape, text_config
 
 # model_type -> the decoder families whose sharded config is their per-rank shape
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -41,22 +42,16 @@ _DEFAULT_PLAN = {
 }
 
 
-def _text(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def check(config, size: int) -> None:
     """Raise ``ValueError`` naming ``tensor_parallel_size`` when ``config``'s model
     cannot be split ``size`` ways."""
-    text = _text(config)
-    model_type = getattr(text, "model_type", None)
+    model_type = getattr(text_config(config), "model_type", None)
     if model_type not in SUPPORTED:
         raise ValueError(f"tensor_parallel_size={size}: acb shards Llama-family decoders ({', '.join(SUPPORTED)}); "
                          f"got model_type {model_type!r}")
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    for name, value in (("attention heads", heads), ("KV heads", kv_heads),
-                        ("MLP intermediate size", text.intermediate_size)):
+    shape = ModelShape.of(config)
+    for name, value in (("attention heads", shape.heads), ("KV heads", shape.kv_heads),
+                        ("MLP intermediate size", shape.intermediate)):
         if value % size:
             raise ValueError(f"tensor_parallel_size={size} must divide the model's {name} ({value})")
     for style in plan(config).values():
@@ -67,17 +62,17 @@ def check(config, size: int) -> None:
 
 def plan(config) -> dict[str, str]:
     """The model's tensor-parallel plan (module pattern -> style)."""
-    return dict(getattr(_text(config), "base_model_tp_plan", None) or _DEFAULT_PLAN)
+    return dict(getattr(text_config(config), "base_model_tp_plan", None) or _DEFAULT_PLAN)
 
 
 def shard_config(config, size: int):
     """A copy of ``config`` with each rank's share of heads, KV heads and MLP width."""
     config = copy.deepcopy(config)
-    text = _text(config)
-    heads = text.num_attention_heads
-    text.head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    text.num_key_value_heads = (getattr(text, "num_key_value_heads", None) or heads) // size
-    text.num_attention_heads = heads // size
+    text = text_config(config)
+    shape = ModelShape.of(text)
+    text.head_dim = shape.head_dim
+    text.num_key_value_heads = shape.kv_heads // size
+    text.num_attention_heads = shape.heads // size
     text.intermediate_size //= size
     return config
 
