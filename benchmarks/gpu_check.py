@@ -92,7 +92,7 @@ def parity() -> bool:
                 async with acb.Engine(model, config=cfg) as engine:
                     hs = [engine.submit(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(prompts, max_new)]
                     res = [await h for h in hs]
-                    g = runner_of(engine).decode_graphs
+                    g = runner_of(engine).fast_paths.decode_graphs
                     return res, engine.stats(), (len(g.graphs), g.failed) if g is not None else None
 
             res, stats, graph_state = asyncio.run(run())
@@ -181,7 +181,7 @@ def time_acb(model, prompts, warmup, new, **cfg) -> tuple[float, int, Window, st
         async with acb.Engine(model, config=config) as engine:
             runner = runner_of(engine)
             await engine.generate_batch(warmup, max_new_tokens=new, ignore_eos=True)
-            graphs = runner.decode_graphs
+            graphs = runner.fast_paths.decode_graphs
             g0 = len(graphs.graphs) if graphs else 0
             s0 = engine.stats().steps
             with Window() as window:

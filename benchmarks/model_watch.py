@@ -47,7 +47,7 @@ async def main() -> None:
         check_us = (time.perf_counter() - t) / n * 1e6
         mods = sum(1 for _ in model.modules())
         params = sum(1 for _ in model.parameters())
-        fused = runner.fused is not None  # read while the engine is open: closing releases it
+        fused = runner.fast_paths.fused is not None  # read while the engine is open: closing releases it
     print(f"model: {mods} modules, {params} parameters; fused forward {'on' if fused else 'off'}")
     print(f"check_model: {check_us:.1f} us per step; mean step {step_ms:.2f} ms "
           f"(32 requests, 32 new tokens): {check_us / (step_ms * 1e3) * 100:.2f} % of a step")

@@ -61,9 +61,9 @@ def window_logits(runner, tokens: list[int], pages: list[int]) -> torch.Tensor:
     attention.set_step(meta)
     try:
         with torch.inference_mode():
-            out = runner.varlen_forward(input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
-                                        attention_mask=None, use_cache=False,
-                                        logits_to_keep=torch.arange(len(tokens)))
+            out = runner.fast_paths.varlen_forward(input_ids=input_ids.unsqueeze(0),
+                                                   position_ids=position_ids.unsqueeze(0), attention_mask=None,
+                                                   use_cache=False, logits_to_keep=torch.arange(len(tokens)))
     finally:
         attention.set_step(None)
     return out.logits[0].float()

@@ -78,9 +78,9 @@ def instrument(engine: acb.Engine, timers: Timers) -> None:
     import acb.runner as runner_module
 
     runner_module.sample = timers.wrap("sampling", runner_module.sample)
-    if runner.fused is not None:
-        runner.fused.k = _KernelProxy(runner.fused.k, timers, ["rms_norm", "rope_"])
-        runner.fused.lm_head = timers.wrap("lm_head", runner.fused.lm_head)
+    if runner.fast_paths.fused is not None:
+        runner.fast_paths.fused.k = _KernelProxy(runner.fast_paths.fused.k, timers, ["rms_norm", "rope_"])
+        runner.fast_paths.fused.lm_head = timers.wrap("lm_head", runner.fast_paths.fused.lm_head)
 
 
 async def main(args) -> None:
@@ -89,7 +89,7 @@ async def main(args) -> None:
     engine = acb.Engine(model, tokenizer=tok, config=acb.EngineConfig())
     timers = Timers()
     async with engine:
-        fused = runner_of(engine).fused is not None
+        fused = runner_of(engine).fast_paths.fused is not None
         instrument(engine, timers)
         await engine.generate_batch(w.prompts, max_new_tokens=2, ignore_eos=True)  # warm-up at full size
         engine.kv.evict_all_cached()

@@ -430,11 +430,13 @@ _EFFECTS = {
     "q_padding_interval_size": ({"q_padding_interval_size": 8}, None),
     "kv_padding_interval_size": ({"kv_padding_interval_size": 64}, None),
     "async_batching": ({"async_batching": False}, lambda e: step_counts(e).carried == 0),
-    "compile_level": ({"compile_level": 1}, lambda e: runner_of(e).decode_forward is not e.model),
-    "varlen_compile_level": ({"varlen_compile_level": 1}, lambda e: runner_of(e).varlen_forward is not e.model
-                             and runner_of(e).decode_forward is e.model),
-    "decode_compile_level": ({"decode_compile_level": 1}, lambda e: runner_of(e).decode_forward is not e.model
-                             and runner_of(e).varlen_forward is e.model),
+    "compile_level": ({"compile_level": 1}, lambda e: runner_of(e).fast_paths.decode_forward is not e.model),
+    "varlen_compile_level": ({"varlen_compile_level": 1},
+                             lambda e: runner_of(e).fast_paths.varlen_forward is not e.model
+                             and runner_of(e).fast_paths.decode_forward is e.model),
+    "decode_compile_level": ({"decode_compile_level": 1},
+                             lambda e: runner_of(e).fast_paths.decode_forward is not e.model
+                             and runner_of(e).fast_paths.varlen_forward is e.model),
     "max_blocks_per_request": ({"max_blocks_per_request": 0}, lambda e: step_counts(e).fast_decode == 0),
     "attn_backend": ({"attn_backend": "torch"}, lambda e: e.stats().attn_backend == "torch"),
     "device": ({"device": "cuda"}, "refused or moved"),

@@ -103,11 +103,12 @@ async def test_padding_never_changes_a_token(arch, backend):
                               q_padding_interval_size=4, kv_padding_interval_size=12)
     async with acb.Engine(model, config=config) as engine:
         runner = runner_of(engine)
-        assert runner.decode_padding is None  # on CPU the config alone does not pad
+        assert runner.fast_paths.decode_padding is None  # on CPU the config alone does not pad
         runner.configure_fast_paths(engine.config, engine.max_requests, pad_on_cpu=True)
         shapes = _record_shapes(runner)
         results = await _submit_all(engine, prompts, max_new)
-        zero_page = [c[:, runner.null_slot : runner.null_slot + runner.page_size - 1] for c in runner.k_cache]
+        kv = runner.kv
+        zero_page = [c[:, kv.null_slot : kv.null_slot + kv.page_size - 1] for c in kv.k_cache]
         assert all(bool((z == 0).all()) for z in zero_page), "padding wrote a zero-page slot it must only read"
     assert [r.token_ids for r in results] == expected
     buckets = decode_buckets(16, 4)
@@ -126,7 +127,7 @@ async def test_hybrid_models_are_not_padded_and_stay_exact(caplog):
     async with acb.Engine(model, config=config) as engine:
         with caplog.at_level("WARNING", logger="acb"):
             runner_of(engine).configure_fast_paths(engine.config, engine.max_requests, pad_on_cpu=True)
-        assert runner_of(engine).decode_padding is None
+        assert runner_of(engine).fast_paths.decode_padding is None
         results = await _submit_all(engine, prompts, [10] * len(prompts))
     assert "hybrid" in caplog.text
     assert [r.token_ids for r in results] == expected
@@ -181,10 +182,10 @@ def _cpu_graphs(engine, graphs_cls):
     """Pad the engine's decode steps and run them through ``graphs_cls`` (CUDA stood in for)."""
     runner = runner_of(engine)
     runner.configure_fast_paths(engine.config, engine.max_requests, pad_on_cpu=True)
-    runner.decode_graphs = graphs_cls(runner.decode_forward, runner.k_cache, runner.v_cache, runner.page_size,
-                                      engine.max_requests, engine.model.config, None, runner.attn_backend,
-                                      generator=runner.generator)
-    return runner.decode_graphs
+    fast, kv = runner.fast_paths, runner.kv
+    fast.decode_graphs = graphs_cls(fast.decode_forward, kv.k_cache, kv.v_cache, kv.page_size, engine.max_requests,
+                                    engine.model.config, None, runner.attn_backend, generator=runner.generator)
+    return fast.decode_graphs
 
 
 async def _run_with_graphs(graphs_cls, arch="llama", longest_prompt=30, **sampling):
@@ -330,9 +331,9 @@ async def test_graph_self_check_keeps_graphs_only_when_replay_matches_eager(grap
     async with acb.Engine(model, config=config) as engine:
         _cpu_graphs(engine, graphs_cls)
         with caplog.at_level(logging.WARNING, logger="acb"):
-            assert runner_of(engine).check_graphs() is passes
-        assert (runner_of(engine).decode_graphs is not None) is passes
-        assert (runner_of(engine).decode_padding is not None) is passes
+            assert runner_of(engine).fast_paths.check_graphs() is passes
+        assert (runner_of(engine).fast_paths.decode_graphs is not None) is passes
+        assert (runner_of(engine).fast_paths.decode_padding is not None) is passes
         out = await engine.generate([5, 6, 7], max_new_tokens=4, ignore_eos=True)
     assert out.token_ids == reference_greedy(model, [5, 6, 7], 4)
     assert ("self-check failed" in caplog.text) is not passes
@@ -349,8 +350,8 @@ async def test_graph_and_compile_settings_are_active():
     model = tiny_model("llama")
     async with acb.Engine(model, config=config) as engine:  # the compile levels act on the CPU too
         runner = runner_of(engine)
-        assert runner.varlen_forward is model and runner.decode_forward is not model
-        assert runner.decode_graphs is None and runner.decode_padding is None
+        assert runner.fast_paths.varlen_forward is model and runner.fast_paths.decode_forward is not model
+        assert runner.fast_paths.decode_graphs is None and runner.fast_paths.decode_padding is None
 
 
 @pytest.mark.parametrize("name", ["varlen_compile_level", "decode_compile_level"])
@@ -364,7 +365,8 @@ async def test_cuda_graphs_on_cpu_say_why_they_are_off(caplog):
     model = tiny_model("llama")
     with caplog.at_level(logging.INFO, logger="acb"):
         async with acb.Engine(model, config=acb.EngineConfig(num_blocks=32, use_cuda_graph=True)) as engine:
-            assert runner_of(engine).decode_padding is None and runner_of(engine).decode_graphs is None
+            fast = runner_of(engine).fast_paths
+            assert fast.decode_padding is None and fast.decode_graphs is None
             assert (await engine.generate([5, 6, 7], max_new_tokens=3, ignore_eos=True)).token_ids == \
                 reference_greedy(model, [5, 6, 7], 3)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -429,7 +431,7 @@ async def test_engine_compiles_each_path_with_its_level(monkeypatch):
     model = tiny_model("llama")
     config = acb.EngineConfig(num_blocks=32, compile_level=1, decode_compile_level=3)
     async with acb.Engine(model, config=config) as engine:
-        assert runner_of(engine).decode_forward is not model or calls  # torch.compile was asked
+        assert runner_of(engine).fast_paths.decode_forward is not model or calls  # torch.compile was asked
         out = await engine.generate([9, 8, 7], max_new_tokens=4, ignore_eos=True)
     assert calls == [compiling.compile_kwargs(1), compiling.compile_kwargs(3)]
     assert out.token_ids == reference_greedy(model, [9, 8, 7], 4)
@@ -460,6 +462,6 @@ async def test_cuda_graphs_keep_greedy_parity(async_batching):
                               q_padding_interval_size=4, kv_padding_interval_size=32, async_batching=async_batching)
     async with acb.Engine(model, config=config) as engine:
         results = await _submit_all(engine, prompts, max_new)
-        graphs = runner_of(engine).decode_graphs
+        graphs = runner_of(engine).fast_paths.decode_graphs
         assert graphs is not None and not graphs.failed and graphs.graphs
     assert [r.token_ids for r in results] == expected

@@ -50,7 +50,7 @@ def test_fused_forward_computes_the_models_logits(arch):
     model = tiny_model(arch, seed=3)
     runner = _runner(model)
     try:
-        assert runner.fused is not None, f"{arch}: the fused forward should stand in for transformers'"
+        assert runner.fast_paths.fused is not None, f"{arch}: the fused forward should stand in for transformers'"
         prompts = random_prompts(3, 5, 40, seed=7)
         rows, pages, next_page = [], [], 0
         for p in prompts:  # three fresh prompts in one packed step, each on its own pages
@@ -59,14 +59,14 @@ def test_fused_forward_computes_the_models_logits(arch):
             next_page += need
             rows.append((p, 0, pages[-1]))
         want = _logits(runner, runner.model, rows)
-        got = _logits(runner, runner.fused, rows)
+        got = _logits(runner, runner.fast_paths.fused, rows)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         # then a decode step over the cache the prefill wrote
         nxt = want.argmax(-1).tolist()
         rows = [([t], len(p), pg)
                 for t, p, pg in zip(nxt, prompts, pages, strict=True)]
         want = _logits(runner, runner.model, rows)
-        got = _logits(runner, runner.fused, rows)
+        got = _logits(runner, runner.fast_paths.fused, rows)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     finally:
         runner.release()
@@ -80,7 +80,7 @@ def test_a_layer_it_does_not_reproduce_keeps_transformers_forward(caplog):
         layer.mlp.act_fn = torch.nn.ReLU()
     runner = _runner(model)
     try:
-        assert runner.fused is None and runner.decode_forward is runner.model
+        assert runner.fast_paths.fused is None and runner.fast_paths.decode_forward is runner.model
         assert "fused CPU forward not used" in caplog.text
         assert runner.forward_path == "transformers" and "ReLU" in runner.forward_reason
     finally:
@@ -91,7 +91,7 @@ def test_fused_forward_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("ACB_CPU_FUSED", "0")
     runner = _runner(tiny_model("llama"))
     try:
-        assert runner.fused is None
+        assert runner.fast_paths.fused is None
     finally:
         runner.release()
 
@@ -102,7 +102,7 @@ async def test_greedy_parity_with_the_fused_forward_on_and_off(arch, fused, monk
     monkeypatch.setenv("ACB_CPU_FUSED", fused)
     prompts = random_prompts(6, 3, 50, seed=11)
     async with tiny_engine(arch, seed=2) as engine:
-        assert (runner_of(engine).fused is not None) == (fused == "1" and fused_kernels() is not None)
+        assert (runner_of(engine).fast_paths.fused is not None) == (fused == "1" and fused_kernels() is not None)
         got = await engine.generate_batch(prompts, max_new_tokens=12, ignore_eos=True)
         for prompt, result in zip(prompts, got, strict=True):
             assert result.token_ids == reference_greedy(engine.model, prompt, 12)
@@ -191,13 +191,13 @@ def test_fused_forward_in_bf16_agrees_with_transformers_bf16_forward(arch):
         want = [model(input_ids=torch.tensor([p])).logits[0, -1].float() for p in prompts]
     runner = _runner(model)
     try:
-        assert runner.fused is not None and runner.attn_backend == "native", arch
+        assert runner.fast_paths.fused is not None and runner.attn_backend == "native", arch
         rows, next_page = [], 0
         for p in prompts:
             need = (len(p) + 1 + 7) // 8
             rows.append((p, 0, list(range(next_page, next_page + need))))
             next_page += need
-        got = _logits(runner, runner.fused, rows)
+        got = _logits(runner, runner.fast_paths.fused, rows)
         assert got.dtype == torch.float32  # logits handed to sampling are float32
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=0, atol=BF16_ATOL)
@@ -298,7 +298,7 @@ async def test_the_engines_gemms_see_only_padded_row_counts_and_stay_exact(monke
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", Recorder())
     prompts = random_prompts(20, 3, 30, seed=5)
     async with tiny_engine(num_blocks=256, page_size=8) as engine:
-        assert runner_of(engine).fused is not None and runner_of(engine).prepacked
+        assert runner_of(engine).fast_paths.fused is not None and runner_of(engine).fast_paths.prepacked
         got = await engine.generate_batch(prompts[:9], max_new_tokens=5, ignore_eos=True)  # 9 decode rows
         layer = engine.model.model.layers[0]
         with layer.register_forward_hook(lambda *a: None):  # transformers' forward, packed linears
@@ -318,7 +318,7 @@ async def test_a_bf16_engine_runs_the_fused_forward_on_bf16_pages_and_says_so():
     prompts = random_prompts(4, 3, 30, seed=5)
     async with tiny_engine("llama", seed=2, dtype="bfloat16") as engine:
         runner = runner_of(engine)
-        assert runner.k_cache[0].dtype == torch.bfloat16
+        assert runner.kv.k_cache[0].dtype == torch.bfloat16
         got = await engine.generate_batch(prompts, max_new_tokens=8, ignore_eos=True)
         stats = engine.stats()
         assert (stats.dtype, stats.forward_path, stats.forward_reason, stats.attn_backend) == \

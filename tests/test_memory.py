@@ -142,7 +142,7 @@ async def test_hybrid_model_sliding_layers_keep_only_the_window(arch, async_batc
         assert stats.sliding_total_blocks == 4 * (2 + 1) + 4 + 1 < stats.total_blocks
         runner = runner_of(engine)
         sliding = sorted(engine.layout.swa_layers)
-        assert sliding and all(runner.k_cache[i].shape[1] == 18 * 4 for i in sliding)
+        assert sliding and all(runner.kv.k_cache[i].shape[1] == 18 * 4 for i in sliding)
         results = await engine.generate_batch(prompts, max_new_tokens=130, ignore_eos=True)
         stats = engine.stats()
         engine.check_integrity()

@@ -38,7 +38,7 @@ async def test_fault_injected_through_a_hook_registered_while_running_fails_only
     model = tiny_model()
     engine = acb.Engine(model, config=acb.EngineConfig(num_blocks=64, page_size=8, max_requests_per_batch=4))
     async with engine:
-        assert runner_of(engine).fused is not None, "the fused forward should stand in for this model"
+        assert runner_of(engine).fast_paths.fused is not None, "the fused forward should stand in for this model"
         in_step, streams, got, queued = await four_running_two_queued(engine)
         error = RuntimeError("injected through a forward hook")
         fired = []

@@ -14,7 +14,8 @@ from reliability_helpers import PROMPTS, expected, idle_and_free, until
 
 import acb
 from acb.kv_cache import HostPool, KVCacheManager
-from acb.runner import ModelRunner, kv_bytes_per_token
+from acb.model_shape import ModelShape
+from acb.runner import ModelRunner
 from acb.scheduler import WAITING, Scheduler, Sequence
 from acb.step import PageMoves, StepOutput
 from acb.testing import random_prompts, reference_greedy, tiny_engine, tiny_model
@@ -73,7 +74,7 @@ async def test_without_offload_the_same_run_recomputes():
 
 async def test_a_full_pool_falls_back_to_recompute_and_stays_exact():
     model = tiny_model("llama")
-    per_page = kv_bytes_per_token(model.config, torch.float32) * 4
+    per_page = ModelShape.of(model.config).kv_bytes_per_token(torch.float32) * 4
     prompts = random_prompts(12, 3, 40, seed=5)
     max_new = [10 + (i * 5) % 23 for i in range(len(prompts))]
     want = [reference_greedy(model, p, n) for p, n in zip(prompts, max_new, strict=True)]
@@ -112,7 +113,7 @@ def _moves(*entries: tuple[int, ...]) -> PageMoves:
 
 def test_pool_size_follows_the_setting_and_is_capped_at_80_percent_of_available_ram(caplog):
     model = tiny_model("llama")
-    per_page = kv_bytes_per_token(model.config, torch.float32) * 16
+    per_page = ModelShape.of(model.config).kv_bytes_per_token(torch.float32) * 16
     engine = acb.Engine(model, config=acb.EngineConfig(num_blocks=32, cpu_offload_space=0.001))
     assert engine.stats().host_blocks == int(0.001 * 2**30 // per_page)
     cap_pages = 0.8 * psutil.virtual_memory().available / per_page
@@ -130,17 +131,17 @@ def test_runner_swaps_pages_out_and_back_into_other_pages_bit_for_bit():
     model = tiny_model("qwen3")
     runner = ModelRunner(model, num_pages=8, page_size=4, host_pages=4)
     try:
-        for k, v in zip(runner.k_cache, runner.v_cache, strict=True):
+        for k, v in zip(runner.kv.k_cache, runner.kv.v_cache, strict=True):
             k.copy_(torch.randn_like(k))
             v.copy_(torch.randn_like(v))
-        ps = runner.page_size
+        ps = runner.kv.page_size
         before = [(k[:, 2 * ps : 4 * ps].clone(), v[:, 5 * ps : 6 * ps].clone())
-                  for k, v in zip(runner.k_cache, runner.v_cache, strict=True)]
-        runner.offload.swap_out(_moves((2, 3), (3, 0), (5, 1)))
-        for cache in runner.k_cache + runner.v_cache:
+                  for k, v in zip(runner.kv.k_cache, runner.kv.v_cache, strict=True)]
+        runner.kv.offload.swap_out(_moves((2, 3), (3, 0), (5, 1)))
+        for cache in runner.kv.k_cache + runner.kv.v_cache:
             cache[:, : 8 * ps].zero_()
-        runner.offload.swap_in(_moves((3, 6), (0, 7), (1, 0)))
-        for (k_want, v_want), k, v in zip(before, runner.k_cache, runner.v_cache, strict=True):
+        runner.kv.offload.swap_in(_moves((3, 6), (0, 7), (1, 0)))
+        for (k_want, v_want), k, v in zip(before, runner.kv.k_cache, runner.kv.v_cache, strict=True):
             assert torch.equal(k[:, 6 * ps : 8 * ps], k_want)
             assert torch.equal(v[:, 0:ps], v_want)
     finally:
@@ -181,20 +182,20 @@ def test_runner_swaps_hybrid_entries_with_and_without_a_sliding_page():
     model = tiny_model("gemma3")  # layers 0 and 1 slide, layer 2 does not
     runner = ModelRunner(model, num_pages=8, page_size=4, host_pages=4, swa_pages=5, swa_layers=frozenset({0, 1}))
     try:
-        ps = runner.page_size
-        assert runner.k_cache[0].shape[1] == 6 * ps and runner.k_cache[2].shape[1] == 9 * ps
-        for cache in runner.k_cache + runner.v_cache:
+        ps = runner.kv.page_size
+        assert runner.kv.k_cache[0].shape[1] == 6 * ps and runner.kv.k_cache[2].shape[1] == 9 * ps
+        for cache in runner.kv.k_cache + runner.kv.v_cache:
             cache[:, :-ps].copy_(torch.randn_like(cache[:, :-ps]))  # every page but the zero page
-        full_before = runner.k_cache[2][:, 1 * ps : 2 * ps].clone(), runner.v_cache[2][:, 4 * ps : 5 * ps].clone()
-        swa_before = runner.k_cache[0][:, 3 * ps : 4 * ps].clone()
+        full_before = runner.kv.k_cache[2][:, 1 * ps : 2 * ps].clone(), runner.kv.v_cache[2][:, 4 * ps : 5 * ps].clone()
+        swa_before = runner.kv.k_cache[0][:, 3 * ps : 4 * ps].clone()
         # entry 1: full page 1 with sliding page 3; entry 2: full page 4, its sliding page recycled
-        runner.offload.swap_out(_moves((1, 0, 3), (4, 2, -1)))
-        for cache in runner.k_cache + runner.v_cache:
+        runner.kv.offload.swap_out(_moves((1, 0, 3), (4, 2, -1)))
+        for cache in runner.kv.k_cache + runner.kv.v_cache:
             cache[:, : -ps].zero_()
-        runner.offload.swap_in(_moves((0, 6, 2), (2, 7, -1)))
-        assert torch.equal(runner.k_cache[2][:, 6 * ps : 7 * ps], full_before[0])
-        assert torch.equal(runner.v_cache[2][:, 7 * ps : 8 * ps], full_before[1])
-        assert torch.equal(runner.k_cache[0][:, 2 * ps : 3 * ps], swa_before)
-        assert bool((runner.k_cache[0][:, 5 * ps :] == 0).all())  # the sliding pool's zero page untouched
+        runner.kv.offload.swap_in(_moves((0, 6, 2), (2, 7, -1)))
+        assert torch.equal(runner.kv.k_cache[2][:, 6 * ps : 7 * ps], full_before[0])
+        assert torch.equal(runner.kv.v_cache[2][:, 7 * ps : 8 * ps], full_before[1])
+        assert torch.equal(runner.kv.k_cache[0][:, 2 * ps : 3 * ps], swa_before)
+        assert bool((runner.kv.k_cache[0][:, 5 * ps :] == 0).all())  # the sliding pool's zero page untouched
     finally:
         runner.release()

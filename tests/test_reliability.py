@@ -314,7 +314,7 @@ async def test_aclose_releases_the_kv_cache_memory() -> None:
     base = _rss()
     await engine.start()
     runner = runner_of(engine)
-    caches = runner.k_cache + runner.v_cache
+    caches = runner.kv.k_cache + runner.kv.v_cache
     size = sum(t.numel() * t.element_size() for t in caches)
     assert size > 300e6
     for cache in caches:

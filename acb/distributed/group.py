@@ -291,9 +291,8 @@ class TPModelRunner(ModelRunner):
     sampling, which rank 0 does alone, fails like any step."""
 
     def __init__(self, tp: TensorParallel, *args, **kwargs) -> None:
-        super().__init__(tp.model, *args, **kwargs)
+        super().__init__(tp.model, *args, row_reduce=tp.reduce, **kwargs)
         self.tp = tp
-        self.row_reduce = tp.reduce
 
     def configure_fast_paths(self, config, max_rows: int, *, pad_on_cpu: bool = False) -> None:
         super().configure_fast_paths(runner_config(config, warn=True), max_rows)

@@ -74,8 +74,7 @@ def run_worker(rank: int | None = None, size: int | None = None, store_address: 
     group.agree_capacity(ctrl, sizing.layout(model, config))
     layout = group.broadcast_object(ctrl)
     args, kwargs = group.runner_args(layout, config)
-    runner = ModelRunner(model, *args, **kwargs)
-    runner.row_reduce = reduce
+    runner = ModelRunner(model, *args, row_reduce=reduce, **kwargs)
     runner.configure_fast_paths(config, layout.max_requests)
     channel = protocol.Channel(data, device, timeout)
     store.set(group.SERVING_KEY.format(rank), "1")
