@@ -9,9 +9,8 @@ row that could live long enough to reach the GC's old generation (the full colle
 that followed, each over every object torch and transformers keep, made the engine's
 cost per request grow with the number of requests; see benchmarks/overhead.py).
 
-``StepInput`` packs into one flat int32 tensor and back (``pack`` / ``unpack``): the
-message rank 0 of a tensor-parallel engine broadcasts to the other ranks each step.
-Plain data only: no torch at import (``pack`` / ``unpack`` import it when called).
+Plain data only, no torch: how a ``StepInput`` travels to the other ranks of a
+tensor-parallel engine (one flat int32 tensor) is ``acb.distributed.protocol``'s.
 """
 
 from __future__ import annotations
@@ -21,8 +20,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import torch
-
     from .prompt_logprobs import PromptLogprobRows, PromptSink, Scores
     from .sampling import SamplingBatch
 
@@ -87,8 +84,8 @@ class StepInput:
     copy_pages: PageMoves = field(default_factory=PageMoves)
     copy_swa_pages: PageMoves = field(default_factory=PageMoves)
     plain: bool = False  # run the model's own forward (no fused forward, compiled forward or graph)
-    # the prompt positions whose logits are kept and scored too (prompt_logprobs; not in pack():
-    # only rank 0 keeps logits)
+    # the prompt positions whose logits are kept and scored too (prompt_logprobs; not in the
+    # tensor-parallel message: only rank 0 keeps logits)
     prompt_logprobs: PromptLogprobRows | None = None
     refresh: bool = False  # the weights changed: rebuild the fast paths first (ModelRunner.check_model)
 
@@ -122,60 +119,6 @@ class StepInput:
 
     def row_swa_pages(self, i: int) -> list[int]:
         return self.swa_pages[self.swa_offsets[i] : self.swa_offsets[i + 1]]
-
-    # ------------------------------------------------------------------ the flat message
-    # header: rows, tokens, pages, sliding pages, swap-outs, swap-ins, copies, sliding
-    # copies, flags; then starts, carry sources, sample flags, the three offset columns
-    # (rows + 1 each), token ids, pages, sliding pages, and the page moves (src, dst, swa
-    # columns of each).
-    _HEADER = 9
-
-    def pack(self) -> torch.Tensor:
-        """This step (not its sampling batch) as one flat int32 tensor on the host."""
-        import torch
-
-        moves = (self.swap_out, self.swap_in, self.copy_pages, self.copy_swa_pages)
-        header = [self.num_rows, len(self.token_ids), len(self.pages), len(self.swa_pages),
-                  *(len(m) for m in moves), self.plain | self.refresh << 1]
-        flat = header + self.starts + self.carry_from + self.sample + self.token_offsets + self.page_offsets \
-            + self.swa_offsets + self.token_ids + self.pages + self.swa_pages
-        for m in moves:
-            flat += m.src + m.dst + m.swa
-        return torch.tensor(flat, dtype=torch.int32)
-
-    def carried_positions(self) -> tuple[list[int], list[int]]:
-        """(positions in ``pack()``'s tensor of the carried placeholder ids, their indexes
-        into the previous step's sampled ids): the sender writes them in on the device."""
-        base = self._HEADER + 6 * self.num_rows + 3
-        o = self.token_offsets
-        rows = [i for i, c in enumerate(self.carry_from) if c >= 0]
-        return [base + o[i + 1] - 1 for i in rows], [self.carry_from[i] for i in rows]
-
-    @classmethod
-    def unpack(cls, packed: torch.Tensor | list[int]) -> StepInput:
-        """The step ``pack()`` made (its sampling batch None)."""
-        flat = packed.tolist() if hasattr(packed, "tolist") else list(packed)
-        rows, n_tokens, n_pages, n_swa, n_out, n_in, n_copy, n_copy_swa, flags = flat[: cls._HEADER]
-        it = _Cursor(flat, cls._HEADER)
-        step = cls(starts=it.take(rows), carry_from=it.take(rows), sample=[bool(s) for s in it.take(rows)],
-                   token_offsets=it.take(rows + 1), page_offsets=it.take(rows + 1), swa_offsets=it.take(rows + 1),
-                   token_ids=it.take(n_tokens), pages=it.take(n_pages), swa_pages=it.take(n_swa),
-                   plain=bool(flags & 1), refresh=bool(flags & 2))
-        step.swap_out, step.swap_in, step.copy_pages, step.copy_swa_pages = (
-            PageMoves(it.take(n), it.take(n), it.take(n)) for n in (n_out, n_in, n_copy, n_copy_swa))
-        return step
-
-
-class _Cursor:
-    __slots__ = ("flat", "at")
-
-    def __init__(self, flat: list[int], at: int) -> None:
-        self.flat = flat
-        self.at = at
-
-    def take(self, n: int) -> list[int]:
-        self.at += n
-        return self.flat[self.at - n : self.at]
 
 
 @dataclass(slots=True, eq=False)

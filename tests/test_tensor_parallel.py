@@ -20,6 +20,7 @@ import torch
 from http_helpers import free_port
 
 import acb
+from acb.distributed import protocol
 from acb.step import StepInput
 from acb.testing import random_prompts, reference_greedy, tiny_model, tiny_tokenizer
 
@@ -203,14 +204,14 @@ def test_step_input_packs_into_one_int32_tensor_and_back_with_carried_tokens_wri
     step.swap_in.add(0, 7, 2)
     step.copy_pages.add(5, 9)
     step.copy_swa_pages.add(1, 3)
-    packed = step.pack()
+    packed = protocol.pack_step(step)
     assert packed.dtype == torch.int32 and packed.dim() == 1
-    back = StepInput.unpack(packed)
+    back = protocol.unpack_step(packed)
     assert _columns(back) == _columns(step) and back.sampling is None
     assert back.counts() == [3, 2, 1, 0] and back.row_pages(2) == [8, -1, 2, 6] and back.row_swa_pages(1) == [-1, 4, 5]
     # what rank 0 broadcasts: the placeholders of carried tokens replaced by the sampled ids
-    positions, sources = step.carried_positions()
+    positions, sources = protocol.carried_positions(step)
     assert sources == [1, 0] and [int(packed[p]) for p in positions] == [0, 0]
     sampled = torch.tensor([41, 42])
     packed[positions] = sampled[sources].to(torch.int32)
-    assert StepInput.unpack(packed).token_ids == [5, 6, 7, 9, 42, 41]
+    assert protocol.unpack_step(packed).token_ids == [5, 6, 7, 9, 42, 41]

@@ -1,9 +1,15 @@
 """The one message per step that rank 0 broadcasts to the other ranks.
 
-A step travels as ``acb.step.StepInput.pack()``'s flat int32 tensor, never pickled,
-behind two ints of its own::
+A step travels as one flat int32 tensor (:func:`pack_step`), never pickled, behind two
+ints of its own::
 
     op, length (of the whole message), then the packed step (OP_STEP only)
+
+The packed step: a header (rows, tokens, pages, sliding pages, swap-outs, swap-ins,
+copies, sliding copies, flags), then the columns of ``acb.step.StepInput``: starts,
+carry sources, sample flags, the three offset columns (rows + 1 each), token ids, pages,
+sliding pages, and the page moves (src, dst, swa columns of each). Its sampling batch
+and prompt-logprob rows stay on rank 0.
 
 A token that rank 0 carries over from the previous step's sampling (it never reached
 the host) is written into the message from rank 0's sampled ids, on its device, so the
@@ -17,10 +23,59 @@ from datetime import timedelta
 
 import torch
 
-from ..step import StepInput
+from ..step import PageMoves, StepInput
 
 OP_IDLE, OP_STEP, OP_STOP, OP_RESIZE = 0, 1, 2, 3
 HEADER = 2
+STEP_HEADER = 9  # the packed step's own header
+
+
+def pack_step(step: StepInput) -> torch.Tensor:
+    """``step`` (not its sampling batch) as one flat int32 tensor on the host."""
+    moves = (step.swap_out, step.swap_in, step.copy_pages, step.copy_swa_pages)
+    header = [step.num_rows, len(step.token_ids), len(step.pages), len(step.swa_pages),
+              *(len(m) for m in moves), step.plain | step.refresh << 1]
+    flat = header + step.starts + step.carry_from + step.sample + step.token_offsets + step.page_offsets \
+        + step.swa_offsets + step.token_ids + step.pages + step.swa_pages
+    for m in moves:
+        flat += m.src + m.dst + m.swa
+    return torch.tensor(flat, dtype=torch.int32)
+
+
+def carried_positions(step: StepInput) -> tuple[list[int], list[int]]:
+    """(positions in :func:`pack_step`'s tensor of ``step``'s carried placeholder ids,
+    their indexes into the previous step's sampled ids): the sender writes them in on
+    the device."""
+    base = STEP_HEADER + 6 * step.num_rows + 3
+    o = step.token_offsets
+    rows = [i for i, c in enumerate(step.carry_from) if c >= 0]
+    return [base + o[i + 1] - 1 for i in rows], [step.carry_from[i] for i in rows]
+
+
+def unpack_step(packed: torch.Tensor | list[int]) -> StepInput:
+    """The step :func:`pack_step` made (its sampling batch None)."""
+    flat = packed.tolist() if hasattr(packed, "tolist") else list(packed)
+    rows, n_tokens, n_pages, n_swa, n_out, n_in, n_copy, n_copy_swa, flags = flat[:STEP_HEADER]
+    it = _Cursor(flat, STEP_HEADER)
+    step = StepInput(starts=it.take(rows), carry_from=it.take(rows), sample=[bool(s) for s in it.take(rows)],
+                     token_offsets=it.take(rows + 1), page_offsets=it.take(rows + 1),
+                     swa_offsets=it.take(rows + 1), token_ids=it.take(n_tokens), pages=it.take(n_pages),
+                     swa_pages=it.take(n_swa), plain=bool(flags & 1), refresh=bool(flags & 2))
+    step.swap_out, step.swap_in, step.copy_pages, step.copy_swa_pages = (
+        PageMoves(it.take(n), it.take(n), it.take(n)) for n in (n_out, n_in, n_copy, n_copy_swa))
+    return step
+
+
+class _Cursor:
+    __slots__ = ("flat", "at")
+
+    def __init__(self, flat: list[int], at: int) -> None:
+        self.flat = flat
+        self.at = at
+
+    def take(self, n: int) -> list[int]:
+        self.at += n
+        return self.flat[self.at - n : self.at]
 
 
 class Channel:
@@ -43,14 +98,14 @@ class Channel:
     def send(self, step: StepInput, sampled: torch.Tensor | None = None) -> None:
         """Rank 0: broadcast ``step``, its carried tokens taken from ``sampled`` (the
         previous step's sampled ids, on the device)."""
-        packed = step.pack()
+        packed = pack_step(step)
         length = HEADER + packed.numel()
         if length > self.buffer.numel():
             self.send_op(OP_RESIZE, length)
             self._grow(length)
         self.buffer[:HEADER] = torch.tensor([OP_STEP, length], dtype=torch.int32)
         self.buffer[HEADER:length] = packed
-        carry_pos, carry_src = step.carried_positions()
+        carry_pos, carry_src = carried_positions(step)
         if carry_pos and sampled is not None:
             idx = torch.tensor([HEADER + p for p in carry_pos], device=self.device)
             self.buffer[idx] = sampled[torch.tensor(carry_src, device=sampled.device)].to(torch.int32)
@@ -67,5 +122,5 @@ class Channel:
             self._broadcast()
             op, length = self.buffer[:HEADER].tolist()
             if op != OP_RESIZE:
-                return op, StepInput.unpack(self.buffer[HEADER:length]) if op == OP_STEP else None
+                return op, unpack_step(self.buffer[HEADER:length]) if op == OP_STEP else None
             self._grow(length)
