@@ -10,8 +10,9 @@ each) and --questions questions per document (--question tokens appended to it),
 interleaved (question 1 of every document, then question 2 of every document, ...) by
 --concurrency clients, each sending its next request when its last one is answered; --new
 tokens each, EOS ignored. Each replica gets one CPU and one torch thread and --num-blocks
-KV pages (default: about 5 documents' worth, so that neither replica can hold every
-document). --rounds 2 runs the routers as free-pages, prefix, prefix, free-pages.
+KV pages (default: 6 documents' worth plus the running requests' own, so that neither
+replica can hold every document). --rounds 2 runs the routers as free-pages, prefix,
+prefix, free-pages.
 
 Per router: the prefix-cache hit rate (prompt tokens served from the cache over all prompt
 tokens, from each answer's ``metrics``), requests/s and generated tokens/s over the whole
@@ -97,14 +98,14 @@ def main() -> None:
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--num-blocks", type=int, default=None,
-                   help="KV pages per replica (default: about 5 documents' worth plus the running requests')")
+                   help="KV pages per replica (default: 6 documents' worth plus the running requests' own)")
     p.add_argument("--rounds", type=int, default=1, help="1: free-pages then prefix; 2: and prefix then free-pages")
     p.add_argument("--out", default="bench-results/prefix_routing.json")
     args = p.parse_args()
     folder, gguf_file = smollm2()
     page_size = args.page_size
     if args.num_blocks is None:
-        args.num_blocks = 5 * -(-args.doc // page_size) + args.concurrency * -(-(args.question + args.new) // page_size)
+        args.num_blocks = 6 * -(-args.doc // page_size) + args.concurrency * -(-(args.question + args.new) // page_size)
     rng = random.Random(0)
     docs = [[rng.randrange(100, 30000) for _ in range(args.doc)] for _ in range(args.docs)]
     requests = [(d, docs[d] + [rng.randrange(100, 30000) for _ in range(args.question)])
