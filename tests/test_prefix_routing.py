@@ -180,3 +180,18 @@ async def test_index_follows_a_live_engine_and_matches_its_hits():
         assert expected == 5
         assert done.metrics.num_cached_prompt_tokens == expected * engine.page_size
         stream.close()
+
+
+def test_a_silent_replica_goes_stale_until_it_pushes_again():
+    """A replica's publisher pushes at least a heartbeat every 2 s: one silent for longer is
+    gone or stuck, and its set is not trusted."""
+    now = [100.0]
+    index = PrefixIndex(stale_after_s=10.0, clock=lambda: now[0])
+    tokens = list(range(1, 14))
+    assert index.apply("r1", "s1", 1, PAGE, [_resync(prefix_page_hashes(tokens, PAGE))])
+    now[0] += 10.5
+    assert index.match(tokens, ["r1"]) == {"r1": None} and not index.summary()["r1"]["known"]
+    assert index.apply("r1", "s1", 2, PAGE, [])  # its heartbeat: the stream is whole, the set trusted again
+    assert index.match(tokens, ["r1"]) == {"r1": 3}
+    with pytest.raises(ValueError, match="stale_after_s"):
+        PrefixIndex(stale_after_s=0)

@@ -11,7 +11,8 @@ longest run of a prompt's first pages found in a replica's set is what that repl
 cache would hit (``match``).
 
 A replica is *unknown* until its first resync arrives, and again as soon as a batch is
-missing (its numbering has a gap, or it starts a new stream without a resync): an
+missing (its numbering has a gap, or it starts a new stream without a resync) or it has
+been silent for ``stale_after_s`` (a live replica sends a heartbeat when idle): an
 unknown replica's set is not trusted, it only competes on load, until a resync (the
 whole current set, which a fresh ``kv_events()`` subscription starts with) rebuilds it.
 
@@ -22,7 +23,8 @@ overloaded; then, as the free-pages router does, the replicas with the most free
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from acb import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, prefix_page_hashes
@@ -55,6 +57,7 @@ class ReplicaPages:
     stream: str = ""  # the replica's current subscription (a new one starts with a resync)
     seq: int = 0  # the last batch applied from it
     known: bool = False
+    last_push: float = 0.0  # clock() at its last push (a live replica pushes at least every heartbeat)
     hashes: set[int] = field(default_factory=set)
     resyncs: int = 0
     gaps: int = 0  # times a batch was missing and the replica became unknown
@@ -70,7 +73,11 @@ class PrefixIndex:
         index.match(prompt_ids, ["r1", "r2"])  # {"r1": 3, "r2": None}: r1 holds 3 pages, r2 unknown
     """
 
-    def __init__(self) -> None:
+    def __init__(self, stale_after_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if not stale_after_s > 0:
+            raise ValueError(f"stale_after_s must be > 0, got {stale_after_s!r}")
+        self.stale_after_s = stale_after_s  # silent this long: its publisher is gone, the set is not trusted
+        self.clock = clock
         self.replicas: dict[str, ReplicaPages] = {}
 
     def apply(self, replica: str, stream: str, seq: int, page_size: int, batches: Sequence[WireBatch]) -> bool:
@@ -84,6 +91,7 @@ class PrefixIndex:
         state = self.replicas.get(replica)
         if state is None or state.page_size != page_size:
             state = self.replicas[replica] = ReplicaPages(page_size)
+        state.last_push = self.clock()
         starts_with_resync = bool(batches) and batches[0][0]
         if not starts_with_resync and (not state.known or state.stream != stream or seq != state.seq + 1):
             if state.known:
@@ -124,9 +132,10 @@ class PrefixIndex:
         (None: unknown, its set is not trusted now)."""
         hashes_by_size: dict[int, list[int]] = {}
         out: dict[str, int | None] = {}
+        now = self.clock()
         for replica in replicas:
             state = self.replicas.get(replica)
-            if state is None or not state.known:
+            if state is None or not state.known or now - state.last_push > self.stale_after_s:
                 out[replica] = None
                 continue
             hashes = hashes_by_size.get(state.page_size)
@@ -142,8 +151,9 @@ class PrefixIndex:
 
     def summary(self) -> dict[str, dict[str, int | bool]]:
         """Per replica: known, pages, resyncs, gaps (for logs and tests)."""
-        return {r: {"known": s.known, "pages": len(s.hashes), "resyncs": s.resyncs, "gaps": s.gaps}
-                for r, s in self.replicas.items()}
+        now = self.clock()
+        return {r: {"known": s.known and now - s.last_push <= self.stale_after_s, "pages": len(s.hashes),
+                    "resyncs": s.resyncs, "gaps": s.gaps} for r, s in self.replicas.items()}
 
 
 @dataclass(slots=True)

@@ -98,29 +98,39 @@ async def publish_kv_events(engine: acb.Engine, replica: str, name: str) -> None
     while True:
         try:
             index = await asyncio.to_thread(ray.get_actor, name, INDEX_NAMESPACE)
-        except ValueError:  # no router made it yet
-            await asyncio.sleep(HEARTBEAT_S / 2)
-            continue
-        stream = engine.kv_events()
-        stream_id = f"{replica}/{next(_streams)}"
-        try:
-            seq = 0
-            while True:
-                try:
-                    first = await asyncio.wait_for(stream.__anext__(), HEARTBEAT_S)
-                    batches = [wire_batch(first)] + [wire_batch(b) for b in stream.pending()]
-                except TimeoutError:
-                    batches = []  # heartbeat
-                except StopAsyncIteration:
-                    return  # the engine stopped
-                seq += 1
-                if not await index.apply.remote(replica, stream_id, seq, engine.page_size, batches):
-                    break  # resubscribe: the new stream starts with a resync
+            while await _publish_stream(engine, replica, index):
+                pass  # the index lost the stream: subscribe again, which starts with a resync
+            return  # the engine stopped
+        except asyncio.CancelledError:
+            raise
+        except ValueError:  # ray.get_actor: no router made the index yet
+            pass
         except ray.exceptions.RayActorError:
             log.info("acb replica %s: the KV index actor went away; reconnecting", replica)
-            await asyncio.sleep(HEARTBEAT_S / 2)
-        finally:
-            stream.close()
+        except Exception:  # never stop publishing for good: the index would call this replica stale
+            log.exception("acb replica %s: publishing KV-cache events failed; subscribing again", replica)
+        await asyncio.sleep(HEARTBEAT_S / 2)
+
+
+async def _publish_stream(engine: acb.Engine, replica: str, index: Any) -> bool:
+    """One subscription: True when the index lost it, False when the engine stopped."""
+    stream = engine.kv_events()
+    stream_id = f"{replica}/{next(_streams)}"
+    seq = 0
+    try:
+        while True:
+            try:
+                first = await asyncio.wait_for(stream.__anext__(), HEARTBEAT_S)
+                batches = [wire_batch(first)] + [wire_batch(b) for b in stream.pending()]
+            except TimeoutError:
+                batches = []  # heartbeat
+            except StopAsyncIteration:
+                return False
+            seq += 1
+            if not await index.apply.remote(replica, stream_id, seq, engine.page_size, batches):
+                return True
+    finally:
+        stream.close()
 
 
 class PrefixAwareRouter(FIFOMixin, LocalityMixin, RequestRouter):
