@@ -21,20 +21,21 @@ another (block tables, no per-prompt loop). :func:`resolve_backend` picks one pe
 The step's metadata reaches the function through a thread-local set by the model
 runner, so several engines (each with its own worker thread) can share a process.
 
-The model's config names acb's attention only inside acb's steps (:func:`route`):
-everywhere else -- the user's own ``model(...)`` or ``model.generate(...)`` beside a
-running engine, on any thread -- it reports the model's own implementation, masks
-included, as if no engine held it.
+The step's metadata types and their builders are ``acb.packing``'s; the model's config
+names acb's attention only inside acb's steps (``acb.attention_routing``).
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from .packing import DecodeRows, PagePool, StepAttention
 
 ATTN_NAME = "acb_paged"
 # The same function behind a graph break, for compiled forwards (acb/compiling.py): its
@@ -65,72 +66,6 @@ def load_kernels(path: str) -> bool:
         return False
     KERNELS[path] = module
     return True
-
-
-@dataclass(slots=True, frozen=True)
-class PrefillSpan:
-    """One prefill row of the packed step (a prompt, or a chunk continuing one)."""
-
-    q_start: int  # first packed token of this row
-    q_end: int
-    past: int  # tokens of context before the row (0 = fresh prompt)
-    kernel_row: torch.Tensor | None = None  # native path, past > 0: [[q_start, q_end, 0, past]]
-
-
-@dataclass(slots=True, frozen=True)
-class DecodeRows:
-    """The step's decode rows (one query token each), the same in both page pools."""
-
-    token_idx: torch.Tensor  # [Bd] packed index of each decode row's token
-    lengths: torch.Tensor  # [Bd] context length of each row
-    kernel: str  # "native" / "triton": a kernel reads the pages in place; "torch": gathered, masked
-    padded: bool = False  # a decode-only step padded to a CUDA-graph bucket (acb/cuda_graphs.py)
-    key_pos: torch.Tensor | None = None  # "torch": [1, P * page_size] key positions
-    q_pos: torch.Tensor | None = None  # "torch": [Bd, 1] each query's position (length - 1)
-    valid: torch.Tensor | None = None  # "torch": [Bd, 1, P * page_size] True where a key exists
-
-    @classmethod
-    def build(cls, token_idx: torch.Tensor, lengths: torch.Tensor, width: int, kernel: str, padded: bool = False,
-              key_pos: torch.Tensor | None = None) -> DecodeRows:
-        """The rows' metadata for kernel path ``kernel``, over page tables covering ``width``
-        tokens; PyTorch's path gets its masks (from ``key_pos`` when given: a graph's constant)."""
-        if kernel != "torch":
-            return cls(token_idx, lengths, kernel, padded)
-        if key_pos is None:
-            key_pos = torch.arange(width, device=lengths.device).unsqueeze(0)
-        valid = (key_pos < lengths.unsqueeze(1)).view(lengths.shape[0], 1, width)
-        return cls(token_idx, lengths, kernel, padded, key_pos, (lengths - 1).unsqueeze(1), valid)
-
-
-@dataclass(slots=True, frozen=True)
-class PagePool:
-    """One page pool's view of the step: its KV tensors, where the new tokens go and the
-    rows' page tables. Hybrid models have two pools (full and sliding layers)."""
-
-    k_cache: list[torch.Tensor]  # per layer [kv_heads, num_slots, head_dim]
-    v_cache: list[torch.Tensor]
-    slot_mapping: torch.Tensor  # [T] where each new token's k/v goes
-    decode_pages: torch.Tensor | None = None  # [Bd, P] pages of each decode row's context (padding: zero page)
-    # per prefill span: the pages holding its past and new tokens when past > 0 (not "triton")
-    context_pages: tuple[torch.Tensor | None, ...] = ()
-    triton_prefill: object | None = None  # "triton": acb.kernels.triton_attention.PrefillRows
-
-
-@dataclass(slots=True, frozen=True)
-class StepAttention:
-    """Per-step attention metadata shared by every layer, complete when built (see
-    ``acb.packing``). ``kernel`` names the backend's kernel path (``native``, ``triton``
-    or ``torch``): the attention function takes its modules from :data:`KERNELS`."""
-
-    kernel: str
-    page_size: int
-    pool: PagePool
-    decode: DecodeRows | None = None
-    prefills: tuple[PrefillSpan, ...] = ()
-    # "native": the fresh prompts' rows, (first, end, first, 0) each: all attended in one call per layer
-    fresh_spans: torch.Tensor | None = None
-    sliding: PagePool | None = None  # hybrid models: the pool of the layers in ``sliding_layers``
-    sliding_layers: frozenset[int] = frozenset()
 
 
 BACKENDS = ("auto", "native", "torch", "triton", "flash_attn")
@@ -191,71 +126,13 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) ->
     return requested
 
 
-# id of each routed config -> how many engines route it
-_routes: dict[int, int] = {}
-_routed_classes: dict[type, type] = {}
-
-
-def _routed_impl(config) -> str | None:
-    if torch.compiler.is_compiling():  # acb compiles only its own step forward
-        return ATTN_NAME_COMPILED
-    if getattr(_local, "meta", None) is not None:  # inside an acb step, on its worker thread
-        return ATTN_NAME
-    return config._attn_implementation_internal
-
-
-def _set_impl(config, value) -> None:
-    type(config).__mro__[1]._attn_implementation.fset(config, value)
-
-
-def _rebuilt(cls: type, state: dict):
-    """A config of class ``cls`` with attributes ``state`` (what :func:`_reduce_as_base` pickles)."""
-    config = cls.__new__(cls)
-    config.__dict__.update(state)
-    return config
-
-
-def _reduce_as_base(self, protocol):
-    """Pickle (and deep-copy) a routed config as its own class: routing is process-local.
-    (Not ``copyreg.__newobj__``: pickle refuses it for a class other than the object's.)"""
-    return _rebuilt, (type(self).__mro__[1], self.__dict__.copy())
-
-
-def route(config) -> None:
-    """Make ``config`` name acb's attention inside acb's steps (on the thread running
-    one) and its own implementation everywhere else. Counted: each engine over the
-    model routes it once and :func:`unroute`s it once."""
-    if id(config) in _routes:
-        _routes[id(config)] += 1
-        return
-    base = type(config)
-    cls = _routed_classes.get(base)
-    if cls is None:
-        # a subclass whose one difference is this property: a data descriptor of the
-        # class decides, so an instance attribute could not do it
-        cls = type(base.__name__, (base,), {
-            "_attn_implementation": property(_routed_impl, _set_impl), "__module__": base.__module__,
-            "__qualname__": base.__qualname__, "__reduce_ex__": _reduce_as_base,
-        })
-        _routed_classes[base] = cls
-    config.__class__ = cls
-    _routes[id(config)] = 1
-
-
-def unroute(config) -> None:
-    """Undo one :func:`route`; the last one gives the config its own class back."""
-    count = _routes.get(id(config))
-    if count is None:
-        return
-    if count > 1:
-        _routes[id(config)] = count - 1
-        return
-    del _routes[id(config)]
-    config.__class__ = type(config).__mro__[1]
-
-
 def set_step(meta: StepAttention | None) -> None:
     _local.meta = meta
+
+
+def in_step() -> bool:
+    """Whether this thread is running an acb step (its metadata is set)."""
+    return getattr(_local, "meta", None) is not None
 
 
 def current_step() -> StepAttention:
@@ -299,14 +176,14 @@ def paged_attention(
     softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface, for one layer of an acb step: q [1, H, T, d],
+    new k/v [1, kvh, T, d] -> ([1, T, H, d], None)."""
     meta = current_step()
     layer = module.layer_idx
     pool = meta.sliding if meta.sliding is not None and layer in meta.sliding_layers else meta.pool
     k_cache = pool.k_cache[layer]  # [kv_heads, slots, head_dim]
     v_cache = pool.v_cache[layer]
     _, num_heads, total, head_dim = query.shape
-    kv_heads = key.shape[1]
-    groups = num_heads // kv_heads
     if scaling is None:
         scaling = head_dim**-0.5
     if meta.kernel == "triton":
@@ -326,26 +203,42 @@ def paged_attention(
     if widen:
         q_all, k_new, v_new = q_all.float(), k_new.float(), v_new.float()
     out = q_all.new_empty(total, num_heads, head_dim)
+    if meta.decode is not None:
+        _decode_rows(meta, pool, q_all, k_cache, v_cache, key.shape[1], scaling, sliding_window, softcap, out)
+    if meta.prefills:
+        _prefill_rows(meta, pool, q_all, k_new, v_new, k_cache, v_cache, widen, scaling, sliding_window, softcap,
+                      out)
+    return (out.to(query.dtype) if widen else out).unsqueeze(0), None
 
+
+def _decode_rows(meta: StepAttention, pool: PagePool, q_all: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, kv_heads: int, scaling: float, sliding_window: int | None,
+                 softcap: float | None, out: torch.Tensor) -> None:
+    """The decode rows (native or PyTorch path): q_all [H, T, d] -> their tokens' rows of
+    ``out`` [T, H, d]."""
     decode = meta.decode
-    if decode is not None:
-        idx = decode.token_idx
-        if decode.kernel == "native" and not meta.prefills:
-            # a decode-only step: every packed token is a decode row, in order; the
-            # kernel reads the queries in place and writes straight into the output
-            _decode_native(pool, decode, meta.page_size, q_all.transpose(0, 1).contiguous(), k_cache, v_cache,
-                           scaling, sliding_window, softcap, out)
-            idx = None
-        elif decode.kernel == "native":
-            o = _decode_native(pool, decode, meta.page_size, q_all.index_select(1, idx).transpose(0, 1).contiguous(),
-                               k_cache, v_cache, scaling, sliding_window, softcap)
-        else:
-            o = _decode_torch(pool, decode, meta.page_size, q_all.index_select(1, idx), k_cache, v_cache, kv_heads,
-                              scaling, sliding_window, softcap)
-        if idx is not None:
-            out.index_copy_(0, idx, o.to(out.dtype))
+    if decode.kernel == "native" and not meta.prefills:
+        # a decode-only step: every packed token is a decode row, in order; the
+        # kernel reads the queries in place and writes straight into the output
+        _decode_native(pool, decode, meta.page_size, q_all.transpose(0, 1).contiguous(), k_cache, v_cache,
+                       scaling, sliding_window, softcap, out)
+        return
+    idx = decode.token_idx
+    if decode.kernel == "native":
+        o = _decode_native(pool, decode, meta.page_size, q_all.index_select(1, idx).transpose(0, 1).contiguous(),
+                           k_cache, v_cache, scaling, sliding_window, softcap)
+    else:
+        o = _decode_torch(pool, decode, meta.page_size, q_all.index_select(1, idx), k_cache, v_cache, kv_heads,
+                          scaling, sliding_window, softcap)
+    out.index_copy_(0, idx, o.to(out.dtype))
 
-    kernel = KERNELS["native"] if meta.kernel == "native" and meta.prefills else None
+
+def _prefill_rows(meta: StepAttention, pool: PagePool, q_all: torch.Tensor, k_new: torch.Tensor,
+                  v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, widen: bool, scaling: float,
+                  sliding_window: int | None, softcap: float | None, out: torch.Tensor) -> None:
+    """The prefill rows (native or PyTorch path): q_all [H, T, d] and the new k/v
+    [kvh, T, d] -> their tokens' rows of ``out`` [T, H, d]."""
+    kernel = KERNELS["native"] if meta.kernel == "native" else None
     cap = softcap or 0.0
     fresh_done = meta.fresh_spans is not None and kernel.prefill_attention(
         q_all, k_new, v_new, meta.fresh_spans, out, scaling, cap, sliding_window or 0)
@@ -353,9 +246,7 @@ def paged_attention(
         qs, qe, past = span.q_start, span.q_end, span.past
         if past == 0 and fresh_done:
             continue
-        n = qe - qs
-        length = past + n
-        q = q_all[:, qs:qe]  # [H, n, d]
+        length = past + qe - qs
         if past == 0:
             k, v = k_new[:, qs:qe], v_new[:, qs:qe]  # [kvh, n, d]
         else:
@@ -366,28 +257,35 @@ def paged_attention(
             if kernel is not None and kernel.prefill_attention(
                     q_all, k, v, span.kernel_row, out, scaling, cap, sliding_window or 0):
                 continue
-        if softcap is None and past == 0 and sliding_window is None:
-            # a fresh prompt is plainly causal: the flash kernel then skips the masked
-            # half instead of reading a mask for every (query, key) pair
-            o = F.scaled_dot_product_attention(
-                q.unsqueeze(0), k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype),
-                is_causal=True, scale=scaling, enable_gqa=groups > 1,
-            )[0]
-        elif softcap is None:
-            o = F.scaled_dot_product_attention(
-                q.unsqueeze(0), k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype),
-                attn_mask=_prefill_mask(past, length, sliding_window, q.device), scale=scaling,
-                enable_gqa=groups > 1,
-            )[0]
-        else:
-            qg = q.reshape(kv_heads, groups * n, head_dim)
-            # rows ordered (group, position) like qg
-            allowed = _prefill_mask(past, length, sliding_window, q.device).repeat(groups, 1)
-            o = _attend(qg.to(k.dtype), k, v, allowed, scaling, softcap).to(q.dtype)
-            o = o.view(num_heads, n, head_dim)
-        out[qs:qe] = o.transpose(0, 1)
+        out[qs:qe] = _prefill_torch(q_all[:, qs:qe], k, v, past, scaling, sliding_window, softcap).transpose(0, 1)
 
-    return (out.to(query.dtype) if widen else out).unsqueeze(0), None
+
+def _prefill_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scaling: float,
+                   sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    """One prefill row through PyTorch: q [H, n, d] after ``past`` tokens of context,
+    k/v [kvh, past + n, d] -> [H, n, d]."""
+    num_heads, n, head_dim = q.shape
+    kv_heads = k.shape[0]
+    groups = num_heads // kv_heads
+    length = past + n
+    if softcap is None and past == 0 and sliding_window is None:
+        # a fresh prompt is plainly causal: the flash kernel then skips the masked
+        # half instead of reading a mask for every (query, key) pair
+        return F.scaled_dot_product_attention(
+            q.unsqueeze(0), k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype),
+            is_causal=True, scale=scaling, enable_gqa=groups > 1,
+        )[0]
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q.unsqueeze(0), k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype),
+            attn_mask=_prefill_mask(past, length, sliding_window, q.device), scale=scaling,
+            enable_gqa=groups > 1,
+        )[0]
+    qg = q.reshape(kv_heads, groups * n, head_dim)
+    # rows ordered (group, position) like qg
+    allowed = _prefill_mask(past, length, sliding_window, q.device).repeat(groups, 1)
+    o = _attend(qg.to(k.dtype), k, v, allowed, scaling, softcap).to(q.dtype)
+    return o.view(num_heads, n, head_dim)
 
 
 def _triton_attention(meta: StepAttention, pool: PagePool, q_all: torch.Tensor, k_new: torch.Tensor,

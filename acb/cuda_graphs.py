@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from . import attention
+from . import attention, packing
 from .model_shape import ModelShape
 from .sampling import MIN_TEMPERATURE, filter_top_k_top_p
 
@@ -231,7 +231,7 @@ class DecodeGraphs:
         self.logprobs_out: torch.Tensor | None = None
         self.failed = False
 
-    def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: attention.StepAttention,
+    def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: packing.StepAttention,
             mode: str | None = None, params: torch.Tensor | None = None,
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
         """Replay a padded decode-only step from its graph (captured now if new): with a
@@ -294,13 +294,13 @@ class DecodeGraphs:
         return True
 
     def _decode_step(self, slots: torch.Tensor, pages: torch.Tensor, lengths: torch.Tensor, token_idx: torch.Tensor,
-                     key_pos: torch.Tensor | None = None) -> attention.StepAttention:
+                     key_pos: torch.Tensor | None = None) -> packing.StepAttention:
         """A decode-only step's metadata over device tensors (a graph's static inputs: no
         host value depends on the step)."""
-        decode = attention.DecodeRows.build(token_idx, lengths, pages.shape[1] * self.page_size, self.kernel,
+        decode = packing.DecodeRows.build(token_idx, lengths, pages.shape[1] * self.page_size, self.kernel,
                                             padded=True, key_pos=key_pos)
-        pool = attention.PagePool(self.k_cache, self.v_cache, slots, pages)
-        return attention.StepAttention(self.kernel, self.page_size, pool, decode)
+        pool = packing.PagePool(self.k_cache, self.v_cache, slots, pages)
+        return packing.StepAttention(self.kernel, self.page_size, pool, decode)
 
     # The three CUDA calls, as methods so a CPU test can stand in for them.
     def _free_memory(self) -> int:
@@ -321,7 +321,7 @@ class DecodeGraphs:
             work()
 
     @staticmethod
-    def _load(g: _Graph, input_ids, position_ids, meta: attention.StepAttention, params) -> None:
+    def _load(g: _Graph, input_ids, position_ids, meta: packing.StepAttention, params) -> None:
         g.ids.copy_(input_ids)
         g.positions.copy_(position_ids)
         g.slots.copy_(meta.pool.slot_mapping)

@@ -23,9 +23,8 @@ from . import compiling, cuda_graphs
 from .watch import ModelWatch
 
 if TYPE_CHECKING:
-    from .attention import StepAttention
     from .kv_store import KVStore
-    from .packing import Packed
+    from .packing import Packed, StepAttention
     from .step import StepInput
 
 log = logging.getLogger("acb")

@@ -1,11 +1,14 @@
 """A step's rows packed for one forward, and its attention metadata built from them.
 
-Four small builders, each returning something complete:
+The metadata types: :class:`StepAttention` (what every layer's attention reads: the
+decode rows, the prefill spans, one :class:`PagePool` view per page pool), made of
+:class:`DecodeRows` and :class:`PrefillSpan`. Four small builders, each returning
+something complete:
 
 - :func:`pack` (packing): one pass over the step's columns into flat lists -- input ids, positions,
   KV slots, the rows whose logits are kept, carried tokens, pages used for the first
   time -- with the decode and prefill rows apart;
-- :meth:`AttentionBuilder.decode`: the decode rows' :class:`~acb.attention.DecodeRows`
+- :meth:`AttentionBuilder.decode`: the decode rows' :class:`DecodeRows`
   and the kernel path that serves them;
 - :meth:`AttentionBuilder.prefill`: the prefill rows' spans (and the native kernel's
   batch of fresh prompts);
@@ -13,7 +16,8 @@ Four small builders, each returning something complete:
   models build a second, sliding one the same way.
 
 The metadata names its kernel path (``native``, ``triton``, ``torch``); the attention
-function looks the kernel modules up by that name (``acb.attention.KERNELS``).
+function looks the kernel modules up by that name (``acb.attention.KERNELS``). CUDA
+graphs build their static decode metadata with the same :meth:`DecodeRows.build`.
 """
 
 from __future__ import annotations
@@ -24,10 +28,74 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .attention import DecodeRows, PagePool, PrefillSpan, StepAttention
-
 if TYPE_CHECKING:
     from .step import StepInput
+
+
+@dataclass(slots=True, frozen=True)
+class PrefillSpan:
+    """One prefill row of the packed step (a prompt, or a chunk continuing one)."""
+
+    q_start: int  # first packed token of this row
+    q_end: int
+    past: int  # tokens of context before the row (0 = fresh prompt)
+    kernel_row: torch.Tensor | None = None  # native path, past > 0: [[q_start, q_end, 0, past]]
+
+
+@dataclass(slots=True, frozen=True)
+class DecodeRows:
+    """The step's decode rows (one query token each), the same in both page pools."""
+
+    token_idx: torch.Tensor  # [Bd] packed index of each decode row's token
+    lengths: torch.Tensor  # [Bd] context length of each row
+    kernel: str  # "native" / "triton": a kernel reads the pages in place; "torch": gathered, masked
+    padded: bool = False  # a decode-only step padded to a CUDA-graph bucket (acb/cuda_graphs.py)
+    key_pos: torch.Tensor | None = None  # "torch": [1, P * page_size] key positions
+    q_pos: torch.Tensor | None = None  # "torch": [Bd, 1] each query's position (length - 1)
+    valid: torch.Tensor | None = None  # "torch": [Bd, 1, P * page_size] True where a key exists
+
+    @classmethod
+    def build(cls, token_idx: torch.Tensor, lengths: torch.Tensor, width: int, kernel: str, padded: bool = False,
+              key_pos: torch.Tensor | None = None) -> DecodeRows:
+        """The rows' metadata for kernel path ``kernel``, over page tables covering ``width``
+        tokens; PyTorch's path gets its masks (from ``key_pos`` when given: a graph's constant)."""
+        if kernel != "torch":
+            return cls(token_idx, lengths, kernel, padded)
+        if key_pos is None:
+            key_pos = torch.arange(width, device=lengths.device).unsqueeze(0)
+        valid = (key_pos < lengths.unsqueeze(1)).view(lengths.shape[0], 1, width)
+        return cls(token_idx, lengths, kernel, padded, key_pos, (lengths - 1).unsqueeze(1), valid)
+
+
+@dataclass(slots=True, frozen=True)
+class PagePool:
+    """One page pool's view of the step: its KV tensors, where the new tokens go and the
+    rows' page tables. Hybrid models have two pools (full and sliding layers)."""
+
+    k_cache: list[torch.Tensor]  # per layer [kv_heads, num_slots, head_dim]
+    v_cache: list[torch.Tensor]
+    slot_mapping: torch.Tensor  # [T] where each new token's k/v goes
+    decode_pages: torch.Tensor | None = None  # [Bd, P] pages of each decode row's context (padding: zero page)
+    # per prefill span: the pages holding its past and new tokens when past > 0 (not "triton")
+    context_pages: tuple[torch.Tensor | None, ...] = ()
+    triton_prefill: object | None = None  # "triton": acb.kernels.triton_attention.PrefillRows
+
+
+@dataclass(slots=True, frozen=True)
+class StepAttention:
+    """Per-step attention metadata shared by every layer, complete when built (by
+    :class:`AttentionBuilder`). ``kernel`` names the backend's kernel path (``native``, ``triton``
+    or ``torch``): the attention function takes its modules from ``acb.attention.KERNELS``."""
+
+    kernel: str
+    page_size: int
+    pool: PagePool
+    decode: DecodeRows | None = None
+    prefills: tuple[PrefillSpan, ...] = ()
+    # "native": the fresh prompts' rows, (first, end, first, 0) each: all attended in one call per layer
+    fresh_spans: torch.Tensor | None = None
+    sliding: PagePool | None = None  # hybrid models: the pool of the layers in ``sliding_layers``
+    sliding_layers: frozenset[int] = frozenset()
 
 
 class DeviceIds:
@@ -125,7 +193,7 @@ def pack(step: StepInput, page_size: int, written: bytearray, swa_written: bytea
 
 @dataclass(slots=True)
 class AttentionBuilder:
-    """Builds a step's :class:`~acb.attention.StepAttention` for one runner: its kernel
+    """Builds a step's :class:`StepAttention` for one runner: its kernel
     path, page size, KV tensors and zero pages (one per pool)."""
 
     kernel: str  # the backend's kernel path: "native" | "triton" | "torch"

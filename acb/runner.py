@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from . import attention, packing, prompt_logprobs
+from . import attention, attention_routing, packing, prompt_logprobs
 from .fast_paths import FastPaths
 from .kv_store import KVStore
 from .sampling import sample, top_alternatives
@@ -88,13 +88,8 @@ class ModelRunner:
         self.kv = KVStore(model.config, self.dtype, self.device, num_pages, page_size, self._tensor, host_pages,
                           swa_pages, swa_layers)
         attention.register()
-        configs = [model.config]
-        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
-        if text is not None and text is not model.config:
-            configs.append(text)
-        self._routed = configs  # acb's attention inside acb's steps only (see attention.route)
-        for c in configs:
-            attention.route(c)
+        # acb's attention inside acb's steps only (see acb.attention_routing)
+        self._routed = attention_routing.route_model(model.config)
         self.fault_hook = None  # test hook: callable(step_index, stage) that may raise
         # the backend serving this runner, which names its kernel path: "native" | "triton" |
         # "torch" (ValueError if the requested one cannot run here)
@@ -144,7 +139,7 @@ class ModelRunner:
         self.attention = None  # it holds the cache tensors too
         self.prev_sampled = None
         for config in self._routed:
-            attention.unroute(config)
+            attention_routing.unroute(config)
         self._routed = []
 
     # ------------------------------------------------------------------------------
@@ -240,7 +235,7 @@ class ModelRunner:
             attention.set_step(None)
         return out.logits[0], None
 
-    def _build(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, attention.StepAttention]:
+    def _build(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, packing.StepAttention]:
         """The step's input ids, positions, kept logits rows and attention metadata."""
         kv = self.kv
         p = packing.pack(step, kv.page_size, kv.zeroed, kv.zeroed_swa if kv.swa_layers else None)

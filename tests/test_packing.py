@@ -10,8 +10,7 @@ import types
 import pytest
 import torch
 
-from acb.attention import StepAttention
-from acb.packing import AttentionBuilder, DeviceIds, pack
+from acb.packing import AttentionBuilder, DeviceIds, StepAttention, pack
 from acb.step import StepInput
 
 PS = 4  # tokens per page
