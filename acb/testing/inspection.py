@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 def runner_of(engine: Engine) -> ModelRunner:
     """The model runner serving ``engine`` (rank 0's, when tensor-parallel): its KV
-    tensors, fast paths and counters. ``RuntimeError`` before ``start()`` or after
+    store (``kv``), fast paths (``fast_paths``) and counters. ``RuntimeError`` before ``start()`` or after
     ``aclose()``, when there is none."""
     runner = engine.runner
     if runner is None:
