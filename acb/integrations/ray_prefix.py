@@ -189,8 +189,9 @@ class PrefixAwareRouter(FIFOMixin, LocalityMixin, RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        if self._index is not None:  # forget stopped replicas' sets
-            self._index.retain.remote([r.replica_id.unique_id for r in replicas])
+        index = getattr(self, "_index", None)  # (Serve may update the replicas before initialize_state)
+        if index is not None:  # forget stopped replicas' sets
+            index.retain.remote([r.replica_id.unique_id for r in replicas])
 
 
 class _Tokenizing:
