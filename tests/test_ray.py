@@ -330,7 +330,10 @@ async def test_acb_serve_ray_serves_the_openai_routes_and_exits_0_on_sigint(url)
     """Last: the command's app takes the module's place on the same Ray cluster and port."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "acb.cli", "serve", "--tiny", "--ray", "--num-blocks", "64", "--replica-cpus", "0.5",
+        # --kv-events: the prefix-aware app (front + engines publishing their events); build_app
+        # without a router is the module's own app
+        sys.executable, "-m", "acb.cli", "serve", "--tiny", "--ray", "--kv-events", "--num-blocks", "64",
+        "--replica-cpus", "0.5",
         "--ray-address", ray.get_runtime_context().gcs_address, "--port", url.rsplit(":", 1)[1],
         "--log-interval", "0.5", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
     stderr: list[bytes] = []
@@ -350,6 +353,8 @@ async def test_acb_serve_ray_serves_the_openai_routes_and_exits_0_on_sigint(url)
         async with aiohttp.ClientSession() as session:
             async with session.get(f"{url}/v1/models") as resp:
                 assert (await resp.json())["data"][0]["id"] == "acb-tiny"
+            async with session.get(f"{url}/v1/kv_events") as resp:  # the front's: the events feed the router
+                assert resp.status == 404 and "prefix-aware router" in (await resp.json())["error"]["message"]
             # --log-interval reaches the replicas: a busy replica logs its throughput line
             for _ in range(100):
                 await _complete(session, url, "log me", 64)
