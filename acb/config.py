@@ -306,6 +306,13 @@ class EngineConfig:
     ``kv_events`` (False): publish the prefix cache's events (``BlockStored``,
     ``BlockRemoved``, ``AllBlocksCleared``) to ``engine.kv_events()`` subscribers.
 
+    Structured outputs: ``grammar_compile_timeout_s`` (30.0; None = no bound) is how long a
+    request waits for its ``json_schema`` / ``regex`` / ``choice`` grammar to compile (on a
+    worker thread, off the event loop) before it is refused with ``InvalidRequestError``
+    naming the field (400 from ``acb serve``); the compile itself runs to its end and is
+    cached. ``grammar_cache_size`` (256; 0 = none) bounds the compiled grammars kept, by
+    canonical schema / regex / choice text, least recently used first out.
+
     A setting that has no effect where the engine runs (the CUDA-graph settings on the
     CPU, say) is named by :meth:`inactive_settings`, and the engine logs a warning naming
     it at construction.
@@ -338,6 +345,8 @@ class EngineConfig:
     max_waiting_requests: int | None = None
     priority_aging_steps: int = 5000
     kv_events: bool = False
+    grammar_compile_timeout_s: float | None = 30.0
+    grammar_cache_size: int = 256
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:
@@ -409,6 +418,11 @@ class EngineConfig:
             bad("max_waiting_requests", "must be None or an int >= 1")
         if not isinstance(self.kv_events, bool):
             bad("kv_events", "must be a bool")
+        timeout = self.grammar_compile_timeout_s
+        if timeout is not None and (not _is_number(timeout) or not 0 < timeout < math.inf):
+            bad("grammar_compile_timeout_s", "must be None or a finite number of seconds > 0")
+        if not _is_int(self.grammar_cache_size) or self.grammar_cache_size < 0:
+            bad("grammar_cache_size", "must be an int >= 0 (0 = no cache)")
         if not _is_int(self.priority_aging_steps) or self.priority_aging_steps < 0:
             bad("priority_aging_steps", "must be an int >= 0 (0 = no aging)")
 

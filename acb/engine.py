@@ -40,7 +40,7 @@ from .errors import (
 )
 from .eventloop import LoopHandle
 from .handle import ChunkStream, RequestHandle
-from .inputs import generation_defaults, prepare, sampling_params, tokenize
+from .inputs import generation_defaults, prepare, sampling_params, tokenize, tokenize_off_loop
 from .kv_cache import HostPool, KVCacheManager
 from .kv_events import KVEventPublisher, KVEventStream
 from .live import Choices, LiveRequest, sampling_batch
@@ -167,7 +167,9 @@ class Engine:
             aging_steps=self.config.priority_aging_steps,
         )
         self._out = Outputs(self.scheduler)
-        self._grammars = Grammars(tokenizer, self.vocab_size, self.eos_token_ids)
+        self._grammars = Grammars(tokenizer, self.vocab_size, self.eos_token_ids,
+                                  cache_size=self.config.grammar_cache_size,
+                                  timeout_s=self.config.grammar_compile_timeout_s)
         self._live = self._out.live  # request id -> LiveRequest
         self._runner: ModelRunner | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -278,6 +280,7 @@ class Engine:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        self._grammars.close()
         if self._tp is not None:
             self._tp.close()  # every other rank exits
         self._transition(EngineState.CLOSED)
@@ -329,17 +332,37 @@ class Engine:
 
     def _prepare(self, prompt: Any, request_id: str | None, sampling: SamplingParams | None,
                  overrides: dict[str, Any]) -> tuple[str, list[int], SamplingParams, Any]:
-        """(request id, prompt ids, resolved params, grammar matcher or None), or InvalidRequestError."""
+        """(request id, prompt ids, resolved params, compiled grammar or None), or
+        InvalidRequestError. All of it on this thread: the sync path (``submit``, ``stream``)."""
+        return self._checked(prompt, request_id, self._params(sampling, overrides))
+
+    async def _prepare_async(self, prompt: Any, request_id: str | None, sampling: SamplingParams | None,
+                             overrides: dict[str, Any]) -> tuple[str, list[int], SamplingParams, Any]:
+        """``_prepare`` with its heavy parts off the event loop: a long prompt is tokenized,
+        and a grammar not in the cache compiled, on worker threads. Everything after the
+        last await runs at once, so the caller registers what it checked."""
+        params = self._params(sampling, overrides)
+        ids = await tokenize_off_loop(prompt, self.tokenizer, self.vocab_size)
+        grammar = await self._grammars.compiled_async(params, self._loop.wait_future) if params.structured else None
+        return self._checked(prompt, request_id, params, ids, grammar)
+
+    def _params(self, sampling: SamplingParams | None, overrides: dict[str, Any]) -> SamplingParams:
         params = sampling_params(self.sampling, sampling, overrides, self.generation_defaults)
         if params.priority and self.config.scheduler != "priority":
             raise InvalidRequestError(f"priority={params.priority} needs an engine built with EngineConfig("
                                       f"scheduler='priority'); this one schedules {self.config.scheduler!r}",
                                       param="priority")
+        return params
+
+    def _checked(self, prompt: Any, request_id: str | None, params: SamplingParams, ids: list[int] | None = None,
+                 grammar: Any = None) -> tuple[str, list[int], SamplingParams, Any]:
         rid, ids, params = prepare(prompt, request_id, params, self.tokenizer, self.vocab_size, self.max_model_len,
-                                   self._out)
+                                   self._out, ids=ids)
         if params.n > 1:
             self._check_choices(params)
-        return rid, ids, params, self._grammars.matcher(params) if params.structured else None
+        if params.structured and grammar is None:
+            grammar = self._grammars.compiled(params)  # on this thread, for at most grammar_compile_timeout_s
+        return rid, ids, params, grammar
 
     def _check_room(self, n: int = 1) -> None:
         """Raise ``EngineOverloadedError`` if ``n`` more requests would overfill the waiting queue.
@@ -351,26 +374,28 @@ class Engine:
                 f"the engine is overloaded: {waiting} requests are waiting (max_waiting_requests="
                 f"{self.max_waiting}); retry later", retry_after=1.0)
 
-    def _register(self, request_id: str, ids: list[int], params: SamplingParams, matcher: Any,
+    def _register(self, request_id: str, ids: list[int], params: SamplingParams, grammar: Any,
                   stream: bool) -> LiveRequest | Choices:
         if params.n > 1:
-            return self._register_choices(request_id, ids, params, stream)
+            return self._register_choices(request_id, ids, params, grammar, stream)
         mailbox = Mailbox(request_id, params.logprobs, self._loop.Event, params.top_logprobs > 0) if stream else None
-        req = self._live_request(request_id, ids, params, matcher, mailbox)
+        req = self._live_request(request_id, ids, params, grammar, mailbox)
         if params.prompt_logprobs is not None:
             self._out.score_prompt([req], params.prompt_logprobs)
         self.scheduler.add(req.seq)
         self._wakeup.set()
         return req
 
-    def _live_request(self, key: str, ids: list[int], params: SamplingParams, matcher: Any,
+    def _live_request(self, key: str, ids: list[int], params: SamplingParams, grammar: Any,
                       mailbox: Mailbox | None) -> LiveRequest:
+        matcher = self._grammars.matcher(grammar) if grammar is not None else None
         req = LiveRequest.create(key, ids, params, mailbox, Outcome(self._loop.Event), self.tokenizer,
                                  self.eos_token_ids, matcher, next(self._arrivals))
         self._out.add(req)
         return req
 
-    def _register_choices(self, request_id: str, ids: list[int], params: SamplingParams, stream: bool) -> Choices:
+    def _register_choices(self, request_id: str, ids: list[int], params: SamplingParams, grammar: Any,
+                          stream: bool) -> Choices:
         """n > 1: one sequence per choice (``request_id#i``); choice 0 prefills the prompt
         and the others fork from it (Scheduler._fork). With a seed, choice i samples with
         a seed of its own derived from it."""
@@ -381,8 +406,7 @@ class Engine:
             p = params
             if params.seed is not None and i:
                 p = dataclasses.replace(params, seed=(params.seed + i * 0x9E3779B97F4A7C15) % 2**63)
-            matcher = self._grammars.matcher(p) if p.structured else None
-            req = self._live_request(f"{request_id}#{i}", ids, p, matcher, mailbox.members[i] if stream else None)
+            req = self._live_request(f"{request_id}#{i}", ids, p, grammar, mailbox.members[i] if stream else None)
             req.index = i
             members.append(req)
         group = Choices(request_id, members, mailbox, Outcome(self._loop.Event))
@@ -407,15 +431,43 @@ class Engine:
     def submit(self, prompt: Any, *, request_id: str | None = None, sampling: SamplingParams | None = None,
                **kwargs: Any) -> RequestHandle:
         """Queue a request now and return its handle (stream it, await it, cancel it).
-        Bad input raises ``InvalidRequestError`` here; the engine is unaffected."""
-        return self._submit(prompt, request_id, sampling, kwargs, stream=True)
+        Bad input raises ``InvalidRequestError`` here; the engine is unaffected.
 
-    def _submit(self, prompt: Any, request_id: str | None, sampling: SamplingParams | None,
-                kwargs: dict[str, Any], stream: bool) -> RequestHandle:
+        Synchronous: a long prompt is tokenized, and a grammar not in the cache compiled
+        (for at most ``EngineConfig.grammar_compile_timeout_s``), before it returns, on
+        the caller's thread. ``await engine.asubmit(...)`` does those on worker threads."""
         self._check_accepting()
         self._check_room()
-        rid, ids, params, matcher = self._prepare(prompt, request_id, sampling, kwargs)
-        req = self._register(rid, ids, params, matcher, stream)
+        return self._handle(*self._prepare(prompt, request_id, sampling, kwargs), stream=True)
+
+    async def asubmit(self, prompt: Any, *, request_id: str | None = None, sampling: SamplingParams | None = None,
+                      **kwargs: Any) -> RequestHandle:
+        """``submit`` without blocking the event loop: a long text or chat prompt is
+        tokenized, and a grammar not yet compiled (``json_schema``, ``regex``, ``choice``)
+        compiled, on worker threads while other requests and streams go on; then the
+        request is queued. Bad input, or a grammar that does not compile within
+        ``EngineConfig.grammar_compile_timeout_s``, raises ``InvalidRequestError`` naming
+        the field.
+
+        Example::
+
+            handle = await engine.asubmit("Pick one.", json_schema={"enum": names})
+            completion = await handle
+        """
+        return await self._asubmit(prompt, request_id, sampling, kwargs, stream=True)
+
+    async def _asubmit(self, prompt: Any, request_id: str | None, sampling: SamplingParams | None,
+                       kwargs: dict[str, Any], stream: bool) -> RequestHandle:
+        self._check_accepting()
+        self._check_room()
+        prepared = await self._prepare_async(prompt, request_id, sampling, kwargs)
+        self._check_accepting()  # again: the engine may have stopped, or the queue filled, meanwhile
+        self._check_room()
+        return self._handle(*prepared, stream=stream)
+
+    def _handle(self, rid: str, ids: list[int], params: SamplingParams, grammar: Any, *,
+                stream: bool) -> RequestHandle:
+        req = self._register(rid, ids, params, grammar, stream)
         return RequestHandle(rid, req.mailbox, req.future, lambda index=None: self._cancel(rid, index))
 
     def stream(self, prompt: Any, *, request_id: str | None = None, sampling: SamplingParams | None = None,
@@ -431,8 +483,9 @@ class Engine:
 
     async def generate(self, prompt: Any, *, request_id: str | None = None,
                        sampling: SamplingParams | None = None, **kwargs: Any) -> Completion:
-        """Run one request to the end and return its ``Completion``."""
-        return await self._submit(prompt, request_id, sampling, kwargs, stream=False)
+        """Run one request to the end and return its ``Completion`` (long prompts tokenized
+        and grammars compiled off the event loop, as ``asubmit``)."""
+        return await (await self._asubmit(prompt, request_id, sampling, kwargs, stream=False))
 
     async def generate_batch(self, prompts: list[Any], *, sampling: SamplingParams | None = None,
                              request_ids: list[str] | None = None, progress: bool = False,
@@ -458,13 +511,18 @@ class Engine:
         for i, prompt in enumerate(prompts):
             rid = request_ids[i] if request_ids is not None else None
             try:
-                p = self._prepare(prompt, rid, sampling, kwargs)
+                p = await self._prepare_async(prompt, rid, sampling, kwargs)
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"prompts[{i}]: {e}", param=e.param) from e
             if p[0] in seen:
                 raise InvalidRequestError(f"prompts[{i}]: duplicate request_id {p[0]!r}", param="request_id")
             seen.add(p[0])
             prepared.append(p)
+        self._check_accepting()  # preparing may have awaited (long prompts, grammars): check again
+        for i, p in enumerate(prepared):
+            if p[0] in self._out:
+                raise InvalidRequestError(f"prompts[{i}]: request_id {p[0]!r} is already in use by a live request",
+                                          param="request_id")
         order = sorted(range(len(prepared)), key=lambda i: prepared[i][1])
         reqs: list[LiveRequest | None] = [None] * len(prepared)
         for i in order:
@@ -561,6 +619,7 @@ class Engine:
             dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."),
             forward_path=runner.forward_path if runner is not None else "",
             forward_reason=runner.forward_reason if runner is not None else "",
+            grammars_compiled=self._grammars.compiles, grammar_cache_hits=self._grammars.hits,
         )
 
     def kv_events(self, max_batches: int = 1024) -> KVEventStream:

@@ -415,6 +415,9 @@ class EngineStats:
         forward_path: the forward serving the steps: ``"fused"`` (acb's fused CPU forward),
             ``"compiled"`` (``compile_level``) or ``"transformers"`` (the model's own).
         forward_reason: why the fused forward does not serve ("" when it does).
+        grammars_compiled: structured-output grammars compiled (those refused included).
+        grammar_cache_hits: requests whose grammar came from the cache, or from a compile
+            of the same grammar already running, without compiling again.
     """
 
     running: int
@@ -442,3 +445,5 @@ class EngineStats:
     dtype: str = ""  # the model's (and the KV pages') dtype
     forward_path: str = ""  # fused | compiled | transformers ("" before the engine first starts)
     forward_reason: str = ""  # why the fused forward does not serve ("" when it does)
+    grammars_compiled: int = 0  # structured-output grammars compiled (refused ones included)
+    grammar_cache_hits: int = 0  # requests served a grammar without compiling it again

@@ -449,7 +449,24 @@ _EFFECTS = {
     # away from scheduler="priority" it ranks nothing: named (its effect: tests/test_priority.py)
     "priority_aging_steps": ({"priority_aging_steps": 7}, None),
     "kv_events": ({"kv_events": True}, lambda e: e.kv_events().pending()[0].resync),
+    "grammar_compile_timeout_s": ({"grammar_compile_timeout_s": 1e-9}, lambda e: _grammar_refused(e)),
+    "grammar_cache_size": ({"grammar_cache_size": 0}, lambda e: _grammar_compiles(e, 2) == 2),
 }
+
+
+def _grammar_refused(engine) -> bool:
+    """A compile past grammar_compile_timeout_s is refused naming the field
+    (tests/test_structured.py checks it at length)."""
+    with pytest.raises(acb.InvalidRequestError, match="grammar_compile_timeout_s"):
+        engine.submit(PROMPT, choice=[f"choice {i}" for i in range(2_000)])  # ~0.1 s to compile
+    return True
+
+
+def _grammar_compiles(engine, times: int) -> int:
+    """How many compiles ``times`` submissions of one regex take (1 with the cache on)."""
+    for _ in range(times):
+        engine.submit(PROMPT, regex="[a-z]{3}", max_new_tokens=4).cancel()
+    return engine.stats().grammars_compiled
 
 
 async def test_every_engine_setting_has_an_effect_or_is_named_inactive(caplog):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 
+import anyio
 import jsonschema
 import pytest
 
@@ -82,6 +83,74 @@ async def test_bad_grammars_are_refused_by_name():
             await engine.generate(PROMPTS[0], regex="a", choice=["x"])
         assert e.value.param == "choice"
         assert (await engine.generate(PROMPTS[0], max_new_tokens=4)).finish_reason == "length"  # goes on
+
+
+async def test_a_grammar_compiles_once_then_comes_from_the_cache():
+    """Keyed by the canonical text: the same schema as a dict or as JSON text with other
+    spacing compiles once; n > 1 choices share the one compile."""
+    async with tiny_engine() as engine:
+        await engine.generate(PROMPTS[0], json_schema=SCHEMA, max_new_tokens=64)
+        assert (engine.stats().grammars_compiled, engine.stats().grammar_cache_hits) == (1, 0)
+        again = await engine.generate(PROMPTS[1], json_schema=json.dumps(SCHEMA, indent=2), max_new_tokens=64)
+        sync = await engine.submit(PROMPTS[2], json_schema=SCHEMA, max_new_tokens=64, n=3, temperature=1.0, seed=1)
+        assert (engine.stats().grammars_compiled, engine.stats().grammar_cache_hits) == (1, 2)
+        await engine.generate(PROMPTS[0], regex=r"[a-c]{2}", max_new_tokens=8)
+        assert engine.stats().grammars_compiled == 2
+    for c in [again, *sync.choices]:
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+
+
+async def test_identical_requests_arriving_together_share_one_compile():
+    outs = []
+    async with tiny_engine() as engine:
+        async def one(prompt):
+            outs.append(await engine.generate(prompt, regex=r"[a-c]{2,4}-[0-9]{3}", max_new_tokens=32))
+
+        async with anyio.create_task_group() as tg:
+            for p in PROMPTS[:4]:
+                tg.start_soon(one, p)
+        assert (engine.stats().grammars_compiled, engine.stats().grammar_cache_hits) == (1, 3)
+    assert len(outs) == 4 and all(re.fullmatch(r"[a-c]{2,4}-[0-9]{3}", c.text) for c in outs)
+
+
+async def test_the_grammar_cache_keeps_the_most_recently_used():
+    async with tiny_engine(grammar_cache_size=2) as engine:
+        for regex in ("a+", "b+", "a+", "c+", "a+", "b+"):  # b+ is the least recent when c+ comes
+            await engine.generate(PROMPTS[0], regex=regex, max_new_tokens=4)
+        assert (engine.stats().grammars_compiled, engine.stats().grammar_cache_hits) == (4, 2)
+    async with tiny_engine(grammar_cache_size=0) as engine:
+        for _ in range(2):
+            await engine.generate(PROMPTS[0], regex="a+", max_new_tokens=4)
+        assert engine.stats().grammars_compiled == 2
+
+
+async def test_a_grammar_slower_than_the_bound_is_refused_by_name_and_the_engine_goes_on():
+    """Every path refuses it naming the field: asubmit / generate (off the loop) and submit
+    (on the caller's thread, for at most the bound). The compile runs on to its end and is
+    cached (it cannot be stopped): the same schema asked again is then served."""
+    big = {"type": "string", "enum": [f"value-{i:05d}-{'x' * (i % 7)}" for i in range(5_000)]}
+    async with tiny_engine(grammar_compile_timeout_s=0.01) as engine:
+        with pytest.raises(acb.InvalidRequestError, match="grammar_compile_timeout_s") as e:
+            await engine.generate(PROMPTS[0], json_schema=big, max_new_tokens=8)
+        assert e.value.param == "json_schema"
+        with pytest.raises(acb.InvalidRequestError, match="grammar_compile_timeout_s") as e:
+            engine.submit(PROMPTS[0], choice=[f"choice {i}" for i in range(5_000)], max_new_tokens=8)
+        assert e.value.param == "choice"
+        assert (await engine.generate(PROMPTS[0], max_new_tokens=4, ignore_eos=True)).finish_reason == "length"
+        with anyio.fail_after(60):  # the refused compile finishes into the cache
+            while engine.stats().grammars_compiled < 2:
+                await anyio.sleep(0.05)
+        done = await engine.generate(PROMPTS[0], json_schema=big, max_new_tokens=24)
+        assert engine.stats().grammars_compiled == 2
+    assert json.loads(done.text) in big["enum"]
+
+
+def test_grammar_settings_are_checked_by_name():
+    for bad in ({"grammar_compile_timeout_s": 0}, {"grammar_compile_timeout_s": float("inf")},
+                {"grammar_compile_timeout_s": "1"}, {"grammar_cache_size": -1}, {"grammar_cache_size": 1.5}):
+        with pytest.raises(ValueError, match=f"EngineConfig.{next(iter(bad))}"):
+            acb.EngineConfig(**bad)
+    assert acb.EngineConfig(grammar_compile_timeout_s=None, grammar_cache_size=0).grammar_cache_size == 0
 
 
 @pytest.mark.slow
