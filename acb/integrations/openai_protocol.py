@@ -509,6 +509,21 @@ def parse_request(body: dict[str, Any], *, chat: bool, limits: Limits,
     )
 
 
+# the engine's threshold too (acb/inputs.py OFF_LOOP_CHARS): tokenizing 2,048 characters
+# holds the loop ~2 ms, a worker thread's hop costs ~1 ms (docs/serving.md)
+LONG_PROMPT_CHARS = 2048
+
+
+def long_prompt(prompt: Any) -> bool:
+    """Whether ``prompt`` (text, token ids or parsed chat messages) is long enough to template
+    and tokenize on a worker thread rather than on the event loop."""
+    if isinstance(prompt, str):
+        return len(prompt) > LONG_PROMPT_CHARS
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        return sum(len(m["content"]) for m in prompt) > LONG_PROMPT_CHARS
+    return False
+
+
 def prompt_token_ids(request: ParsedRequest, prompt: Any, engine: acb.Engine) -> list[int]:
     """One prompt as the token ids the engine will run (chat: through the template with
     the request's options), so the server knows its length and text up front."""

@@ -28,11 +28,13 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
+import anyio
+
 import acb
 
 from .common import SSE_HEADERS, ApiError, sse_event
 from .metrics import ServerMetrics
-from .openai_protocol import Limits, ParsedRequest, Shaper, engine_error, parse_request, prompt_token_ids
+from .openai_protocol import Limits, ParsedRequest, Shaper, engine_error, long_prompt, parse_request, prompt_token_ids
 
 
 def route_error(status: int, method: str, path: str, allowed: str | None = None) -> ApiError:
@@ -134,7 +136,7 @@ class OpenAIService:
             parsed.sampling["reasoning_parser"] = self.reasoning_parser
             parsed.reasoning = True
         parsed.include_metrics = parsed.include_metrics or self.per_request_metrics
-        handles, prompts = self._submit_all(parsed)
+        handles, prompts = await self._submit_all(parsed)
         token_text = _token_text(self.engine)
         texts = [self._prompt_text(p, ids) for p, ids in zip(parsed.prompts, prompts)] if parsed.echo else None
         shaper = Shaper(parsed, self.model_name, token_text, texts, [len(ids) for ids in prompts])
@@ -194,18 +196,26 @@ class OpenAIService:
         model = self.engine.generation_defaults
         return None if ("temperature" in model or "do_sample" in model) else 1.0
 
-    def _submit_all(self, parsed: ParsedRequest) -> tuple[list[acb.RequestHandle], list[list[int]]]:
-        """One engine request per prompt, all or none (a refused one cancels those before it)."""
+    async def _submit_all(self, parsed: ParsedRequest) -> tuple[list[acb.RequestHandle], list[list[int]]]:
+        """One engine request per prompt, all or none (a refused one cancels those before it).
+        Nothing heavy on the event loop: a long prompt is templated and tokenized, and a
+        grammar compiled (``engine.asubmit``), on worker threads."""
         handles: list[acb.RequestHandle] = []
         prompts: list[list[int]] = []
         try:
             for prompt in parsed.prompts:
-                prompts.append(prompt_token_ids(parsed, prompt, self.engine))
-                handles.append(self.engine.submit(prompts[-1], **parsed.sampling))
-        except acb.AcbError as e:
+                if long_prompt(prompt):
+                    ids = await anyio.to_thread.run_sync(prompt_token_ids, parsed, prompt, self.engine)
+                else:
+                    ids = prompt_token_ids(parsed, prompt, self.engine)
+                prompts.append(ids)
+                handles.append(await self.engine.asubmit(ids, **parsed.sampling))
+        except BaseException as e:  # a refused prompt, or the client gone while one was prepared
             for handle in handles:
                 handle.cancel()
-            raise engine_error(e, chat=parsed.chat, wire_names=parsed.wire_names) from None
+            if isinstance(e, acb.AcbError):
+                raise engine_error(e, chat=parsed.chat, wire_names=parsed.wire_names) from None
+            raise
         return handles, prompts
 
     def _prompt_text(self, prompt: Any, ids: list[int]) -> str:
