@@ -79,6 +79,9 @@ def add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--priority-aging-steps", type=int, default=5000,
                    help="with --scheduler priority: engine steps per priority level a waiting request ages "
                         "by (0: no aging; default: 5000)")
+    p.add_argument("--grammar-compile-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+                   help="a response_format / structured-output grammar that takes longer to compile is a 400 "
+                        "(it compiles off the event loop either way; 0 = no bound; default: 30)")
     p.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="weights dtype")
     p.add_argument("--tensor-parallel-size", type=_positive, default=1,
@@ -128,6 +131,7 @@ def _model_source(args: argparse.Namespace):
     fields = {k: getattr(args, k) for k in ("num_blocks", "max_batch_tokens", "device", "dtype", "cpu_offload_space",
                                             "tensor_parallel_size", "max_waiting_requests", "scheduler",
                                             "priority_aging_steps", "kv_events")}
+    fields["grammar_compile_timeout_s"] = args.grammar_compile_timeout or None
     if args.tiny:
         from acb.testing import tiny_engine
 

@@ -169,7 +169,8 @@ class Engine:
         self._out = Outputs(self.scheduler)
         self._grammars = Grammars(tokenizer, self.vocab_size, self.eos_token_ids,
                                   cache_size=self.config.grammar_cache_size,
-                                  timeout_s=self.config.grammar_compile_timeout_s)
+                                  timeout_s=self.config.grammar_compile_timeout_s,
+                                  threads=1 if self.device.type == "cpu" else 8)
         self._live = self._out.live  # request id -> LiveRequest
         self._runner: ModelRunner | None = None
         self._executor: ThreadPoolExecutor | None = None

@@ -44,9 +44,11 @@ def test_serve_options_reach_the_engine_config():
 
     parser = build_parser()
     args = parser.parse_args(["serve", "--tiny", "--num-blocks", "40", "--cpu-offload-space", "0.001",
-                              "--scheduler", "priority", "--priority-aging-steps", "7"])
+                              "--scheduler", "priority", "--priority-aging-steps", "7",
+                              "--grammar-compile-timeout", "2.5"])
     engine, name = _build_engine(args, parser)
     assert name == "acb-tiny"
+    assert engine.config.grammar_compile_timeout_s == 2.5
     stats = engine.stats()
     assert stats.total_blocks == 40 and stats.host_blocks > 0
     assert engine.scheduler.policy == "priority" and engine.scheduler.aging_steps == 7
