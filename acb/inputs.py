@@ -93,7 +93,8 @@ async def tokenize_off_loop(prompt: Any, tokenizer: Any, vocab_size: int) -> lis
     the GIL while they encode); None for a short one, left to the caller's thread."""
     if not _heavy(prompt):
         return None
-    return await anyio.to_thread.run_sync(tokenize, prompt, tokenizer, vocab_size)
+    # a cancelled caller (a client gone) does not wait for the thread, which ends on its own
+    return await anyio.to_thread.run_sync(tokenize, prompt, tokenizer, vocab_size, abandon_on_cancel=True)
 
 
 def generation_defaults(model: Any) -> dict[str, Any]:

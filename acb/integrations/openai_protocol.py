@@ -509,9 +509,10 @@ def parse_request(body: dict[str, Any], *, chat: bool, limits: Limits,
     )
 
 
-# the engine's threshold too (acb/inputs.py OFF_LOOP_CHARS): tokenizing 2,048 characters
-# holds the loop ~2 ms, a worker thread's hop costs ~1 ms (docs/serving.md)
+# the engine's thresholds too (acb/inputs.py OFF_LOOP_CHARS, OFF_LOOP_IDS): tokenizing 2,048
+# characters holds the loop ~2 ms, checking 16,384 ids ~1 ms; a worker thread's hop costs ~1 ms
 LONG_PROMPT_CHARS = 2048
+LONG_PROMPT_IDS = 16384
 
 
 def long_prompt(prompt: Any) -> bool:
@@ -521,7 +522,7 @@ def long_prompt(prompt: Any) -> bool:
         return len(prompt) > LONG_PROMPT_CHARS
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
         return sum(len(m["content"]) for m in prompt) > LONG_PROMPT_CHARS
-    return False
+    return isinstance(prompt, list) and len(prompt) > LONG_PROMPT_IDS
 
 
 def prompt_token_ids(request: ParsedRequest, prompt: Any, engine: acb.Engine) -> list[int]:

@@ -205,7 +205,8 @@ class OpenAIService:
         try:
             for prompt in parsed.prompts:
                 if long_prompt(prompt):
-                    ids = await anyio.to_thread.run_sync(prompt_token_ids, parsed, prompt, self.engine)
+                    ids = await anyio.to_thread.run_sync(prompt_token_ids, parsed, prompt, self.engine,
+                                                         abandon_on_cancel=True)
                 else:
                     ids = prompt_token_ids(parsed, prompt, self.engine)
                 prompts.append(ids)
