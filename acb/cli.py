@@ -84,6 +84,9 @@ def add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "(it compiles off the event loop either way; 0 = no bound; default: 30)")
     p.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="weights dtype")
+    p.add_argument("--quantization", choices=["int8"],
+                   help="int8 weights per output channel and int8 activations per token (CPUs with AVX-512 VNNI; "
+                        "see docs/performance.md, Dtypes); the norms, attention and KV pages keep --dtype")
     p.add_argument("--tensor-parallel-size", type=_positive, default=1,
                    help="shard the model over N ranks: acb starts N-1 more processes (gloo on CPU, NCCL on "
                         "CUDA); under torchrun the ranks other than 0 serve as workers (default: 1)")
@@ -130,7 +133,7 @@ def _model_source(args: argparse.Namespace):
 
     fields = {k: getattr(args, k) for k in ("num_blocks", "max_batch_tokens", "device", "dtype", "cpu_offload_space",
                                             "tensor_parallel_size", "max_waiting_requests", "scheduler",
-                                            "priority_aging_steps", "kv_events")}
+                                            "priority_aging_steps", "kv_events", "quantization")}
     fields["grammar_compile_timeout_s"] = args.grammar_compile_timeout or None
     if args.tiny:
         from acb.testing import tiny_engine

@@ -347,6 +347,7 @@ class EngineConfig:
     kv_events: bool = False
     grammar_compile_timeout_s: float | None = 30.0
     grammar_cache_size: int = 256
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:
@@ -425,6 +426,14 @@ class EngineConfig:
             bad("grammar_cache_size", "must be an int >= 0 (0 = no cache)")
         if not _is_int(self.priority_aging_steps) or self.priority_aging_steps < 0:
             bad("priority_aging_steps", "must be an int >= 0 (0 = no aging)")
+        if self.quantization is not None:
+            if self.quantization != "int8":
+                bad("quantization", "must be None or 'int8'")
+            if self.tensor_parallel_size > 1:
+                bad("quantization", "must be None with tensor_parallel_size > 1 (the ranks shard dense weights)")
+            if self.compile_level or self.varlen_compile_level or self.decode_compile_level:
+                bad("quantization", "must be None with compile_level > 0 (int8 runs acb's fused forward, which "
+                    "torch.compile does not trace)")
 
     def inactive_settings(self, device: Any = None, dtype: Any = None) -> list[str]:
         """Names of the fields set to a value that has no effect on ``device`` (default:

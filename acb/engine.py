@@ -25,7 +25,7 @@ from typing import Any
 import anyio
 import torch
 
-from . import attention, sizing
+from . import attention, quantization, sizing
 from .config import EngineConfig, SamplingParams
 from .errors import (
     AcbError,
@@ -120,6 +120,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         _place(model, self.config)
+        quantization.prepare(model, self.config)  # int8: quantized in place, once
         param = next(model.parameters())
         for name in self.config.inactive_settings(param.device, param.dtype):
             log.warning("acb: EngineConfig.%s=%r has no effect on %s with %s weights; it is ignored", name,
@@ -621,6 +622,7 @@ class Engine:
             forward_path=runner.forward_path if runner is not None else "",
             forward_reason=runner.forward_reason if runner is not None else "",
             grammars_compiled=self._grammars.compiles, grammar_cache_hits=self._grammars.hits,
+            quantization="int8" if quantization.is_quantized(self.model) else "",
         )
 
     def kv_events(self, max_batches: int = 1024) -> KVEventStream:

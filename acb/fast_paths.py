@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import compiling, cuda_graphs
+from . import compiling, cuda_graphs, quantization
 from .watch import ModelWatch
 
 if TYPE_CHECKING:
@@ -96,7 +96,9 @@ class FastPaths:
                                                config.decode_compile_level)
         self.varlen_forward = self.decode_forward = self.model
         self.fused = None
-        self._want_fused = not (varlen or decode) and self.prepacked and self.dtype in (torch.float32, torch.bfloat16)
+        quantized = quantization.is_quantized(self.model)  # int8: acb.quantization's forward, no prepacking
+        self._want_fused = not (varlen or decode) and (self.prepacked or quantized) and \
+            self.dtype in (torch.float32, torch.bfloat16)
         if varlen or decode:
             self.forward_path, self.forward_reason = "compiled", f"compile_level: varlen {varlen}, decode {decode}"
         elif not self._want_fused:
@@ -166,6 +168,9 @@ class FastPaths:
             return
         from .fused import FusedForward, why_not
         from .kernels.cpu import fused_kernels
+
+        if quantization.is_quantized(self.model):
+            FusedForward, why_not = quantization.Int8Forward, quantization.why_not_forward  # noqa: N806
 
         kernels = fused_kernels()
         self.fused = FusedForward.build(self.model, self.packed, kernels, self.row_reduce)

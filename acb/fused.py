@@ -161,34 +161,7 @@ class FusedForward:
         if reason:
             log.info("acb: fused CPU forward not used (%s); transformers' forward runs", reason)
             return None
-        config = model.config
-        layer_types = getattr(config, "layer_types", None)
-        per_type_rope = "layer_type" in inspect.signature(model.model.rotary_emb.forward).parameters
-        layers = []
-        for i, layer in enumerate(model.model.layers[: config.num_hidden_layers]):
-            attn, mlp = layer.self_attn, layer.mlp
-            gemma = type(layer).__name__ in _GEMMA
-
-            def lin(m: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-                return packed.layers[m].packed, m.bias
-
-            layers.append(_Layer(
-                attn=attn, ln1=_norm(layer.input_layernorm),
-                ln2=_norm(layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm),
-                q=lin(attn.q_proj), k=lin(attn.k_proj), v=lin(attn.v_proj), o=lin(attn.o_proj),
-                gate=lin(mlp.gate_proj), up=lin(mlp.up_proj), down=lin(mlp.down_proj),
-                q_norm=_norm(attn.q_norm) if hasattr(attn, "q_norm") else None,
-                k_norm=_norm(attn.k_norm) if hasattr(attn, "k_norm") else None,
-                heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
-                head_dim=attn.head_dim, scaling=float(attn.scaling),
-                window=_WINDOW[type(layer).__name__](attn, config),
-                act=_ACTIVATIONS[type(mlp.act_fn).__name__],
-                post_attn=_norm(layer.post_attention_layernorm) if gemma else None,
-                post_mlp=_norm(layer.post_feedforward_layernorm) if gemma else None,
-                softcap=getattr(attn, "attn_logit_softcapping", None) if type(layer).__name__ == "Gemma2DecoderLayer"
-                else None,
-                rope=layer_types[i] if per_type_rope else None,
-            ))
+        layers = describe(model, lambda m: (packed.layers[m].packed, m.bias))
         log.info("acb: fused CPU forward over %d %s layers (%s)", len(layers), type(model.model.layers[0]).__name__,
                  str(next(model.parameters()).dtype).removeprefix("torch."))
         return cls(model, layers, kernels, row_reduce)
@@ -199,39 +172,20 @@ class FusedForward:
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
                  use_cache: bool = False, logits_to_keep: torch.Tensor | int | None = None) -> _Logits:
-        k = self.k
         linear = torch.ops.mkldnn._linear_pointwise
         binary = linear.binary
         x = self.embed(input_ids[0])  # [T, hidden]
         total = x.shape[0]
         rows = padded_rows(total)  # the GEMMs run on zero-padded rows (see acb.kernels.cpu_linear)
         x = pad_rows(x, rows)
-        if self.rope_types:  # Gemma 3: one rotary embedding per layer type (local and global bases)
-            ropes = {t: self.rotary(x[:total].unsqueeze(0), position_ids, t) for t in self.rope_types}
-        else:
-            ropes = {None: self.rotary(x[:total].unsqueeze(0), position_ids)}
-        ropes = {t: (cos[0].contiguous(), sin[0].contiguous()) for t, (cos, sin) in ropes.items()}  # [T, head_dim]
+        ropes = self._ropes(x[:total], position_ids)
         for layer in self.layers:
-            d = layer.head_dim
             cos, sin = ropes[layer.rope]
             h = self._rms(x, layer.ln1)
             q = linear(h, *layer.q, "none", [], "")
             kk = linear(h, *layer.k, "none", [], "")
             v = linear(h, *layer.v, "none", [], "")
-            if layer.q_norm is not None:  # Qwen3, Gemma 3: RMSNorm over each head, before RoPE
-                q = self._rms(q.view(-1, d), layer.q_norm).view(rows, -1)
-                kk = self._rms(kk.view(-1, d), layer.k_norm).view(rows, -1)
-            q, kk, v = q[:total], kk[:total], v[:total]  # contiguous views: the padding stays out of the cache
-            k.rope_(q, cos, sin, d)
-            k.rope_(kk, cos, sin, d)
-            a, _ = attention.paged_attention(
-                layer.attn,
-                q.view(total, layer.heads, d).transpose(0, 1).unsqueeze(0),
-                kk.view(total, layer.kv_heads, d).transpose(0, 1).unsqueeze(0),
-                v.view(total, layer.kv_heads, d).transpose(0, 1).unsqueeze(0),
-                None, scaling=layer.scaling, sliding_window=layer.window, softcap=layer.softcap,
-            )
-            a = pad_rows(a.view(total, -1), rows)
+            a = pad_rows(self._attend(layer, q, kk, v, total, cos, sin), rows)
             if layer.post_attn is None:
                 x = self._add_projection(a, x, layer.o)
             else:  # Gemma: normed before the residual add, which then cannot be fused into the GEMM
@@ -243,15 +197,38 @@ class FusedForward:
                 x = self._add_projection(m, x, layer.down)
             else:
                 x = x + self._rms(self._projection(m, layer.down), layer.post_mlp)
-        x = x[:total]
-        if isinstance(logits_to_keep, int):  # transformers' convention: the last N rows, 0 = all
-            x = x[-logits_to_keep:] if logits_to_keep else x
-        elif logits_to_keep is not None:
-            x = x.index_select(0, logits_to_keep)
-        logits = self.lm_head(self._rms(x, self.norm))
+        logits = self.lm_head(self._rms(kept_rows(x[:total], logits_to_keep), self.norm))
         if self.final_softcap is not None:  # Gemma 2/3, in the model's dtype as transformers does
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return _Logits(logits.float().unsqueeze(0))
+
+    def _ropes(self, x: torch.Tensor, position_ids: torch.Tensor) -> dict:
+        """{rotary type: (cos, sin)}, each [T, head_dim] contiguous, for the step's rows ``x``."""
+        if self.rope_types:  # Gemma 3: one rotary embedding per layer type (local and global bases)
+            ropes = {t: self.rotary(x.unsqueeze(0), position_ids, t) for t in self.rope_types}
+        else:
+            ropes = {None: self.rotary(x.unsqueeze(0), position_ids)}
+        return {t: (cos[0].contiguous(), sin[0].contiguous()) for t, (cos, sin) in ropes.items()}
+
+    def _attend(self, layer: _Layer, q: torch.Tensor, kk: torch.Tensor, v: torch.Tensor, total: int,
+                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The attention of one layer over its projections' first ``total`` rows (the
+        rest is padding): q/k norms, RoPE in place, paged attention -> [total, heads * d]."""
+        d = layer.head_dim
+        if layer.q_norm is not None:  # Qwen3, Gemma 3: RMSNorm over each head, before RoPE
+            q = self._rms(q.reshape(-1, d), layer.q_norm).view(q.shape[0], -1)
+            kk = self._rms(kk.reshape(-1, d), layer.k_norm).view(kk.shape[0], -1)
+        q, kk, v = q[:total], kk[:total], v[:total]  # views: the padding stays out of the cache
+        self.k.rope_(q, cos, sin, d)
+        self.k.rope_(kk, cos, sin, d)
+        a, _ = attention.paged_attention(
+            layer.attn,
+            q.view(total, layer.heads, d).transpose(0, 1).unsqueeze(0),
+            kk.view(total, layer.kv_heads, d).transpose(0, 1).unsqueeze(0),
+            v.view(total, layer.kv_heads, d).transpose(0, 1).unsqueeze(0),
+            None, scaling=layer.scaling, sliding_window=layer.window, softcap=layer.softcap,
+        )
+        return a.view(total, -1)
 
     def _projection(self, h: torch.Tensor, weight: tuple) -> torch.Tensor:
         """``h @ W``; sharded, summed over the ranks."""
@@ -273,6 +250,43 @@ class FusedForward:
         return out
 
 
+def kept_rows(x: torch.Tensor, logits_to_keep: torch.Tensor | int | None) -> torch.Tensor:
+    """The rows of ``x`` whose logits the step keeps."""
+    if isinstance(logits_to_keep, int):  # transformers' convention: the last N rows, 0 = all
+        return x[-logits_to_keep:] if logits_to_keep else x
+    return x if logits_to_keep is None else x.index_select(0, logits_to_keep)
+
+
+def describe(model: torch.nn.Module, lin) -> list[_Layer]:
+    """The decoder layers of ``model`` as :class:`_Layer` records; ``lin`` gives a
+    projection's weights as the forward's GEMMs take them."""
+    config = model.config
+    layer_types = getattr(config, "layer_types", None)
+    per_type_rope = "layer_type" in inspect.signature(model.model.rotary_emb.forward).parameters
+    layers = []
+    for i, layer in enumerate(model.model.layers[: config.num_hidden_layers]):
+        attn, mlp = layer.self_attn, layer.mlp
+        gemma = type(layer).__name__ in _GEMMA
+        layers.append(_Layer(
+            attn=attn, ln1=_norm(layer.input_layernorm),
+            ln2=_norm(layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm),
+            q=lin(attn.q_proj), k=lin(attn.k_proj), v=lin(attn.v_proj), o=lin(attn.o_proj),
+            gate=lin(mlp.gate_proj), up=lin(mlp.up_proj), down=lin(mlp.down_proj),
+            q_norm=_norm(attn.q_norm) if hasattr(attn, "q_norm") else None,
+            k_norm=_norm(attn.k_norm) if hasattr(attn, "k_norm") else None,
+            heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
+            head_dim=attn.head_dim, scaling=float(attn.scaling),
+            window=_WINDOW[type(layer).__name__](attn, config),
+            act=_ACTIVATIONS[type(mlp.act_fn).__name__],
+            post_attn=_norm(layer.post_attention_layernorm) if gemma else None,
+            post_mlp=_norm(layer.post_feedforward_layernorm) if gemma else None,
+            softcap=getattr(attn, "attn_logit_softcapping", None) if type(layer).__name__ == "Gemma2DecoderLayer"
+            else None,
+            rope=layer_types[i] if per_type_rope else None,
+        ))
+    return layers
+
+
 def why_not(model: torch.nn.Module, packed, kernels) -> str | None:
     """Why the fused forward cannot stand in for ``model``'s, or None."""
     if os.environ.get("ACB_CPU_FUSED", "1") == "0":
@@ -281,6 +295,20 @@ def why_not(model: torch.nn.Module, packed, kernels) -> str | None:
         return "the native CPU kernels are not built"
     if packed is None:
         return "the linear layers are not prepacked"
+    reason = unsupported(model)
+    if reason:
+        return reason
+    for layer in model.model.layers[: model.config.num_hidden_layers]:
+        attn, mlp = layer.self_attn, layer.mlp
+        for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            if m not in packed.layers:
+                return "a projection is not prepacked (shared or wrapped weight)"
+    return None
+
+
+def unsupported(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s architecture, modules or dtype are not what this forward computes
+    (its linears aside), or None."""
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
     config = getattr(model, "config", None)
@@ -310,7 +338,4 @@ def why_not(model: torch.nn.Module, packed, kernels) -> str | None:
             norms += [attn.q_norm, attn.k_norm]
         if any(_norm(n) is None for n in norms):
             return "a norm is not a plain float32/bfloat16 RMSNorm"
-        for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-            if m not in packed.layers:
-                return "a projection is not prepacked (shared or wrapped weight)"
     return None

@@ -418,6 +418,8 @@ class EngineStats:
         grammars_compiled: structured-output grammars compiled (those refused included).
         grammar_cache_hits: requests whose grammar came from the cache, or from a compile
             of the same grammar already running, without compiling again.
+        quantization: ``"int8"`` when the model's linear layers hold int8 weights
+            (``EngineConfig.quantization``), else "".
     """
 
     running: int
@@ -447,3 +449,4 @@ class EngineStats:
     forward_reason: str = ""  # why the fused forward does not serve ("" when it does)
     grammars_compiled: int = 0  # structured-output grammars compiled (refused ones included)
     grammar_cache_hits: int = 0  # requests served a grammar without compiling it again
+    quantization: str = ""  # "int8" when the linear layers hold int8 weights, else ""

@@ -85,6 +85,11 @@ def fused_kernels():
     return _build("acb_fused_cpu", "fused_cpu.cpp", ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"])
 
 
+def int8_kernels():
+    """The compiled int8 GEMM module (``int8_cpu.cpp``: W8A8 on AVX-512 VNNI), or None."""
+    return _build("acb_int8_cpu", "int8_cpu.cpp", ["-O3", "-march=native", "-fopenmp"])
+
+
 _gomp = None
 
 

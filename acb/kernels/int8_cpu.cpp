@@ -1,0 +1,403 @@
+// int8 GEMMs for acb's quantized CPU forward (acb/quantization.py): W8A8 on AVX-512 VNNI.
+//
+// Weights: int8, symmetric, one scale per output channel, packed once into VNNI's layout
+//   [N/16][K/4][16][4]: a 64-byte load holds 4 consecutive k of 16 output channels, the
+//   operand order of vpdpbusd. N is a multiple of 16 and K of 4 (acb.quantization checks).
+// Activations: quantized per row (token) at run time, symmetric: q = round(x * 127 / max|x|),
+//   stored as unsigned bytes q + 128 (vpdpbusd multiplies unsigned by signed bytes); the
+//   +128 is taken back out with each weight column's sum: sum((q+128) w) - 128 sum(w).
+// out[m, n] = (acc[m, n] - 128 colsum[n]) * xscale[m] * wscale[n] (+ bias[n]), then an
+//   epilogue in float32: none, + other[m, n] (the residual add), or act(gate) * up for the
+//   MLP's two projections (SiLU or GELU-tanh), stored as float32 or bfloat16.
+//
+// Tiles: 6 rows x 64 columns (24 zmm accumulators); the threads split (column tile, row
+// chunk) pairs, column tiles outermost so each thread keeps its weight panels in its L2.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
+
+inline float widen(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+enum Epilogue : int64_t { kNone = 0, kAdd = 1 };
+enum Act : int64_t { kSilu = 0, kGeluTanh = 1 };
+
+#if defined(__AVX512F__)
+// exp(x) for float32 lanes: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial for e^r,
+// 2^n by scalef (relative error ~2e-7 over the range an activation meets)
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 act512(__m512 g, int64_t act) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  if (act == kSilu) return _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  // GELU-tanh: 0.5 g (1 + tanh(u)), tanh(u) = 1 - 2 / (exp(2u) + 1)
+  const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                 _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), g), _mm512_mul_ps(g, g), g));
+  const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f),
+                                                    _mm512_add_ps(exp512(_mm512_add_ps(u, u)), one)));
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(one, t));
+}
+
+inline __m512 load_row(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_row(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+inline void store_row(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store_row(uint16_t* p, __m512 v) {
+  // round to nearest even, as PyTorch rounds (activations are finite here)
+  __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// acc[r][j] = sum over k of x[r, k] * w[16-block j][k], MR rows, NB 16-column blocks
+template <int MR, int NB>
+inline void dot_tile(const uint8_t* x, int64_t xs, const int8_t* w, int64_t panel, int64_t k4, __m512i (&acc)[MR][NB]) {
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < k4; ++k) {
+    __m512i b[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) b[j] = _mm512_loadu_si512(w + j * panel + k * 64);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      int32_t a32;
+      std::memcpy(&a32, x + r * xs + 4 * k, 4);
+      const __m512i a = _mm512_set1_epi32(a32);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], a, b[j]);
+    }
+  }
+}
+
+// The float value of acc[r][j]: (acc - 128 colsum) * xscale[r] * wscale (+ bias)
+inline __m512 dequant(__m512i acc, const int32_t* colsum, const float* ws, const float* bias, float xscale) {
+  const __m512i c = _mm512_slli_epi32(_mm512_loadu_si512(colsum), 7);
+  __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, c)),
+                           _mm512_mul_ps(_mm512_loadu_ps(ws), _mm512_set1_ps(xscale)));
+  return bias ? _mm512_add_ps(v, _mm512_loadu_ps(bias)) : v;
+}
+
+struct Weight {
+  const int8_t* w;  // packed [N/16][K/4][16][4]
+  const int32_t* colsum;
+  const float* scale;
+  const float* bias;  // or null
+};
+
+// One tile: rows [m0, m0 + MR) x 16-column blocks [b0, b0 + NB) of the output.
+template <typename T, int MR, int NB>
+void tile(const uint8_t* xq, int64_t k, const float* xscale, const Weight& w, const Weight* up, int64_t act,
+          int64_t epi, const T* other, int64_t other_stride, T* out, int64_t out_stride, int64_t m0, int64_t b0) {
+  const int64_t k4 = k / 4, panel = k4 * 64;
+  const uint8_t* x = xq + m0 * k;
+  __m512i acc[MR][NB];
+  dot_tile<MR, NB>(x, k, w.w + b0 * panel, panel, k4, acc);
+  __m512 v[MR][NB];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NB; ++j) {
+      const int64_t n = (b0 + j) * 16;
+      v[r][j] = dequant(acc[r][j], w.colsum + n, w.scale + n, w.bias ? w.bias + n : nullptr, xscale[m0 + r]);
+    }
+  if (up != nullptr) {  // v holds the gate: act(gate) * up
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NB; ++j) v[r][j] = act512(v[r][j], act);
+    dot_tile<MR, NB>(x, k, up->w + b0 * panel, panel, k4, acc);
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NB; ++j) {
+        const int64_t n = (b0 + j) * 16;
+        v[r][j] = _mm512_mul_ps(v[r][j], dequant(acc[r][j], up->colsum + n, up->scale + n,
+                                                 up->bias ? up->bias + n : nullptr, xscale[m0 + r]));
+      }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NB; ++j) {
+      const int64_t n = (b0 + j) * 16;
+      __m512 o = v[r][j];
+      if (epi == kAdd) o = _mm512_add_ps(o, load_row(other + (m0 + r) * other_stride + n));
+      store_row(out + (m0 + r) * out_stride + n, o);
+    }
+}
+
+template <typename T, int NB>
+void tile_rows(int64_t rows, const uint8_t* xq, int64_t k, const float* xscale, const Weight& w, const Weight* up,
+               int64_t act, int64_t epi, const T* other, int64_t os, T* out, int64_t ostride, int64_t m0, int64_t b0) {
+  switch (rows) {
+    case 6: tile<T, 6, NB>(xq, k, xscale, w, up, act, epi, other, os, out, ostride, m0, b0); break;
+    case 5: tile<T, 5, NB>(xq, k, xscale, w, up, act, epi, other, os, out, ostride, m0, b0); break;
+    case 4: tile<T, 4, NB>(xq, k, xscale, w, up, act, epi, other, os, out, ostride, m0, b0); break;
+    case 3: tile<T, 3, NB>(xq, k, xscale, w, up, act, epi, other, os, out, ostride, m0, b0); break;
+    case 2: tile<T, 2, NB>(xq, k, xscale, w, up, act, epi, other, os, out, ostride, m0, b0); break;
+    default: tile<T, 1, NB>(xq, k, xscale, w, up, act, epi, other, os, out, ostride, m0, b0); break;
+  }
+}
+
+template <typename T>
+void gemm(const torch::Tensor& xq, const torch::Tensor& xscale, const Weight& w, const Weight* up, int64_t act,
+          int64_t epi, const torch::Tensor* other, torch::Tensor& out, int64_t n) {
+  const int64_t m = xq.size(0), k = xq.size(1), blocks = n / 16;
+  constexpr int64_t kMR = 6;
+  // column tiles of 4 blocks (64 columns), or of 2 when there are too few to share out;
+  // row chunks of 96 rows, so a tile's weight panel is reused from L2 across 16 row tiles
+  const int64_t nb = (blocks / 4) * ((m + 95) / 96) >= 4 * at::get_num_threads() ? 4 : 2;
+  const int64_t col_tiles = (blocks + nb - 1) / nb, chunk = 96, row_chunks = (m + chunk - 1) / chunk;
+  const uint8_t* xp = xq.data_ptr<uint8_t>();
+  const float* sp = xscale.data_ptr<float>();
+  const T* op = other ? reinterpret_cast<const T*>(other->data_ptr()) : nullptr;
+  const int64_t os = other ? other->stride(0) : 0;
+  T* outp = reinterpret_cast<T*>(out.data_ptr());
+  const int64_t ostride = out.stride(0);
+  at::parallel_for(0, col_tiles * row_chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t ct = item / row_chunks, rc = item % row_chunks;
+      const int64_t b0 = ct * nb, nbs = std::min(nb, blocks - b0);
+      for (int64_t m0 = rc * chunk; m0 < std::min(m, (rc + 1) * chunk); m0 += kMR) {
+        const int64_t rows = std::min(kMR, m - m0);
+        for (int64_t b = b0; b < b0 + nbs;) {  // whole tiles, then the 1-3 blocks left at the end
+          const int64_t left = b0 + nbs - b;
+          if (left >= 4) { tile_rows<T, 4>(rows, xp, k, sp, w, up, act, epi, op, os, outp, ostride, m0, b); b += 4; }
+          else if (left >= 2) { tile_rows<T, 2>(rows, xp, k, sp, w, up, act, epi, op, os, outp, ostride, m0, b); b += 2; }
+          else { tile_rows<T, 1>(rows, xp, k, sp, w, up, act, epi, op, os, outp, ostride, m0, b); b += 1; }
+        }
+      }
+    }
+  });
+}
+#endif
+
+void check_weight(const torch::Tensor& w, const torch::Tensor& colsum, const torch::Tensor& scale,
+                  const c10::optional<torch::Tensor>& bias, int64_t k) {
+  TORCH_CHECK(w.scalar_type() == torch::kInt8 && w.dim() == 4 && w.size(2) == 16 && w.size(3) == 4 && w.is_contiguous(),
+              "the weight must be a contiguous packed int8 [N/16, K/4, 16, 4]");
+  TORCH_CHECK(w.size(1) * 4 == k, "the weight's K (", w.size(1) * 4, ") is not the input's (", k, ")");
+  const int64_t n = w.size(0) * 16;
+  TORCH_CHECK(colsum.scalar_type() == torch::kInt32 && colsum.is_contiguous() && colsum.numel() == n,
+              "colsum must be a contiguous int32 [N]");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == n,
+              "scale must be a contiguous float32 [N]");
+  if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n,
+                        "bias must be a contiguous float32 [N]");
+}
+
+void check_input(const torch::Tensor& xq, const torch::Tensor& xscale) {
+  TORCH_CHECK(xq.scalar_type() == torch::kUInt8 && xq.dim() == 2 && xq.is_contiguous(),
+              "xq must be a contiguous uint8 [M, K] (acb_int8.quantize_rows)");
+  TORCH_CHECK(xq.size(1) % 4 == 0, "K must be a multiple of 4");
+  TORCH_CHECK(xscale.scalar_type() == torch::kFloat32 && xscale.is_contiguous() && xscale.numel() == xq.size(0),
+              "xscale must be a contiguous float32 [M]");
+}
+
+Weight weight_of(const torch::Tensor& w, const torch::Tensor& colsum, const torch::Tensor& scale,
+                 const c10::optional<torch::Tensor>& bias) {
+  return Weight{w.data_ptr<int8_t>(), colsum.data_ptr<int32_t>(), scale.data_ptr<float>(),
+                bias ? bias->data_ptr<float>() : nullptr};
+}
+
+template <typename T>
+void quantize_row(const T* x, int64_t k, const float* norm_w, bool gemma, float eps, bool norm, uint8_t* q,
+                  float* scale, float* buf) {
+  // optional RMSNorm first (acb.fused's rounding is not reproduced: the row is quantized next)
+  float inv = 1.f;
+  if (norm) {
+    float ss = 0.f;
+    for (int64_t i = 0; i < k; ++i) {
+      const float v = static_cast<float>(x[i]);
+      ss += v * v;
+    }
+    inv = 1.f / std::sqrt(ss / static_cast<float>(k) + eps);
+  }
+  float amax = 0.f;
+  for (int64_t i = 0; i < k; ++i) {
+    float v = static_cast<float>(x[i]);
+    if (norm) v = gemma ? (v * inv) * norm_w[i] : norm_w[i] * (v * inv);
+    buf[i] = v;
+    amax = std::max(amax, std::fabs(v));
+  }
+  *scale = amax / 127.f;
+  const float qs = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t i = 0; i < k; ++i) q[i] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(buf[i] * qs)) + 128);
+}
+
+template <typename T>
+std::vector<torch::Tensor> quantize_any(const torch::Tensor& x, const c10::optional<torch::Tensor>& norm_w,
+                                        bool gemma, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be a 2-D tensor with contiguous rows");
+  const int64_t m = x.size(0), k = x.size(1), xs = x.stride(0);
+  TORCH_CHECK(k % 4 == 0, "the row width must be a multiple of 4");
+  auto q = torch::empty({m, k}, x.options().dtype(torch::kUInt8));
+  auto s = torch::empty({m}, x.options().dtype(torch::kFloat32));
+  const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+  uint8_t* qp = q.data_ptr<uint8_t>();
+  float* sp = s.data_ptr<float>();
+  std::vector<float> w(k);
+  const bool norm = norm_w.has_value();
+  if (norm) {
+    TORCH_CHECK(norm_w->numel() == k && norm_w->is_contiguous(), "the norm weight must be a contiguous [K]");
+    for (int64_t i = 0; i < k; ++i)
+      w[i] = norm_w->scalar_type() == torch::kFloat32 ? norm_w->data_ptr<float>()[i]
+                                                       : widen(reinterpret_cast<const uint16_t*>(norm_w->data_ptr())[i]);
+  }
+  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t b, int64_t e) {
+    std::vector<float> buf(k);
+    for (int64_t t = b; t < e; ++t)
+      quantize_row<T>(xp + t * xs, k, w.data(), gemma, static_cast<float>(eps), norm, qp + t * k, sp + t, buf.data());
+  });
+  return {q, s};
+}
+
+struct BF16 {
+  uint16_t b;
+  explicit operator float() const { return widen(b); }
+};
+
+}  // namespace
+
+bool has_vnni() { return kVnni; }
+
+// x: [M, K] float32 or bfloat16 -> (q: uint8 [M, K] (q + 128), scale: float32 [M]); with
+// norm_w, the row is RMS-normalised first (Llama's w * (x * r), or Gemma's (x * r) * (1 + w)
+// when gemma, norm_w then being the float32 1 + w)
+std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, const c10::optional<torch::Tensor>& norm_w,
+                                         bool gemma, double eps) {
+  if (x.scalar_type() == torch::kFloat32) return quantize_any<float>(x, norm_w, gemma, eps);
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be float32 or bfloat16");
+  return quantize_any<BF16>(x, norm_w, gemma, eps);
+}
+
+// out [M, N] (of `dtype`'s kind: float32 or bfloat16) = dequantized xq @ W^T (+ bias), + other when given
+torch::Tensor linear(const torch::Tensor& xq, const torch::Tensor& xscale, const torch::Tensor& w,
+                     const torch::Tensor& colsum, const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias,
+                     const c10::optional<torch::Tensor>& other, torch::ScalarType dtype) {
+  TORCH_CHECK(kVnni, "acb's int8 kernels were built without AVX-512 VNNI");
+  check_input(xq, xscale);
+  const int64_t k = xq.size(1);
+  check_weight(w, colsum, scale, bias, k);
+  const int64_t n = w.size(0) * 16;
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "the output must be float32 or bfloat16");
+  auto out = torch::empty({xq.size(0), n}, xq.options().dtype(dtype));
+  if (other) TORCH_CHECK(other->scalar_type() == dtype && other->dim() == 2 && other->size(0) == xq.size(0) &&
+                             other->size(1) == n && other->stride(1) == 1,
+                         "other must be [M, N] of the output's dtype with contiguous rows");
+  const Weight wt = weight_of(w, colsum, scale, bias);
+#if defined(__AVX512VNNI__)
+  if (xq.size(0) > 0) {
+    if (dtype == torch::kFloat32)
+      gemm<float>(xq, xscale, wt, nullptr, 0, other ? kAdd : kNone, other ? &*other : nullptr, out, n);
+    else
+      gemm<uint16_t>(xq, xscale, wt, nullptr, 0, other ? kAdd : kNone, other ? &*other : nullptr, out, n);
+  }
+#endif
+  return out;
+}
+
+// out [M, N] = act(xq @ Wgate^T) * (xq @ Wup^T); act 0: SiLU, 1: GELU-tanh
+torch::Tensor glu(const torch::Tensor& xq, const torch::Tensor& xscale, const torch::Tensor& wg,
+                  const torch::Tensor& cg, const torch::Tensor& sg, const c10::optional<torch::Tensor>& bg,
+                  const torch::Tensor& wu, const torch::Tensor& cu, const torch::Tensor& su,
+                  const c10::optional<torch::Tensor>& bu, int64_t act, torch::ScalarType dtype) {
+  TORCH_CHECK(kVnni, "acb's int8 kernels were built without AVX-512 VNNI");
+  check_input(xq, xscale);
+  const int64_t k = xq.size(1);
+  check_weight(wg, cg, sg, bg, k);
+  check_weight(wu, cu, su, bu, k);
+  TORCH_CHECK(wg.sizes() == wu.sizes(), "gate and up must have the same shape");
+  TORCH_CHECK(act == kSilu || act == kGeluTanh, "act must be 0 (SiLU) or 1 (GELU-tanh)");
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "the output must be float32 or bfloat16");
+  const int64_t n = wg.size(0) * 16;
+  auto out = torch::empty({xq.size(0), n}, xq.options().dtype(dtype));
+  const Weight g = weight_of(wg, cg, sg, bg), u = weight_of(wu, cu, su, bu);
+#if defined(__AVX512VNNI__)
+  if (xq.size(0) > 0) {
+    if (dtype == torch::kFloat32)
+      gemm<float>(xq, xscale, g, &u, act, kNone, nullptr, out, n);
+    else
+      gemm<uint16_t>(xq, xscale, g, &u, act, kNone, nullptr, out, n);
+  }
+#endif
+  return out;
+}
+
+// rows `ids` of a packed weight, dequantized: out[t] = W[ids[t]] * scale[ids[t]] * mult
+// (the tied embedding read from the lm_head's packed int8 weight)
+torch::Tensor embed(const torch::Tensor& w, const torch::Tensor& scale, const torch::Tensor& ids, double mult,
+                    torch::ScalarType dtype) {
+  TORCH_CHECK(w.scalar_type() == torch::kInt8 && w.dim() == 4 && w.is_contiguous(), "w must be a packed int8 weight");
+  TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.dim() == 1 && ids.is_contiguous(), "ids must be a long [T]");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.numel() == w.size(0) * 16, "scale must be float32 [N]");
+  const int64_t t_ = ids.size(0), k4 = w.size(1), k = k4 * 4, n = w.size(0) * 16;
+  auto out = torch::empty({t_, k}, w.options().dtype(dtype));
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const float* sp = scale.data_ptr<float>();
+  const float fm = static_cast<float>(mult);
+  for (int64_t t = 0; t < t_; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < n, "token id ", ip[t], " out of range");
+  at::parallel_for(0, t_, 16, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t row = ip[t];
+      const int8_t* base = wp + (row / 16) * k4 * 64 + (row % 16) * 4;
+      const float s = sp[row] * fm;
+      for (int64_t kk = 0; kk < k; ++kk) {
+        const float v = static_cast<float>(base[(kk / 4) * 64 + (kk % 4)]) * s;
+        if (dtype == torch::kFloat32)
+          out.data_ptr<float>()[t * k + kk] = v;
+        else
+          reinterpret_cast<uint16_t*>(out.data_ptr())[t * k + kk] = to_bf16(v);
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("has_vnni", &has_vnni, "whether the GEMMs were built with AVX-512 VNNI");
+  m.def("quantize_rows", &quantize_rows, "per-row int8 quantization (optionally after an RMSNorm)",
+        py::arg("x"), py::arg("norm_w") = py::none(), py::arg("gemma") = false, py::arg("eps") = 1e-6,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("linear", &linear, "W8A8 linear (+ residual)", py::arg("xq"), py::arg("xscale"), py::arg("w"),
+        py::arg("colsum"), py::arg("scale"), py::arg("bias") = py::none(), py::arg("other") = py::none(),
+        py::arg("dtype") = torch::kFloat32, py::call_guard<py::gil_scoped_release>());
+  m.def("glu", &glu, "W8A8 act(x Wg) * (x Wu)", py::call_guard<py::gil_scoped_release>());
+  m.def("embed", &embed, "rows of a packed int8 weight, dequantized", py::call_guard<py::gil_scoped_release>());
+}
