@@ -214,7 +214,8 @@ class Engine:
             config = dataclasses.replace(config, device=device,
                                          dtype=config.dtype or ("bfloat16" if device.startswith("cuda") else None))
             device = "cpu"
-        model, tokenizer = load(path, gguf_file, dtype=config.dtype, device=device, **model_kwargs)
+        model, tokenizer = load(path, gguf_file, dtype=config.dtype, device=device, quantization=config.quantization,
+                                **model_kwargs)
         return cls(model, tokenizer=tokenizer, config=config, sampling=sampling)
 
     # ------------------------------------------------------------------ lifecycle

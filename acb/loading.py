@@ -66,9 +66,12 @@ def _resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
 
 
 def load(path: str | os.PathLike, gguf_file: str | None = None, *,
-         dtype: str | torch.dtype | None = None, device: str | None = None, **model_kwargs):
+         dtype: str | torch.dtype | None = None, device: str | None = None, quantization: str | None = None,
+         **model_kwargs):
     """Return (model, tokenizer) from a HF folder, or a folder plus ``gguf_file``
-    (a path to a ``.gguf`` file is accepted too)."""
+    (a path to a ``.gguf`` file is accepted too). ``quantization="int8"`` with a GGUF
+    file reads it straight into int8, one tensor at a time (:mod:`acb.gguf_int8`); other
+    checkpoints are quantized by the engine after loading."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = str(path)
@@ -78,6 +81,10 @@ def load(path: str | os.PathLike, gguf_file: str | None = None, *,
         raise FileNotFoundError(f"model folder not found: {path!r} (acb loads local folders only)")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch_dtype = _resolve_dtype(dtype, device)
+    if gguf_file is not None and quantization == "int8" and device == "cpu" and not model_kwargs:
+        from . import gguf_int8
+
+        return gguf_int8.load(path, gguf_file, torch_dtype)
     if gguf_file is not None:
         path = str(_converted_gguf(path, gguf_file))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **model_kwargs)

@@ -113,8 +113,21 @@ class Int8Linear(torch.nn.Module):
             scale = torch.cat([scale, scale.new_zeros(pad)])
             if bias is not None:
                 bias = torch.cat([bias.detach().float(), bias.new_zeros(pad, dtype=torch.float32)])
-        return cls(pack(q), q.sum(1, dtype=torch.int32), scale.contiguous(),
+        return cls(pack(q), q.to(torch.int32).sum(1, dtype=torch.int32), scale.contiguous(),
                    None if bias is None else bias.detach().float().contiguous(), n)
+
+    @property
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(packed, colsum, scale, out_features): what :meth:`from_packed` takes back
+        (acb.gguf_int8 caches it)."""
+        return self.weight, self.weight_colsum, self.weight_scale, self.out_features
+
+    @classmethod
+    def from_packed(cls, packed: tuple, bias: torch.Tensor | None = None) -> Int8Linear:
+        weight, colsum, scale, n = packed
+        if bias is not None:
+            bias = torch.cat([bias.detach().float(), bias.new_zeros(colsum.numel() - n, dtype=torch.float32)])
+        return cls(weight, colsum, scale, bias, n)
 
     @classmethod
     def from_dense(cls, linear: torch.nn.Linear) -> Int8Linear:
@@ -196,6 +209,14 @@ def why_not(model: torch.nn.Module) -> str | None:
     return None
 
 
+def check_dense(model: torch.nn.Module) -> None:
+    """ValueError naming ``EngineConfig.quantization`` where :func:`why_not` says the
+    (dense) model cannot run with int8 weights here."""
+    reason = why_not(model)
+    if reason:
+        raise ValueError(f"EngineConfig.quantization='int8' cannot run on this model here: {reason}")
+
+
 def _joined(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """One tensor over ``tensors`` when they lie end to end in one storage (the q, k, v
     projections :func:`quantize_` packs together), so one GEMM computes all three."""
@@ -212,12 +233,11 @@ def _joined(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape)
 
 
-def _group(linears: list[torch.nn.Linear]) -> list[Int8Linear]:
-    """Quantize ``linears`` (same input) into one buffer each for weights, sums, scales
-    and biases, each module holding its slice: one GEMM can compute them all."""
-    parts = [Int8Linear.from_dense(m) for m in linears]
+def _group(parts: list[Int8Linear]) -> list[Int8Linear]:
+    """``parts`` (same input: q, k, v) moved into one buffer each for weights, sums,
+    scales and biases, each module holding its slice: one GEMM can compute them all."""
     biased = [p.bias is not None for p in parts]
-    if any(biased) and not all(biased):
+    if any(biased) and not all(biased) or any(p.out_features % 16 for p in parts):
         return parts
     joined = [torch.cat([getattr(p, name) for p in parts]) for name in ("weight", "weight_colsum", "weight_scale")]
     joined.append(torch.cat([p.bias for p in parts]) if all(biased) else None)
@@ -230,31 +250,47 @@ def _group(linears: list[torch.nn.Linear]) -> list[Int8Linear]:
     return out
 
 
-def quantize_(model: torch.nn.Module) -> None:
+def quantize_(model: torch.nn.Module, weights: dict[str, tuple] | None = None) -> None:
     """Replace ``model``'s decoder projections, ``lm_head`` and embedding by their int8
-    forms, in place; the dense weights are freed. ValueError (naming
-    ``EngineConfig.quantization``) where :func:`why_not` says it cannot run."""
-    reason = why_not(model)
-    if reason:
-        raise ValueError(f"EngineConfig.quantization='int8' cannot run on this model here: {reason}")
+    forms, in place; the dense weights are freed. ``weights``: {parameter name:
+    ``Int8Linear.packed``} already quantized (a GGUF file's, :mod:`acb.gguf_int8`), the
+    modules' own weights being quantized otherwise. ValueError (naming ``EngineConfig.quantization``)
+    where :func:`why_not` says it cannot run."""
+    check_dense(model)
+    weights = weights or {}
     base = model.model
-    dtype = base.embed_tokens.weight.dtype
+    dtype = next(base.norm.parameters()).dtype
+
+    def int8(name: str, linear: torch.nn.Linear) -> Int8Linear:
+        if name in weights:
+            return Int8Linear.from_packed(weights[name], linear.bias)
+        return Int8Linear.from_dense(linear)
+
     with torch.no_grad():
-        for layer in base.layers[: model.config.num_hidden_layers]:
+        for i, layer in enumerate(base.layers[: model.config.num_hidden_layers]):
             attn, mlp = layer.self_attn, layer.mlp
-            attn.q_proj, attn.k_proj, attn.v_proj = _group([attn.q_proj, attn.k_proj, attn.v_proj])
-            attn.o_proj = Int8Linear.from_dense(attn.o_proj)
-            mlp.gate_proj = Int8Linear.from_dense(mlp.gate_proj)
-            mlp.up_proj = Int8Linear.from_dense(mlp.up_proj)
-            mlp.down_proj = Int8Linear.from_dense(mlp.down_proj)
-        tied = model.lm_head.weight is base.embed_tokens.weight
-        lm_head = Int8Linear.from_dense(model.lm_head)
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            attn.q_proj, attn.k_proj, attn.v_proj = _group([int8(a + "q_proj.weight", attn.q_proj),
+                                                            int8(a + "k_proj.weight", attn.k_proj),
+                                                            int8(a + "v_proj.weight", attn.v_proj)])
+            attn.o_proj = int8(a + "o_proj.weight", attn.o_proj)
+            mlp.gate_proj = int8(m + "gate_proj.weight", mlp.gate_proj)
+            mlp.up_proj = int8(m + "up_proj.weight", mlp.up_proj)
+            mlp.down_proj = int8(m + "down_proj.weight", mlp.down_proj)
+        if weights:
+            tied = weights.get("lm_head.weight") is weights.get("model.embed_tokens.weight")
+        else:
+            tied = model.lm_head.weight is base.embed_tokens.weight
+        lm_head = int8("lm_head.weight", model.lm_head)
         if tied:
             table = lm_head
+        elif "model.embed_tokens.weight" in weights:
+            table = Int8Linear.from_packed(weights["model.embed_tokens.weight"])
         else:
             table = Int8Linear.from_int8(*quantize_weight(base.embed_tokens.weight.detach()))
+        scale = _embed_scale(base.embed_tokens, dtype)
         model.lm_head = lm_head
-        base.embed_tokens = Int8Embedding(table, dtype, _embed_scale(base.embed_tokens, dtype))
+        base.embed_tokens = Int8Embedding(table, dtype, scale)
     from .kernels.cpu_linear import trim_heap
 
     trim_heap()

@@ -1,0 +1,210 @@
+"""A GGUF checkpoint straight into int8 (``quantization="int8"``), one tensor at a time.
+
+``acb.loading`` otherwise dequantizes a GGUF file into a float32 model (and caches it
+as a float32 folder). Here the model's skeleton is built with its parameters on the
+``meta`` device (no memory), and each GGUF tensor is read, dequantized to float32 on
+its own, and either quantized at once to int8 per output channel (the linear layers,
+the embedding) or kept in the model's dtype (norms, biases); the largest float32 array
+alive at any time is one tensor (SmolLM2's embedding: 113 MB), never the model.
+
+Every GGUF quantization type the ``gguf`` package dequantizes is read (F32, F16, BF16,
+Q8_0, Q4_0, Q4_1, Q5_x, the K-quants, ...): SmolLM2-135M's file holds Q4_1 (210
+tensors), Q8_0 (the embedding) and F32 (the norms); Gemma 3 270M's holds Q4_K/Q6_K/Q8_0
+(run ``python -m acb.gguf_int8 FILE`` to list a file's types). A block-quantized
+tensor (Q8_0: a scale per 32 weights; Q4_x: 4-bit values) is requantized to one scale
+per output row: acb's GEMM takes per-channel int8, so a Q4 file is not made more
+accurate, and a Q8_0 one loses a little (one scale per row instead of per 32 weights;
+``tests/test_gguf_int8.py`` measures it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+
+import torch
+
+log = logging.getLogger("acb")
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Build modules with their parameters on ``meta`` (buffers stay real: RoPE's
+    frequencies are computed as usual), skipping the weights' initialization."""
+    from transformers.initialization import no_init_weights
+
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None:
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=False)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        with no_init_weights():
+            yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def tensor_types(path: str | os.PathLike) -> dict[str, int]:
+    """{GGUF quantization type: number of tensors} of a file."""
+    from collections import Counter
+
+    from gguf import GGUFReader
+
+    return dict(Counter(t.tensor_type.name for t in GGUFReader(str(path)).tensors))
+
+
+
+
+
+def load(folder: str, gguf_file: str, dtype: torch.dtype):
+    """(model, tokenizer): the GGUF model with int8 linear layers and embedding (see
+    :mod:`acb.quantization`), the rest in ``dtype``. The int8 tensors are cached under
+    ``acb.loading.cache_dir()`` (later loads skip the GGUF decoding). ValueError naming
+    ``EngineConfig.quantization`` where int8 cannot run this model."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from . import quantization
+    from .loading import cache_dir
+
+    path = os.path.join(folder, gguf_file)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    st = os.stat(path)
+    key = hashlib.sha1(f"{os.path.realpath(path)}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    cached = cache_dir() / "int8" / f"{os.path.splitext(gguf_file)[0]}-{key}"
+    hit = (cached / "weights.pt").is_file()
+    # the config and the tokenizer are cached too: building them from GGUF metadata takes seconds
+    config = AutoConfig.from_pretrained(cached) if hit else AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
+    tokenizer = AutoTokenizer.from_pretrained(cached) if hit else \
+        AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    quantization.check_dense(model)  # refuse before reading anything
+    if hit:
+        dense, int8 = torch.load(cached / "weights.pt", weights_only=True)
+    else:
+        log.info("acb: reading %s into int8 (first load only; cached in %s)", gguf_file, cached)
+        dense, int8 = _read(path, model, config)
+        _save(cached, config, tokenizer, (dense, int8))
+    with torch.no_grad():
+        for name, value in dense.items():
+            _set(model, name, value.to(dtype))
+    if "lm_head.weight" not in int8 and getattr(config, "tie_word_embeddings", False):
+        int8["lm_head.weight"] = int8["model.embed_tokens.weight"]  # tied: one matrix serves both
+    quantization.quantize_(model, int8)
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"{gguf_file} lacks tensors the model needs: {missing[:5]}")
+    log.info("acb: %s loaded into int8 (%s)", gguf_file, quantization.weight_summary(model))
+    return model, tokenizer
+
+
+def _save(target, config, tokenizer, weights) -> None:
+    """Cache the converted checkpoint at ``target``, atomically (a folder renamed into place)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        torch.save(weights, tmp / "weights.pt")
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _read(path: str, model: torch.nn.Module, config) -> tuple[dict, dict]:
+    """({name: float32 tensor} of the weights kept dense, {name: ``Int8Linear.packed``}
+    of the others), decoding one GGUF tensor at a time (the large ones in slices of rows)."""
+    import numpy as np
+    from gguf import GGUFReader, dequantize
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        read_field,
+    )
+
+    from .kernels.cpu_linear import trim_heap
+    from .quantization import Int8Linear, quantize_weight
+
+    def packed(q: torch.Tensor, scale: torch.Tensor) -> tuple:
+        return Int8Linear.from_int8(q, scale).packed
+
+    reader = GGUFReader(path)
+    arch = read_field(reader, "general.architecture")[0]
+    settings = config.to_dict()
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=settings)
+    names = get_gguf_hf_weights_map(model, processor)
+    targets = _int8_targets(model)
+    dense, int8 = {}, {}
+    for i, tensor in enumerate(reader.tensors):
+        if i % 16 == 0:  # hand the freed float32 temporaries back (glibc keeps them: measured 1.5 GB peak
+            trim_heap()  # RSS for SmolLM2 without this, against 0.6 GB of live data)
+        hf_name = names.get(tensor.name)
+        if hf_name in targets and tensor.data.ndim == 2 and tensor.data.shape[0] > 4096 and \
+                ".attn_q." not in tensor.name and ".attn_k." not in tensor.name:
+            # an embedding or lm_head: rows decoded and quantized in slices (no processor
+            # rewrites these: only Llama's q/k are permuted, Gemma's norms shifted)
+            parts = [quantize_weight(torch.from_numpy(dequantize(tensor.data[i: i + 4096], tensor.tensor_type)))
+                     for i in range(0, tensor.data.shape[0], 4096)]
+            int8[hf_name] = packed(torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]))
+            continue
+        weights = dequantize(tensor.data, tensor.tensor_type)
+        result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names,
+                                   parsed_parameters={"tensors": {}, "config": settings})
+        hf_name = names.get(result.name)
+        if result.weights is None or hf_name is None:
+            continue
+        value = torch.from_numpy(np.ascontiguousarray(result.weights, dtype=np.float32))
+        if hf_name in targets:
+            int8[hf_name] = packed(*quantize_weight(value))
+        else:
+            dense[hf_name] = value
+    return dense, int8
+
+
+def _int8_targets(model: torch.nn.Module) -> set[str]:
+    """Names of the weights :func:`acb.quantization.quantize_` stores as int8."""
+    from .quantization import _projections
+
+    base = model.model
+    names = {"lm_head.weight", "model.embed_tokens.weight"}
+    for i, layer in enumerate(base.layers[: model.config.num_hidden_layers]):
+        for owner, name in _projections(layer):
+            prefix = "self_attn" if owner is layer.self_attn else "mlp"
+            names.add(f"model.layers.{i}.{prefix}.{name}.weight")
+    return names
+
+
+def _set(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner)
+    if leaf in module._parameters:
+        expected = module._parameters[leaf].shape
+        if tuple(expected) != tuple(value.shape):
+            raise ValueError(f"GGUF tensor {name} has shape {list(value.shape)}, the model expects {list(expected)}")
+        module._parameters[leaf] = torch.nn.Parameter(value.contiguous(), requires_grad=False)
+    else:
+        getattr(module, leaf).copy_(value)
+
+
+if __name__ == "__main__":
+    import sys
+
+    for arg in sys.argv[1:]:
+        print(arg, tensor_types(arg))
