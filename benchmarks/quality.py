@@ -2,6 +2,10 @@
 
     python benchmarks/quality.py                        # float32 vs bfloat16, SmolLM2-135M
     python benchmarks/quality.py --dtypes float32,bfloat16 --tokens 24000 --prompts 16
+    python benchmarks/quality.py --dtypes float32,int8,int8_bf16  # int8 weights (EngineConfig.quantization)
+
+A ``--dtypes`` name is a dtype, or ``int8`` (int8 weights and per-token int8 activations
+in the GEMMs, float32 between them) / ``int8_bf16`` (the same, bfloat16 between them).
 
 Three measures, each of acb's own forward as the engine runs it (the fused CPU forward,
 the native attention kernels over the paged cache):
@@ -107,11 +111,18 @@ def hf_teacher_forced(model, ids: list[int], window: int) -> list[int]:
     return argmax
 
 
-def greedy(model, tok, prompts: list[list[int]], new: int) -> list[list[int]]:
+def variant(name: str) -> tuple[torch.dtype, str | None]:
+    """(the model's dtype, EngineConfig.quantization) of a ``--dtypes`` name."""
+    if name.startswith("int8"):
+        return (torch.bfloat16 if name == "int8_bf16" else torch.float32), "int8"
+    return getattr(torch, name), None
+
+
+def greedy(model, tok, prompts: list[list[int]], new: int, quantization: str | None = None) -> list[list[int]]:
     import acb
 
     async def run():
-        async with acb.Engine(model, tokenizer=tok, config=acb.EngineConfig()) as engine:
+        async with acb.Engine(model, tokenizer=tok, config=acb.EngineConfig(quantization=quantization)) as engine:
             done = await engine.generate_batch(prompts, max_new_tokens=new, ignore_eos=True)
         return [d.token_ids for d in done]
 
@@ -160,10 +171,15 @@ def main() -> None:
     results: dict[str, dict] = {}
     for name in args.dtypes.split(","):
         t0 = time.perf_counter()
-        model = copy.deepcopy(base).to(getattr(torch, name))
+        dtype, quantization = variant(name)
+        model = copy.deepcopy(base).to(dtype)
+        if quantization:  # in place, as the engine does (transformers' forward then runs the int8 modules too)
+            from acb.quantization import quantize_
+
+            quantize_(model)
         hf_tf = hf_teacher_forced(model, ids, args.window)
         tf = teacher_forced(model, ids, args.window)
-        gen = greedy(model, tok, w.prompts, args.new_tokens)
+        gen = greedy(model, tok, w.prompts, args.new_tokens, quantization)
         hf = None if args.no_hf else hf_greedy(model, w.prompts, args.new_tokens)
         del model
         results[name] = {"ppl": math.exp(sum(tf["nll"]) / len(tf["nll"])), "tf": tf, "greedy": gen, "hf": hf,

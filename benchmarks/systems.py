@@ -76,18 +76,25 @@ class LagTicker:
         self._task.cancel()
 
 
-def run_acb(w: Workload, config_kwargs: dict | None = None, dtype: str | None = None) -> dict:
-    """acb over SmolLM2 in ``dtype`` (None: what ``Engine.from_pretrained`` picks here by default)."""
+def run_acb(w: Workload, config_kwargs: dict | None = None, dtype: str | None = None,
+            quantization: str | None = None) -> dict:
+    """acb over SmolLM2 in ``dtype`` (None: what ``Engine.from_pretrained`` picks here by default);
+    ``quantization="int8"``: the GGUF file read straight into int8 (acb.gguf_int8, cached conversion)."""
     import acb
-    from acb.loading import default_dtype
+    from acb.loading import default_dtype, load, smollm2
     from acb.progress import BatchProgress
+    from acb.quantization import weight_bytes
 
-    model, tok = load_smollm2()
     config = acb.EngineConfig(**(config_kwargs or {}))
     requested = config.dtype or dtype
     dtype = requested or default_dtype("cpu")
-    config = dataclasses.replace(config, dtype=dtype)
-    name = f"acb_{SHORT[dtype]}" + ("" if requested else "_default")
+    config = dataclasses.replace(config, dtype=dtype, quantization=quantization or config.quantization)
+    if config.quantization:
+        model, tok = load(*smollm2(), dtype=dtype, quantization=config.quantization)
+    else:
+        model, tok = load_smollm2()
+    name = f"acb_{config.quantization + '_' if config.quantization else ''}{SHORT[dtype]}" + \
+        ("" if requested else "_default")
 
     async def main() -> dict:
         engine = acb.Engine(model, tokenizer=tok, config=config)
@@ -128,7 +135,8 @@ def run_acb(w: Workload, config_kwargs: dict | None = None, dtype: str | None = 
                 "loop_lag_max_ms": 1e3 * max(lags), "steps": s.steps - steps0,
                 "prefix_hit_rate": s.prefix_hit_rate, "preemptions": s.preemptions,
                 "max_batch_tokens": s.max_batch_tokens, "total_blocks": s.total_blocks,
-                "dtype": s.dtype, "forward_path": s.forward_path,
+                "dtype": s.dtype, "forward_path": s.forward_path, "quantization": s.quantization,
+                "weight_mib": weight_bytes(engine.model) / 2**20,
             })
 
     try:

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_fused_forward import _logits, _runner
 
 from acb import Engine, EngineConfig, attention, quantization
 from acb.kernels.cpu import int8_kernels
 from acb.quantization import Int8Linear, quantize_weight
 from acb.step import StepInput
-from acb.testing import random_prompts, reference_greedy, runner_of, tiny_model, tiny_tokenizer
-
-from test_fused_forward import _logits, _runner
+from acb.testing import random_prompts, reference_greedy, tiny_model, tiny_tokenizer
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"]
 
