@@ -235,30 +235,46 @@ Weight weight_of(const torch::Tensor& w, const torch::Tensor& colsum, const torc
                 bias ? bias->data_ptr<float>() : nullptr};
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512 load_masked(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load_masked(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+// One row: optional RMSNorm (w * (x * r), r = 1 / sqrt(mean(x^2) + eps); the product is
+// commutative, so Llama's and Gemma's orders give the same float), then q = round(v * 127 /
+// max|v|) + 128 (round to nearest even, as nearbyint) and scale = max|v| / 127.
 template <typename T>
-void quantize_row(const T* x, int64_t k, const float* norm_w, bool gemma, float eps, bool norm, uint8_t* q,
-                  float* scale, float* buf) {
-  // optional RMSNorm first (acb.fused's rounding is not reproduced: the row is quantized next)
+void quantize_row(const T* x, int64_t k, const float* w, float eps, bool norm, uint8_t* q, float* scale, float* buf) {
+  auto mask = [k](int64_t i) { return static_cast<__mmask16>(k - i >= 16 ? 0xffff : (1u << (k - i)) - 1); };
   float inv = 1.f;
   if (norm) {
-    float ss = 0.f;
-    for (int64_t i = 0; i < k; ++i) {
-      const float v = static_cast<float>(x[i]);
-      ss += v * v;
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 16) {
+      const __m512 v = load_masked(x + i, mask(i));
+      ss = _mm512_fmadd_ps(v, v, ss);
     }
-    inv = 1.f / std::sqrt(ss / static_cast<float>(k) + eps);
+    inv = 1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(k) + eps);
   }
-  float amax = 0.f;
-  for (int64_t i = 0; i < k; ++i) {
-    float v = static_cast<float>(x[i]);
-    if (norm) v = gemma ? (v * inv) * norm_w[i] : norm_w[i] * (v * inv);
-    buf[i] = v;
-    amax = std::max(amax, std::fabs(v));
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += 16) {
+    const __mmask16 m = mask(i);
+    __m512 v = load_masked(x + i, m);
+    if (norm) v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + i), _mm512_mul_ps(v, _mm512_set1_ps(inv)));
+    _mm512_mask_storeu_ps(buf + i, m, v);
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
   }
-  *scale = amax / 127.f;
-  const float qs = amax > 0.f ? 127.f / amax : 0.f;
-  for (int64_t i = 0; i < k; ++i) q[i] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(buf[i] * qs)) + 128);
+  const float top = _mm512_reduce_max_ps(amax);
+  *scale = top / 127.f;
+  const __m512 qs = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
+  for (int64_t i = 0; i < k; i += 16) {
+    const __mmask16 m = mask(i);
+    const __m512i r = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, buf + i), qs)),
+                                       _mm512_set1_epi32(128));
+    _mm_mask_storeu_epi8(q + i, m, _mm512_cvtusepi32_epi8(r));
+  }
 }
+#endif
 
 template <typename T>
 std::vector<torch::Tensor> quantize_any(const torch::Tensor& x, const c10::optional<torch::Tensor>& norm_w,
@@ -269,6 +285,7 @@ std::vector<torch::Tensor> quantize_any(const torch::Tensor& x, const c10::optio
   auto q = torch::empty({m, k}, x.options().dtype(torch::kUInt8));
   auto s = torch::empty({m}, x.options().dtype(torch::kFloat32));
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+  (void)gemma;  // the norm's two orders of the product are one float (see quantize_row)
   uint8_t* qp = q.data_ptr<uint8_t>();
   float* sp = s.data_ptr<float>();
   std::vector<float> w(k);
@@ -281,16 +298,15 @@ std::vector<torch::Tensor> quantize_any(const torch::Tensor& x, const c10::optio
   }
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t b, int64_t e) {
     std::vector<float> buf(k);
-    for (int64_t t = b; t < e; ++t)
-      quantize_row<T>(xp + t * xs, k, w.data(), gemma, static_cast<float>(eps), norm, qp + t * k, sp + t, buf.data());
+    for (int64_t t = b; t < e; ++t) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      quantize_row(xp + t * xs, k, w.data(), static_cast<float>(eps), norm, qp + t * k, sp + t, buf.data());
+#endif
+    }
   });
   return {q, s};
 }
 
-struct BF16 {
-  uint16_t b;
-  explicit operator float() const { return widen(b); }
-};
 
 }  // namespace
 
@@ -301,9 +317,10 @@ bool has_vnni() { return kVnni; }
 // when gemma, norm_w then being the float32 1 + w)
 std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, const c10::optional<torch::Tensor>& norm_w,
                                          bool gemma, double eps) {
+  TORCH_CHECK(kVnni, "acb's int8 kernels were built without AVX-512 VNNI");
   if (x.scalar_type() == torch::kFloat32) return quantize_any<float>(x, norm_w, gemma, eps);
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be float32 or bfloat16");
-  return quantize_any<BF16>(x, norm_w, gemma, eps);
+  return quantize_any<uint16_t>(x, norm_w, gemma, eps);
 }
 
 // out [M, N] (of `dtype`'s kind: float32 or bfloat16) = dequantized xq @ W^T (+ bias), + other when given
