@@ -152,7 +152,7 @@ def _window_logits(runner, tokens: list[int]) -> torch.Tensor:
     attention.set_step(meta)
     try:
         with torch.inference_mode():
-            return runner.fused(input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
+            return runner.fast_paths.fused(input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
                                 logits_to_keep=0).logits[0].float()
     finally:
         attention.set_step(None)

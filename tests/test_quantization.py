@@ -103,7 +103,7 @@ def test_int8_fused_forward_computes_what_the_quantized_model_computes(arch):
     quantization.quantize_(model)
     runner = _runner(model)
     try:
-        assert isinstance(runner.fused, quantization.Int8Forward)
+        assert isinstance(runner.fast_paths.fused, quantization.Int8Forward)
         prompts = random_prompts(3, 5, 40, seed=7)
         rows, start = [], 0
         for p in prompts:
@@ -111,7 +111,7 @@ def test_int8_fused_forward_computes_what_the_quantized_model_computes(arch):
             rows.append((p, 0, list(range(start, start + need))))
             start += need
         want = _logits(runner, runner.model, rows)
-        got = _logits(runner, runner.fused, rows)
+        got = _logits(runner, runner.fast_paths.fused, rows)
         # the fused RMSNorm + quantization sums its squares in another order: an activation
         # exactly between two int8 steps may round the other way
         torch.testing.assert_close(got, want, rtol=1e-3, atol=2e-3 * want.abs().max().item())
@@ -127,7 +127,7 @@ def _every_logit(runner, tokens: list[int], pages: list[int]) -> torch.Tensor:
     attention.set_step(meta)
     try:
         with torch.inference_mode():
-            return runner.fused(input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
+            return runner.fast_paths.fused(input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
                                 logits_to_keep=0).logits[0]
     finally:
         attention.set_step(None)
