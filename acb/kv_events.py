@@ -158,6 +158,9 @@ class KVEventPublisher:
         self.batches = 0  # batches published
 
     def subscribe(self, max_batches: int) -> KVEventStream:
+        """A new subscriber's stream, holding at most ``max_batches`` (an int >= 1) unread batches."""
+        if not isinstance(max_batches, int) or isinstance(max_batches, bool) or max_batches < 1:
+            raise ValueError(f"max_batches must be an int >= 1, got {max_batches!r}")
         stream = KVEventStream(self, max_batches)
         self.streams.add(stream)
         return stream

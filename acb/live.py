@@ -19,9 +19,6 @@ from .scheduler import Sequence
 from .step import StepPlan
 from .structured import TokenMasks
 
-# the sampling row of a row whose request has left: greedy, its token is dropped
-_STALE_ROW = (0.0, 0, 1.0, None, 0)
-
 
 class LiveRequest:
     """A request the engine is serving: its sequence (its tokens) and everything the
@@ -108,7 +105,7 @@ class Choices:
 
 def sampling_batch(plan: StepPlan, live: dict[str, LiveRequest], vocab_size: int) -> SamplingBatch:
     """The sampling batch of ``plan``'s sampled rows: each live request's settings
-    (``live``: request id -> live request)."""
+    (``live``: request id -> live request; a plan just made holds live requests only)."""
     sampling_rows = []
     want_logprobs = False
     top_logprobs = 0
@@ -117,10 +114,7 @@ def sampling_batch(plan: StepPlan, live: dict[str, LiveRequest], vocab_size: int
     for seq, sample, carry_from in zip(plan.seqs, inp.sample, inp.carry_from, strict=True):
         if not sample:
             continue
-        req = live.get(seq.seq_id)
-        if req is None or req.seq is not seq:  # stale row: its token is dropped
-            sampling_rows.append(_STALE_ROW)
-            continue
+        req = live[seq.seq_id]
         p = req.params
         if req.controlled:
             controlled.append((len(sampling_rows), req, carry_from))

@@ -4,9 +4,12 @@ grammars, fills the request's mailbox and, when the request ends, its ``Completi
 A request that a stop string or its grammar ends is handed back to the scheduler,
 which releases its pages. Runs on the event loop's thread only.
 
-``Outputs`` holds the table of live requests the engine registers into (request id ->
-``acb.live.LiveRequest``); finishing, cancelling or failing a request here takes it
-out of the scheduler too (its pages come back at once).
+``Outputs`` ends requests (finished, cancelled, expired or failed) and takes them out
+of the request table (``acb.request_table``) and, if they have not finished there
+already, out of the scheduler (their pages come back at once). Which rows of a step
+are still current is the scheduler's to say (``Scheduler.update``); a row it handed
+on is skipped here only if an earlier row of the same step ended it (a failed choice
+fails every choice of its request).
 """
 
 from __future__ import annotations
@@ -15,76 +18,57 @@ import logging
 import time
 
 from .errors import RequestFailedError, caused
-from .live import Choices, LiveRequest
-from .prompt_logprobs import PromptSink
+from .eventloop import LoopHandle
+from .live import LiveRequest
 from .request import Completion
-from .scheduler import Scheduler
+from .request_table import RequestTable
 from .step import StepOutput, StepPlan, StepUpdate
 
 log = logging.getLogger("acb")
 
 
 class Outputs:
-    """The live requests and what reaches them: tokens, text, finishes and failures."""
+    """What reaches the live requests of ``table``: tokens, text, finishes and failures."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-        self.live: dict[str, LiveRequest] = {}
-        self.deadlines = 0  # live requests with a timeout_s: the engine scans for expired ones while > 0
-        self.groups: dict[str, Choices] = {}  # requests with n > 1, by request id
-        self.scoring: set[PromptSink] = set()  # prompt_logprobs still to compute: the engine plans them while any
-
-    def __contains__(self, request_id: str) -> bool:
-        """Whether ``request_id`` names a live request."""
-        return request_id in self.live or request_id in self.groups
-
-    def add(self, req: LiveRequest) -> None:
-        """Make ``req`` live (counting its deadline)."""
-        self.live[req.request_id] = req
-        if req.deadline is not None:
-            self.deadlines += 1
-
-    def _forget(self, req: LiveRequest) -> None:
-        """``req`` is no longer live: its pages go back and its deadline stops counting."""
-        if self.live.pop(req.request_id, None) is not None and req.deadline is not None:
-            self.deadlines -= 1
-        self.scheduler.finish(req.seq)
-        sink = req.prompt_sink
-        if sink is not None and sink in self.scoring and not any(m.request_id in self.live for m in sink.members):
-            self.scoring.discard(sink)
-
-    def expired(self, now: float) -> list[LiveRequest]:
-        """The live requests whose deadline is at or before ``now``."""
-        return [r for r in self.live.values() if r.deadline is not None and r.deadline <= now]
-
-    def next_deadline(self) -> float | None:
-        """The nearest deadline of a live request, or None."""
-        return min((r.deadline for r in self.live.values() if r.deadline is not None), default=None)
-
-    def _member_done(self, req: LiveRequest) -> None:
-        if req.group is not None and req.group.member_done():
-            self.groups.pop(req.group.request_id, None)
+    def __init__(self, table: RequestTable) -> None:
+        self.table = table
+        self.live = table.live
 
     def step_failed(self, plan: StepPlan, error: BaseException) -> None:
         """Fail the requests of a step that raised (the engine goes on serving)."""
-        rows, restored = self.scheduler.step_failed(plan)
+        rows, restored = self.table.scheduler.step_failed(plan)
         for seqs, why in ((restored, " (its offloaded KV came from it)"), (rows, "")):
             for seq in seqs:
                 req = self.live.get(seq.seq_id)
-                if req is not None and req.seq is seq:
+                if req is not None:  # not failed with another choice of its request already
                     self.fail(req, caused(RequestFailedError(
                         f"the model step failed for request {req.request_id}{why}: {error!r}", req.request_id), error))
 
-    def score_prompt(self, members: list[LiveRequest], k: int) -> None:
-        """``members`` (a request, or the choices of one) score their shared prompt with
-        ``k`` alternatives per token (``SamplingParams.prompt_logprobs``)."""
-        sink = PromptSink(members[0].seq.prompt_ids, k, members)
-        for req in members:
-            req.prompt_sink = sink
-        if sink.result is None:
-            self.scoring.add(sink)
-        else:  # a one-token prompt: nothing to compute
-            self._prompt_scored(sink)
+    def cancel(self, request_id: str, index: int | None = None, loop: LoopHandle | None = None) -> bool:
+        """End a live request (with ``n`` > 1 every choice, or choice ``index``) with
+        ``finish_reason="cancelled"``; False if there is none. Called from a thread other
+        than ``loop``'s, it hands the cancel to the loop (True if the request was live)."""
+        if loop is not None and not loop.in_loop_thread():
+            if request_id not in self.table:
+                return False
+            loop.call_soon_threadsafe(self.cancel, request_id, index)
+            return True
+        group = self.table.groups.get(request_id)
+        if group is not None:
+            members = group.members if index is None else group.members[index:index + 1] if index >= 0 else []
+            return any([self.cancel(m.request_id) for m in members])
+        req = self.live.get(request_id)
+        if req is None:
+            return False
+        self.finish(req, "cancelled", self.flush_text(req))
+        return True
+
+    def expire(self, now: float) -> None:
+        """End every request whose ``timeout_s`` has run out by ``now`` with
+        ``finish_reason="timeout"``, its partial output kept."""
+        for req in self.table.expired(now):
+            if self.live.get(req.request_id) is req:
+                self.finish(req, "timeout", self.flush_text(req))
 
     def deliver_prompt_logprobs(self, plan: StepPlan, out: StepOutput) -> None:
         """Store a step's prompt scores (before its tokens are delivered, so a prompt
@@ -96,34 +80,20 @@ class Outputs:
         offset = 0
         for (sink, first), count in zip(plan.prompt_sinks, rows.counts, strict=True):
             if sink.take(first, count, scores, offset):
-                self.scoring.discard(sink)
-                self._prompt_scored(sink)
+                self.table.scoring.discard(sink)
+                self.table.prompt_scored(sink)
             offset += count
-
-    def _prompt_scored(self, sink: PromptSink) -> None:
-        for req in sink.members:
-            if req.mailbox is not None and self.live.get(req.request_id) is req:
-                req.mailbox.put_prompt_logprobs(sink.result)
 
     def deliver(self, update: StepUpdate, out: StepOutput) -> None:
         """Turn the tokens ``Scheduler.update`` took into their requests' text and chunks."""
         now = time.monotonic()
         for seq, j, reason in zip(update.seqs, update.samples, update.reasons, strict=True):
             req = self.live.get(seq.seq_id)
-            if req is None or req.seq is not seq:
+            if req is None:  # ended by an earlier row of this step (a failed choice fails its request)
                 continue
             top = (out.top_ids[j], out.top_logprobs[j]) if out.top_ids is not None else None
             self.on_token(req, out.token_ids[j], out.logprobs[j] if out.logprobs is not None else None, top,
                           reason, now)
-
-    def scheduled(self, plan: StepPlan) -> None:
-        """Stamp the requests ``plan`` took out of the queue for the first time (their
-        ``RequestMetrics.scheduled_time``)."""
-        now = time.monotonic()
-        for seq in plan.admitted:
-            req = self.live.get(seq.seq_id)
-            if req is not None and req.seq is seq and req.metrics.scheduled_time is None:
-                req.metrics.scheduled_time = now
 
     def on_token(self, req: LiveRequest, token: int, logprob: float | None,
                  top: tuple[list[int], list[float]] | None = None, finish: str | None = None,
@@ -185,7 +155,7 @@ class Outputs:
                logprobs: list[float] | None = None, top_logprobs: list[dict[int, float]] | None = None) -> None:
         """End ``req`` with ``reason`` (its sequence leaves the scheduler, if it has not
         already): the last chunk to its mailbox, its ``Completion`` to its future."""
-        self._forget(req)
+        self.table.forget(req)
         req.finish_reason = reason
         reasoning, text, mask = self._split(req, text, len(token_ids or ()), final=True)
         req.text_parts.append(text)
@@ -197,7 +167,7 @@ class Outputs:
                             reasoning_mask=mask)
         if not req.future.done():
             req.future.set_result(self.completion(req))
-        self._member_done(req)
+        self.table.member_done(req)
 
     @staticmethod
     def _split(req: LiveRequest, text: str, tokens: int, final: bool) -> tuple[str, str, list[bool] | None]:
@@ -214,7 +184,7 @@ class Outputs:
 
     def fail(self, req: LiveRequest, error: BaseException) -> None:
         """End ``req`` with ``error`` (and the other choices of its request with it)."""
-        self._forget(req)
+        self.table.forget(req)
         req.metrics.finish_time = time.monotonic()
         if req.mailbox is not None:
             req.mailbox.fail(error)
@@ -224,12 +194,13 @@ class Outputs:
             for other in req.group.members:
                 if other.request_id in self.live:
                     self.fail(other, error)
-        self._member_done(req)
+        self.table.member_done(req)
 
     def fail_all(self, error_for) -> None:
         """Fail every live request with ``error_for(request)``."""
         for req in list(self.live.values()):
-            self.fail(req, error_for(req))
+            if self.live.get(req.request_id) is req:  # not failed with another choice of its request
+                self.fail(req, error_for(req))
 
     @staticmethod
     def _count(req: LiveRequest) -> None:

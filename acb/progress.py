@@ -75,6 +75,38 @@ def check_progress(progress: Any) -> bool:
     return progress
 
 
+async def gather_batch(requests: list[Any], event: Callable[[], Any], progress: bool,
+                       cancel: Callable[[str], Any]) -> list[Completion]:
+    """The completions of a registered batch (each with ``future`` and ``request_id``), in
+    its order, with a bar when ``progress``. The first failure raises at once; a failure or
+    cancellation of the wait cancels every request of the batch."""
+    bar = BatchProgress(len(requests), disable=not progress)
+    settled = event()
+    left = [len(requests)]
+
+    def on_done(outcome: Any) -> None:
+        left[0] -= 1
+        if outcome.exception() is None:
+            if progress:
+                bar.done(outcome.result())
+        else:
+            settled.set()  # one failed: raise it now
+        if left[0] == 0:
+            settled.set()
+
+    try:
+        for r in requests:
+            r.future.add_done_callback(on_done)
+        await settled.wait()
+        return [r.future.result() for r in requests]
+    except BaseException:
+        for r in requests:
+            cancel(r.request_id)
+        raise
+    finally:
+        bar.close()
+
+
 class ThroughputSummary:
     """One line about the engine's recent work, built from two ``engine.stats()`` snapshots:
     generated tokens and steps per second since the previous line, the queue, and the KV cache.

@@ -160,9 +160,14 @@ class Scheduler:
         # computing it again in the same step
         self.pending_first_page: dict[int, Sequence] = {}
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a new sequence (with ``forks`` set: the first choice of an n > 1 request)."""
+    def add(self, seq: Sequence, forks: list[Sequence] | None = None) -> None:
+        """Queue a new sequence; ``forks``: the other choices of an n > 1 request, whose
+        first choice ``seq`` is (they fork from it in the step that prefills its prompt)."""
         seq.status = WAITING
+        if forks:
+            seq.forks = forks
+            for s in forks:
+                s.status = FORKING
         for s in (seq, *(seq.forks or ())):
             s.queued_plan = self.plan_index
             s.rank = self._rank(s)
@@ -229,8 +234,8 @@ class Scheduler:
         for i, seq in enumerate(plan.seqs):
             sample = inp.sample[i]
             j += sample
-            if seq.status is not RUNNING or plan.epochs[i] != seq.epoch:
-                continue  # finished, cancelled or preempted since this step was planned
+            if not _current(seq, plan.epochs[i]):
+                continue
             if register:
                 done = inp.starts[i] + inp.token_offsets[i + 1] - inp.token_offsets[i]
                 if done // kv.page_size > seq.num_registered_pages:
@@ -259,13 +264,12 @@ class Scheduler:
         step may have left garbage in KV that preempted sequences offloaded (their last
         rows ran in it) or may not have done its swap-outs: such a sequence still
         waiting is recomputed instead."""
-        failed = [seq for seq, epoch in zip(plan.seqs, plan.epochs, strict=True)
-                  if seq.status is RUNNING and epoch == seq.epoch]
+        failed = [seq for seq, epoch in zip(plan.seqs, plan.epochs, strict=True) if _current(seq, epoch)]
         restored: list[Sequence] = []
         if self.host_pool is not None:
             suspects = {id(s): s for s in plan.offloaded}
             suspects.update((id(seq), seq) for seq, epoch in zip(plan.seqs, plan.epochs, strict=True)
-                            if epoch != seq.epoch)
+                            if epoch != seq.epoch)  # preempted since: its swap-out may be garbage
             for seq in suspects.values():
                 if seq.host_table is not None:
                     self.drop_offload(seq)
@@ -675,6 +679,12 @@ class Scheduler:
         while i > 0 and self.running[i - 1].rank > seq.rank:
             i -= 1
         self.running.insert(i, seq)
+
+
+def _current(seq: Sequence, epoch: int) -> bool:
+    """Whether a row planned for ``seq`` at ``epoch`` still belongs to it: not finished,
+    cancelled or preempted since the plan was made (the one place this is decided)."""
+    return seq.status is RUNNING and epoch == seq.epoch
 
 
 def _rank_of(seq: Sequence) -> tuple[int, ...]:

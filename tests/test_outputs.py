@@ -6,6 +6,7 @@ request each get their own tokens; a failed step fails its requests."""
 
 from __future__ import annotations
 
+import anyio
 import pytest
 
 from acb.config import SamplingParams
@@ -13,9 +14,10 @@ from acb.errors import RequestFailedError
 from acb.kv_cache import KVCacheManager
 from acb.live import Choices, LiveRequest
 from acb.outputs import Outputs
-from acb.request import ChoicesMailbox, Mailbox, Outcome
-from acb.scheduler import FINISHED, FORKING, RUNNING, Scheduler
+from acb.request_table import RequestTable
+from acb.scheduler import FINISHED, FORKING, RUNNING, WAITING, Scheduler
 from acb.step import StepOutput, StepPlan
+from acb.structured import Grammars
 from acb.testing import tiny_tokenizer
 
 EOS = 2
@@ -23,27 +25,22 @@ GREEDY = dict(temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0, min_p
 
 
 class Side:
-    """A scheduler and the output side over it, driven one step at a time."""
+    """A scheduler, the request table and the output side over them, driven one step at a time."""
 
     def __init__(self, num_pages: int = 64, page_size: int = 4) -> None:
         self.kv = KVCacheManager(num_pages, page_size, enable_prefix_caching=False)
         self.scheduler = Scheduler(self.kv, max_batch_tokens=64, max_requests=8)
-        self.out = Outputs(self.scheduler)
         self.tok = tiny_tokenizer()
-        self.arrivals = 0
+        vocab = len(self.tok)
+        self.table = RequestTable(self.scheduler, Grammars(self.tok, vocab, frozenset({EOS})), tokenizer=self.tok,
+                                  defaults=SamplingParams(**GREEDY), generation_defaults={}, vocab_size=vocab,
+                                  max_model_len=1024, eos_ids=frozenset({EOS}))
+        self.table.event = anyio.Event
+        self.out = Outputs(self.table)
 
-    def request(self, rid: str, prompt: str, mailbox: Mailbox | None = None, **params) -> LiveRequest:
-        p = SamplingParams(**{**GREEDY, **params})
-        self.arrivals += 1
-        req = LiveRequest.create(rid, self.tok.encode(prompt), p, mailbox or Mailbox(rid, p.logprobs), Outcome(),
-                                 self.tok, frozenset({EOS}), arrival=self.arrivals)
-        self.out.add(req)
-        return req
-
-    def submit(self, rid: str, prompt: str, **params) -> LiveRequest:
-        req = self.request(rid, prompt, **params)
-        self.scheduler.add(req.seq)
-        return req
+    def submit(self, rid: str, prompt: str, **params) -> LiveRequest | Choices:
+        """Check and register a request as the engine does (a streamed one: it has a mailbox)."""
+        return self.table.register(self.table.prepare(prompt, rid, None, params), stream=True)
 
     def ids(self, text: str) -> list[int]:
         return self.tok.encode(text)
@@ -74,7 +71,7 @@ def test_tokens_reach_the_mailbox_as_text_and_length_ends_the_request():
     assert done.token_ids == side.ids("abc") and done.text == "abc" and done.finish_reason == "length"
     assert done.logprobs == [0.0, -0.5, -1.0]
     assert req.seq.status is FINISHED and side.kv.num_free == side.kv.num_pages
-    assert "a" not in side.out and not side.scheduler.has_work()
+    assert "a" not in side.table and not side.scheduler.has_work()
 
 
 @pytest.mark.parametrize(("params", "reason"), [({}, "eos"), ({"stop_token_ids": (EOS,)}, "stop")])
@@ -143,21 +140,15 @@ def test_a_preempted_requests_late_token_is_dropped_and_sampled_again():
 
 def test_each_choice_of_an_n_request_gets_its_own_tokens_and_the_request_completes_with_all():
     side = Side()
-    mailbox = ChoicesMailbox("r", 2, False, False)
-    members = [side.request(f"r#{i}", "hi", mailbox.members[i], max_new_tokens=2, n=2) for i in range(2)]
-    group = Choices("r", members, mailbox, Outcome())
-    for i, m in enumerate(members):
-        m.group, m.index = group, i
-        m.seq.status = FORKING
-    side.out.groups["r"] = group
-    members[0].seq.forks = [members[1].seq]
-    side.scheduler.add(members[0].seq)
+    group = side.submit("r", "hi", max_new_tokens=2, n=2)
+    members = group.members
+    assert [m.seq.status for m in members] == [WAITING, FORKING] and members[0].seq.forks == [members[1].seq]
     plan = side.scheduler.schedule()
     assert plan.seqs == [m.seq for m in members] and plan.input.counts()[1] == 0  # the fork samples the same logits
     side.deliver(plan, side.ids("ab"))
     side.deliver(side.scheduler.schedule(), side.ids("cd"))
     done = group.future.result()
-    assert [c.text for c in done.choices] == ["ac", "bd"] and "r" not in side.out.groups
+    assert [c.text for c in done.choices] == ["ac", "bd"] and "r" not in side.table.groups
     assert [m.mailbox.take().token_ids for m in members] == [side.ids("ac"), side.ids("bd")]
     assert side.kv.num_free == side.kv.num_pages
 
@@ -170,4 +161,4 @@ def test_a_failed_step_fails_its_requests_and_frees_their_pages():
     side.out.step_failed(plan, RuntimeError("boom"))
     assert isinstance(a.future.exception(), RequestFailedError) and "boom" in str(a.future.exception())
     assert a.mailbox.error is a.future.exception() and _chunk(a).text == "x"  # what came before is kept
-    assert a.seq.status is FINISHED and side.kv.num_free == side.kv.num_pages and "a" not in side.out
+    assert a.seq.status is FINISHED and side.kv.num_free == side.kv.num_pages and "a" not in side.table

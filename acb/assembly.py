@@ -1,0 +1,148 @@
+"""How an engine is put together: where and in what dtype the model runs
+(``resolve_load`` decides it for a model ``Engine.from_pretrained`` loads; ``place``
+moves / casts a model object handed to ``Engine`` to ``EngineConfig.device`` /
+``dtype`` and names the settings that cannot act on the result), and the scheduler
+over the page pools the cache's layout (``acb.sizing.Layout``) sizes."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from .config import EngineConfig, SamplingParams
+from .kv_cache import HostPool, KVCacheManager
+from .kv_events import KVEventPublisher
+from .scheduler import Scheduler
+
+log = logging.getLogger("acb")
+
+
+def checked_settings(config: EngineConfig | None, sampling: SamplingParams | None,
+                     ) -> tuple[EngineConfig, SamplingParams]:
+    """An engine's config and default sampling (their defaults when None), or TypeError /
+    ValueError naming what is wrong."""
+    if config is not None and not isinstance(config, EngineConfig):
+        raise TypeError(f"config must be an acb.EngineConfig, got {type(config).__name__}")
+    if sampling is not None and not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling must be an acb.SamplingParams, got {type(sampling).__name__}")
+    config, sampling = config or EngineConfig(), sampling or SamplingParams()
+    if sampling.priority and config.scheduler != "priority":
+        raise ValueError(f"SamplingParams.priority={sampling.priority} needs EngineConfig(scheduler="
+                         f"'priority'); the scheduler is {config.scheduler!r}")
+    return config, sampling
+
+
+def resolve_load(config: EngineConfig) -> tuple[EngineConfig, str | None, str | None]:
+    """(the config with its device and dtype decided, the dtype and device to load the
+    checkpoint in). ``dtype=None``: bf16 on a device with native bf16 (acb.loading.default_dtype),
+    else float32, logged. Tensor-parallel: the full model loads on the host; each rank
+    takes its share to its device."""
+    from .loading import default_dtype
+
+    device = config.device
+    if config.dtype is None and config.tensor_parallel_size == 1:
+        dtype = default_dtype(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        log.info("acb: loading the model in %s (EngineConfig.dtype=None picks it for this device; "
+                 "dtype='float32' or acb serve --dtype float32 keeps full precision)", dtype)
+        config = dataclasses.replace(config, dtype=dtype)
+    if config.tensor_parallel_size > 1:
+        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        config = dataclasses.replace(config, device=device,
+                                     dtype=config.dtype or ("bfloat16" if device.startswith("cuda") else None))
+        device = "cpu"
+    return config, config.dtype, device
+
+
+def place(model: torch.nn.Module, config: EngineConfig) -> None:
+    """Move / cast the model object to ``config.device`` / ``config.dtype`` where they are
+    set and differ ("auto" keeps the model's dtype), quantize it (``EngineConfig.quantization``),
+    then warn naming each setting that
+    has no effect on the device and dtype it ends on."""
+    param = next(model.parameters())
+    if config.device is not None:
+        try:
+            device = torch.device(config.device)
+        except RuntimeError as e:
+            raise ValueError(f"EngineConfig.device {config.device!r} is not a device: {e}") from None
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else device
+        if param.device != device:
+            log.info("acb: moving the model to %s (EngineConfig.device)", device)
+            try:
+                model.to(device)
+            except (AssertionError, RuntimeError) as e:  # no such device in this process
+                raise ValueError(f"EngineConfig.device {config.device!r} cannot take the model: {e}") from None
+    if config.dtype not in (None, "auto") and param.dtype != getattr(torch, config.dtype):
+        log.info("acb: casting the model to %s (EngineConfig.dtype)", config.dtype)
+        model.to(getattr(torch, config.dtype))
+    from . import quantization
+
+    quantization.prepare(model, config)  # int8: quantized in place, once
+    param = next(model.parameters())
+    for name in config.inactive_settings(param.device, param.dtype):
+        log.warning("acb: EngineConfig.%s=%r has no effect on %s with %s weights; it is ignored", name,
+                    getattr(config, name), param.device, str(param.dtype).removeprefix("torch."))
+
+
+def build_placement(model: torch.nn.Module, config: EngineConfig):
+    """(attention backend, tensor-parallel group or None, device, cache layout) of an engine
+    over ``model``: the backend refused (ValueError naming attn_backend) if it cannot run
+    here; with tensor_parallel_size > 1 the ranks start and the group sizes the cache."""
+    from . import attention, sizing
+
+    param = next(model.parameters())
+    backend = attention.resolve_backend(config.attn_backend, param.device, param.dtype)
+    if config.tensor_parallel_size > 1:
+        from .distributed import TensorParallel
+
+        tp = TensorParallel(model, config)
+        return backend, tp, tp.device, tp.layout
+    return backend, None, param.device, sizing.layout(model, config)
+
+
+def build_scheduler(layout, config: EngineConfig, device: torch.device,
+                    kv_events: KVEventPublisher | None) -> Scheduler:
+    """The scheduler over the page pools of ``layout``: the cache's pages (with prefix
+    caching, publishing ``kv_events``), the sliding layers' on hybrid models, the host's
+    for CPU offload."""
+    if kv_events is not None and not layout.prefix_caching:
+        log.warning("acb: EngineConfig.kv_events=True, but prefix caching is off for this model (sliding-"
+                    "window layers, or allow_prefix_sharing=False): no page will ever be stored")
+    kv = KVCacheManager(layout.num_pages, layout.page_size, enable_prefix_caching=layout.prefix_caching,
+                        events=kv_events.pending if kv_events else None,
+                        medium="GPU" if device.type == "cuda" else device.type.upper())
+    swa = KVCacheManager(layout.swa_pages, layout.page_size, enable_prefix_caching=False) if layout.swa_pages else None
+    return Scheduler(kv, layout.max_batch_tokens, layout.max_requests, policy=config.scheduler,
+                     safety_margin=config.effective_safety_margin, sliding_window=layout.sliding_window,
+                     host_pool=HostPool(layout.host_pages) if layout.host_pages else None, kv_swa=swa,
+                     aging_steps=config.priority_aging_steps)
+
+
+def build_runner(model: torch.nn.Module, layout, config: EngineConfig, attn_backend: str, tp=None):
+    """The device side of an engine: a ``ModelRunner`` over the model's KV cache, or the
+    tensor-parallel group's runner (``tp``), its fast paths configured."""
+    if tp is not None:
+        runner = tp.runner(layout, config)
+    else:
+        from .runner import ModelRunner
+
+        runner = ModelRunner(model, layout.num_pages, layout.page_size, attn_backend, host_pages=layout.host_pages,
+                             swa_pages=layout.swa_pages, swa_layers=layout.swa_layers)
+    runner.fault_hook = config.fault_hook
+    runner.configure_fast_paths(config, layout.max_requests)
+    return runner
+
+
+def release_runner(runner, cpu: bool) -> None:
+    """Free the runner's cache and packed weights; on the CPU hand the memory back to the
+    OS now, not at exit."""
+    runner.release()
+    if cpu:
+        import gc
+
+        from .kernels.cpu_linear import trim_heap
+
+        gc.collect()
+        trim_heap()

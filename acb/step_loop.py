@@ -1,0 +1,281 @@
+"""The engine's step loop: one event-loop task that plans, launches, awaits, updates
+and delivers steps, overlapping the planning of step N+1 with step N's compute::
+
+    plan N+1  ->  launch N+1  ->  await N  ->  update + deliver N  ->  fill N+1's masks  ->  repeat
+
+A token sampled at step N reaches step N+1's input on the device (carry-over), not
+through the host. Every mutation of requests, scheduler and cache happens on the
+event loop's thread between awaits, so a cancel never races a step's bookkeeping.
+Steps run on one worker thread (never on the event loop); a step queued on a CUDA
+stream is polled, not waited on.
+
+The one hook: a structured-output step's token masks need every earlier token taken
+into its rows' grammars, so they are filled after the step before it is delivered,
+while the new step's forward runs (the worker waits for them only at sampling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import anyio
+
+from .assembly import release_runner
+from .errors import DeviceError, RequestFailedError, as_device_error, caused
+from .eventloop import LoopHandle
+from .kv_events import KVEventPublisher
+from .lifecycle import EngineState, Lifecycle
+from .live import sampling_batch
+from .outputs import Outputs
+from .prompt_logprobs import plan_rows
+from .request import EngineStats
+from .request_table import RequestTable
+from .runner import ModelRunner, PendingOutput
+from .step import StepOutput, StepPlan
+
+log = logging.getLogger("acb")
+
+_POLL_INTERVAL = 0.0002  # s between polls of a step queued on the device
+
+
+@dataclasses.dataclass(slots=True)
+class Launched:
+    """A step handed to the worker: its plan, the worker's future, its token masks."""
+
+    plan: StepPlan
+    future: Future
+    masks: Any = None  # acb.structured.TokenMasks, to fill before the worker samples
+
+    def fill_masks(self) -> None:
+        if self.masks is not None:
+            self.masks.fill()
+            self.masks = None
+
+
+class StepLoop:
+    """Runs the steps of one engine while its lifecycle is running, draining or halting."""
+
+    def __init__(self, table: RequestTable, outputs: Outputs, lifecycle: Lifecycle, *, vocab_size: int,
+                 kv_events: KVEventPublisher | None, async_batching: bool, debug_checks: bool,
+                 watch_model: bool) -> None:
+        self.table = table
+        self.scheduler = table.scheduler
+        self.outputs = outputs
+        self.life = lifecycle
+        self.vocab_size = vocab_size
+        self.kv_events = kv_events
+        self.async_batching = async_batching
+        self.debug_checks = debug_checks
+        self.watch_model = watch_model  # False with tensor parallelism: the ranks run copies made at start
+        self.steps = 0
+        self.device_s = 0.0  # the steps' StepOutput.device_s, summed
+        self.hooked: str | None = None  # why the model's own forward runs, as of the last step
+        self.runner: ModelRunner | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._loop: LoopHandle | None = None
+        self._omp_reset = None
+        self._wakeup: anyio.Event | None = None
+        self.finished: anyio.Event | None = None  # set when the loop task has ended
+        self.task: Any = None  # the asyncio task (trio: None, a system task); kept referenced
+
+    def start(self, runner: ModelRunner, loop: LoopHandle, cpu: bool) -> None:
+        """Spawn the loop task on ``loop``, stepping ``runner`` on the step thread."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acb-step")
+        self.runner, self._loop = runner, loop
+        if cpu:
+            from .kernels.cpu import release_calling_thread_omp_pool
+
+            self._omp_reset = release_calling_thread_omp_pool
+        self._wakeup = loop.Event()
+        self.finished = loop.Event()
+        self.task = loop.spawn(self._run, "acb-engine")
+
+    def close(self, cpu: bool) -> None:
+        """Release the runner (its cache and packed weights) and the step thread."""
+        if self.runner is not None:
+            release_runner(self.runner, cpu)
+            self.runner = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    async def reload_weights(self) -> None:
+        """Repack every weight and rebuild the fast paths on the step thread (after the
+        step in flight), and forget the prefix cache."""
+        if self.runner is None:
+            return  # nothing packed yet: start() takes the weights as they are
+        await self._loop.wait_future(self._executor.submit(self.runner.refresh_weights, True))
+        self.scheduler.kv.forget_prefixes()
+        if self.kv_events is not None:
+            self.kv_events.flush()
+
+    def wake(self) -> None:
+        """Something to do (a request, a stop): the idle loop goes on."""
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def _run(self) -> None:
+        inflight: Launched | None = None
+        cancelled = anyio.get_cancelled_exc_class()
+        try:
+            while not self.life.halting:
+                if self.table.deadlines:
+                    self.outputs.expire(time.monotonic())
+                launched = self._launch() if self.scheduler.has_work() else None
+                if launched is not None and not self.async_batching:
+                    launched.fill_masks()
+                    await self._complete(launched)
+                    launched = None
+                if inflight is not None:
+                    try:
+                        await self._complete(inflight)
+                    finally:
+                        if launched is not None:
+                            launched.fill_masks()  # needs the tokens just delivered
+                elif launched is not None:
+                    launched.fill_masks()
+                inflight = launched
+                if self.kv_events is not None:
+                    self.kv_events.flush()  # this iteration's: what schedule() evicted, update() stored
+                if inflight is not None:
+                    await anyio.sleep(0)  # let consumers and submitters run
+                elif not await self._idle():
+                    break
+        except BaseException as e:
+            if not isinstance(e, cancelled):
+                log.exception("acb engine loop crashed")
+            error = caused(RequestFailedError(f"the engine loop failed: {e!r}"), e)
+            self.outputs.fail_all(lambda req: error)
+            self.life.move(EngineState.STOPPED)
+            if isinstance(e, cancelled):
+                raise
+        finally:
+            await self._wind_down(inflight)
+
+    def _launch(self) -> Launched | None:
+        """Plan the next step and hand it to the worker (None: nothing to compute now)."""
+        if self._omp_reset is not None:
+            self._omp_reset()
+        hooked, refresh = self._check_model()
+        plan = self.scheduler.schedule()
+        if plan.admitted:
+            self.table.scheduled(plan, time.monotonic())
+        if not plan.seqs:
+            return None
+        step = plan.input
+        step.sampling = sampling_batch(plan, self.table.live, self.vocab_size)
+        if self.table.scoring:
+            step.prompt_logprobs, plan.prompt_sinks = plan_rows(plan, self.table.live)
+        step.plain = hooked is not None
+        step.refresh = refresh
+        controls = step.sampling.controls
+        return Launched(plan, self._executor.submit(self.runner.execute, step),
+                        controls.token_mask if controls is not None else None)
+
+    async def _complete(self, launched: Launched) -> None:
+        """Await a launched step and deliver its tokens (or fail its requests)."""
+        plan = launched.plan
+        try:
+            out: StepOutput | PendingOutput = await self._loop.wait_future(launched.future)
+            if isinstance(out, PendingOutput):
+                # queued on the device: poll its event without blocking the loop
+                # (sub-millisecond sleeps keep latency low for short steps)
+                while not out.ready():
+                    await anyio.sleep(_POLL_INTERVAL)
+                out = out.result()
+        except Exception as e:
+            self.steps += 1
+            device_error = as_device_error(e)
+            if device_error is not None:
+                self._device_failed(device_error)
+            else:
+                log.warning("step failed: %r", e)
+                self.outputs.step_failed(plan, e)
+            return
+        self.steps += 1
+        self.device_s += out.device_s
+        if plan.prompt_sinks:
+            self.outputs.deliver_prompt_logprobs(plan, out)
+        self.outputs.deliver(self.scheduler.update(plan, out), out)
+        if self.kv_events is not None:
+            # before anyone awaiting a request that just finished runs: its pages' events are out
+            self.kv_events.flush()
+
+    async def _idle(self) -> bool:
+        """Wait for work (or the nearest deadline); False when a drain is complete."""
+        if self.life.state is EngineState.DRAINING and not self.table.live:
+            return False
+        if not self.scheduler.has_work():
+            if self.debug_checks:
+                self.table.check_integrity()
+            # nothing else runs between the check and the new event, so a submission
+            # either saw work or sets this event
+            self._wakeup = wakeup = self._loop.Event()
+            deadline = self.table.next_deadline() if self.table.deadlines else None
+            if deadline is None:
+                await wakeup.wait()
+            else:  # wake up in time to end the request whose deadline is nearest
+                with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
+                    await wakeup.wait()
+        return True
+
+    async def _wind_down(self, inflight: Launched | None) -> None:
+        try:
+            if inflight is not None:
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await self._loop.wait_future(inflight.future)  # never leave the worker mid-step
+                    except Exception:
+                        pass
+            if self.life.halting:
+                for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+                    self.scheduler.finish(seq)
+                if self.life.reason is not None:  # ended by a device failure, not by stop()
+                    self.life.move(EngineState.STOPPED)
+        finally:
+            if self.kv_events is not None:
+                self.kv_events.close()  # every kv_events() stream ends with the loop
+            self.finished.set()  # stop() waits for this
+
+    def stats(self, **fields: Any) -> EngineStats:
+        """The counters of the scheduler, its pools and the steps, with ``fields``."""
+        kv, host, swa, sched, runner = self.scheduler.kv, self.scheduler.host_pool, self.scheduler.kv_swa, \
+            self.scheduler, self.runner
+        return EngineStats(
+            running=len(sched.running), waiting=len(sched.waiting), total_blocks=kv.num_pages,
+            free_blocks=kv.num_free, cached_blocks=kv.num_cached, used_blocks=kv.num_used,
+            prefix_hit_rate=kv.hit_rate, steps=self.steps, generated_tokens=sched.num_generated_tokens,
+            preemptions=sched.num_preemptions, recomputed_tokens=sched.num_recomputed_tokens,
+            host_blocks=host.num_slots if host else 0, offloaded_blocks=host.num_used if host else 0,
+            offloads=host.num_offloads if host else 0, restores=host.num_restores if host else 0,
+            sliding_total_blocks=swa.num_pages if swa else 0, sliding_free_blocks=swa.num_free if swa else 0,
+            device_time_s=self.device_s, hashed_blocks=len(kv.page_key),
+            forward_path=runner.forward_path if runner is not None else "",
+            forward_reason=runner.forward_reason if runner is not None else "", **fields)
+
+    def _check_model(self) -> tuple[str | None, bool]:
+        """Has the model changed since the last step (hooks, forwards, weights)? When it
+        has, KV cached for prefix hits was computed by another model: forget it."""
+        if not self.watch_model:
+            return None, False
+        hooked, changed = self.runner.check_model()
+        if changed or hooked != self.hooked:
+            if hooked != self.hooked:
+                log.info("acb: %s", f"{hooked}: the model's own forward runs" if hooked
+                         else "the model's fast paths are back on")
+            self.hooked = hooked
+            self.scheduler.kv.forget_prefixes()
+        return hooked, changed
+
+    def _device_failed(self, error: DeviceError) -> None:
+        """The device is unusable: fail every unfinished request and end the loop (never
+        hang). ``start()`` may be tried again."""
+        log.error("acb: %s; stopping the engine", error)
+        self.outputs.fail_all(lambda req: caused(
+            RequestFailedError(f"request {req.request_id} failed: {error}", req.request_id), error))
+        self.life.move(EngineState.HALTING, f"the engine stopped after a device failure: {error}")
