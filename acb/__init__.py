@@ -11,28 +11,65 @@ Example::
 
 from __future__ import annotations
 
-from . import (
-    distributed,  # tensor parallelism: acb.distributed.run_worker() for torchrun's ranks
-    reasoning,  # the <think> split: reasoning apart from the answer
-    tools,  # tool calls: OpenAI's tools checked, forced and parsed
-)
-from .config import EngineConfig, SamplingParams
-from .engine import Engine, EngineStats
-from .errors import (
-    AcbError,
-    DeviceError,
-    EngineClosedError,
-    EngineOverloadedError,
-    EngineStoppedError,
-    InvalidRequestError,
-    RequestFailedError,
-)
-from .handle import ChunkStream, RequestHandle
-from .kv_cache import prefix_page_hashes
-from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventStream
-from .prompt_logprobs import PromptLogprobs
-from .request import Chunk, Completion, RequestMetrics
-from .sync import generate_batch
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Imported on first use (PEP 562), so `import acb.scheduler` and the rest of the
+# torch-free core (scheduler, KV allocator, step types, requests, configs) load
+# without torch: the public names below come from their modules when first read.
+_LAZY = {
+    "EngineConfig": "config", "SamplingParams": "config",
+    "Engine": "engine",
+    "EngineStats": "request", "Chunk": "request", "Completion": "request", "RequestMetrics": "request",
+    "AcbError": "errors", "DeviceError": "errors", "EngineClosedError": "errors",
+    "EngineOverloadedError": "errors", "EngineStoppedError": "errors", "InvalidRequestError": "errors",
+    "RequestFailedError": "errors",
+    "ChunkStream": "handle", "RequestHandle": "handle",
+    "AllBlocksCleared": "kv_events", "BlockRemoved": "kv_events", "BlockStored": "kv_events",
+    "KVEventBatch": "kv_events", "KVEventStream": "kv_events",
+    "PromptLogprobs": "prompt_logprobs",
+    "generate_batch": "sync",
+    "prefix_page_hashes": "kv_cache",
+}
+# submodules that are part of the API: acb.distributed (run_worker() for torchrun's ranks),
+# acb.reasoning (the <think> split), acb.tools (OpenAI's tools checked, forced and parsed)
+_SUBMODULES = ("distributed", "reasoning", "tools")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module 'acb' has no attribute {name!r}")
+    globals()[name] = value  # the next read is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from . import distributed, reasoning, tools
+    from .config import EngineConfig, SamplingParams
+    from .engine import Engine
+    from .errors import (
+        AcbError,
+        DeviceError,
+        EngineClosedError,
+        EngineOverloadedError,
+        EngineStoppedError,
+        InvalidRequestError,
+        RequestFailedError,
+    )
+    from .handle import ChunkStream, RequestHandle
+    from .kv_cache import prefix_page_hashes
+    from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventStream
+    from .prompt_logprobs import PromptLogprobs
+    from .request import Chunk, Completion, EngineStats, RequestMetrics
+    from .sync import generate_batch
 
 __version__ = "0.1.0"
 
