@@ -212,32 +212,3 @@ async def test_stop_engine_stops_hard_after_the_timeout():
         assert not engine.is_running
 
 
-# ---------------------------------------------------------------- import contract
-def test_integrations_and_server_use_only_the_public_api():
-    """ARCHITECTURE.md: integrations (aiohttp, server, CLI) import only what ``acb`` exports
-    (the CLI may also reach the model loader and, for --tiny, acb.testing)."""
-    import ast
-    from pathlib import Path
-
-    root = Path(acb.__file__).parent
-    allowed = {"acb", "acb.integrations.aiohttp", "acb.integrations.common", "acb.integrations.metrics",
-               "acb.integrations.openai_protocol", "acb.integrations.openai_service", "acb.integrations.starlette",
-               "acb.progress"}  # a leaf over public types: the progress bar and the serve summary
-    files = {p: allowed for p in [*root.glob("integrations/*.py"), root / "server.py"]}
-    files[root / "cli.py"] = allowed | {"acb.server", "acb.loading", "acb.testing", "acb.integrations.ray",
-                                         "acb.distributed"}  # torchrun ranks != 0 run its worker
-    for path, ok in files.items():
-        package = "acb.integrations" if path.parent.name == "integrations" else "acb"
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                names = [node.module or ""]
-                if node.level:
-                    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                    names = [f"{base}.{node.module}" if node.module else base]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            else:
-                continue
-            for name in names:
-                if name == "acb" or name.startswith("acb."):
-                    assert name in ok, f"{path.name} imports {name}"

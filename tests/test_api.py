@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 
 import anyio
 import pytest
@@ -396,9 +397,10 @@ def test_runs_as_a_plain_anyio_program(backend):
 
 
 def _counting_integrity_checks(engine):
+    """Count the cache checks the engine runs (debug_checks: each time the loop goes idle)."""
     calls = []
-    check = engine.check_integrity
-    engine.check_integrity = lambda: (calls.append(1), check())
+    check = engine.kv.check_integrity
+    engine.kv.check_integrity = lambda tables: (calls.append(1), check(tables))
     return calls
 
 
@@ -411,6 +413,52 @@ def _refuses_or_moves(overrides):
     return True
 
 
+async def _steps_to_prefill(engine, n: int) -> bool:
+    """A prompt of ``n`` tokens takes two steps to prefill (chunks of max_batch_tokens=300;
+    the default budget takes it in one)."""
+    before = engine.stats().steps
+    await engine.generate([3 + i % 250 for i in range(n)], max_new_tokens=1)
+    return engine.stats().steps - before == 2
+
+
+def _admitted_before_overload(engine) -> int:
+    """How many requests queue (submitted in one go, none scheduled yet) before the next
+    is refused as overload."""
+    handles = []
+    try:
+        while len(handles) < 100:
+            handles.append(engine.submit(PROMPT, max_new_tokens=1))
+    except acb.EngineOverloadedError:
+        return len(handles)
+    finally:
+        for h in handles:
+            h.cancel()
+    return -1
+
+
+def _planned(name: str, overrides: dict) -> bool:
+    """The setting changes how the engine's own scheduler plans (on an engine not started,
+    its scheduler driven by hand): against the default, the same requests are planned
+    differently."""
+    from acb.scheduler import Sequence
+    from acb.step import StepOutput
+
+    def first_rows(**fields):
+        scheduler = tiny_engine(num_blocks=12, page_size=4, max_batch_tokens=16, **fields).scheduler
+        scheduler.add(Sequence("r0", list(range(3, 19)), 8, arrival=0))  # 4 pages, and a 5th for its decode: 7 left
+        plan = scheduler.schedule()
+        scheduler.update(plan, StepOutput([7] * plan.num_sampled, None))
+        scheduler.add(Sequence("r1", list(range(40, 56)), 8, arrival=1))  # 4 more pages: 3 left
+        return [(seq.seq_id, n) for seq, _, n, _, _ in scheduler.schedule().rows()]
+
+    default = first_rows()
+    assert default == [("r0", 1), ("r1", 15)], default  # fifo: the decode first, the prefill fills the budget
+    changed = first_rows(**overrides)
+    if name == "scheduler":  # prefill_first: the new prompt's whole chunk first, the decode after it
+        return changed == [("r1", 16)]
+    return changed == [("r0", 1)]  # safety_margin=0.3: r1 would leave 3 of 12 pages free (< 3.6; default 0.15: 1.8)
+
+
 _FAULTS: list = []
 # field -> (a non-default value, whether an engine over a tiny model on the CPU shows its effect);
 # None: the field acts elsewhere only and inactive_settings() names it on the CPU; a string:
@@ -420,10 +468,10 @@ _EFFECTS = {
     "num_blocks": ({"num_blocks": 40}, lambda e: e.stats().total_blocks == 40),
     "max_memory_percent": ({"max_memory_percent": 0.0001, "num_blocks": None},
                            lambda e: e.num_pages < tiny_engine(num_blocks=None, max_memory_percent=0.001).num_pages),
-    "max_batch_tokens": ({"max_batch_tokens": 300}, lambda e: e.scheduler.max_batch_tokens == 300),
+    "max_batch_tokens": ({"max_batch_tokens": 300}, lambda e: _steps_to_prefill(e, 400)),
     "max_requests_per_batch": ({"max_requests_per_batch": 3}, lambda e: e.scheduler.max_requests == 3),
-    "scheduler": ({"scheduler": "prefill_first"}, lambda e: e.scheduler.policy == "prefill_first"),
-    "safety_margin": ({"safety_margin": 0.3}, lambda e: e.scheduler.safety_margin == 0.3),
+    "scheduler": ({"scheduler": "prefill_first"}, "planned"),
+    "safety_margin": ({"safety_margin": 0.3}, "planned"),
     "allow_prefix_sharing": ({"allow_prefix_sharing": False}, lambda e: not e.kv.enable_prefix_caching),
     "cpu_offload_space": ({"cpu_offload_space": 0.01}, lambda e: e.stats().host_blocks > 0),
     "use_cuda_graph": ({"use_cuda_graph": True}, None),
@@ -445,7 +493,7 @@ _EFFECTS = {
     "fault_hook": ({"fault_hook": lambda step, stage: _FAULTS.append(stage)}, lambda e: "forward" in _FAULTS),
     "tensor_parallel_size": ({"tensor_parallel_size": 2}, "tests/test_tensor_parallel.py"),
     "distributed_timeout_s": ({"distributed_timeout_s": 5.0}, "tests/test_tensor_parallel.py"),
-    "max_waiting_requests": ({"max_waiting_requests": 5}, lambda e: e.max_waiting == 5),
+    "max_waiting_requests": ({"max_waiting_requests": 5}, lambda e: _admitted_before_overload(e) == 5),
     # away from scheduler="priority" it ranks nothing: named (its effect: tests/test_priority.py)
     "priority_aging_steps": ({"priority_aging_steps": 7}, None),
     "kv_events": ({"kv_events": True}, lambda e: e.kv_events().pending()[0].resync),
@@ -489,7 +537,9 @@ async def test_every_engine_setting_has_an_effect_or_is_named_inactive(caplog):
             continue
         assert name not in config.inactive_settings("cpu", "float32"), name
         if isinstance(effect, str):
-            if effect == "refused or moved":
+            if effect == "planned":
+                assert _planned(name, overrides), name
+            elif effect == "refused or moved":
                 assert _refuses_or_moves(overrides), name
             elif effect == "counted":
                 for debug in (False, True):
@@ -504,7 +554,8 @@ async def test_every_engine_setting_has_an_effect_or_is_named_inactive(caplog):
         async with engine:
             if name in ("async_batching", "max_blocks_per_request", "fault_hook"):  # seen while serving
                 await engine.generate(PROMPT, max_new_tokens=4, ignore_eos=True)
-            assert effect(engine), name
+            seen = effect(engine)
+            assert (await seen if inspect.isawaitable(seen) else seen), name
 
 
 def test_inactive_settings_fire_where_the_engine_runs():

@@ -26,14 +26,14 @@ ACB = ROOT / "acb"
 LAYERS = {
     "plain": ["detokenizer.py", "errors.py", "eventloop.py", "handle.py", "kv_cache.py", "kv_events.py",
               "progress.py", "prompt_logprobs.py", "request.py", "scheduler.py", "step.py", "tools.py",
-              "reasoning.py"],
+              "reasoning.py", "lifecycle.py", "config.py"],
     "kernels": ["kernels/__init__.py", "kernels/cpu.py", "kernels/cpu_linear.py", "kernels/triton_attention.py"],
     "device": ["attention.py", "attention_routing.py", "compiling.py", "cuda_graphs.py", "distributed/__init__.py",
                "distributed/group.py", "distributed/protocol.py", "distributed/sharding.py", "distributed/worker.py",
                "fast_paths.py", "fused.py", "kv_store.py", "loading.py", "model_shape.py", "offload.py", "packing.py",
                "runner.py", "sampling.py", "sizing.py", "watch.py"],
-    "engine": ["__init__.py", "config.py", "engine.py", "inputs.py", "live.py", "outputs.py", "structured.py",
-               "sync.py"],
+    "engine": ["__init__.py", "engine.py", "inputs.py", "live.py", "outputs.py", "assembly.py",
+               "request_table.py", "step_loop.py", "structured.py", "sync.py"],
     "integrations": ["integrations/__init__.py", "integrations/aiohttp.py", "integrations/common.py",
                      "integrations/metrics.py", "integrations/openai_protocol.py", "integrations/openai_service.py",
                      "integrations/prefix_index.py", "integrations/ray.py", "integrations/ray_http.py",
@@ -43,7 +43,8 @@ LAYERS = {
                 "testing/pytest_plugin.py"],
 }
 LAYER_OF = {module: layer for layer, modules in LAYERS.items() for module in modules}
-ENGINE_SIDE = {"engine", "outputs", "scheduler", "inputs", "handle", "sync", "progress", "structured"}
+ENGINE_SIDE = {"engine", "outputs", "scheduler", "inputs", "handle", "sync", "progress", "structured", "live",
+               "lifecycle", "assembly", "request_table", "step_loop"}
 APPS = {"integrations", "server", "cli", "testing"}
 # beside the public API, integrations may use the throughput log of ``acb serve`` (plain Python)
 SHARED_WITH_INTEGRATIONS = {"progress"}
@@ -151,13 +152,34 @@ def test_the_engine_never_imports_the_apps(module):
 
 @pytest.mark.parametrize("module", LAYERS["integrations"])
 def test_integrations_use_only_the_public_api(module):
-    tree = ast.parse((ACB / "__init__.py").read_text())
-    public = next(ast.literal_eval(node.value) for node in tree.body
-                  if isinstance(node, ast.Assign) and node.targets[0].id == "__all__")
+    public = _public_names()
     for name in imported_modules(ACB / module):
         if name.startswith("..") or name.startswith("acb."):
             top = name.removeprefix("acb.").removeprefix("..")
             assert not top or top in public or top.split(".")[0] in SHARED_WITH_INTEGRATIONS, name
+
+
+# The apps beside the public API: the server uses the integrations; the CLI starts the
+# server, loads models (acb.loading), builds the Ray app, runs torchrun's other ranks
+# (acb.distributed) and, for --tiny, a test engine (acb.testing).
+APP_ALLOWED = {
+    "server.py": {"integrations", "progress"},
+    "cli.py": {"server", "loading", "testing", "integrations", "distributed"},
+}
+
+
+@pytest.mark.parametrize("module", LAYERS["app"])
+def test_the_apps_use_the_public_api_and_their_named_modules_only(module):
+    public = _public_names()
+    for name in acb_imports(ACB / module):
+        top = _short(name)
+        assert name == "acb" or top in public or top in APP_ALLOWED[module], f"{module} imports {name}"
+
+
+def _public_names() -> set[str]:
+    tree = ast.parse((ACB / "__init__.py").read_text())
+    return set(next(ast.literal_eval(node.value) for node in tree.body
+                    if isinstance(node, ast.Assign) and node.targets[0].id == "__all__"))
 
 
 def test_library_code_does_not_import_acb_testing():
