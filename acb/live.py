@@ -7,6 +7,7 @@ Runs on the event loop's thread only.
 from __future__ import annotations
 
 import time
+from operator import itemgetter
 from typing import Any
 
 from .config import SamplingParams
@@ -14,7 +15,7 @@ from .detokenizer import Detokenizer, StopMatcher
 from .prompt_logprobs import PromptSink
 from .reasoning import ReasoningSplitter, prompt_opens_reasoning
 from .request import Mailbox, Outcome, RequestMetrics
-from .sampling import Controls, SamplingBatch
+from .sampling import Controls, SamplingBatch, mix_seed
 from .scheduler import Sequence
 from .step import StepPlan
 from .structured import TokenMasks
@@ -66,13 +67,14 @@ class LiveRequest:
     @classmethod
     def create(cls, request_id: str, prompt_ids: list[int], params: SamplingParams, mailbox: Mailbox | None,
                future: Outcome, tokenizer, eos_ids: frozenset[int], matcher: Any = None,
-               arrival: int = 0) -> LiveRequest:
+               arrival: int = 0, slot: int = -1) -> LiveRequest:
         """A request and its sequence (its stop token ids, and its EOS ids unless
-        ``params.ignore_eos``, end it in ``Scheduler.update``)."""
+        ``params.ignore_eos``, end it in ``Scheduler.update``); ``slot``: its row in the
+        request table's sampling columns."""
         stop_ids = frozenset(params.stop_token_ids)
         seq = Sequence(request_id, prompt_ids, params.max_new_tokens, arrival=arrival, stop_ids=stop_ids,
                        eos_ids=frozenset() if params.ignore_eos else eos_ids,
-                       prefix_lookup=params.prompt_logprobs is None, priority=params.priority)
+                       prefix_lookup=params.prompt_logprobs is None, priority=params.priority, slot=slot)
         return cls(request_id, seq, params, mailbox, future, tokenizer, matcher)
 
 
@@ -103,26 +105,69 @@ class Choices:
         return True
 
 
-def sampling_batch(plan: StepPlan, live: dict[str, LiveRequest], vocab_size: int) -> SamplingBatch:
-    """The sampling batch of ``plan``'s sampled rows: each live request's settings
-    (``live``: request id -> live request; a plan just made holds live requests only)."""
-    sampling_rows = []
-    want_logprobs = False
-    top_logprobs = 0
-    controlled: list[tuple[int, LiveRequest, int]] = []  # (sampled row, request, carry_from)
-    inp = plan.input
-    for seq, sample, carry_from in zip(plan.seqs, inp.sample, inp.carry_from, strict=True):
-        if not sample:
-            continue
-        req = live[seq.seq_id]
+class SamplingColumns:
+    """The live requests' sampling settings as columns, one entry per slot of the request
+    table, written once when a request is admitted (encode once): a step's sampling batch
+    is then a gather by its rows' slots, not a walk over every request's settings."""
+
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "logprobs", "top_logprobs", "controlled", "requests",
+                 "_free")
+
+    def __init__(self) -> None:
+        self.temperature: list[float] = []
+        self.top_k: list[int] = []
+        self.top_p: list[float] = []
+        self.seed: list[int | None] = []
+        self.logprobs: list[bool] = []
+        self.top_logprobs: list[int] = []
+        self.controlled: list[bool] = []  # any logit processor or grammar: the row's Controls are built per step
+        self.requests: list[LiveRequest | None] = []
+        self._free: list[int] = []
+
+    def reserve(self) -> int:
+        """A free slot (a new one when none is)."""
+        if self._free:
+            return self._free.pop()
+        for column in (self.temperature, self.top_k, self.top_p, self.seed, self.logprobs, self.top_logprobs,
+                       self.controlled, self.requests):
+            column.append(None)
+        return len(self.requests) - 1
+
+    def write(self, slot: int, req: LiveRequest) -> None:
         p = req.params
-        if req.controlled:
-            controlled.append((len(sampling_rows), req, carry_from))
-        sampling_rows.append((p.temperature, p.top_k, p.top_p, p.seed, seq.num_generated - 1))
-        want_logprobs = want_logprobs or p.logprobs
-        top_logprobs = max(top_logprobs, p.top_logprobs)
-    controls = _controls(controlled, len(sampling_rows), vocab_size) if controlled else None
-    return SamplingBatch.from_rows(sampling_rows, want_logprobs, top_logprobs, controls)
+        self.temperature[slot], self.top_k[slot], self.top_p[slot] = p.temperature, p.top_k, p.top_p
+        self.seed[slot], self.logprobs[slot], self.top_logprobs[slot] = p.seed, p.logprobs, p.top_logprobs
+        self.controlled[slot], self.requests[slot] = req.controlled, req
+
+    def release(self, slot: int) -> None:
+        self.requests[slot] = None
+        self._free.append(slot)
+
+
+def sampling_batch(plan: StepPlan, columns: SamplingColumns, vocab_size: int) -> SamplingBatch:
+    """The sampling batch of ``plan``'s sampled rows: their requests' settings gathered from
+    ``columns`` by slot (a plan just made holds live requests only)."""
+    inp = plan.input
+    sampled = [seq for seq, sample in zip(plan.seqs, inp.sample, strict=True) if sample]
+    if not sampled:
+        return SamplingBatch([], [], [], [], False)
+    slots = [seq.slot for seq in sampled]
+    take = itemgetter(*slots) if len(slots) > 1 else lambda column: (column[slots[0]],)
+    seeds = take(columns.seed)
+    if any(s is not None for s in seeds):
+        seeds = [None if s is None else mix_seed(s, seq.num_generated - 1)
+                 for s, seq in zip(seeds, sampled, strict=True)]
+    else:
+        seeds = [None] * len(slots)
+    controls = None
+    if any(take(columns.controlled)):
+        carries = [c for c, sample in zip(inp.carry_from, inp.sample, strict=True) if sample]
+        requests = columns.requests
+        controlled = [(row, requests[slot], carries[row]) for row, slot in enumerate(slots)
+                      if columns.controlled[slot]]
+        controls = _controls(controlled, len(slots), vocab_size)
+    return SamplingBatch(list(take(columns.temperature)), list(take(columns.top_k)), list(take(columns.top_p)),
+                         seeds, any(take(columns.logprobs)), max(take(columns.top_logprobs)), controls)
 
 
 def _controls(controlled: list[tuple[int, LiveRequest, int]], num_rows: int, vocab_size: int) -> Controls:

@@ -23,7 +23,7 @@ from typing import Any
 from .config import SamplingParams
 from .errors import EngineOverloadedError, InvalidRequestError
 from .inputs import prepare, sampling_params, tokenize_off_loop
-from .live import Choices, LiveRequest
+from .live import Choices, LiveRequest, SamplingColumns
 from .prompt_logprobs import PromptSink
 from .request import ChoicesMailbox, Mailbox, Outcome
 from .scheduler import FINISHED, Scheduler
@@ -64,6 +64,7 @@ class RequestTable:
         self.deadlines = 0  # live requests with a timeout_s: the loop scans for expired ones while > 0
         self.scoring: set[PromptSink] = set()  # prompt_logprobs still to compute: the loop plans them while any
         self.event: Any = None  # the running loop's Event class (bound by Engine.start)
+        self.columns = SamplingColumns()  # the live requests' sampling settings, by slot
         self._arrivals = itertools.count()
 
     def __contains__(self, request_id: str) -> bool:
@@ -184,8 +185,10 @@ class RequestTable:
              mailbox: Mailbox | None) -> LiveRequest:
         """One live request (each choice its own grammar matcher over the shared compiled grammar)."""
         matcher = self.grammars.matcher(grammar) if grammar is not None else None
+        slot = self.columns.reserve()
         req = LiveRequest.create(key, ids, params, mailbox, Outcome(self.event), self.tokenizer, self.eos_ids,
-                                 matcher, next(self._arrivals))
+                                 matcher, next(self._arrivals), slot)
+        self.columns.write(slot, req)
         self.live[key] = req
         if req.deadline is not None:
             self.deadlines += 1
@@ -212,8 +215,10 @@ class RequestTable:
     def forget(self, req: LiveRequest) -> None:
         """``req`` is no longer live: its deadline stops counting and its sequence leaves
         the scheduler, its pages back, unless the scheduler finished it already."""
-        if self.live.pop(req.request_id, None) is not None and req.deadline is not None:
-            self.deadlines -= 1
+        if self.live.pop(req.request_id, None) is not None:
+            self.columns.release(req.seq.slot)
+            if req.deadline is not None:
+                self.deadlines -= 1
         if req.seq.status is not FINISHED:
             self.scheduler.finish(req.seq)
         sink = req.prompt_sink

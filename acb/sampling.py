@@ -64,12 +64,13 @@ class SamplingBatch:
     def from_rows(cls, rows: list[tuple[float, int, float, int | None, int]], want_logprobs: bool,
                   top_logprobs: int = 0, controls: Controls | None = None) -> SamplingBatch:
         """rows: (temperature, top_k, top_p, seed, token_index)."""
-        seeds = [None if s is None else _mix(s, i) for (_, _, _, s, i) in rows]
+        seeds = [None if s is None else mix_seed(s, i) for (_, _, _, s, i) in rows]
         return cls([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], seeds, want_logprobs,
                    top_logprobs, controls)
 
 
-def _mix(seed: int, index: int) -> int:
+def mix_seed(seed: int, index: int) -> int:
+    """The seed of token ``index`` of a request seeded with ``seed``."""
     # splitmix64-style mixing so consecutive token indices give unrelated streams
     z = (seed * 0x9E3779B97F4A7C15 + index + 1) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF

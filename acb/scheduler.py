@@ -43,6 +43,7 @@ class Sequence:
     max_new_tokens: int
     arrival: int = 0
     priority: int = 0  # lower = more urgent (scheduler="priority")
+    slot: int = -1  # its request's row in the request table's sampling columns (acb.live.SamplingColumns)
     # the order of admission and of the running list, lowest first (Scheduler._rank):
     # (arrival,) for fifo and prefill_first; priority aged by the plan it was queued at
     rank: tuple[int, ...] = ()

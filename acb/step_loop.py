@@ -168,7 +168,7 @@ class StepLoop:
         if not plan.seqs:
             return None
         step = plan.input
-        step.sampling = sampling_batch(plan, self.table.live, self.vocab_size)
+        step.sampling = sampling_batch(plan, self.table.columns, self.vocab_size)
         if self.table.scoring:
             step.prompt_logprobs, plan.prompt_sinks = plan_rows(plan, self.table.live)
         step.plain = hooked is not None
