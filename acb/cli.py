@@ -44,7 +44,7 @@ def _port(text: str) -> int:
     return value
 
 
-def add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # long: one line per flag, no logic
     p = sub.add_parser(
         "serve", help="run an OpenAI-compatible HTTP server",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "

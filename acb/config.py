@@ -349,7 +349,7 @@ class EngineConfig:
     grammar_cache_size: int = 256
     quantization: str | None = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # long: one check per field, in field order; not on a hot path
         def bad(name: str, why: str) -> None:
             raise ValueError(f"EngineConfig.{name} {why}, got {getattr(self, name)!r}")
 

@@ -101,7 +101,7 @@ class Sequence:
         return self.prompt_ids[start:] + self.output_ids[: stop - np_]
 
 
-class Scheduler:
+class Scheduler:  # ~580 lines, over the house's 300: see "Why one class" below
     """FIFO, prefill-first or priority scheduling under a token budget and a request cap.
 
     Preemption (when pages run out for a running sequence) takes the running
@@ -119,6 +119,12 @@ class Scheduler:
     the victim's KV is copied out first and copied back into fresh pages when it
     resumes, so only its last known token is computed again (for its logits);
     without one, or when the pool is full, it is recomputed from the start.
+
+    Why one class: planning, admission, preemption, offload and copy-on-write all move
+    the same sequences between the same two queues and the same page pools within one
+    ``schedule()`` call, and the page accounting (``check_integrity``) holds only at its
+    end. Split across objects, each would write the others' state mid-plan; kept here,
+    every write to a sequence or a queue is in this file (docs/design.md, "Who owns what").
     """
 
     def __init__(

@@ -391,7 +391,7 @@ def _template_options(body: dict) -> dict[str, Any] | None:
             "continue_final_message": bool(continue_final)}
 
 
-def _engine_keywords(body: dict, chat: bool, limits: Limits, n: int,
+def _engine_keywords(body: dict, chat: bool, limits: Limits, n: int,  # long: one mapping per OpenAI field
                      default_temperature: float | None) -> tuple[dict[str, Any], dict[str, str]]:
     """The sampling keywords (only those set to something other than the neutral value,
     so a client that spells out defaults works with any engine) and their wire names."""
