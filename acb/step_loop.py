@@ -11,7 +11,8 @@ stream is polled, not waited on.
 
 The one hook: a structured-output step's token masks need every earlier token taken
 into its rows' grammars, so they are filled after the step before it is delivered,
-while the new step's forward runs (the worker waits for them only at sampling).
+while the new step's forward runs, on a thread of their own (the worker waits for them
+only at sampling, and that step's tokens reach the grammars only after it).
 """
 
 from __future__ import annotations
@@ -49,10 +50,14 @@ class Launched:
     plan: StepPlan
     future: Future
     masks: Any = None  # acb.structured.TokenMasks, to fill before the worker samples
+    filler: Any = None  # the one-thread executor that fills masks, off the event loop
 
     def fill_masks(self) -> None:
+        """Fill the step's masks on the mask thread (a 49k vocabulary inside a large enum
+        takes ~30 ms a row: never on the loop). The worker waits for them when it samples;
+        the step's tokens, and so the next fill's inputs, are taken in only after that."""
         if self.masks is not None:
-            self.masks.fill()
+            self.filler.submit(self.masks.fill)
             self.masks = None
 
 
@@ -76,6 +81,7 @@ class StepLoop:
         self.hooked: str | None = None  # why the model's own forward runs, as of the last step
         self.runner: ModelRunner | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._filler: ThreadPoolExecutor | None = None  # fills structured-output masks (made on first use)
         self._loop: LoopHandle | None = None
         self._omp_reset = None
         self._wakeup: anyio.Event | None = None
@@ -100,9 +106,10 @@ class StepLoop:
         if self.runner is not None:
             release_runner(self.runner, cpu)
             self.runner = None
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        for pool in (self._executor, self._filler):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._executor = self._filler = None
 
     async def reload_weights(self) -> None:
         """Repack every weight and rebuild the fast paths on the step thread (after the
@@ -174,8 +181,10 @@ class StepLoop:
         step.plain = hooked is not None
         step.refresh = refresh
         controls = step.sampling.controls
-        return Launched(plan, self._executor.submit(self.runner.execute, step),
-                        controls.token_mask if controls is not None else None)
+        masks = controls.token_mask if controls is not None else None
+        if masks is not None and self._filler is None:
+            self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acb-masks")
+        return Launched(plan, self._executor.submit(self.runner.execute, step), masks, self._filler)
 
     async def _complete(self, launched: Launched) -> None:
         """Await a launched step and deliver its tokens (or fail its requests)."""

@@ -216,7 +216,7 @@ class TokenMasks:
         self._done = threading.Event()
 
     def fill(self) -> None:
-        """On the event loop, once every earlier step's tokens have been accepted."""
+        """On the mask thread (acb.step_loop), once every earlier step's tokens have been accepted."""
         try:
             bitmask = torch.full((len(self.rows), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
             for i, matcher in enumerate(self.matchers):
