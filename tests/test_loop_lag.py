@@ -135,3 +135,35 @@ async def test_health_answers_while_a_served_request_compiles_its_grammar():
     longest = max(b - a for a, b in zip(times, times[1:]))
     assert longest < LAG_BOUND_S, \
         f"/health went {longest:.3f} s without an answer during a {served_s:.2f} s request ({len(times) - 2} answers)"
+
+
+@pytest.mark.parametrize("route", ["sse", "websocket"])
+async def test_the_sse_and_websocket_routes_compile_grammars_off_the_loop(route):
+    """acb.integrations' /generate routes admit through engine.asubmit: the loop keeps
+    ticking while the request's grammar compiles."""
+    from aiohttp import web
+
+    from acb.integrations.aiohttp import setup_engine, sse_handler, websocket_handler
+
+    engine = tiny_engine()
+    app = web.Application()
+    setup_engine(app, engine)
+    app.router.add_post("/generate", sse_handler())
+    app.router.add_get("/ws", websocket_handler())
+    message = {"prompt": "pick", "max_new_tokens": 24, "json_schema": BIG_ENUM}
+    async with running_app(app) as url, aiohttp.ClientSession() as session, ticking() as ticker:
+        start = time.perf_counter()
+        if route == "sse":
+            async with session.post(f"{url}/generate", json=message) as resp:
+                assert resp.status == 200
+                text = await resp.text()
+            assert '"finish_reason": "eos"' in text, text[-300:]  # the grammar's end, then EOS
+        else:
+            async with session.ws_connect(f"{url}/ws") as ws:
+                await ws.send_json({"type": "generate", "id": 1, **message})
+                while (reply := await ws.receive_json())["type"] == "chunk" and not reply.get("finish_reason"):
+                    pass
+            assert reply.get("finish_reason") == "eos", reply
+        served_s = time.perf_counter() - start
+    assert served_s > 3 * LAG_BOUND_S, f"the request took {served_s:.2f} s: too short to tell"
+    assert ticker.max_lag_s < LAG_BOUND_S, f"the loop was held {ticker.max_lag_s:.3f} s during {served_s:.2f} s"

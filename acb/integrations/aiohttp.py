@@ -120,7 +120,7 @@ def sse_handler(engine: acb.Engine | None = None) -> Handler:
     async def handle(request: web.Request) -> web.StreamResponse:
         eng = _engine_of(engine, request)
         try:
-            handle = submit_body(eng, await read_json_object(request))
+            handle = await submit_body(eng, await read_json_object(request))
         except ApiError as e:
             return e.response()
         resp = web.StreamResponse(headers=SSE_HEADERS)

@@ -101,14 +101,15 @@ def sampling_kwargs(fields: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def submit_body(engine: acb.Engine, body: dict[str, Any]) -> acb.RequestHandle:
-    """Submit ``{"prompt": ..., <sampling keywords>}`` (``body`` is consumed); bad
-    input raises :class:`ApiError`, naming the field."""
+async def submit_body(engine: acb.Engine, body: dict[str, Any]) -> acb.RequestHandle:
+    """Submit ``{"prompt": ..., <sampling keywords>}`` (``body`` is consumed) through
+    ``engine.asubmit``: a long prompt is tokenized, and a grammar not yet compiled
+    compiled, off the event loop. Bad input raises :class:`ApiError`, naming the field."""
     if "prompt" not in body:
         raise ApiError(400, "field 'prompt' is required", param="prompt")
     prompt = body.pop("prompt")
     try:
-        return engine.submit(prompt, **sampling_kwargs(body))
+        return await engine.asubmit(prompt, **sampling_kwargs(body))
     except acb.AcbError as e:
         raise api_error_from(e) from e
 
@@ -204,18 +205,20 @@ class RequestMux:
                 live[0].cancel()
         elif kind == "generate":
             try:
-                self.start(rid, message)
+                await self.start(rid, message)
             except ApiError as e:
                 await self.send_error(rid, e)
         else:
             await self.send_error(rid, ApiError(400, "field 'type' must be 'generate' or 'cancel'", param="type"))
 
-    def start(self, rid: Any, message: dict[str, Any]) -> None:
+    async def start(self, rid: Any, message: dict[str, Any]) -> None:
+        """Admit one ``generate`` message (the socket's next message is read once it is
+        admitted: a grammar compile holds this socket, never the event loop)."""
         if rid in self.live:
             raise ApiError(400, f"id {rid!r} is already in use by a live request on this socket", param="id")
         if len(self.live) >= self.max_requests:
             raise ApiError(429, f"at most {self.max_requests} live requests per socket", param="id")
-        handle = submit_body(self.engine, message)
+        handle = await submit_body(self.engine, message)
         scope = anyio.CancelScope()
         self.live[rid] = (handle, scope)
         self.task_group.start_soon(self.pump, rid, handle, scope)

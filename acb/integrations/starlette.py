@@ -159,7 +159,7 @@ def sse_route(engine: acb.Engine | None = None) -> Endpoint:
                 raw = await request.body()
             except ClientDisconnect:
                 return Response(status_code=400)  # nobody is listening
-            handle = submit_body(eng, json_object(raw))
+            handle = await submit_body(eng, json_object(raw))
         except ApiError as e:
             return error_response(e)
         return EventStreamResponse(handle, request.app)
