@@ -61,3 +61,15 @@ def test_example_runs_and_answers(name, source, tmp_path):
     assert lines and all(lines), f"{name} printed an empty answer:\n{run.stdout}"
     if "What is 2+2?" in source:  # the quick start's batch: a greeting, then the sum
         assert "4" in lines[-1], run.stdout
+
+
+def test_every_engine_setting_is_in_one_group_of_the_config_reference():
+    """docs/reference/config.md's table names each EngineConfig field once, in a group."""
+    import dataclasses
+
+    import acb
+
+    rows = re.findall(r"^\| (\w+) \| `(\w+)` \|", (ROOT / "docs" / "reference" / "config.md").read_text(), re.M)
+    named = [field for _, field in rows]
+    assert sorted(named) == sorted(f.name for f in dataclasses.fields(acb.EngineConfig))
+    assert {group for group, _ in rows} == {"cache", "scheduling", "kernels", "placement", "serving", "debug"}
