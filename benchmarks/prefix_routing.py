@@ -28,6 +28,7 @@ import platform
 import random
 import socket
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -139,7 +140,9 @@ def main() -> None:
         ray.shutdown()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"),
+                               "source": "python benchmarks/prefix_routing.py " + " ".join(sys.argv[1:]),
+                               "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
                                "ray": ray.__version__, "page_size": page_size, "args": vars(args),
                                "results": results}, indent=2))
 
