@@ -10,7 +10,7 @@
 //   epilogue in float32: none, + other[m, n] (the residual add), or act(gate) * up for the
 //   MLP's two projections (SiLU or GELU-tanh), stored as float32 or bfloat16.
 //
-// Tiles: 6 rows x 64 columns (24 zmm accumulators); the threads split (column tile, row
+// Tiles: 6 rows x 32 columns (12 zmm accumulators); the threads split (column tile, row
 // chunk) pairs, column tiles outermost so each thread keeps its weight panels in its L2.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -179,9 +179,10 @@ void gemm(const torch::Tensor& xq, const torch::Tensor& xscale, const Weight& w,
           int64_t epi, const torch::Tensor* other, torch::Tensor& out, int64_t n) {
   const int64_t m = xq.size(0), k = xq.size(1), blocks = n / 16;
   constexpr int64_t kMR = 6;
-  // column tiles of 4 blocks (64 columns), or of 2 when there are too few to share out;
+  // column tiles of 2 blocks (32 columns: 12 accumulators; tiles of 64 columns, 24 accumulators,
+  // spilled registers and ran at about half the rate: 731 against 1320 GOPS at 1024 x 576 x 1536);
   // row chunks of 96 rows, so a tile's weight panel is reused from L2 across 16 row tiles
-  const int64_t nb = (blocks / 4) * ((m + 95) / 96) >= 4 * at::get_num_threads() ? 4 : 2;
+  constexpr int64_t nb = 2;
   const int64_t col_tiles = (blocks + nb - 1) / nb, chunk = 96, row_chunks = (m + chunk - 1) / chunk;
   const uint8_t* xp = xq.data_ptr<uint8_t>();
   const float* sp = xscale.data_ptr<float>();
@@ -195,10 +196,9 @@ void gemm(const torch::Tensor& xq, const torch::Tensor& xscale, const Weight& w,
       const int64_t b0 = ct * nb, nbs = std::min(nb, blocks - b0);
       for (int64_t m0 = rc * chunk; m0 < std::min(m, (rc + 1) * chunk); m0 += kMR) {
         const int64_t rows = std::min(kMR, m - m0);
-        for (int64_t b = b0; b < b0 + nbs;) {  // whole tiles, then the 1-3 blocks left at the end
+        for (int64_t b = b0; b < b0 + nbs;) {  // a whole tile, or the one block left at the end
           const int64_t left = b0 + nbs - b;
-          if (left >= 4) { tile_rows<T, 4>(rows, xp, k, sp, w, up, act, epi, op, os, outp, ostride, m0, b); b += 4; }
-          else if (left >= 2) { tile_rows<T, 2>(rows, xp, k, sp, w, up, act, epi, op, os, outp, ostride, m0, b); b += 2; }
+          if (left >= 2) { tile_rows<T, 2>(rows, xp, k, sp, w, up, act, epi, op, os, outp, ostride, m0, b); b += 2; }
           else { tile_rows<T, 1>(rows, xp, k, sp, w, up, act, epi, op, os, outp, ostride, m0, b); b += 1; }
         }
       }
