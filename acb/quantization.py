@@ -11,17 +11,29 @@ residual add, SiLU / GELU-tanh times the up projection). Norms, RoPE, attention 
 KV pages run in the model's dtype (float32 or bfloat16) as in acb's fused forward; the
 logits are float32.
 
-Why W8A8 and this kernel (measured on this project's 2-core AVX-512 VNNI machine, on
-SmolLM2's shapes; ``benchmarks/int8_gemm.py`` reproduces them; see docs/performance.md):
+Why W8A8 and this kernel (measured 2026-12-01 on this project's 2-core AVX-512 VNNI
+machine, best of 5 x 20 calls, load 1.9; ``benchmarks/int8_gemm.py`` runs the comparison),
+in GOPS on SmolLM2's shapes (rows x K x N):
 
-- weight-only int8 with bf16 compute (``torch._weight_int8pack_mm``) ran slower than
-  oneDNN's prepacked bf16 GEMM at every row count: the weights are widened on every
-  call and the arithmetic stays bf16's;
-- oneDNN's int8 matmul through PyTorch (``onednn.qlinear_pointwise``) takes one scale
-  for the whole activation tensor: per-token scales cannot be expressed, and one scale
-  per step lets an outlier token flatten every other token's precision;
-- this kernel, per-token scales included, runs the figures in the table of
-  ``benchmarks/int8_gemm.py``'s docstring.
+    shape            acb int8   oneDNN int8   oneDNN int8 + row rescale   oneDNN bf16
+    16 x 576 x 960      898         545               443                    511
+    64 x 576 x 576     1137         838               718                    617
+    64 x 1536 x 576    1308        1338              1197                    781
+    1024 x 576 x 1536  1320        1808              1631                    942
+
+- weight-only int8 with bf16 compute (``torch._weight_int8pack_mm``) ran at 50-270 GOPS,
+  slower than oneDNN's prepacked bf16 at every row count: the weights are widened on
+  every call and the arithmetic stays bf16's;
+- oneDNN's int8 matmul through PyTorch (``onednn.qlinear_pointwise``) takes one scale for
+  the whole activation tensor: per-token scales need a rescale pass after it (column 3),
+  and its epilogues (SiLU times up, the residual add) then cannot be fused. It is faster
+  than this kernel at prefill shapes and slower at decode shapes; this kernel, with the
+  epilogues fused, is what the engine runs (a hybrid is left for later);
+- per-token (not per-tensor) activation scales because one scale per step lets one
+  outlier token flatten every other token's precision.
+
+What int8 costs in accuracy is measured in docs/performance.md (Dtypes): on SmolLM2-135M
+per-token int8 activations cost more than the int8 weights do.
 
 The model is quantized in place (the dense weights are freed: that is the memory
 saving); :class:`Int8Linear` and :class:`Int8Embedding` stand in for the modules, so the
