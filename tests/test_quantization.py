@@ -78,6 +78,18 @@ def test_activations_are_quantized_per_token_with_the_norm_fused():
     assert (err <= xs / 2 + 1e-6).all()  # round to nearest: half a step at most, per row
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_rows_are_read_from_the_packed_weight(dtype):
+    q8 = _q8()
+    layer = Int8Linear.from_int8(*_int8(48, 24, 9))
+    ids = torch.tensor([0, 47, 5, 5])
+    got = q8.embed(layer.weight, layer.weight_scale, ids, 2.0, dtype)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, (layer.dequantize()[ids] * 2.0).to(dtype), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="out of range"):
+        q8.embed(layer.weight, layer.weight_scale, torch.tensor([48]), 1.0, dtype)
+
+
 def test_rows_of_zeros_quantize_to_zero_outputs():
     q8 = _q8()
     layer = Int8Linear.from_int8(*_int8(32, 16, 0))

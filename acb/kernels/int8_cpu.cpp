@@ -395,12 +395,12 @@ torch::Tensor embed(const torch::Tensor& w, const torch::Tensor& scale, const to
       const int64_t row = ip[t];
       const int8_t* base = wp + (row / 16) * k4 * 64 + (row % 16) * 4;
       const float s = sp[row] * fm;
-      for (int64_t kk = 0; kk < k; ++kk) {
-        const float v = static_cast<float>(base[(kk / 4) * 64 + (kk % 4)]) * s;
-        if (dtype == torch::kFloat32)
-          out.data_ptr<float>()[t * k + kk] = v;
-        else
-          reinterpret_cast<uint16_t*>(out.data_ptr())[t * k + kk] = to_bf16(v);
+      if (dtype == torch::kFloat32) {
+        float* o = out.data_ptr<float>() + t * k;
+        for (int64_t kk = 0; kk < k; ++kk) o[kk] = static_cast<float>(base[(kk / 4) * 64 + (kk % 4)]) * s;
+      } else {
+        uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr()) + t * k;
+        for (int64_t kk = 0; kk < k; ++kk) o[kk] = to_bf16(static_cast<float>(base[(kk / 4) * 64 + (kk % 4)]) * s);
       }
     }
   });
