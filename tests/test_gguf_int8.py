@@ -12,7 +12,9 @@ import torch
 import acb
 from acb import gguf_int8, quantization
 
-pytestmark = pytest.mark.slow
+# real GGUF files converted afresh (~40 s and more): CI runs them in its extras step, beside the
+# other slow extras, to keep the default suite within its time
+pytestmark = [pytest.mark.slow, pytest.mark.extras]
 
 QUESTIONS = ["What is the capital of France?", "Name a cat breed.", "Write a haiku about rain.",
              "Why is the sky blue? Answer briefly."]
