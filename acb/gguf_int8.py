@@ -108,23 +108,14 @@ def load(folder: str, gguf_file: str, dtype: torch.dtype):
 
 def _save(target, config, tokenizer, weights) -> None:
     """Cache the converted checkpoint at ``target``, atomically (a folder renamed into place)."""
-    import shutil
-    import tempfile
-    from pathlib import Path
+    from .loading import save_atomically
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    try:
-        config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        torch.save(weights, tmp / "weights.pt")
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process finished first
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    def write(folder):
+        config.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        torch.save(weights, folder / "weights.pt")
+
+    save_atomically(target, write)
 
 
 def _read(path: str, model: torch.nn.Module, config) -> tuple[dict, dict]:

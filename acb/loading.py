@@ -139,11 +139,20 @@ def _save_converted(model, tokenizer, target: Path) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    save_atomically(target, write)
+
+
+def save_atomically(target: Path, write) -> None:
+    """Run ``write(folder)`` into a new folder beside ``target``, then rename it into place:
+    a reader sees the whole folder or none. If another process finished first, its folder stays."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        write(tmp)
         try:
             os.rename(tmp, target)
         except OSError:  # another process finished first
