@@ -80,6 +80,8 @@ class SamplingParams:
     ``priority`` (0; lower = more urgent, vLLM's convention): the order of admission and
     preemption under ``EngineConfig(scheduler="priority")``; any other scheduler refuses a
     request that sets it (``InvalidRequestError`` naming ``priority``).
+    ``adapter`` (None = the base model): the name of a LoRA adapter loaded with
+    ``Engine.load_adapter``; rows with different adapters share one step (``acb.lora``).
 
     Example::
 
@@ -111,6 +113,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     reasoning_parser: str | None = None
     priority: int = 0
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and stored as tuples so params stay hashable.
@@ -163,6 +166,9 @@ class SamplingParams:
         if not _is_int(self.priority) or not -(2**31) <= self.priority < 2**31:
             raise InvalidRequestError(f"priority must be an int in [-2**31, 2**31) (lower = more urgent), got "
                                       f"{self.priority!r}", param="priority")
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            raise InvalidRequestError(f"adapter must be None (the base model) or the name of a loaded adapter, got "
+                                      f"{self.adapter!r}", param="adapter")
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         self._check_structure()
 
@@ -313,6 +319,12 @@ class EngineConfig:
     cached. ``grammar_cache_size`` (256; 0 = none) bounds the compiled grammars kept, by
     canonical schema / regex / choice text, least recently used first out.
 
+    LoRA adapters (``Engine.load_adapter``): ``max_adapters`` (4; 0 = none) adapters loaded at
+    once, each of rank at most ``max_adapter_rank`` (16). The stacked A/B buffers they need,
+    ``max_adapters * max_adapter_rank * (in + out)`` values per target projection, are
+    allocated when the first adapter loads. Adapters need a single rank, ``compile_level=0``
+    and no ``quantization``: ``load_adapter`` refuses the others naming the setting.
+
     A setting that has no effect where the engine runs (the CUDA-graph settings on the
     CPU, say) is named by :meth:`inactive_settings`, and the engine logs a warning naming
     it at construction.
@@ -348,6 +360,8 @@ class EngineConfig:
     grammar_compile_timeout_s: float | None = 30.0
     grammar_cache_size: int = 256
     quantization: str | None = None
+    max_adapters: int = 4
+    max_adapter_rank: int = 16
 
     def __post_init__(self) -> None:  # long: one check per field, in field order; not on a hot path
         def bad(name: str, why: str) -> None:
@@ -426,6 +440,10 @@ class EngineConfig:
             bad("grammar_cache_size", "must be an int >= 0 (0 = no cache)")
         if not _is_int(self.priority_aging_steps) or self.priority_aging_steps < 0:
             bad("priority_aging_steps", "must be an int >= 0 (0 = no aging)")
+        if not _is_int(self.max_adapters) or self.max_adapters < 0:
+            bad("max_adapters", "must be an int >= 0 (0 = no LoRA adapters)")
+        if not _is_int(self.max_adapter_rank) or self.max_adapter_rank < 1:
+            bad("max_adapter_rank", "must be an int >= 1")
         if self.quantization is not None:
             if self.quantization != "int8":
                 bad("quantization", "must be None or 'int8'")

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from . import quantization, sizing
+from . import lora, quantization, sizing
+from .adapters import AdapterRegistry
 from .assembly import build_placement, build_runner, build_scheduler, checked_settings, place, resolve_load
 from .config import EngineConfig, SamplingParams
 from .errors import AcbError, EngineStoppedError
@@ -61,9 +62,13 @@ class Engine:
         c = self.config
         self._grammars = Grammars(tokenizer, self.vocab_size, self.eos_token_ids, cache_size=c.grammar_cache_size,
                                   timeout_s=c.grammar_compile_timeout_s, threads=1 if self.device.type == "cpu" else 8)
+        refusal = lora.why_not(model, c)  # None: LoRA adapters can run here (acb.lora)
+        self._adapters = AdapterRegistry(c.max_adapters, None if refusal else lora.LoraBank(
+            model, c.max_adapters, c.max_adapter_rank), refusal)
         self._table = RequestTable(self.scheduler, self._grammars, tokenizer=tokenizer, defaults=self.sampling,
                                    generation_defaults=self.generation_defaults, vocab_size=self.vocab_size,
-                                   max_model_len=self.max_model_len, eos_ids=self.eos_token_ids)
+                                   max_model_len=self.max_model_len, eos_ids=self.eos_token_ids,
+                                   adapters=self._adapters)
         self._out = Outputs(self._table)
         self._life = Lifecycle(lambda: self._tp.error if self._tp is not None else None)
         self._steps = StepLoop(self._table, self._out, self._life, vocab_size=self.vocab_size,
@@ -97,7 +102,11 @@ class Engine:
         self._life.check_startable()
         if self._life.looping:
             return
+        bank = self._adapters.bank
+        if bank is not None:
+            bank.install_hooks()  # before the runner's model watch takes the model as its reference
         runner = self._steps.runner or build_runner(self.model, self.layout, self.config, self.attn_backend, self._tp)
+        runner.lora = bank
         self._loop = LoopHandle()
         self._table.event = self._loop.Event
         self._life.move(EngineState.RUNNING)
@@ -128,6 +137,8 @@ class Engine:
             return
         await self.stop()
         self._steps.close(cpu=self.device.type == "cpu")
+        if self._adapters.bank is not None:
+            self._adapters.bank.remove_hooks()
         self._grammars.close()
         if self._tp is not None:
             self._tp.close()  # every other rank exits
@@ -235,6 +246,8 @@ class Engine:
         check_progress(progress)
         prepared = await self._table.prepare_batch(prompts, request_ids, sampling, kwargs, self._loop.wait_future)
         self._life.check_accepting()  # preparing awaited (long prompts, grammars): check again
+        for p in prepared:  # an adapter may have begun unloading while the batch was prepared
+            self._table.check_adapter(p.params)
         reqs: list[Any] = [None] * len(prepared)
         for i in sorted(range(len(prepared)), key=lambda i: prepared[i].prompt_ids):
             reqs[i] = self._table.register(prepared[i], stream=False)
@@ -242,6 +255,35 @@ class Engine:
             return []
         self._steps.wake()
         return await gather_batch(reqs, self._loop.Event, progress, lambda rid: self._out.cancel(rid, None, self._loop))
+
+    # ------------------------------------------------------------------ adapters
+    async def load_adapter(self, source: Any, adapter_name: str) -> None:
+        """Load a LoRA adapter for requests to name (``adapter=adapter_name``) while the
+        engine serves: ``source`` is a PEFT adapter folder, a ``peft`` model (its active
+        adapter) or ``(LoraConfig, state dict)``. Read, checked and written into a free slot
+        on a worker thread; switched on between two steps. ``InvalidRequestError`` naming
+        what is wrong (a refused PEFT feature, shapes that do not fit the model, a rank above
+        ``max_adapter_rank``, no free slot of ``max_adapters``); ``ValueError`` naming the
+        setting where this engine cannot run adapters. See docs/adapters.md.
+
+        Example::
+
+            await engine.load_adapter("adapters/sql-lora", "sql")
+            completion = await engine.generate("SELECT", adapter="sql", max_new_tokens=16)
+        """
+        self._life.check_open()
+        await self._adapters.load(source, adapter_name, self.model, self._steps.between_steps)
+
+    async def unload_adapter(self, adapter_name: str) -> None:
+        """Unload an adapter: new requests naming it are refused (``InvalidRequestError``
+        naming ``adapter``) at once; the call returns when the requests already queued or
+        running with it have ended (they finish normally) and its slot is free."""
+        self._life.check_open()
+        await self._adapters.unload(adapter_name, self._steps.between_steps)
+
+    def adapters(self) -> list[str]:
+        """The names of the loaded adapters requests may name, in load order."""
+        return self._adapters.names()
 
     def tokenize(self, prompt: Any) -> list[int]:
         """The token ids ``prompt`` (text, token ids or chat messages) runs as; bad input

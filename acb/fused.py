@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import attention
+from . import attention, lora
 from .kernels.cpu_linear import pad_rows, padded_rows
 
 log = logging.getLogger("acb")
@@ -81,6 +81,10 @@ _GEMMA_NORMS = {"Gemma2RMSNorm", "Gemma3RMSNorm"}
 _EMBEDDINGS = {"Embedding", "Gemma2TextScaledWordEmbedding", "Gemma3TextScaledWordEmbedding"}
 # the MLP activation of each family, as oneDNN's fused GEMM epilogue (name, algorithm)
 _ACTIVATIONS = {"SiLU": ("swish", ""), "SiLUActivation": ("swish", ""), "GELUTanh": ("gelu", "tanh")}
+
+# the same activations as functions, for layers that cannot fuse them (a LoRA delta on the gate)
+_ACTIVATION_FNS = {"swish": torch.nn.functional.silu,
+                   "gelu": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}
 
 # A norm: (weight, eps, gemma). Llama's: the module's weight, the row rounded to the model's
 # dtype before the product; Gemma's: 1 + weight in float32, one rounding at the end.
@@ -179,8 +183,12 @@ class FusedForward:
         rows = padded_rows(total)  # the GEMMs run on zero-padded rows (see acb.kernels.cpu_linear)
         x = pad_rows(x, rows)
         ropes = self._ropes(x[:total], position_ids)
-        for layer in self.layers:
+        adapters = lora.current()  # the step's LoRA rows (acb.lora), or None
+        for i, layer in enumerate(self.layers):
             cos, sin = ropes[layer.rope]
+            if adapters is not None:  # the layer without the epilogues the LoRA deltas land inside
+                x = self._lora_layer(layer, i, x, rows, total, cos, sin, adapters)
+                continue
             h = self._rms(x, layer.ln1)
             q = linear(h, *layer.q, "none", [], "")
             kk = linear(h, *layer.k, "none", [], "")
@@ -201,6 +209,30 @@ class FusedForward:
         if self.final_softcap is not None:  # Gemma 2/3, in the model's dtype as transformers does
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return _Logits(logits.float().unsqueeze(0))
+
+    def _lora_layer(self, layer: _Layer, i: int, x: torch.Tensor, rows: int, total: int, cos: torch.Tensor,
+                    sin: torch.Tensor, adapters: lora.StepLora) -> torch.Tensor:
+        """One layer with the step's LoRA deltas added (``acb.lora``): the same GEMMs, without
+        the epilogues that would fuse past where a delta lands (the gate's activation, the
+        residual adds)."""
+        linear = torch.ops.mkldnn._linear_pointwise
+        h = self._rms(x, layer.ln1)
+        q, kk, v = (linear(h, *w, "none", [], "") for w in (layer.q, layer.k, layer.v))
+        for out, proj in ((q, "q_proj"), (kk, "k_proj"), (v, "v_proj")):
+            adapters.add(out, h, i, proj)
+        a = pad_rows(self._attend(layer, q, kk, v, total, cos, sin), rows)
+        o = self._projection(a, layer.o)
+        adapters.add(o, a, i, "o_proj")
+        x = x + (o if layer.post_attn is None else self._rms(o, layer.post_attn))
+        h = self._rms(x, layer.ln2)
+        g = linear(h, *layer.gate, "none", [], "")
+        adapters.add(g, h, i, "gate_proj")
+        u = linear(h, *layer.up, "none", [], "")
+        adapters.add(u, h, i, "up_proj")
+        m = _ACTIVATION_FNS[layer.act[0]](g) * u
+        d = self._projection(m, layer.down)
+        adapters.add(d, m, i, "down_proj")
+        return x + (d if layer.post_mlp is None else self._rms(d, layer.post_mlp))
 
     def _ropes(self, x: torch.Tensor, position_ids: torch.Tensor) -> dict:
         """{rotary type: (cos, sin)}, each [T, head_dim] contiguous, for the step's rows ``x``."""

@@ -39,11 +39,19 @@ def chain_hash(parent: int | None, tokens: Sequence[int]) -> int:
     return hash((ROOT_PARENT_HASH if parent is None else parent, tuple(tokens)))
 
 
-def prefix_page_hashes(token_ids: Sequence[int], page_size: int) -> list[int]:
+def adapter_root(lora_id: int | None) -> int | None:
+    """The parent hash of a chain's first page under the LoRA adapter ``lora_id`` (its
+    weights' digest, ``acb.lora``), so its pages never match the base model's or another
+    adapter's; None for the base model, whose hashes stay as they were."""
+    return None if lora_id is None else hash((ROOT_PARENT_HASH, lora_id))
+
+
+def prefix_page_hashes(token_ids: Sequence[int], page_size: int, lora_id: int | None = None) -> list[int]:
     """The hashes ``kv_events()`` names the pages of ``token_ids`` by, for the pages a
     prefix-cache lookup can take: full pages only, and never the page of the last token
     (that one is always computed). A page is cached where its hash was stored (and not
     removed since). The same in every process: a router elsewhere matches prompts with it.
+    ``lora_id``: the pages of a request run with that adapter (``Engine.adapters()``'s ids).
 
     Example::
 
@@ -53,7 +61,7 @@ def prefix_page_hashes(token_ids: Sequence[int], page_size: int) -> list[int]:
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
     hashes: list[int] = []
-    parent: int | None = None
+    parent = adapter_root(lora_id)
     for i in range((len(token_ids) - 1) // page_size):
         parent = chain_hash(parent, token_ids[i * page_size : (i + 1) * page_size])
         hashes.append(parent)
@@ -163,20 +171,20 @@ class KVCacheManager:
                     events.append(BlockRemoved([key[0]], self.medium))
 
     # -- prefix caching --------------------------------------------------------------
-    def match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], int | None]:
+    def match_prefix(self, token_ids: Sequence[int], root: int | None = None) -> tuple[list[int], int | None]:
         """Find the longest run of cached full pages that starts ``token_ids`` and take a
         reference to each. Returns the pages and the hash of the last one.
 
         At least one token is always left to compute, so the caller gets logits for the
         last prompt token: if every full page of the prompt hits, the last page is
         not reused (it will be recomputed into a fresh page; shared pages are never
-        written)."""
+        written). ``root``: the chain's first parent (``adapter_root``; None: the base model)."""
         if not self.enable_prefix_caching:
-            return [], None
+            return [], root
         ps = self.page_size
         usable = (len(token_ids) - 1) // ps
         pages: list[int] = []
-        parent: int | None = None
+        parent = root
         for i in range(usable):
             chunk = tuple(token_ids[i * ps : (i + 1) * ps])
             h = chain_hash(parent, chunk)

@@ -20,6 +20,7 @@ import dataclasses
 import itertools
 from typing import Any
 
+from .adapters import AdapterRegistry
 from .config import SamplingParams
 from .errors import EngineOverloadedError, InvalidRequestError
 from .inputs import prepare, sampling_params, tokenize_off_loop
@@ -50,8 +51,9 @@ class RequestTable:
 
     def __init__(self, scheduler: Scheduler, grammars: Grammars, *, tokenizer: Any, defaults: SamplingParams,
                  generation_defaults: dict[str, Any], vocab_size: int, max_model_len: int,
-                 eos_ids: frozenset[int]) -> None:
+                 eos_ids: frozenset[int], adapters: AdapterRegistry | None = None) -> None:
         self.scheduler = scheduler
+        self.adapters = adapters  # the loaded LoRA adapters (None: this engine runs none)
         self.grammars = grammars
         self.tokenizer = tokenizer
         self.defaults = defaults  # the engine's SamplingParams
@@ -115,9 +117,18 @@ class RequestTable:
         if params.n > self.scheduler.max_requests:  # choices fork from one prefill, all in one step
             raise InvalidRequestError(f"n={params.n} is more than the rows one step can hold "
                                       f"({self.scheduler.max_requests}: max_requests_per_batch)", param="n")
+        self.check_adapter(params)
         if params.structured and grammar is None:
             grammar = self.grammars.compiled(params)  # on this thread, for at most grammar_compile_timeout_s
         return Prepared(rid, ids, params, grammar)
+
+    def check_adapter(self, params: SamplingParams) -> None:
+        """InvalidRequestError naming ``adapter`` unless the adapter a request names is loaded."""
+        if params.adapter is not None:
+            if self.adapters is None:
+                raise InvalidRequestError(f"adapter {params.adapter!r}: this engine runs no adapters",
+                                          param="adapter")
+            self.adapters.resolve(params.adapter)
 
     async def prepare_batch(self, prompts: Any, request_ids: Any, sampling: SamplingParams | None,
                             overrides: dict[str, Any], wait_future: Any) -> list[Prepared]:
@@ -185,9 +196,12 @@ class RequestTable:
              mailbox: Mailbox | None) -> LiveRequest:
         """One live request (each choice its own grammar matcher over the shared compiled grammar)."""
         matcher = self.grammars.matcher(grammar) if grammar is not None else None
+        adapter = self.adapters.acquire(params.adapter) if params.adapter is not None else None
         slot = self.columns.reserve()
         req = LiveRequest.create(key, ids, params, mailbox, Outcome(self.event), self.tokenizer, self.eos_ids,
                                  matcher, next(self._arrivals), slot)
+        if adapter is not None:  # its rows run the adapter's slot; its prefix pages chain from its root
+            req.seq.adapter, req.seq.prefix_root, req.seq.last_page_hash = adapter.slot, adapter.root, adapter.root
         self.columns.write(slot, req)
         self.live[key] = req
         if req.deadline is not None:
@@ -217,6 +231,8 @@ class RequestTable:
         the scheduler, its pages back, unless the scheduler finished it already."""
         if self.live.pop(req.request_id, None) is not None:
             self.columns.release(req.seq.slot)
+            if req.seq.adapter >= 0:
+                self.adapters.release(req.seq.adapter)
             if req.deadline is not None:
                 self.deadlines -= 1
         if req.seq.status is not FINISHED:

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from . import attention, attention_routing, packing, prompt_logprobs
+from . import attention, attention_routing, lora, packing, prompt_logprobs
 from .fast_paths import FastPaths
 from .kv_store import KVStore
 from .sampling import sample, top_alternatives
@@ -101,6 +101,7 @@ class ModelRunner:
         log.info("acb attention backend: %s (attn_backend=%r on %s, %s)", self.attn_backend, attn_backend,
                  self.device, self.dtype)
         self.fast_paths = FastPaths(model, self.kv, self.attn_backend, self.stream, self.generator, row_reduce)
+        self.lora: lora.LoraBank | None = None  # the engine's adapters (acb.lora), when it can run them
         self.step_index = 0
         self.fast_decode_steps = 0  # steps whose decode rows ran on a kernel reading pages in place
         self.plain_steps = 0  # steps that ran the model's own forward (a hook, a replaced forward)
@@ -212,17 +213,20 @@ class ModelRunner:
             self.fast_paths.refresh()
         self.kv.move_pages(step)
         input_ids, position_ids, keep, meta = self._build(step)
+        adapters = self.lora.step(step, self._tensor) if self.lora is not None else None
         if self.fault_hook is not None:
             self.fault_hook(self.step_index, "forward")
         if step.plain:
             self.plain_steps += 1
             forward = self.model
         else:
-            replayed = self.fast_paths.replay(step, input_ids, position_ids, keep, meta)
+            # (CUDA graphs were captured without LoRA: a step with adapter rows runs eagerly)
+            replayed = self.fast_paths.replay(step, input_ids, position_ids, keep, meta) if adapters is None else None
             if replayed is not None:
                 return replayed
             forward = self.fast_paths.forward_for(meta)
         attention.set_step(meta)
+        lora.set_step(adapters)
         try:
             out = forward(
                 input_ids=input_ids.unsqueeze(0),
@@ -233,6 +237,7 @@ class ModelRunner:
             )
         finally:
             attention.set_step(None)
+            lora.set_step(None)
         return out.logits[0], None
 
     def _build(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, packing.StepAttention]:

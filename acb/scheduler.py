@@ -81,6 +81,10 @@ class Sequence:
     # False: never start from the prefix cache (a request scoring its prompt needs every
     # prompt position's logits, which cached pages do not keep); its pages are still registered
     prefix_lookup: bool = True
+    # LoRA: the adapter's slot in the runner's stacked weights (-1: the base model) and the
+    # parent hash of its prefix chain's first page (acb.kv_cache.adapter_root; None: base)
+    adapter: int = -1
+    prefix_root: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -344,7 +348,8 @@ class Scheduler:  # ~580 lines, over the house's 300: see "Why one class" below
         npages = self.kv.pages_for(end)
         plan.seqs.append(seq)
         plan.epochs.append(seq.epoch)
-        plan.input.add_row(tokens, start, seq.block_table[:npages], carry_from, sample, seq.swa_table[:npages])
+        plan.input.add_row(tokens, start, seq.block_table[:npages], carry_from, sample, seq.swa_table[:npages],
+                           seq.adapter)
         if sample:
             seq.sampled_plan = plan.index
             seq.sampled_row = plan.num_sampled
@@ -513,7 +518,7 @@ class Scheduler:  # ~580 lines, over the house's 300: see "Why one class" below
         seq.num_computed = 0
         seq.num_inflight = 0
         seq.num_registered_pages = 0
-        seq.last_page_hash = None
+        seq.last_page_hash = seq.prefix_root
         seq.epoch += 1
         seq.num_preemptions += 1
         seq.status = WAITING
@@ -640,9 +645,9 @@ class Scheduler:  # ~580 lines, over the house's 300: see "Why one class" below
         last_hash = None
         if seq.num_computed == 0 and not seq.block_table and seq.prefix_lookup:
             tokens = seq.token_at(0, seq.num_tokens)
-            matched, last_hash = kv.match_prefix(tokens)
+            matched, last_hash = kv.match_prefix(tokens, seq.prefix_root)
             if kv.enable_prefix_caching and not matched and len(tokens) > kv.page_size:
-                first_hash = chain_hash(None, tokens[: kv.page_size])
+                first_hash = chain_hash(seq.prefix_root, tokens[: kv.page_size])
                 if self._first_page_in_flight(first_hash):
                     kv.release(matched)
                     return None  # in order: wait until the leader's page is cached

@@ -88,10 +88,14 @@ class StepInput:
     # tensor-parallel message: only rank 0 keeps logits)
     prompt_logprobs: PromptLogprobRows | None = None
     refresh: bool = False  # the weights changed: rebuild the fast paths first (ModelRunner.check_model)
+    # per row, the LoRA adapter slot it runs with (-1: the base model; acb.lora); not in the
+    # tensor-parallel message: adapters are refused with tensor_parallel_size > 1
+    adapters: list[int] = field(default_factory=list)
 
     def add_row(self, tokens: Sequence[int], start: int, pages: Sequence[int], carry_from: int = -1,
-                sample: bool = True, swa_pages: Sequence[int] = ()) -> None:
-        """Append one row (``tokens``' last id is a placeholder when ``carry_from`` >= 0)."""
+                sample: bool = True, swa_pages: Sequence[int] = (), adapter: int = -1) -> None:
+        """Append one row (``tokens``' last id is a placeholder when ``carry_from`` >= 0;
+        ``adapter``: its LoRA slot, -1 for none)."""
         self.starts.append(start)
         self.carry_from.append(carry_from)
         self.sample.append(sample)
@@ -101,6 +105,7 @@ class StepInput:
         self.page_offsets.append(len(self.pages))
         self.swa_pages += swa_pages
         self.swa_offsets.append(len(self.swa_pages))
+        self.adapters.append(adapter)
 
     @property
     def num_rows(self) -> int:

@@ -121,6 +121,14 @@ class StepLoop:
         if self.kv_events is not None:
             self.kv_events.flush()
 
+    async def between_steps(self, fn) -> None:
+        """Run ``fn`` on the step thread after the step in flight (at once before the loop
+        ever started: no step runs)."""
+        if self._executor is None:
+            fn()
+        else:
+            await self._loop.wait_future(self._executor.submit(fn))
+
     def wake(self) -> None:
         """Something to do (a request, a stop): the idle loop goes on."""
         if self._wakeup is not None:

@@ -5,8 +5,8 @@ module's ``__call__`` (so no hook runs), prepacked linears and CUDA graphs hold
 copies or addresses of the weights. They are right only while the model is the
 one they were built from. :class:`ModelWatch` checks that before every step, in
 about 40 plain comparisons' worth of C loops over lists made once (measured in
-docs/reliability.md): no forward or pre-forward hook on any module and none
-global, no ``forward`` replaced on an instance or a class, the module tree
+docs/reliability.md): no forward or pre-forward hook on any module (but acb's own
+LoRA hooks, ``acb.lora``) and none global, no ``forward`` replaced on an instance or a class, the module tree
 unchanged, and every parameter and buffer the same tensor, at the same address,
 with the same in-place version counter.
 
@@ -47,6 +47,9 @@ class ModelWatch:
         self._children = [(m._modules, name, child) for _, m in modules for name, child in m._modules.items()]
         mods = [m for _, m in modules]
         self._hooks = [d for m in mods for d in (m._forward_hooks, m._forward_pre_hooks)]
+        # acb's own hooks (the LoRA ones, acb.lora: ``_acb_own``) are expected; any other is the user's
+        self._own_hooks = [sum(getattr(h, "_acb_own", False) for h in d.values()) for d in self._hooks]
+        self._any_own_hooks = any(self._own_hooks)
         self._dicts = [m.__dict__ for m in mods]
         self._forwards = [self.own_forward(m) for m in mods]  # anything else there is the user's
         self._class_forwards = [(c, _own_class_forward(c)) for c in {type(m) for m in mods}]
@@ -70,7 +73,7 @@ class ModelWatch:
         ``forward``, a changed module tree), or None."""
         if any(_GLOBAL_HOOKS):
             return "a global forward hook is registered"
-        if any(self._hooks):
+        if (list(map(len, self._hooks)) != self._own_hooks) if self._any_own_hooks else any(self._hooks):
             return "a module has a forward hook"
         if list(map(dict.get, self._dicts, repeat("forward"))) != self._forwards:
             return "a module's forward was replaced"

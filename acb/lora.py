@@ -1,0 +1,189 @@
+"""LoRA adapters on the device: the stacked weights, and the per-row delta of one step.
+
+Rows of one step may each run a different adapter (or none). Per projection the step
+adds, for each adapter ``i`` present in it, over the token rows ``g`` that run it::
+
+    y[g] += scaling_i * (x[g] @ A_i^T) @ B_i^T
+
+(the segmented / gathered LoRA of punica and vLLM, one small GEMM pair per adapter,
+here with PyTorch ops, so the same code serves the CPU and CUDA). The weights live in
+stacked tensors per (layer, projection), ``A`` [max_adapters, max_rank, in] and ``B``
+[max_adapters, out, max_rank]: an adapter owns a slot, and an unloaded adapter's slot
+is reused by the next one.
+
+Where the delta is added: the fused CPU forward (``acb.fused``) runs its layers
+without their GEMM epilogues in a step with adapter rows (the base-only steps
+keep their fused epilogues); transformers' forward (other dtypes and architectures'
+layers, CUDA, a step with a user hook) gets it from a forward hook on each target
+projection, which does nothing outside acb's steps. The step's :class:`StepLora` is
+thread-local (``set_step``): a copy of the model run elsewhere meanwhile sees none.
+
+Loading and unloading (``Engine.load_adapter``): weights are read and checked on a
+worker thread and written into a free slot there (no step reads a free slot); the
+slot's views are switched on and off on the step thread, between steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from .lora_source import _ATTN, TARGETS, AdapterWeights
+
+if TYPE_CHECKING:
+    from .step import StepInput
+
+_local = threading.local()
+
+
+def current() -> StepLora | None:
+    """The step being computed on this thread, if it has adapter rows."""
+    return getattr(_local, "step", None)
+
+
+def set_step(step: StepLora | None) -> None:
+    _local.step = step
+
+
+def why_not(model: torch.nn.Module, config) -> str | None:
+    """Why this engine cannot run adapters (naming the setting), or None."""
+    if config.max_adapters == 0:
+        return "EngineConfig.max_adapters=0: build the engine with max_adapters >= 1 to load adapters"
+    if config.tensor_parallel_size > 1:
+        return "adapters are not sharded yet: they need tensor_parallel_size=1"
+    if config.compile_level or config.varlen_compile_level or config.decode_compile_level:
+        return "adapters need compile_level=0 (the compiled forward does not run the LoRA hooks)"
+    if config.quantization is not None:
+        return f"adapters are not supported with quantization={config.quantization!r} (int8 forward)"
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or not all(_projection(block, p) is not None for block in layers for p in TARGETS):
+        return "the model is not a decoder with q/k/v/o_proj and gate/up/down_proj linears in model.layers"
+    return None
+
+
+def _projection(block: torch.nn.Module, proj: str) -> torch.nn.Module | None:
+    parent = getattr(block, "self_attn" if proj in _ATTN else "mlp", None)
+    module = getattr(parent, proj, None)
+    return module if isinstance(getattr(module, "weight", None), torch.Tensor) else None
+
+
+class LoraBank:
+    """The adapters' stacked weights over one model, and what each slot holds."""
+
+    def __init__(self, model: torch.nn.Module, max_adapters: int, max_rank: int) -> None:
+        self.model = model
+        self.max_adapters = max_adapters
+        self.max_rank = max_rank
+        self.layers = len(model.model.layers)
+        self.stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # made on first load
+        # views[layer][proj][slot]: (A [r, in], B [out, r], scaling) of the adapter in that slot, or None
+        self.views = [{p: [None] * max_adapters for p in TARGETS} for _ in range(self.layers)]
+        self.active = [False] * max_adapters
+        self._alloc = threading.Lock()
+        self._hooks: list = []
+
+    # ------------------------------------------------------------------ loading (worker threads)
+    def write(self, slot: int, adapter: AdapterWeights) -> dict:
+        """Copy ``adapter`` into free ``slot`` (off the step thread: no step reads a free
+        slot); return the slot's new views, for :meth:`activate`."""
+        self._allocate()
+        r = adapter.rank
+        views = {}
+        for (layer, proj), (a, b) in adapter.weights.items():
+            sa, sb = self.stacks[(layer, proj)]
+            sa[slot, :r].copy_(a)
+            sb[slot, :, :r].copy_(b)
+            views[(layer, proj)] = (sa[slot, :r], sb[slot, :, :r], adapter.scaling)
+        return views
+
+    def _allocate(self) -> None:
+        with self._alloc:
+            if self.stacks:
+                return
+            param = next(self.model.parameters())
+            for layer, block in enumerate(self.model.model.layers):
+                for proj in TARGETS:
+                    out_features, in_features = _projection(block, proj).weight.shape
+                    kw = dict(dtype=param.dtype, device=param.device)
+                    self.stacks[(layer, proj)] = (torch.zeros(self.max_adapters, self.max_rank, in_features, **kw),
+                                                  torch.zeros(self.max_adapters, out_features, self.max_rank, **kw))
+
+    # ------------------------------------------------------------------ the step thread, between steps
+    def activate(self, slot: int, views: dict) -> None:
+        for layer in range(self.layers):
+            for proj in TARGETS:
+                self.views[layer][proj][slot] = views.get((layer, proj))
+        self.active[slot] = True
+
+    def deactivate(self, slot: int) -> None:
+        for per_layer in self.views:
+            for proj in TARGETS:
+                per_layer[proj][slot] = None
+        self.active[slot] = False
+
+    # ------------------------------------------------------------------ per step
+    def step(self, step: StepInput, to_device) -> StepLora | None:
+        """The LoRA of ``step`` (its token rows grouped by adapter slot), or None when no
+        row runs an adapter."""
+        slots = step.adapters
+        if not slots or max(slots) < 0:
+            return None
+        offsets = step.token_offsets
+        rows: dict[int, list[int]] = {}
+        for i, slot in enumerate(slots):
+            if slot >= 0 and offsets[i + 1] > offsets[i]:
+                if not self.active[slot]:
+                    raise RuntimeError(f"a row runs LoRA slot {slot}, which holds no adapter")
+                rows.setdefault(slot, []).extend(range(offsets[i], offsets[i + 1]))
+        if not rows:
+            return None  # only forked rows of no tokens
+        return StepLora(self.views, [(slot, to_device(idx)) for slot, idx in rows.items()])
+
+    # ------------------------------------------------------------------ transformers' forward
+    def install_hooks(self) -> None:
+        """A forward hook on each target projection: it adds the step's LoRA delta when
+        acb's step on this thread has adapter rows. acb's own hooks (``_acb_own``) do not
+        make the model watch (``acb.watch``) send steps to transformers' forward."""
+        if self._hooks:
+            return
+        for layer, block in enumerate(self.model.model.layers):
+            for proj in TARGETS:
+                hook = functools.partial(_hook, layer, proj)
+                hook._acb_own = True
+                self._hooks.append(_projection(block, proj).register_forward_hook(hook))
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+def _hook(layer: int, proj: str, module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+    step = current()
+    if step is not None:
+        x = args[0]
+        step.add(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]), layer, proj)
+
+
+class StepLora:
+    """One step's adapters: per slot, the packed token rows that run it (a long tensor)."""
+
+    __slots__ = ("views", "groups")
+
+    def __init__(self, views: list, groups: list[tuple[int, torch.Tensor]]) -> None:
+        self.views = views
+        self.groups = groups
+
+    def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> None:
+        """``y[g] += scaling * B(A(x[g]))`` in place, for each adapter's rows ``g`` (``y``
+        and ``x`` 2-D, rows past the step's tokens being padding)."""
+        views = self.views[layer][proj]
+        for slot, rows in self.groups:
+            w = views[slot]
+            if w is not None:
+                a, b, scaling = w
+                y.index_add_(0, rows, F.linear(F.linear(x.index_select(0, rows), a), b), alpha=scaling)

@@ -1,0 +1,196 @@
+"""LoRA adapters: a step mixing rows of two adapters and of the base model gives, per
+row, the greedy tokens of PEFT's own model with that adapter active under transformers'
+``generate``; bad adapters are refused by name and the engine serves on; adapters load
+and unload while requests stream; the prefix cache never serves one adapter's pages to
+another."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+import acb
+from acb.errors import InvalidRequestError
+from acb.testing import ARCHITECTURES, random_prompts, reference_greedy, runner_of, tiny_model
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def peft_model(arch: str, seed: int, r: int = 4, alpha: float = 8, targets=TARGETS, **config):
+    """PEFT's model over a copy of the tiny ``arch`` model, its LoRA weights random and
+    non-zero (B too) so that the adapter changes the greedy output."""
+    model = get_peft_model(copy.deepcopy(tiny_model(arch)),
+                           LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0, **config))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model.eval()
+
+
+def config(**fields):
+    fields.setdefault("num_blocks", 256)
+    fields.setdefault("page_size", 8)
+    return acb.EngineConfig(**fields)
+
+
+async def _mixed_batch(arch, tmp_path, monkeypatch=None):
+    a = peft_model(arch, seed=1, r=4)
+    b = peft_model(arch, seed=2, r=8, alpha=16, use_rslora=True)
+    a.save_pretrained(tmp_path / "a")
+    prompts = random_prompts(6, 4, 20, seed=5)
+    names = [None, "a", "b", "a", None, "b"]
+    models = {None: tiny_model(arch), "a": a, "b": b}
+    expected = [reference_greedy(models[n], p, 10) for n, p in zip(names, prompts)]
+    base_out = [reference_greedy(models[None], p, 10) for p in prompts]
+    assert all(e != o for e, o, n in zip(expected, base_out, names) if n), "an adapter did not change the output"
+    engine = acb.Engine(tiny_model(arch), config=config(max_adapters=2, max_adapter_rank=8))
+    async with engine:
+        await engine.load_adapter(tmp_path / "a", "a")  # a PEFT folder
+        await engine.load_adapter(b, "b")  # a peft model
+        assert engine.adapters() == ["a", "b"]
+        results = await asyncio.gather(*(engine.generate(p, adapter=n, max_new_tokens=10, ignore_eos=True,
+                                                         temperature=0) for p, n in zip(prompts, names)))
+        path = runner_of(engine).forward_path
+    for got, want, n in zip(results, expected, names):
+        assert got.token_ids == want, f"adapter {n!r} diverged from PEFT's generate"
+    return path
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+async def test_mixed_adapters_match_peft_generate(arch, tmp_path):
+    path = await _mixed_batch(arch, tmp_path)
+    assert path == "fused"  # float32 on the CPU: the fused forward adds the deltas
+
+
+async def test_mixed_adapters_under_transformers_forward(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACB_CPU_FUSED", "0")  # transformers' forward: the LoRA hooks add the deltas
+    assert await _mixed_batch("qwen3", tmp_path) == "transformers"
+
+
+async def test_unknown_adapter_is_refused_by_name():
+    async with acb.Engine(tiny_model("llama"), config=config()) as engine:
+        with pytest.raises(InvalidRequestError, match="'nope' is not loaded") as e:
+            await engine.generate([5, 6, 7], adapter="nope", max_new_tokens=2)
+        assert e.value.param == "adapter"
+        with pytest.raises(InvalidRequestError):
+            engine.submit([5, 6, 7], sampling=acb.SamplingParams(adapter=""))
+        assert len((await engine.generate([5, 6, 7], max_new_tokens=2)).token_ids) == 2
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(use_dora=True), "DoRA"),
+    (dict(bias="lora_only"), "bias='lora_only'"),
+    (dict(modules_to_save=["lm_head"]), "modules_to_save"),
+    (dict(targets=["q_proj", "lm_head"]), "lm_head"),
+])
+async def test_unsupported_peft_features_are_refused(kwargs, match):
+    source = peft_model("llama", seed=3, **kwargs)
+    async with acb.Engine(tiny_model("llama"), config=config()) as engine:
+        with pytest.raises(InvalidRequestError, match=match):
+            await engine.load_adapter(source, "x")
+        assert engine.adapters() == []
+        await engine.load_adapter(peft_model("llama", seed=3), "x")  # the slot was given back
+        assert len((await engine.generate([5, 6, 7], adapter="x", max_new_tokens=2)).token_ids) == 2
+
+
+async def test_bad_shapes_rank_and_slots_are_refused():
+    other = peft_model("llama", seed=4)
+    cfg, state = other.peft_config["default"], {k: v for k, v in _state(other).items()}
+    key = next(k for k in state if "q_proj.lora_A" in k)
+    bad = dict(state, **{key: torch.zeros(4, 32)})
+    async with acb.Engine(tiny_model("llama"), config=config(max_adapters=1, max_adapter_rank=4)) as engine:
+        with pytest.raises(InvalidRequestError, match=r"q_proj: lora_A \[4, 32\]"):
+            await engine.load_adapter((cfg, bad), "bad")
+        with pytest.raises(InvalidRequestError, match="max_adapter_rank=4") as e:
+            await engine.load_adapter(peft_model("llama", seed=4, r=8), "big")
+        assert e.value.param == "max_adapter_rank"
+        await engine.load_adapter((cfg, state), "one")
+        with pytest.raises(InvalidRequestError, match="max_adapters"):
+            await engine.load_adapter((cfg, state), "two")
+        with pytest.raises(InvalidRequestError, match="already loaded"):
+            await engine.load_adapter((cfg, state), "one")
+        assert engine.adapters() == ["one"]
+
+
+def _state(model):
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model)
+
+
+async def test_settings_that_cannot_run_adapters_are_named():
+    with pytest.raises(ValueError, match="max_adapter_rank"):
+        acb.EngineConfig(max_adapter_rank=0)
+    with pytest.raises(ValueError, match="max_adapters"):
+        acb.EngineConfig(max_adapters=-1)
+    async with acb.Engine(tiny_model("llama"), config=config(max_adapters=0)) as engine:
+        with pytest.raises(ValueError, match="max_adapters=0"):
+            await engine.load_adapter(peft_model("llama", seed=1), "a")
+
+
+async def test_prefix_cache_is_keyed_by_adapter():
+    a = peft_model("llama", seed=1)
+    prompt = random_prompts(1, 40, 40, seed=9)[0]
+    async with acb.Engine(tiny_model("llama"), config=config()) as engine:
+        await engine.load_adapter(a, "a")
+        base = await engine.generate(prompt, max_new_tokens=6, ignore_eos=True)
+        with_a = await engine.generate(prompt, adapter="a", max_new_tokens=6, ignore_eos=True)
+        again = await engine.generate(prompt, adapter="a", max_new_tokens=6, ignore_eos=True)
+    assert with_a.metrics.num_cached_prompt_tokens == 0  # the base model's pages are not the adapter's
+    assert again.metrics.num_cached_prompt_tokens > 0  # its own pages are
+    assert with_a.token_ids == again.token_ids == reference_greedy(a, prompt, 6)
+    assert base.token_ids == reference_greedy(tiny_model("llama"), prompt, 6)
+
+
+def test_prefix_page_hashes_base_unchanged_and_adapter_apart():
+    ids = list(range(3, 40))
+    assert acb.prefix_page_hashes(ids, 8) == acb.prefix_page_hashes(ids, 8, lora_id=None)
+    assert set(acb.prefix_page_hashes(ids, 8, lora_id=7)).isdisjoint(acb.prefix_page_hashes(ids, 8))
+
+
+async def test_load_and_unload_while_streams_run():
+    a, b = peft_model("llama", seed=1), peft_model("llama", seed=2)
+    prompts = random_prompts(6, 5, 15, seed=11)
+    async with acb.Engine(tiny_model("llama"), config=config(max_adapters=2)) as engine:
+        await engine.load_adapter(a, "a")
+        handles = [engine.submit(p, adapter="a" if i % 2 else None, max_new_tokens=24, ignore_eos=True)
+                   for i, p in enumerate(prompts)]
+        await engine.load_adapter(b, "b")  # while they run
+        late = engine.submit(prompts[0], adapter="b", max_new_tokens=8, ignore_eos=True)
+        unloading = asyncio.ensure_future(engine.unload_adapter("a"))
+        await asyncio.sleep(0)
+        with pytest.raises(InvalidRequestError, match="being unloaded"):
+            engine.submit(prompts[0], adapter="a")
+        assert engine.adapters() == ["b"]
+        assert not unloading.done()  # it waits for the requests running "a"
+        results = [await h for h in handles]
+        await unloading  # returns once every request that ran "a" has ended
+        assert (await late).token_ids == reference_greedy(b, prompts[0], 8)
+    for i, (got, p) in enumerate(zip(results, prompts)):
+        assert got.token_ids == reference_greedy(a if i % 2 else tiny_model("llama"), p, 24), f"request {i}"
+
+
+async def test_adapters_with_choices_preemption_and_offload():
+    """n > 1 forks run the request's adapter; rows preempted (their KV offloaded to the host
+    and restored) resume with theirs."""
+    a = peft_model("llama", seed=1)
+    prompts = random_prompts(6, 10, 30, seed=13)
+    names = ["a", None, "a", "a", None, "a"]
+    cfg = config(page_size=4, num_blocks=24, max_batch_tokens=24, max_requests_per_batch=8, safety_margin=0.0,
+                 cpu_offload_space=0.01)
+    async with acb.Engine(tiny_model("llama"), config=cfg) as engine:
+        await engine.load_adapter(a, "a")
+        results = await asyncio.gather(*(engine.generate(p, adapter=n, max_new_tokens=16, ignore_eos=True)
+                                         for p, n in zip(prompts, names)))
+        choices = await engine.generate(prompts[0], adapter="a", n=2, max_new_tokens=8, ignore_eos=True)
+        stats = engine.stats()
+    assert stats.preemptions > 0 and stats.offloads > 0
+    for got, p, n in zip(results, prompts, names):
+        assert got.token_ids == reference_greedy(a if n else tiny_model("llama"), p, 16)
+    assert [c.token_ids for c in choices.choices] == [reference_greedy(a, prompts[0], 8)] * 2
