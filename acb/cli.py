@@ -37,6 +37,15 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _adapter(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (a PEFT adapter folder), got {text!r}")
+    if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+        raise argparse.ArgumentTypeError(f"{path!r} is not a PEFT adapter folder (no adapter_config.json)")
+    return name, path
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -102,6 +111,11 @@ def add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # lo
     p.add_argument("--enable-per-request-metrics", action="store_true",
                    help="every answer carries a 'metrics' object (queue time, TTFT, ITL, tokens/s; vLLM's "
                         "names); without it only requests with 'include_metrics': true get one")
+    p.add_argument("--adapter", action="append", default=[], type=_adapter, metavar="NAME=PATH",
+                   help="load the PEFT LoRA adapter folder PATH as NAME at start-up (repeatable); requests name it "
+                        "as their model (see docs/adapters.md)")
+    p.add_argument("--max-adapters", type=int, default=4, help="LoRA adapters loaded at once (default: 4; 0 = none)")
+    p.add_argument("--max-adapter-rank", type=_positive, default=16, help="largest LoRA rank (default: 16)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--log-interval", type=_seconds, default=os.environ.get("ACB_LOG_INTERVAL", "10"),
                    metavar="SECONDS", help="log a throughput/queue summary line every SECONDS while busy; 0 = never "
@@ -133,7 +147,8 @@ def _model_source(args: argparse.Namespace):
 
     fields = {k: getattr(args, k) for k in ("num_blocks", "max_batch_tokens", "device", "dtype", "cpu_offload_space",
                                             "tensor_parallel_size", "max_waiting_requests", "scheduler",
-                                            "priority_aging_steps", "kv_events", "quantization")}
+                                            "priority_aging_steps", "kv_events", "quantization", "max_adapters",
+                                            "max_adapter_rank")}
     fields["grammar_compile_timeout_s"] = args.grammar_compile_timeout or None
     if args.tiny:
         from acb.testing import tiny_engine
@@ -246,6 +261,8 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if args.tool_call_parser is not None or args.reasoning_parser != "auto":
             parser.error("--tool-call-parser and --reasoning-parser are not passed to Ray Serve replicas yet: "
                          "serve without --ray")
+        if args.adapter:
+            parser.error("--adapter is not passed to Ray Serve replicas yet: serve without --ray")
         return _serve_ray(args, parser)
     for name in RAY_OPTIONS:
         if getattr(args, name) != parser.get_default(name):
@@ -263,7 +280,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
         drain_timeout=args.drain_timeout, log_interval=args.log_interval, tool_call_parser=args.tool_call_parser,
         reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser,
-        enable_per_request_metrics=args.enable_per_request_metrics,
+        enable_per_request_metrics=args.enable_per_request_metrics, adapters=tuple(args.adapter),
     )
 
     def ready(url: str) -> None:

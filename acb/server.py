@@ -2,10 +2,11 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as SSE
 ending with ``data: [DONE]``, or whole), ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus text) and ``GET /v1/kv_events`` (the KV-cache events as SSE,
-with ``--kv-events``). Request bodies and ``max_tokens`` are bounded,
-``Authorization: Bearer`` is checked when an API key is set, and every error is an
-OpenAI-style JSON object. SIGINT/SIGTERM drain the engine, then stop it hard.
+``GET /metrics`` (Prometheus text), ``GET /v1/kv_events`` (the KV-cache events as SSE,
+with ``--kv-events``), and ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``
+(vLLM's: a request's ``model`` may name a loaded adapter; docs/adapters.md). Request
+bodies and ``max_tokens`` are bounded, ``Authorization: Bearer`` is checked when an API
+key is set, and every error is an OpenAI-style JSON object. SIGINT/SIGTERM drain the engine, then stop it hard.
 
 Example::
 
@@ -61,6 +62,8 @@ class ServerConfig:
     # every answer carries its per-request ``metrics`` object (else only requests that ask,
     # with ``include_metrics`` or ``stream_options.include_metrics``)
     enable_per_request_metrics: bool = False
+    # LoRA adapters loaded when the server starts: (name, PEFT adapter folder) pairs (acb serve --adapter)
+    adapters: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("max_tokens_limit", "default_max_tokens", "max_body_bytes"):
@@ -152,6 +155,16 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response(request.app[SERVICE_KEY].models(request.match_info.get("model")))
 
 
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    """``POST /v1/load_lora_adapter`` (vLLM's): ``{"lora_name", "lora_path"}``."""
+    return web.Response(text=await request.app[SERVICE_KEY].load_lora_adapter(await read_json_object(request)))
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    """``POST /v1/unload_lora_adapter`` (vLLM's): ``{"lora_name"}``; waits for its running requests."""
+    return web.Response(text=await request.app[SERVICE_KEY].unload_lora_adapter(await read_json_object(request)))
+
+
 async def health(request: web.Request) -> web.Response:
     """``GET /health``: 200 while the engine takes requests, 503 otherwise."""
     status, body = request.app[SERVICE_KEY].health()
@@ -219,6 +232,14 @@ def create_app(engine: acb.Engine, config: ServerConfig | None = None) -> web.Ap
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/kv_events", kv_events)  # its streams end with the engine's drain on shutdown
+    app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)  # /v1/: behind the API key
+    app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
+    if config.adapters:  # after the engine's start (setup_engine above): a bad one stops the server starting
+        async def load_adapters(app: web.Application) -> None:
+            for name, path in config.adapters:
+                await app[SERVICE_KEY].load_lora_adapter({"lora_name": name, "lora_path": path})
+
+        app.on_startup.append(load_adapters)
     return app
 
 

@@ -83,6 +83,13 @@ def _token_text(engine: acb.Engine) -> Callable[[int], str]:
     return lambda token: tokenizer.decode([token])
 
 
+def _field(body: dict[str, Any], name: str) -> str:
+    value = body.get(name)
+    if not isinstance(value, str) or not value:
+        raise ApiError(400, f"'{name}' must be a non-empty string", param=name)
+    return value
+
+
 class OpenAIService:
     """The OpenAI-compatible API of one engine: what every route answers.
 
@@ -114,6 +121,7 @@ class OpenAIService:
         self.api_key = api_key
         self.metrics = ServerMetrics()
         self.started = int(time.time())
+        self.adapter_paths: dict[str, str] = {}  # adapters loaded through this service -> their folders
 
     def check_api_key(self, authorization: str | None) -> None:
         """Raise 401 unless ``authorization`` is ``Bearer <api_key>`` (no-op without a key)."""
@@ -128,7 +136,10 @@ class OpenAIService:
         """Answer a ``/v1/completions`` (``chat=False``) or ``/v1/chat/completions`` body:
         the response object, or for ``stream: true`` an async generator of SSE events.
         Closing that generator early (a client that went away) cancels the request."""
+        model = self._served_model(body.get("model"))
         parsed = parse_request(body, chat=chat, limits=self.limits, default_temperature=self._default_temperature())
+        if model != self.model_name:  # a loaded LoRA adapter, named as the model (as vLLM does)
+            parsed.sampling["adapter"] = model
         if parsed.tools:
             self._tool_format(parsed)
         if chat and self.reasoning_parser is not None and parsed.tool_choice not in ("required", "function") \
@@ -139,7 +150,7 @@ class OpenAIService:
         handles, prompts = await self._submit_all(parsed)
         token_text = _token_text(self.engine)
         texts = [self._prompt_text(p, ids) for p, ids in zip(parsed.prompts, prompts)] if parsed.echo else None
-        shaper = Shaper(parsed, self.model_name, token_text, texts, [len(ids) for ids in prompts])
+        shaper = Shaper(parsed, model, token_text, texts, [len(ids) for ids in prompts])
         if parsed.stream:
             return self._events(handles, shaper)
         try:
@@ -283,14 +294,55 @@ class OpenAIService:
             raise ApiError(400, "this model has no tokenizer")
         return self.engine.tokenizer
 
+    def _served_model(self, model: Any) -> str:
+        """The model a request runs: the served model's name, or a loaded adapter's when
+        ``model`` names one (any other name runs the served model, as before adapters)."""
+        if isinstance(model, str) and model != self.model_name and model in self.engine.adapters():
+            return model
+        return self.model_name
+
     def models(self, model: str | None = None) -> dict[str, Any]:
-        """``GET /v1/models`` (``model=None``) or ``GET /v1/models/{model}``."""
-        card = {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "acb"}
+        """``GET /v1/models`` (``model=None``) or ``GET /v1/models/{model}``: the served
+        model, then each loaded LoRA adapter (``parent``: the served model, as vLLM lists them)."""
+        card = {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "acb",
+                "root": self.model_name, "parent": None}
+        cards = [card] + [{"id": name, "object": "model", "created": self.started, "owned_by": "acb",
+                           "root": self.adapter_paths.get(name, name), "parent": self.model_name}
+                          for name in self.engine.adapters()]
         if model is None:
-            return {"object": "list", "data": [card]}
-        if model != self.model_name:
-            raise ApiError(404, f"model {model!r} does not exist", param="model", code="model_not_found")
-        return card
+            return {"object": "list", "data": cards}
+        for card in cards:
+            if card["id"] == model:
+                return card
+        raise ApiError(404, f"model {model!r} does not exist", param="model", code="model_not_found")
+
+    async def load_lora_adapter(self, body: dict[str, Any]) -> str:
+        """``POST /v1/load_lora_adapter`` (vLLM's body ``{"lora_name", "lora_path"}``): load a
+        PEFT adapter folder on this server's machine; requests then name it as ``model``."""
+        name, path = _field(body, "lora_name"), _field(body, "lora_path")
+        if name == self.model_name:
+            raise ApiError(400, f"lora_name {name!r} is the served model's name", param="lora_name")
+        try:
+            await self.engine.load_adapter(path, name)
+        except acb.InvalidRequestError as e:
+            raise ApiError(400, str(e), param="lora_path" if "folder" in str(e) else "lora_name") from None
+        except ValueError as e:  # this engine cannot run adapters (the setting is named)
+            raise ApiError(400, str(e), param="lora_name") from None
+        self.adapter_paths[name] = path
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    async def unload_lora_adapter(self, body: dict[str, Any]) -> str:
+        """``POST /v1/unload_lora_adapter`` (vLLM's body ``{"lora_name"}``): new requests for it
+        are refused at once; it answers once the requests already running it have ended."""
+        name = _field(body, "lora_name")
+        if name not in self.engine.adapters():
+            raise ApiError(404, f"LoRA adapter {name!r} is not loaded", param="lora_name", code="model_not_found")
+        try:
+            await self.engine.unload_adapter(name)
+        except acb.InvalidRequestError as e:  # another unload of it came first
+            raise ApiError(404, str(e), param="lora_name", code="model_not_found") from None
+        self.adapter_paths.pop(name, None)
+        return f"Success: LoRA adapter '{name}' removed successfully."
 
     def health(self) -> tuple[int, dict[str, str]]:
         """``GET /health``: (200, ok) while the engine takes requests, else (503, unavailable)."""
