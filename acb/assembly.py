@@ -12,6 +12,7 @@ import logging
 import torch
 
 from .config import EngineConfig, SamplingParams
+from .defaults import resolve
 from .kv_cache import HostPool, KVCacheManager
 from .kv_events import KVEventPublisher
 from .scheduler import Scheduler
@@ -21,8 +22,9 @@ log = logging.getLogger("acb")
 
 def checked_settings(config: EngineConfig | None, sampling: SamplingParams | None,
                      ) -> tuple[EngineConfig, SamplingParams]:
-    """An engine's config and default sampling (their defaults when None), or TypeError /
-    ValueError naming what is wrong."""
+    """An engine's config (what it leaves to the engine decided as far as it can be before
+    the model is placed: ``acb.defaults``) and default sampling (their defaults when None),
+    or TypeError / ValueError naming what is wrong."""
     if config is not None and not isinstance(config, EngineConfig):
         raise TypeError(f"config must be an acb.EngineConfig, got {type(config).__name__}")
     if sampling is not None and not isinstance(sampling, SamplingParams):
@@ -31,7 +33,7 @@ def checked_settings(config: EngineConfig | None, sampling: SamplingParams | Non
     if sampling.priority and config.scheduler != "priority":
         raise ValueError(f"SamplingParams.priority={sampling.priority} needs EngineConfig(scheduler="
                          f"'priority'); the scheduler is {config.scheduler!r}")
-    return config, sampling
+    return resolve(config), sampling
 
 
 def resolve_load(config: EngineConfig) -> tuple[EngineConfig, str | None, str | None]:
@@ -41,9 +43,10 @@ def resolve_load(config: EngineConfig) -> tuple[EngineConfig, str | None, str | 
     takes its share to its device."""
     from .loading import default_dtype
 
+    config = resolve(config)  # the environment's overrides (ACB_CPU_PREPACK=0: no bf16 fast path)
     device = config.device
     if config.dtype is None and config.tensor_parallel_size == 1:
-        dtype = default_dtype(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = default_dtype(device or ("cuda" if torch.cuda.is_available() else "cpu"), prepack=config.cpu_prepack)
         log.info("acb: loading the model in %s (EngineConfig.dtype=None picks it for this device; "
                  "dtype='float32' or acb serve --dtype float32 keeps full precision)", dtype)
         config = dataclasses.replace(config, dtype=dtype)
@@ -55,11 +58,11 @@ def resolve_load(config: EngineConfig) -> tuple[EngineConfig, str | None, str | 
     return config, config.dtype, device
 
 
-def place(model: torch.nn.Module, config: EngineConfig) -> None:
+def place(model: torch.nn.Module, config: EngineConfig) -> EngineConfig:
     """Move / cast the model object to ``config.device`` / ``config.dtype`` where they are
     set and differ ("auto" keeps the model's dtype), quantize it (``EngineConfig.quantization``),
-    then warn naming each setting that
-    has no effect on the device and dtype it ends on."""
+    then warn naming each setting that has no effect on the device and dtype it ends on.
+    The config with the device and dtype the model ended on."""
     param = next(model.parameters())
     if config.device is not None:
         try:
@@ -84,22 +87,25 @@ def place(model: torch.nn.Module, config: EngineConfig) -> None:
     for name in config.inactive_settings(param.device, param.dtype):
         log.warning("acb: EngineConfig.%s=%r has no effect on %s with %s weights; it is ignored", name,
                     getattr(config, name), param.device, str(param.dtype).removeprefix("torch."))
+    return resolve(config, model)
 
 
 def build_placement(model: torch.nn.Module, config: EngineConfig):
-    """(attention backend, tensor-parallel group or None, device, cache layout) of an engine
-    over ``model``: the backend refused (ValueError naming attn_backend) if it cannot run
-    here; with tensor_parallel_size > 1 the ranks start and the group sizes the cache."""
+    """(attention backend, tensor-parallel group or None, device, cache layout, the config
+    with the cache's sizes decided) of an engine over ``model``: the backend refused
+    (ValueError naming attn_backend) if it cannot run here; with tensor_parallel_size > 1
+    the ranks start and the group sizes the cache."""
     from . import attention, sizing
 
     param = next(model.parameters())
-    backend = attention.resolve_backend(config.attn_backend, param.device, param.dtype)
+    backend = attention.resolve_backend(config.attn_backend, param.device, param.dtype, native=config.cpu_kernels)
     if config.tensor_parallel_size > 1:
         from .distributed import TensorParallel
 
         tp = TensorParallel(model, config)
-        return backend, tp, tp.device, tp.layout
-    return backend, None, param.device, sizing.layout(model, config)
+        return backend, tp, tp.device, tp.layout, resolve(config, layout=tp.layout)
+    layout = sizing.layout(model, config)
+    return backend, None, param.device, layout, resolve(config, layout=layout)
 
 
 def build_scheduler(layout, config: EngineConfig, device: torch.device,
@@ -115,7 +121,7 @@ def build_scheduler(layout, config: EngineConfig, device: torch.device,
                         medium="GPU" if device.type == "cuda" else device.type.upper())
     swa = KVCacheManager(layout.swa_pages, layout.page_size, enable_prefix_caching=False) if layout.swa_pages else None
     return Scheduler(kv, layout.max_batch_tokens, layout.max_requests, policy=config.scheduler,
-                     safety_margin=config.effective_safety_margin, sliding_window=layout.sliding_window,
+                     safety_margin=config.safety_margin, sliding_window=layout.sliding_window,
                      host_pool=HostPool(layout.host_pages) if layout.host_pages else None, kv_swa=swa,
                      aging_steps=config.priority_aging_steps)
 

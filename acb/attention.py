@@ -91,12 +91,13 @@ def triton_unavailable(device: torch.device) -> str | None:
     return f"the Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on CPU, for tests); the model is on {device}"
 
 
-def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, native: bool = True) -> str:
     """The attention backend that serves ``EngineConfig.attn_backend=requested`` for a
     model of ``dtype`` on ``device``: ``native`` (CPU: float32, bfloat16 or float16),
     ``triton`` or ``torch``. ``auto`` picks Triton on CUDA (PyTorch when triton is
     missing), the native kernels on CPU models, PyTorch otherwise. A backend that cannot run here raises
-    ``ValueError`` naming ``attn_backend`` and why."""
+    ``ValueError`` naming ``attn_backend`` and why. ``native=False``
+    (``EngineConfig.cpu_kernels=False``): acb's native CPU kernels are not used."""
     device = torch.device(device)
 
     def refuse(why: str) -> ValueError:
@@ -105,7 +106,9 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) ->
     if requested == "auto":
         if device.type == "cuda":
             return "triton" if triton_unavailable(device) is None else "torch"
-        return "native" if device.type == "cpu" and dtype in NATIVE_DTYPES else "torch"
+        return "native" if native and device.type == "cpu" and dtype in NATIVE_DTYPES else "torch"
+    if requested == "native" and not native:
+        raise refuse("EngineConfig.cpu_kernels=False (or ACB_CPU_KERNEL=0) turns acb's native CPU kernels off")
     if requested == "native" and not (device.type == "cpu" and dtype in NATIVE_DTYPES):
         raise refuse(f"the native kernels serve float32, bfloat16 and float16 models on CPU; this model is "
                      f"{dtype} on {device}")

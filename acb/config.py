@@ -325,6 +325,16 @@ class EngineConfig:
     allocated when the first adapter loads. Adapters need a single rank, ``compile_level=0``
     and no ``quantization``: ``load_adapter`` refuses the others naming the setting.
 
+    CPU kernels (each True by default; False turns the piece off, for A/B measurements and
+    bisecting; the environment variables ``ACB_CPU_KERNEL=0``, ``ACB_CPU_PREPACK=0`` and
+    ``ACB_CPU_FUSED=0`` override them to False, see ``acb.defaults``): ``cpu_kernels``
+    builds and uses acb's native CPU kernels (paged attention reading pages in place, the fused
+    forward's norm/RoPE/activation kernels; off: the ``torch`` attention backend, no fused
+    forward); ``cpu_prepack`` prepacks the linear layers' weights for oneDNN (off: PyTorch's
+    own linears, so no fused forward either); ``cpu_fused_forward`` runs acb's fused CPU
+    forward in place of transformers' (off: transformers' forward over acb's paged attention).
+    ``quantization="int8"`` needs all three.
+
     A setting that has no effect where the engine runs (the CUDA-graph settings on the
     CPU, say) is named by :meth:`inactive_settings`, and the engine logs a warning naming
     it at construction.
@@ -362,6 +372,9 @@ class EngineConfig:
     quantization: str | None = None
     max_adapters: int = 4
     max_adapter_rank: int = 16
+    cpu_kernels: bool = True
+    cpu_prepack: bool = True
+    cpu_fused_forward: bool = True
 
     def __post_init__(self) -> None:  # long: one check per field, in field order; not on a hot path
         def bad(name: str, why: str) -> None:
@@ -438,6 +451,9 @@ class EngineConfig:
             bad("grammar_compile_timeout_s", "must be None or a finite number of seconds > 0")
         if not _is_int(self.grammar_cache_size) or self.grammar_cache_size < 0:
             bad("grammar_cache_size", "must be an int >= 0 (0 = no cache)")
+        for name in ("cpu_kernels", "cpu_prepack", "cpu_fused_forward"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be a bool")
         if not _is_int(self.priority_aging_steps) or self.priority_aging_steps < 0:
             bad("priority_aging_steps", "must be an int >= 0 (0 = no aging)")
         if not _is_int(self.max_adapters) or self.max_adapters < 0:
@@ -449,6 +465,9 @@ class EngineConfig:
                 bad("quantization", "must be None or 'int8'")
             if self.tensor_parallel_size > 1:
                 bad("quantization", "must be None with tensor_parallel_size > 1 (the ranks shard dense weights)")
+            if not (self.cpu_kernels and self.cpu_fused_forward):
+                bad("quantization", "needs cpu_kernels and cpu_fused_forward: int8 runs on acb's fused CPU forward "
+                    "only (ACB_CPU_KERNEL=0 / ACB_CPU_FUSED=0 in the environment turn them off)")
             if self.compile_level or self.varlen_compile_level or self.decode_compile_level:
                 bad("quantization", "must be None with compile_level > 0 (int8 runs acb's fused forward, which "
                     "torch.compile does not trace)")
@@ -468,7 +487,7 @@ class EngineConfig:
         torch_dtype = getattr(torch, dtype, None) if dtype in ("float32", "float16", "bfloat16") else \
             (torch.float32 if kind == "cpu" else torch.bfloat16)
         try:
-            backend = resolve_backend(self.attn_backend, torch.device(kind), torch_dtype)
+            backend = resolve_backend(self.attn_backend, torch.device(kind), torch_dtype, native=self.cpu_kernels)
         except ValueError:
             backend = None  # refused by name when the engine starts
         inert = []
@@ -482,6 +501,8 @@ class EngineConfig:
             inert += [n for n in ("q_padding_interval_size", "kv_padding_interval_size") if getattr(self, n)]
         if self.scheduler != "priority" and self.priority_aging_steps != 5000:
             inert.append("priority_aging_steps")  # it ranks requests under scheduler="priority" only
+        if kind != "cpu":  # the CPU kernels' switches
+            inert += [n for n in ("cpu_kernels", "cpu_prepack", "cpu_fused_forward") if not getattr(self, n)]
         if self.max_blocks_per_request is not None and backend not in (None, "native", "triton"):
             inert.append("max_blocks_per_request")  # it bounds the native and Triton decode kernels only
         return inert
@@ -489,7 +510,7 @@ class EngineConfig:
     @property
     def effective_safety_margin(self) -> float:
         """``safety_margin``, or the scheduler's default when it is None (0.15 for fifo and
-        priority, 0 for prefill_first)."""
-        if self.safety_margin is not None:
-            return self.safety_margin
-        return 0.0 if self.scheduler == "prefill_first" else 0.15
+        priority, 0 for prefill_first): see ``acb.defaults``."""
+        from .defaults import resolve
+
+        return resolve(self, environ={}).safety_margin

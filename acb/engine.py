@@ -47,15 +47,15 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, *, config: EngineConfig | None = None,
                  sampling: SamplingParams | None = None) -> None:
-        self.config, self.sampling = checked_settings(config, sampling)
+        config, self.sampling = checked_settings(config, sampling)  # every None decided: acb.defaults
         self.model, self.tokenizer = model, tokenizer
-        place(model, self.config)  # and warns naming the settings that cannot act on it
+        config = place(model, config)  # and warns naming the settings that cannot act on it
         self.generation_defaults = generation_defaults(model)  # the model's, for fields a request leaves unset
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.eos_token_ids = sizing.eos_ids(model, tokenizer)
         # refuses, naming the setting, a backend or a parallel layout that cannot run here, now
-        self.attn_backend, self._tp, self.device, self.layout = build_placement(model, self.config)
-        self.max_waiting = self.config.max_waiting_requests or 4 * self.layout.max_requests
+        self.attn_backend, self._tp, self.device, self.layout, self.config = build_placement(model, config)
+        self.max_waiting = self.config.max_waiting_requests
         self._kv_events = KVEventPublisher(lambda: self.kv.registered()) if self.config.kv_events else None
         self.scheduler = build_scheduler(self.layout, self.config, self.device, self._kv_events)
         self.kv, self.kv_swa, self.host_pool = self.scheduler.kv, self.scheduler.kv_swa, self.scheduler.host_pool

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import compiling, cuda_graphs, quantization
+from .defaults import resolve
 from .watch import ModelWatch
 
 if TYPE_CHECKING:
@@ -47,12 +48,9 @@ class FastPaths:
         # tensor parallel: sums a row-parallel projection's partial output over the ranks
         # in place (acb.distributed.sharding.RowReduce); None on a single rank
         self.row_reduce = row_reduce
-        self.packed = None  # the model's prepacked linears (acb.kernels.cpu_linear.Prepacked)
-        if self.device.type == "cpu":
-            from .kernels import cpu_linear
-
-            if cpu_linear.available(self.dtype):
-                self.packed = cpu_linear.acquire(model)
+        self.packed = None  # the model's prepacked linears (acb.kernels.cpu_linear.Prepacked), see configure
+        self.kernels = True  # EngineConfig.cpu_kernels / cpu_fused_forward, as configured
+        self.fused_allowed = True
         # The decode fast path (a kernel reading pages in place) serves steps whose block
         # table is at most this wide; 0 turns it off, None means no bound.
         self.max_decode_blocks: int | None = None
@@ -78,7 +76,10 @@ class FastPaths:
         """Apply an EngineConfig's ``compile_level`` (and per-path overrides) and CUDA-graph
         settings. ``pad_on_cpu`` pads decode-only steps to graph buckets without graphs
         (the CPU tests' way to prove that padding never changes a token)."""
+        config = resolve(config)  # the environment's overrides too, for runners built without an engine
         self.max_decode_blocks = config.max_blocks_per_request
+        self.kernels, self.fused_allowed = config.cpu_kernels, config.cpu_fused_forward
+        self._prepack(config.cpu_prepack)
         if self.attn_backend != "torch" and self.max_decode_blocks == 0:
             log.info("acb attention: decode fast path off (max_blocks_per_request=0); PyTorch decode path")
         self._configure_forwards(config)
@@ -89,6 +90,19 @@ class FastPaths:
         else:
             log.info("acb decode steps: padded to row buckets %s, %s", self.decode_padding.buckets,
                      "replayed from CUDA graphs" if self._graph_rows else "eager")
+
+    def _prepack(self, wanted: bool) -> None:
+        """CPU: prepack the model's linears for oneDNN (``EngineConfig.cpu_prepack``), or
+        give their own forwards back."""
+        if self.device.type != "cpu":
+            return
+        from .kernels import cpu_linear
+
+        if wanted and self.packed is None and cpu_linear.available(self.dtype):
+            self.packed = cpu_linear.acquire(self.model)
+        elif not wanted and self.packed is not None:
+            cpu_linear.release(self.model)
+            self.packed = None
 
     def _configure_forwards(self, config) -> None:
         """The compiled forwards, or the fused one (they exclude each other)."""
@@ -105,7 +119,8 @@ class FastPaths:
             self.forward_reason = ("the fused forward runs on CPU only" if self.device.type != "cpu" else
                                    f"its weights are {self.dtype} (fused: float32, bfloat16)"
                                    if self.dtype not in (torch.float32, torch.bfloat16) else
-                                   "the linear layers are not prepacked (oneDNN unavailable or ACB_CPU_PREPACK=0)")
+                                   "the linear layers are not prepacked (oneDNN unavailable, or "
+                                   "EngineConfig.cpu_prepack=False / ACB_CPU_PREPACK=0)")
         self._build_fused()
         if varlen or decode:
             if self.prepacked:  # inductor cannot lower oneDNN-prepacked linears;
@@ -172,11 +187,14 @@ class FastPaths:
         if quantization.is_quantized(self.model):
             FusedForward, why_not = quantization.Int8Forward, quantization.why_not_forward  # noqa: N806
 
-        kernels = fused_kernels()
-        self.fused = FusedForward.build(self.model, self.packed, kernels, self.row_reduce)
+        kernels = fused_kernels() if self.kernels else None
+        self.fused = FusedForward.build(self.model, self.packed, kernels, self.row_reduce) if self.fused_allowed \
+            else None
         self.varlen_forward = self.decode_forward = self.fused or self.model
         self.forward_path = "fused" if self.fused is not None else "transformers"
-        self.forward_reason = "" if self.fused is not None else why_not(self.model, self.packed, kernels)
+        self.forward_reason = "" if self.fused is not None else \
+            "EngineConfig.cpu_fused_forward=False" if not self.fused_allowed else \
+            "EngineConfig.cpu_kernels=False" if not self.kernels else why_not(self.model, self.packed, kernels)
 
     def _build_graphs(self) -> None:
         """(Re)create the CUDA-graph set (graphs are captured lazily, per bucket): a

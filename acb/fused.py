@@ -45,7 +45,8 @@ up, the residual adds) round once where transformers rounds twice, so bf16 outpu
 agree with transformers' bf16 forward within bf16's precision, not bit for bit
 (``tests/test_fused_forward.py`` states the tolerance).
 
-``ACB_CPU_FUSED=0`` turns it off (the HF forward runs, as on every other model).
+``EngineConfig.cpu_fused_forward=False`` (or ``ACB_CPU_FUSED=0``) turns it off (the HF forward runs,
+as on every other model).
 Greedy parity with transformers' ``generate`` is tested with it on.
 """
 
@@ -53,7 +54,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -321,8 +321,6 @@ def describe(model: torch.nn.Module, lin) -> list[_Layer]:
 
 def why_not(model: torch.nn.Module, packed, kernels) -> str | None:
     """Why the fused forward cannot stand in for ``model``'s, or None."""
-    if os.environ.get("ACB_CPU_FUSED", "1") == "0":
-        return "ACB_CPU_FUSED=0"
     if kernels is None:
         return "the native CPU kernels are not built"
     if packed is None:

@@ -44,7 +44,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("ACB_CACHE_DIR", Path.home() / ".cache" / "acb"))
 
 
-def default_dtype(device: str) -> str:
+def default_dtype(device: str, prepack: bool = True) -> str:
     """The dtype ``Engine.from_pretrained`` loads when ``EngineConfig.dtype`` is None:
     bfloat16 on CUDA and on CPUs whose oneDNN has native bf16 kernels (AVX-512 BF16 or
     AMX: there acb's bf16 fast path runs the GEMMs at about twice float32's rate, as
@@ -54,7 +54,7 @@ def default_dtype(device: str) -> str:
         return "bfloat16"
     from .kernels import cpu_linear
 
-    return "bfloat16" if cpu_linear.available(torch.bfloat16) else "float32"
+    return "bfloat16" if prepack and cpu_linear.available(torch.bfloat16) else "float32"
 
 
 def _resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:

@@ -45,7 +45,6 @@ weight-change detection keep working: acb's forward reads the modules' own tenso
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -200,8 +199,6 @@ def _projections(layer: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
 
 def why_not(model: torch.nn.Module) -> str | None:
     """Why ``model`` (dense, as loaded) cannot run with int8 weights here, or None."""
-    if os.environ.get("ACB_CPU_FUSED", "1") == "0":
-        return "ACB_CPU_FUSED=0 turns off acb's fused forward, the only one that runs int8"
     if _kernels() is None:
         return "acb's int8 kernels need a CPU with AVX-512 VNNI and a C++ compiler (they did not build here)"
     from .kernels.cpu import fused_kernels
@@ -334,8 +331,6 @@ def weight_summary(model: torch.nn.Module) -> str:
 
 def why_not_forward(model: torch.nn.Module, packed, kernels) -> str | None:
     """Why :class:`Int8Forward` cannot run ``model`` (already quantized) now, or None."""
-    if os.environ.get("ACB_CPU_FUSED", "1") == "0":
-        return "ACB_CPU_FUSED=0"
     if kernels is None or _kernels() is None:
         return "the native CPU kernels are not built"
     if not isinstance(model.model.embed_tokens, Int8Embedding):

@@ -11,6 +11,7 @@ import torch
 
 from .config import EngineConfig
 from .cuda_graphs import graph_memory_reserve
+from .defaults import resolve
 from .model_shape import ModelShape, text_config
 
 log = logging.getLogger("acb")
@@ -33,15 +34,16 @@ class Layout:
 
 
 def layout(model: torch.nn.Module, config: EngineConfig) -> Layout:
+    config = resolve(config)  # the plain defaults (page size, requests per batch): acb.defaults
     text = text_config(model.config)
     param = next(model.parameters())
-    page_size = config.page_size or 16
+    page_size = config.page_size
     per_page = ModelShape.of(model.config).kv_bytes_per_token(param.dtype) * page_size
     window = getattr(text, "sliding_window", None)
     layer_types = list(getattr(text, "layer_types", None) or [])
     swa_layers = frozenset(i for i, t in enumerate(layer_types) if t == "sliding_attention")
     hybrid = window is not None and 0 < len(swa_layers) < len(layer_types)
-    max_requests = config.max_requests_per_batch or 256
+    max_requests = config.max_requests_per_batch
     swa_cap = 0
     if hybrid:
         # every running request holds at most its window's pages plus the chunk it computes

@@ -504,6 +504,12 @@ _EFFECTS = {
     # adapters loaded at once and their rank bound: refused past them by name
     "max_adapters": ({"max_adapters": 1}, "tests/test_adapters.py"),
     "max_adapter_rank": ({"max_adapter_rank": 4}, "tests/test_adapters.py"),
+    "cpu_kernels": ({"cpu_kernels": False}, lambda e: e.stats().attn_backend == "torch"
+                    and e.stats().forward_reason == "EngineConfig.cpu_kernels=False"),
+    "cpu_prepack": ({"cpu_prepack": False}, lambda e: not runner_of(e).fast_paths.prepacked
+                    and e.stats().forward_path == "transformers"),
+    "cpu_fused_forward": ({"cpu_fused_forward": False}, lambda e: runner_of(e).fast_paths.prepacked
+                          and e.stats().forward_reason == "EngineConfig.cpu_fused_forward=False"),
 }
 
 

@@ -331,7 +331,7 @@ async def test_stats_name_the_forward_path_and_why_not_fused(monkeypatch):
     monkeypatch.setenv("ACB_CPU_FUSED", "0")
     async with tiny_engine("llama") as engine:
         stats = engine.stats()
-    assert (stats.forward_path, stats.forward_reason) == ("transformers", "ACB_CPU_FUSED=0")
+    assert (stats.forward_path, stats.forward_reason) == ("transformers", "EngineConfig.cpu_fused_forward=False")
     monkeypatch.delenv("ACB_CPU_FUSED")
     async with tiny_engine("gemma3") as engine:
         stats = engine.stats()

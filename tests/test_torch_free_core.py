@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE = ["acb.scheduler", "acb.kv_cache", "acb.kv_events", "acb.step", "acb.request", "acb.config", "acb.errors",
-        "acb.lifecycle", "acb.detokenizer", "acb.tools", "acb.reasoning"]
+        "acb.lifecycle", "acb.detokenizer", "acb.tools", "acb.reasoning", "acb.defaults"]
 
 PROGRAM = textwrap.dedent("""
     import importlib, importlib.abc, sys

@@ -251,6 +251,38 @@ class FreePagesRouter(FIFOMixin, LocalityMixin, RequestRouter):
         return [replicas[:2]] if replicas else []
 
 
+def _checked_arguments(model, num_replicas, autoscaling_config, engine_config, drain_timeout, max_ongoing_requests,
+                       log_interval, request_router_kwargs, request_router, prefix_routing) -> acb.EngineConfig | None:
+    """``build_app``'s arguments checked (ValueError / TypeError naming the wrong one); the
+    engine config to use (with prefix routing and none given: the defaults with kv_events on)."""
+    if num_replicas is not None and autoscaling_config is not None:
+        raise ValueError("give num_replicas or autoscaling_config, not both "
+                         "(autoscaling_config's min_replicas/max_replicas bound the replica count)")
+    if num_replicas is not None and num_replicas < 1:
+        raise ValueError(f"num_replicas must be >= 1, got {num_replicas!r}")
+    if autoscaling_config is not None and not isinstance(autoscaling_config, dict):
+        raise ValueError(f"autoscaling_config must be a dict of Ray Serve AutoscalingConfig fields, "
+                         f"got {type(autoscaling_config).__name__}")
+    if drain_timeout < 0:
+        raise ValueError(f"drain_timeout must be >= 0, got {drain_timeout!r}")
+    if max_ongoing_requests < 1:
+        raise ValueError(f"max_ongoing_requests must be >= 1, got {max_ongoing_requests!r}")
+    if not isinstance(log_interval, (int, float)) or log_interval < 0:
+        raise ValueError(f"log_interval must be >= 0 seconds, got {log_interval!r}")
+    if not callable(model) and not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a model folder or file, or a factory returning an acb.Engine, "
+                        f"got {type(model).__name__}")
+    if request_router_kwargs is not None and request_router is None:
+        raise ValueError("request_router_kwargs are the options of a request_router: give request_router too")
+    if prefix_routing:
+        if engine_config is None:
+            engine_config = acb.EngineConfig(kv_events=True)
+        elif not engine_config.kv_events:
+            raise ValueError("request_router=PrefixAwareRouter routes on the replicas' KV-cache events: give an "
+                             "engine_config with kv_events=True (or none, for the defaults with kv_events on)")
+    return engine_config
+
+
 def build_app(model: ModelSource, *, num_replicas: int | None = None,
               autoscaling_config: dict[str, Any] | None = None, engine_config: acb.EngineConfig | None = None,
               gguf_file: str | None = None, model_name: str | None = None, api_key: str | None = None,
@@ -294,32 +326,10 @@ def build_app(model: ModelSource, *, num_replicas: int | None = None,
                         autoscaling_config={"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 32})
         serve.run(app, route_prefix="/")
     """
-    if num_replicas is not None and autoscaling_config is not None:
-        raise ValueError("give num_replicas or autoscaling_config, not both "
-                         "(autoscaling_config's min_replicas/max_replicas bound the replica count)")
-    if num_replicas is not None and num_replicas < 1:
-        raise ValueError(f"num_replicas must be >= 1, got {num_replicas!r}")
-    if autoscaling_config is not None and not isinstance(autoscaling_config, dict):
-        raise ValueError(f"autoscaling_config must be a dict of Ray Serve AutoscalingConfig fields, "
-                         f"got {type(autoscaling_config).__name__}")
-    if drain_timeout < 0:
-        raise ValueError(f"drain_timeout must be >= 0, got {drain_timeout!r}")
-    if max_ongoing_requests < 1:
-        raise ValueError(f"max_ongoing_requests must be >= 1, got {max_ongoing_requests!r}")
-    if not isinstance(log_interval, (int, float)) or log_interval < 0:
-        raise ValueError(f"log_interval must be >= 0 seconds, got {log_interval!r}")
-    if not callable(model) and not isinstance(model, (str, os.PathLike)):
-        raise TypeError(f"model must be a model folder or file, or a factory returning an acb.Engine, "
-                        f"got {type(model).__name__}")
-    if request_router_kwargs is not None and request_router is None:
-        raise ValueError("request_router_kwargs are the options of a request_router: give request_router too")
     prefix_routing = isinstance(request_router, type) and issubclass(request_router, PrefixAwareRouter)
-    if prefix_routing:
-        if engine_config is None:
-            engine_config = acb.EngineConfig(kv_events=True)
-        elif not engine_config.kv_events:
-            raise ValueError("request_router=PrefixAwareRouter routes on the replicas' KV-cache events: give an "
-                             "engine_config with kv_events=True (or none, for the defaults with kv_events on)")
+    engine_config = _checked_arguments(model, num_replicas, autoscaling_config, engine_config, drain_timeout,
+                                       max_ongoing_requests, log_interval, request_router_kwargs, request_router,
+                                       prefix_routing)
     if model_name is None:
         model_name = "acb" if callable(model) else \
             os.path.basename(os.path.normpath(gguf_file or os.fspath(model))).removesuffix(".gguf")

@@ -3,15 +3,14 @@
 (``fused_cpu.cpp``), built with the system C++ compiler on first use and cached by
 torch (``~/.cache/torch_extensions``).
 
-``ACB_CPU_KERNEL=0`` turns them off; if one cannot be built, acb logs why once and
-uses its PyTorch path."""
+``EngineConfig.cpu_kernels=False`` (or ``ACB_CPU_KERNEL=0``) keeps an engine off them; if one
+cannot be built, acb logs why once and uses its PyTorch path."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import logging
-import os
 import threading
 from pathlib import Path
 
@@ -51,9 +50,6 @@ def _build(name: str, source: str, cflags: list[str]):
     """Build (or load from torch's cache) one extension; None, logged once, if it cannot be."""
     if name in _modules or name in _failed:
         return _modules.get(name)
-    if os.environ.get("ACB_CPU_KERNEL", "1") == "0":
-        _failed.add(name)
-        return None
     with _lock:
         if name not in _modules and name not in _failed:
             try:

@@ -15,7 +15,8 @@ whose weight was replaced or edited in place since computes with the dense weigh
 (never the stale copy), and :meth:`Prepacked.refresh` repacks what changed (the
 engine calls it before the next step; :meth:`acb.Engine.reload_weights` for edits
 made through ``.data``, which PyTorch's version counter does not see).
-``restore`` puts the original forwards back. ``ACB_CPU_PREPACK=0`` turns this off.
+``restore`` puts the original forwards back. ``EngineConfig.cpu_prepack=False`` (or
+``ACB_CPU_PREPACK=0``) turns this off.
 
 oneDNN builds (JIT-compiles) a primitive for every row count it is handed and keeps
 it in its caches, ~0.57 MB each, up to 1024 of them per cache: with the row count of
@@ -30,7 +31,6 @@ warm-up and stay put.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -40,8 +40,6 @@ ATTR = "_acb_prepacked"
 
 
 def available(dtype: torch.dtype) -> bool:
-    if os.environ.get("ACB_CPU_PREPACK", "1") == "0":
-        return False
     if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
         return False
     if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
