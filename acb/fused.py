@@ -212,27 +212,35 @@ class FusedForward:
 
     def _lora_layer(self, layer: _Layer, i: int, x: torch.Tensor, rows: int, total: int, cos: torch.Tensor,
                     sin: torch.Tensor, adapters: lora.StepLora) -> torch.Tensor:
-        """One layer with the step's LoRA deltas added (``acb.lora``): the same GEMMs, without
-        the epilogues that would fuse past where a delta lands (the gate's activation, the
-        residual adds)."""
+        """One layer with the step's LoRA deltas added (``acb.lora``): the same GEMMs; the
+        gate's activation epilogue (a delta lands before it) runs apart, and the deltas of
+        o and down land on their fused residual sums."""
         linear = torch.ops.mkldnn._linear_pointwise
         h = self._rms(x, layer.ln1)
         q, kk, v = (linear(h, *w, "none", [], "") for w in (layer.q, layer.k, layer.v))
         for out, proj in ((q, "q_proj"), (kk, "k_proj"), (v, "v_proj")):
             adapters.add(out, h, i, proj)
         a = pad_rows(self._attend(layer, q, kk, v, total, cos, sin), rows)
-        o = self._projection(a, layer.o)
-        adapters.add(o, a, i, "o_proj")
-        x = x + (o if layer.post_attn is None else self._rms(o, layer.post_attn))
+        if layer.post_attn is None:  # the residual add stays fused; the delta lands on the sum
+            x = self._add_projection(a, x, layer.o)
+            adapters.add(x, a, i, "o_proj")
+        else:
+            o = self._projection(a, layer.o)
+            adapters.add(o, a, i, "o_proj")
+            x = x + self._rms(o, layer.post_attn)
         h = self._rms(x, layer.ln2)
         g = linear(h, *layer.gate, "none", [], "")
         adapters.add(g, h, i, "gate_proj")
         u = linear(h, *layer.up, "none", [], "")
         adapters.add(u, h, i, "up_proj")
         m = _ACTIVATION_FNS[layer.act[0]](g) * u
+        if layer.post_mlp is None:
+            x = self._add_projection(m, x, layer.down)
+            adapters.add(x, m, i, "down_proj")
+            return x
         d = self._projection(m, layer.down)
         adapters.add(d, m, i, "down_proj")
-        return x + (d if layer.post_mlp is None else self._rms(d, layer.post_mlp))
+        return x + self._rms(d, layer.post_mlp)
 
     def _ropes(self, x: torch.Tensor, position_ids: torch.Tensor) -> dict:
         """{rotary type: (cos, sin)}, each [T, head_dim] contiguous, for the step's rows ``x``."""

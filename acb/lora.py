@@ -141,7 +141,11 @@ class LoraBank:
                 rows.setdefault(slot, []).extend(range(offsets[i], offsets[i + 1]))
         if not rows:
             return None  # only forked rows of no tokens
-        return StepLora(self.views, [(slot, to_device(idx)) for slot, idx in rows.items()])
+        groups = []
+        for slot, idx in rows.items():
+            contiguous = idx[-1] - idx[0] + 1 == len(idx)  # (ascending, no repeats)
+            groups.append((slot, None if contiguous else to_device(idx), idx[0], idx[-1] + 1))
+        return StepLora(self.views, groups, sum(len(idx) for idx in rows.values()))
 
     # ------------------------------------------------------------------ transformers' forward
     def install_hooks(self) -> None:
@@ -170,20 +174,37 @@ def _hook(layer: int, proj: str, module: torch.nn.Module, args: tuple, out: torc
 
 
 class StepLora:
-    """One step's adapters: per slot, the packed token rows that run it (a long tensor)."""
+    """One step's adapters: per slot, the packed token rows that run it (a long tensor, or
+    None when they are the contiguous range ``lo:hi``)."""
 
-    __slots__ = ("views", "groups")
+    __slots__ = ("views", "groups", "threads")
 
-    def __init__(self, views: list, groups: list[tuple[int, torch.Tensor]]) -> None:
+    # Below this many adapter rows the LoRA GEMMs run on one thread: for [rows, in] x [in, r]
+    # the OpenMP fork/join costs more than the work (measured: benchmarks/adapters.py)
+    SINGLE_THREAD_ROWS = 256
+
+    def __init__(self, views: list, groups: list[tuple[int, torch.Tensor | None, int, int]], rows: int) -> None:
         self.views = views
         self.groups = groups
+        self.threads = 1 if rows < self.SINGLE_THREAD_ROWS else 0  # 0: as many as the process uses
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> None:
         """``y[g] += scaling * B(A(x[g]))`` in place, for each adapter's rows ``g`` (``y``
         and ``x`` 2-D, rows past the step's tokens being padding)."""
         views = self.views[layer][proj]
-        for slot, rows in self.groups:
-            w = views[slot]
-            if w is not None:
+        threads = torch.get_num_threads() if self.threads else 0
+        if threads:
+            torch.set_num_threads(self.threads)
+        try:
+            for slot, rows, lo, hi in self.groups:
+                w = views[slot]
+                if w is None:
+                    continue
                 a, b, scaling = w
-                y.index_add_(0, rows, F.linear(F.linear(x.index_select(0, rows), a), b), alpha=scaling)
+                if rows is None:  # a contiguous run (a prompt, or every row): no gather, no scatter
+                    y[lo:hi].addmm_(F.linear(x[lo:hi], a), b.t(), alpha=scaling)
+                else:
+                    y.index_add_(0, rows, F.linear(F.linear(x.index_select(0, rows), a), b), alpha=scaling)
+        finally:
+            if threads:
+                torch.set_num_threads(threads)
