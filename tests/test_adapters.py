@@ -194,3 +194,32 @@ async def test_adapters_with_choices_preemption_and_offload():
     for got, p, n in zip(results, prompts, names):
         assert got.token_ids == reference_greedy(a if n else tiny_model("llama"), p, 16)
     assert [c.token_ids for c in choices.choices] == [reference_greedy(a, prompts[0], 8)] * 2
+
+
+@pytest.mark.extras  # ~20 s on a quiet machine: CI's second step (the default suite is near its budget)
+async def test_smollm2_mixed_adapters_match_peft_generate():
+    """The real SmolLM2-135M (tied embeddings, 30 layers): two adapters and the base in one batch."""
+    from acb.loading import load, smollm2
+
+    model, tok = load(*smollm2(), dtype="float32")
+    adapters = {}
+    for name, seed in (("a", 1), ("b", 2)):
+        peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for key, p in peft.named_parameters():
+                if "lora_" in key:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
+        adapters[name] = peft.eval()
+    questions = ["What is the capital of France?", "Why is the sky blue?"]
+    prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)["input_ids"]) for q in questions]
+    jobs = [(p, n) for p in prompts for n in (None, "a", "b")]
+    expected = [reference_greedy(adapters[n] if n else model, p, 10) for p, n in jobs]
+    assert all(e != expected[i - i % 3] for i, e in enumerate(expected) if i % 3), "an adapter changed nothing"
+    async with acb.Engine(model, tokenizer=tok, config=acb.EngineConfig(num_blocks=128, dtype="float32")) as engine:
+        for name, peft in adapters.items():
+            await engine.load_adapter(peft, name)
+        results = await asyncio.gather(*(engine.generate(p, adapter=n, max_new_tokens=10, ignore_eos=True)
+                                         for p, n in jobs))
+    assert [r.token_ids for r in results] == expected
