@@ -46,6 +46,15 @@ def _adapter(text: str) -> tuple[str, str]:
     return name, path
 
 
+def _adapter_rank(folder: str) -> int:
+    """The rank ``r`` a PEFT adapter folder's config names (0 if it names none: load_adapter will say)."""
+    import json
+
+    with open(os.path.join(folder, "adapter_config.json")) as f:
+        rank = json.load(f).get("r", 0)
+    return rank if isinstance(rank, int) else 0
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -114,8 +123,10 @@ def add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # lo
     p.add_argument("--adapter", action="append", default=[], type=_adapter, metavar="NAME=PATH",
                    help="load the PEFT LoRA adapter folder PATH as NAME at start-up (repeatable); requests name it "
                         "as their model (see docs/adapters.md)")
-    p.add_argument("--max-adapters", type=int, default=4, help="LoRA adapters loaded at once (default: 4; 0 = none)")
-    p.add_argument("--max-adapter-rank", type=_positive, default=16, help="largest LoRA rank (default: 16)")
+    p.add_argument("--max-adapters", type=int, default=None,
+                   help="LoRA adapters loaded at once (default: 4, or the number of --adapter if more; 0 = none)")
+    p.add_argument("--max-adapter-rank", type=_positive, default=None,
+                   help="largest LoRA rank (default: 16, or the largest rank among --adapter if more)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--log-interval", type=_seconds, default=os.environ.get("ACB_LOG_INTERVAL", "10"),
                    metavar="SECONDS", help="log a throughput/queue summary line every SECONDS while busy; 0 = never "
@@ -150,6 +161,10 @@ def _model_source(args: argparse.Namespace):
                                             "priority_aging_steps", "kv_events", "quantization", "max_adapters",
                                             "max_adapter_rank")}
     fields["grammar_compile_timeout_s"] = args.grammar_compile_timeout or None
+    if fields["max_adapters"] is None:  # room for the start-up adapters, whatever their number and rank
+        fields["max_adapters"] = max(4, len(args.adapter))
+    if fields["max_adapter_rank"] is None:
+        fields["max_adapter_rank"] = max([16, *(_adapter_rank(path) for _, path in args.adapter)])
     if args.tiny:
         from acb.testing import tiny_engine
 

@@ -83,6 +83,19 @@ def test_bad_adapter_flags_exit_2(argv, capsys, folders):
     assert "--adapter" in capsys.readouterr().err
 
 
+def test_serve_sizes_adapter_slots_for_its_start_up_adapters(folders, tmp_path):
+    from acb.cli import _model_source
+
+    peft_model("llama", seed=5, r=32).save_pretrained(tmp_path / "big")
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--tiny"] + [f"--adapter=a{i}={folders / 'a'}" for i in range(5)]
+                             + [f"--adapter=big={tmp_path / 'big'}"])
+    config = _model_source(args)[2]
+    assert (config.max_adapters, config.max_adapter_rank) == (6, 32)
+    config = _model_source(parser.parse_args(["serve", "--tiny"]))[2]
+    assert (config.max_adapters, config.max_adapter_rank) == (4, 16)
+
+
 def test_adapter_flags_are_parsed(folders):
     args = build_parser().parse_args(["serve", "--tiny", "--adapter", f"a={folders / 'a'}", "--adapter",
                                       f"b={folders / 'b'}", "--max-adapters", "2", "--max-adapter-rank", "8"])
