@@ -30,18 +30,31 @@ def _int8(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _dequantized_rows(xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
-    return (xq.double() - 128) * xs.double()[:, None]
+    """The activations the kernel multiplies: (q - 128) times each group's scale, float64."""
+    m, k = xq.shape
+    groups = xs.shape[1]
+    return ((xq.double() - 128).view(m, groups, k // groups) * xs.double()[:, :, None]).view(m, k)
+
+
+def _quantize(q8, x: torch.Tensor, group: int, norm=None):
+    return q8.quantize_rows(x, norm, False, 1e-6, group)
 
 
 @pytest.mark.parametrize("m", [1, 5, 6, 7, 64, 200])
-@pytest.mark.parametrize("n,k", [(16, 4), (48, 64), (192, 576), (80, 100)])
+@pytest.mark.parametrize("n,k,group", [(16, 4, 4), (48, 64, 64), (48, 64, 16), (192, 576, 576), (192, 576, 64),
+                                       (192, 576, 32), (80, 100, 100), (80, 100, 20)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_gemm_matches_a_dequantized_reference(m, n, k, dtype):
+def test_int8_gemm_matches_a_dequantized_reference(m, n, k, group, dtype):
+    """Per token (group = K) and per group of channels: int32 within a group, the groups'
+    scales applied in float32; against float64 over the same int8 values."""
     q8 = _q8()
     wq, ws = _int8(n, k, seed=m + n)
-    layer = Int8Linear.from_int8(wq, ws, torch.randn(n))
+    layer = Int8Linear.from_int8(wq, ws, torch.randn(n), group=group)
+    assert layer.group == group
     x = torch.randn(m, k) * 3
-    xq, xs = q8.quantize_rows(x.to(dtype))
+    x[:, 1] *= 40  # an outlier channel: its group's scale, not the row's, pays for it
+    xq, xs = _quantize(q8, x.to(dtype), group)
+    assert xs.shape == (m, k // group)
     want = _dequantized_rows(xq, xs) @ (wq.double() * ws.double()[:, None]).T + layer.bias.double()
     residual = torch.randn(m, n).to(dtype)
     got = q8.linear(xq, xs, *layer.args, None, dtype)
@@ -55,27 +68,58 @@ def test_int8_gemm_matches_a_dequantized_reference(m, n, k, dtype):
 @pytest.mark.parametrize("act,fn", [(0, torch.nn.functional.silu),
                                     (1, lambda t: torch.nn.functional.gelu(t, approximate="tanh"))])
 @pytest.mark.parametrize("m", [3, 70])
-def test_int8_glu_matches_a_dequantized_reference(act, fn, m):
+@pytest.mark.parametrize("group", [64, 16])
+def test_int8_glu_matches_a_dequantized_reference(act, fn, m, group):
     q8 = _q8()
-    gate, up = Int8Linear.from_int8(*_int8(96, 64, 1)), Int8Linear.from_int8(*_int8(96, 64, 2))
-    xq, xs = q8.quantize_rows(torch.randn(m, 64) * 2)
+    gate = Int8Linear.from_int8(*_int8(96, 64, 1), group=group)
+    up = Int8Linear.from_int8(*_int8(96, 64, 2), group=group)
+    xq, xs = _quantize(q8, torch.randn(m, 64) * 2, group)
     x = _dequantized_rows(xq, xs)
     want = fn(x @ gate.dequantize().double().T) * (x @ up.dequantize().double().T)
     got = q8.glu(xq, xs, *gate.args, *up.args, act, torch.float32)
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
 
 
-def test_activations_are_quantized_per_token_with_the_norm_fused():
+@pytest.mark.parametrize("group", [64, 16])
+def test_activations_are_quantized_per_token_and_group_with_the_norm_fused(group):
     q8 = _q8()
     x = torch.randn(9, 64)
     x[3] *= 100  # an outlier token keeps its own scale: the others lose no precision to it
+    x[:, 5] = 60 * x.abs().amax(1)  # an outlier channel: with groups, only its own group's channels share its scale
     w = torch.rand(64) + 0.5
-    xq, xs = q8.quantize_rows(x, w, False, 1e-6)
+    xq, xs = _quantize(q8, x, group, w)
     normed = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
-    torch.testing.assert_close(xs, normed.abs().amax(1) / 127)
+    grouped = normed.view(9, 64 // group, group)
+    torch.testing.assert_close(xs, grouped.abs().amax(2) / 127)
     assert (xq.int() - 128).abs().max() == 127
-    err = (_dequantized_rows(xq, xs).float() - normed).abs().amax(1)
-    assert (err <= xs / 2 + 1e-6).all()  # round to nearest: half a step at most, per row
+    err = (_dequantized_rows(xq, xs).float() - normed).view(9, 64 // group, group).abs().amax(2)
+    assert (err <= xs / 2 + 1e-6).all()  # round to nearest: half a step at most, per group
+    if group < 64:  # the channels outside the outlier's group keep a finer step than the row's
+        assert (xs[:, 1:] < xs[:, :1] / 4).all()
+
+
+def test_the_group_sums_take_the_activation_offset_back_out_per_group():
+    _q8()
+    wq, ws = _int8(32, 64, 4)
+    layer = Int8Linear.from_int8(wq, ws, group=16)
+    want = wq.to(torch.int32).view(2, 16, 4, 16).sum(3).permute(0, 2, 1)  # [N/16, groups, 16]
+    assert torch.equal(layer.weight_colsum, want)
+    # a cached packed tuple carries its own sums; they are recomputed for the groups this build uses
+    again = Int8Linear.from_packed((layer.weight, torch.zeros(32, dtype=torch.int32), layer.weight_scale, 32))
+    assert again.group == quantization.activation_group(64)
+    assert torch.equal(again.weight_colsum, quantization.group_sums(layer.weight, again.group))
+
+
+def test_the_activation_group_divides_the_input_width():
+    assert [quantization.activation_group(k) for k in (576, 1536, 640, 96, 100, 4)] == [64, 64, 64, 32, 100, 4]
+
+
+def test_activations_quantized_in_other_groups_than_the_weight_expects_are_refused():
+    q8 = _q8()
+    layer = Int8Linear.from_int8(*_int8(32, 64, 0), group=16)
+    xq, xs = _quantize(q8, torch.randn(2, 64), 64)
+    with pytest.raises(RuntimeError, match="1 group"):
+        q8.linear(xq, xs, *layer.args, None, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -93,7 +137,7 @@ def test_embedding_rows_are_read_from_the_packed_weight(dtype):
 def test_rows_of_zeros_quantize_to_zero_outputs():
     q8 = _q8()
     layer = Int8Linear.from_int8(*_int8(32, 16, 0))
-    xq, xs = q8.quantize_rows(torch.zeros(2, 16))
+    xq, xs = _quantize(q8, torch.zeros(2, 16), layer.group)
     assert q8.linear(xq, xs, *layer.args, None, torch.float32).abs().max() == 0
 
 
@@ -208,7 +252,7 @@ async def test_weights_edited_in_place_are_seen_under_int8():
         with torch.no_grad():
             model.lm_head.weight_scale.zero_()  # every logit 0: greedy picks token 0
             model.lm_head.weight_scale[7] = 1.0
-            model.lm_head.weight_colsum[7] -= 10**6  # token 7's logit now large for every row
+            model.lm_head.weight_colsum[0, :, 7] -= 10**6  # token 7's logit now large for every row
         after = (await engine.generate_batch([prompt], max_new_tokens=6, ignore_eos=True))[0].token_ids
         await engine.reload_weights()
     assert before != [7] * 6 and after == [7] * 6
