@@ -4,8 +4,13 @@
     python benchmarks/quality.py --dtypes float32,bfloat16 --tokens 24000 --prompts 16
     python benchmarks/quality.py --dtypes float32,int8,int8_bf16  # int8 weights (EngineConfig.quantization)
 
-A ``--dtypes`` name is a dtype, or ``int8`` (int8 weights and per-token int8 activations
-in the GEMMs, float32 between them) / ``int8_bf16`` (the same, bfloat16 between them).
+A ``--dtypes`` name is a dtype, or ``int8`` (int8 weights and int8 activations, per token and
+group of 64 channels, in the GEMMs, float32 between them) / ``int8_bf16`` (the same, bfloat16
+between them), or ``vllm_bfloat16`` / ``vllm_float32``: vLLM's CPU engine in that dtype
+(``--vllm-venv``), scored on the same windows through its ``prompt_logprobs`` (what a peer's
+bf16 costs on the same text: the context for acb's bf16 figures).
+
+    python benchmarks/quality.py --dtypes float32,bfloat16,vllm_bfloat16 --vllm-venv /work/vllm-venv
 
 Three measures, each of acb's own forward as the engine runs it (the fused CPU forward,
 the native attention kernels over the paged cache):
@@ -111,6 +116,55 @@ def hf_teacher_forced(model, ids: list[int], window: int) -> list[int]:
     return argmax
 
 
+VLLM_SCRIPT = r'''
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+if __name__ == "__main__":
+    spec = json.load(open(sys.argv[1]))
+    llm = LLM(model=spec["model_dir"], tokenizer=spec["model_dir"], dtype=spec["dtype"], max_model_len=1024)
+    nll, argmax = [], []
+    outs = llm.generate([TokensPrompt(prompt_token_ids=c) for c in spec["windows"]],
+                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1), use_tqdm=False)
+    for chunk, o in zip(spec["windows"], outs):
+        for i in range(1, len(chunk)):  # position i: the distribution over token i given tokens < i
+            entry = o.prompt_logprobs[i]
+            nll.append(-entry[chunk[i]].logprob)
+            argmax.append(next(t for t, lp in entry.items() if lp.rank == 1))
+    gen = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]],
+                       SamplingParams(max_tokens=spec["new_tokens"], temperature=0.0, ignore_eos=True), use_tqdm=False)
+    json.dump({"nll": nll, "argmax": argmax, "greedy": [list(o.outputs[0].token_ids) for o in gen],
+               "dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch.")}, open(spec["out"], "w"))
+'''
+
+
+def vllm_scored(venv: str, dtype: str, ids: list[int], window: int, prompts: list[list[int]], new: int) -> dict:
+    """vLLM's CPU engine in ``dtype``: teacher-forced NLL and argmax over the same windows
+    (its ``prompt_logprobs``), and greedy outputs; run by the venv's own python."""
+    import os
+    import subprocess
+    import tempfile
+
+    from acb.loading import _converted_gguf, smollm2
+
+    windows = [ids[s: s + window + 1] for s in range(0, len(ids) - 1, window)]
+    windows = [c for c in windows if len(c) >= 2]
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = {"model_dir": str(_converted_gguf(*smollm2())), "dtype": dtype, "windows": windows,
+                "prompts": prompts, "new_tokens": new, "out": os.path.join(tmp, "out.json")}
+        Path(tmp, "spec.json").write_text(json.dumps(spec))
+        Path(tmp, "run.py").write_text(VLLM_SCRIPT)
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
+                   VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"))
+        python = str(Path(venv) / "bin" / "python")
+        subprocess.run([python, os.path.join(tmp, "run.py"), os.path.join(tmp, "spec.json")], env=env, check=True,
+                       stdout=sys.stderr)
+        res = json.loads(Path(spec["out"]).read_text())
+    return {"ppl": math.exp(sum(res["nll"]) / len(res["nll"])), "tf": {"nll": res["nll"], "argmax": res["argmax"],
+            "forward_path": f"vllm {res['dtype']}"}, "greedy": res["greedy"], "hf": None, "hf_argmax": None,
+            "forward_path": f"vllm {res['dtype']}"}
+
+
 def variant(name: str) -> tuple[torch.dtype, str | None]:
     """(the model's dtype, EngineConfig.quantization) of a ``--dtypes`` name."""
     if name.startswith("int8"):
@@ -159,6 +213,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=16, help="standard-workload prompts for the greedy comparison")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--no-hf", action="store_true", help="skip transformers' own generate in each dtype")
+    p.add_argument("--vllm-venv", default=None, help="vLLM's venv, for the vllm_<dtype> variants")
     p.add_argument("--out", default="bench-results/quality.json")
     args = p.parse_args()
 
@@ -171,6 +226,14 @@ def main() -> None:
     results: dict[str, dict] = {}
     for name in args.dtypes.split(","):
         t0 = time.perf_counter()
+        if name.startswith("vllm_"):
+            if not args.vllm_venv:
+                raise SystemExit(f"quality.py: {name} needs --vllm-venv")
+            results[name] = vllm_scored(args.vllm_venv, name.removeprefix("vllm_"), ids, args.window, w.prompts,
+                                        args.new_tokens)
+            results[name]["seconds"] = time.perf_counter() - t0
+            print(f"-- {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+            continue
         dtype, quantization = variant(name)
         model = copy.deepcopy(base).to(dtype)
         if quantization:  # in place, as the engine does (transformers' forward then runs the int8 modules too)
@@ -191,8 +254,8 @@ def main() -> None:
     for name, r in results.items():
         agree = sum(a == b for a, b in zip(r["tf"]["argmax"], ref["tf"]["argmax"], strict=True)) / len(
             ref["tf"]["argmax"])
-        hf_agree = sum(a == b for a, b in zip(r["hf_argmax"], ref["tf"]["argmax"], strict=True)) / len(
-            ref["tf"]["argmax"])
+        hf_agree = None if r["hf_argmax"] is None else sum(
+            a == b for a, b in zip(r["hf_argmax"], ref["tf"]["argmax"], strict=True)) / len(ref["tf"]["argmax"])
         row = {"dtype": name, "forward_path": r["forward_path"], "scored_tokens": len(r["tf"]["nll"]),
                "ppl": r["ppl"], "ppl_vs_fp32": r["ppl"] / ref["ppl"] - 1, "top1_agreement": agree,
                "hf_top1_agreement": hf_agree,
@@ -200,15 +263,16 @@ def main() -> None:
         if r["hf"] is not None:
             row["greedy_vs_hf_same_dtype"] = divergence_summary(r["greedy"], r["hf"])
         rows.append(row)
-    head = f"{'dtype':<10}{'path':<8}{'tokens':>8}{'ppl':>9}{'vs fp32':>9}{'top-1':>8}{'HF top-1':>9}" \
+    head = f"{'dtype':<14}{'path':<14}{'tokens':>8}{'ppl':>9}{'vs fp32':>9}{'top-1':>8}{'HF top-1':>9}" \
            f"{'greedy = fp32':>15}{'greedy = HF':>13}"
     print(head)
     print("-" * len(head))
     for r in rows:
         g = r["greedy_vs_fp32"]
         h = r.get("greedy_vs_hf_same_dtype")
-        print(f"{r['dtype']:<10}{r['forward_path']:<8}{r['scored_tokens']:>8}{r['ppl']:>9.4f}"
-              f"{r['ppl_vs_fp32']:>+9.2%}{r['top1_agreement']:>8.2%}{r['hf_top1_agreement']:>9.2%}"
+        print(f"{r['dtype']:<14}{r['forward_path']:<14}{r['scored_tokens']:>8}{r['ppl']:>9.4f}"
+              f"{r['ppl_vs_fp32']:>+9.2%}{r['top1_agreement']:>8.2%}"
+              f"{format(r['hf_top1_agreement'], '.2%') if r['hf_top1_agreement'] is not None else '-':>9}"
               f"{g['identical']:>11}/{g['of']:<3}"
               f"{(str(h['identical']) + '/' + str(h['of'])) if h else '-':>13}")
         if g["first_divergence"]:
