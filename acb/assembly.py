@@ -36,19 +36,21 @@ def checked_settings(config: EngineConfig | None, sampling: SamplingParams | Non
     return resolve(config), sampling
 
 
-def resolve_load(config: EngineConfig) -> tuple[EngineConfig, str | None, str | None]:
+def resolve_load(config: EngineConfig, checkpoint: str | None = None) -> tuple[EngineConfig, str | None, str | None]:
     """(the config with its device and dtype decided, the dtype and device to load the
     checkpoint in). ``dtype=None``: bf16 on a device with native bf16 (acb.loading.default_dtype),
-    else float32, logged. Tensor-parallel: the full model loads on the host; each rank
-    takes its share to its device."""
+    else float32, logged beside ``checkpoint`` (the checkpoint's own dtype, when known) and
+    how to change it. Tensor-parallel: the full model loads on the host; each rank takes
+    its share to its device."""
     from .loading import default_dtype
 
     config = resolve(config)  # the environment's overrides (ACB_CPU_PREPACK=0: no bf16 fast path)
     device = config.device
     if config.dtype is None and config.tensor_parallel_size == 1:
         dtype = default_dtype(device or ("cuda" if torch.cuda.is_available() else "cpu"), prepack=config.cpu_prepack)
-        log.info("acb: loading the model in %s (EngineConfig.dtype=None picks it for this device; "
-                 "dtype='float32' or acb serve --dtype float32 keeps full precision)", dtype)
+        log.info("acb: running the model in %s (the checkpoint's own dtype: %s; EngineConfig.dtype=None picks %s "
+                 "for this device; dtype='float32' or acb serve --dtype float32 keeps full precision, "
+                 "dtype='auto' the checkpoint's dtype)", dtype, checkpoint or "not recorded", dtype)
         config = dataclasses.replace(config, dtype=dtype)
     if config.tensor_parallel_size > 1:
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")

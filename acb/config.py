@@ -274,9 +274,10 @@ class EngineConfig:
     ``flash_attn``: ``auto`` is Triton on CUDA, native on CPU (float32, bfloat16, float16), PyTorch otherwise; the
     engine refuses a backend that cannot run where it is, see ``acb.attention.resolve_backend``), ``device``,
     ``dtype`` (``float32`` | ``bfloat16`` | ``float16`` | ``auto``; a model object is cast to it,
-    ``auto`` keeps its dtype; ``None``: a model object keeps its dtype, while ``from_pretrained``
+    ``auto`` keeps its dtype, and ``from_pretrained`` loads the checkpoint's own dtype, as
+    transformers' ``dtype="auto"``; ``None``: a model object keeps its dtype, while ``from_pretrained``
     loads bfloat16 on CUDA and on CPUs with native bf16 (AVX-512 BF16 or AMX, as vLLM does),
-    float32 on other CPUs, and logs which and how to change it; see docs/performance.md for
+    float32 on other CPUs, and logs which, the checkpoint's own dtype and how to change it; see docs/performance.md for
     what bf16 costs in accuracy), ``debug_checks`` (integrity check whenever the engine goes idle),
     ``cpu_offload_space`` (GiB of host memory that preempted requests' KV pages go to, so
     they resume without recompute; 0 = recompute, None = the cap, 80 % of available RAM).

@@ -88,9 +88,9 @@ class Engine:
                         sampling: SamplingParams | None = None, **model_kwargs: Any) -> Engine:
         """Load a model and tokenizer from a local HF folder (or a folder plus
         ``gguf_file``) and build an engine over them."""
-        from .loading import load
+        from .loading import checkpoint_dtype, load
 
-        config, dtype, device = resolve_load(config or EngineConfig())
+        config, dtype, device = resolve_load(config or EngineConfig(), checkpoint_dtype(path, gguf_file))
         model, tokenizer = load(path, gguf_file, dtype=dtype, device=device, quantization=config.quantization,
                                 **model_kwargs)
         return cls(model, tokenizer=tokenizer, config=config, sampling=sampling)

@@ -57,9 +57,32 @@ def default_dtype(device: str, prepack: bool = True) -> str:
     return "bfloat16" if prepack and cpu_linear.available(torch.bfloat16) else "float32"
 
 
-def _resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+def checkpoint_dtype(path: str | os.PathLike, gguf_file: str | None = None) -> str | None:
+    """The dtype a checkpoint's ``config.json`` records (``torch_dtype`` / ``dtype``:
+    "float32", "bfloat16", ...), "float32" for a GGUF file (acb dequantizes it to float32),
+    None where the folder does not say."""
+    import json
+
+    if gguf_file is not None or str(path).endswith(".gguf"):
+        return "float32"
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    dtype = config.get("torch_dtype") or config.get("dtype")
+    return dtype if dtype in ("float32", "float16", "bfloat16") else None
+
+
+def _resolve_dtype(dtype: str | torch.dtype | None, device: str, path: str | None = None,
+                   gguf_file: str | None = None) -> torch.dtype:
+    """None: bfloat16 on CUDA, float32 on the CPU; "auto": the checkpoint's own dtype (as
+    transformers' ``dtype="auto"``), None's where the checkpoint does not record one."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto" and path is not None:
+        own = checkpoint_dtype(path, gguf_file)
+        if own is not None:
+            return getattr(torch, own)
     if dtype in (None, "auto"):
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     return getattr(torch, dtype)
@@ -80,7 +103,7 @@ def load(path: str | os.PathLike, gguf_file: str | None = None, *,
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model folder not found: {path!r} (acb loads local folders only)")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    torch_dtype = _resolve_dtype(dtype, device)
+    torch_dtype = _resolve_dtype(dtype, device, path, gguf_file)
     if gguf_file is not None and quantization == "int8" and device == "cpu" and not model_kwargs:
         from . import gguf_int8
 
