@@ -15,7 +15,7 @@ from peft import LoraConfig, get_peft_model
 
 import acb
 from acb.errors import InvalidRequestError
-from acb.testing import ARCHITECTURES, random_prompts, reference_greedy, runner_of, tiny_model
+from acb.testing import ARCHITECTURES, random_prompts, reference_greedy, runner_of, tiny_model, tiny_tokenizer
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -223,3 +223,20 @@ async def test_smollm2_mixed_adapters_match_peft_generate():
         results = await asyncio.gather(*(engine.generate(p, adapter=n, max_new_tokens=10, ignore_eos=True)
                                          for p, n in jobs))
     assert [r.token_ids for r in results] == expected
+
+
+async def test_structured_output_with_an_adapter():
+    pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (acb[structured])")
+    async with acb.Engine(tiny_model("llama"), tokenizer=tiny_tokenizer(), config=config()) as engine:
+        await engine.load_adapter(peft_model("llama", seed=1), "a")
+        out = await engine.generate("Pick one:", adapter="a", choice=["yes", "no"], max_new_tokens=8)
+    assert out.text in ("yes", "no")
+
+
+@pytest.mark.parametrize("fields, name", [(dict(compile_level=1), "compile_level"),
+                                          (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+                                          (dict(quantization="int8"), "quantization")])
+def test_engines_that_cannot_run_adapters_name_the_setting(fields, name):
+    from acb import lora
+
+    assert name.split("_size")[0] in lora.why_not(tiny_model("llama"), acb.EngineConfig(**fields))
