@@ -141,11 +141,13 @@ class LoraBank:
                 rows.setdefault(slot, []).extend(range(offsets[i], offsets[i + 1]))
         if not rows:
             return None  # only forked rows of no tokens
-        groups = []
-        for slot, idx in rows.items():
-            contiguous = idx[-1] - idx[0] + 1 == len(idx)  # (ascending, no repeats)
-            groups.append((slot, None if contiguous else to_device(idx), idx[0], idx[-1] + 1))
-        return StepLora(self.views, groups, sum(len(idx) for idx in rows.values()))
+        if all(idx[-1] - idx[0] + 1 == len(idx) for idx in rows.values()):  # (ascending, no repeats)
+            return StepLora(self.views, [(slot, idx[0], idx[-1] + 1) for slot, idx in rows.items()], None)
+        groups, perm = [], []
+        for slot, idx in rows.items():  # the rows gathered group after group: each a contiguous run there
+            groups.append((slot, len(perm), len(perm) + len(idx)))
+            perm += idx
+        return StepLora(self.views, groups, to_device(perm))
 
     # ------------------------------------------------------------------ transformers' forward
     def install_hooks(self) -> None:
@@ -174,19 +176,23 @@ def _hook(layer: int, proj: str, module: torch.nn.Module, args: tuple, out: torc
 
 
 class StepLora:
-    """One step's adapters: per slot, the packed token rows that run it (a long tensor, or
-    None when they are the contiguous range ``lo:hi``)."""
+    """One step's adapters: per slot, a contiguous run ``lo:hi`` of its token rows, in the
+    packed rows themselves (``perm`` None: each adapter's rows are one run there) or in the
+    rows gathered by ``perm`` (they interleave: decode rows of different adapters)."""
 
-    __slots__ = ("views", "groups", "threads")
+    __slots__ = ("views", "groups", "perm", "threads", "_gathered")
 
     # Below this many adapter rows the LoRA GEMMs run on one thread: for [rows, in] x [in, r]
     # the OpenMP fork/join costs more than the work (measured: benchmarks/adapters.py)
     SINGLE_THREAD_ROWS = 256
 
-    def __init__(self, views: list, groups: list[tuple[int, torch.Tensor | None, int, int]], rows: int) -> None:
+    def __init__(self, views: list, groups: list[tuple[int, int, int]], perm: torch.Tensor | None) -> None:
         self.views = views
         self.groups = groups
+        self.perm = perm
+        rows = groups[-1][2] if perm is not None else sum(hi - lo for _, lo, hi in groups)
         self.threads = 1 if rows < self.SINGLE_THREAD_ROWS else 0  # 0: as many as the process uses
+        self._gathered: tuple = (None, None, None)  # (input, its data_ptr and shape, its gathered rows)
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> None:
         """``y[g] += scaling * B(A(x[g]))`` in place, for each adapter's rows ``g`` (``y``
@@ -196,15 +202,30 @@ class StepLora:
         if threads:
             torch.set_num_threads(self.threads)
         try:
-            for slot, rows, lo, hi in self.groups:
-                w = views[slot]
-                if w is None:
-                    continue
-                a, b, scaling = w
-                if rows is None:  # a contiguous run (a prompt, or every row): no gather, no scatter
-                    y[lo:hi].addmm_(F.linear(x[lo:hi], a), b.t(), alpha=scaling)
+            if self.perm is None:  # each adapter's rows a run of the packed rows: no gather, no scatter
+                for slot, lo, hi in self.groups:
+                    if views[slot] is not None:
+                        a, b, scaling = views[slot]
+                        y[lo:hi].addmm_(F.linear(x[lo:hi], a), b.t(), alpha=scaling)
+                return
+            xs = self._gather(x)
+            delta = y.new_empty(xs.shape[0], y.shape[1])
+            for slot, lo, hi in self.groups:
+                if views[slot] is None:
+                    delta[lo:hi].zero_()
                 else:
-                    y.index_add_(0, rows, F.linear(F.linear(x.index_select(0, rows), a), b), alpha=scaling)
+                    a, b, scaling = views[slot]
+                    delta[lo:hi].addmm_(F.linear(xs[lo:hi], a), b.t(), beta=0, alpha=scaling)
+            y.index_add_(0, self.perm, delta)
         finally:
             if threads:
                 torch.set_num_threads(threads)
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``'s adapter rows, gathered once for the projections that share it (q/k/v,
+        gate/up); the held reference keeps ``x``'s memory from being reused meanwhile."""
+        held, key, xs = self._gathered
+        if held is None or key != (x.data_ptr(), x.shape):
+            xs = x.index_select(0, self.perm)
+            self._gathered = (x, (x.data_ptr(), x.shape), xs)
+        return xs
