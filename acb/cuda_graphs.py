@@ -112,11 +112,13 @@ class DecodePadding:
         """The rows a decode step of ``rows`` rows is padded to (its bucket)."""
         return bucket_for(rows, self.buckets) or rows
 
-    def pad(self, tokens: list[int], positions: list[int], slots: list[int], token_idx: list[int],
-            lengths: list[int], tables: list[list[int]]) -> int | None:
+    def pad(self, tokens: list[int], positions: list[int], token_idx: list[int], lengths: list[int],
+            table_rows: list[int]) -> int | None:
         """Append padding rows to a decode-only step's lists (one entry per row) up to the
         rows bucket; return the padded context width in tokens (whole pages), or None
-        (nothing changed) when the rows exceed the last bucket."""
+        (nothing changed) when the rows exceed the last bucket. A padding row reads the
+        empty block-table row (-1: the zero page) and writes ``scratch_slot`` (the runner
+        places it: see ``ModelRunner._slots``)."""
         rows = bucket_for(len(lengths), self.buckets)
         if rows is None:
             return None
@@ -124,9 +126,8 @@ class DecodePadding:
             token_idx.append(len(tokens))
             tokens.append(PAD_TOKEN)
             positions.append(0)
-            slots.append(self.scratch_slot)
             lengths.append(1)
-            tables.append([])
+            table_rows.append(-1)
         return padded_kv_pages(max(lengths), self.kv_interval, self.page_size) * self.page_size
 
 

@@ -346,9 +346,9 @@ class Engine:
         await self._steps.reload_weights()
 
     def check_integrity(self) -> None:
-        """Assert the cache's invariants against the live requests' block tables."""
+        """Assert the caches' invariants and the runner's block tables (after the steps in flight)."""
         self._life.check_open()
-        self._table.check_integrity()
+        self._steps.check_integrity()
 
 
 __all__ = ["Engine", "EngineStats", "AcbError"]

@@ -248,7 +248,7 @@ class FastPaths:
         padded: a decode-only step is padded to a graph bucket when decode padding is on
         (not with forked choices: their rows share the leader's logits row)."""
         if self.decode_padding is not None and p.decode_q and not p.prefill_rows and len(p.keep) == len(p.decode_q):
-            width = self.decode_padding.pad(p.tokens, p.positions, p.slots, p.decode_q, p.lengths, p.tables)
+            width = self.decode_padding.pad(p.tokens, p.positions, p.decode_q, p.lengths, p.table_rows)
             if width is not None:
                 return width, True
         return max(p.lengths, default=0), False

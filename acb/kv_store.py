@@ -5,7 +5,9 @@ Per layer one K and one V tensor ``[kv heads, slots, head dim]``, slot ``page * 
 layers' tensors hold ``swa_pages`` pages, the others ``num_pages``. Attention writes the
 new tokens' keys and values (``acb.attention``); everything else that writes the
 tensors is here, done before a step's forward: zeroing pages used for the first time,
-copy-on-write of shared pages, and the copies to and from the host offload pool.
+copy-on-write of shared pages, and the copies to and from the host offload pool. Beside
+the tensors, the block tables that index them (``acb.block_tables``), which each step's
+deltas keep current.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import offload
+from .block_tables import BlockTables
 from .model_shape import ModelShape
 
 if TYPE_CHECKING:
@@ -24,8 +27,8 @@ if TYPE_CHECKING:
 
 class KVStore:
     """Owns the KV tensors (``k_cache``, ``v_cache``), which pages were ever written
-    (``zeroed``, ``zeroed_swa``) and the host offload pool (``offload``, None without
-    one). ``to_device`` turns a list of ints into a long tensor on the cache's device."""
+    (``zeroed``, ``zeroed_swa``), the block tables (``tables``) and the host offload pool
+    (``offload``, None without one). ``to_device`` turns a list of ints into a long tensor on the cache's device."""
 
     def __init__(self, config, dtype: torch.dtype, device: torch.device, num_pages: int, page_size: int,
                  to_device: Callable[[list[int]], torch.Tensor], host_pages: int = 0, swa_pages: int = 0,
@@ -55,6 +58,7 @@ class KVStore:
         # (acb.packing.pack marks the pages a step writes; :meth:`zero` zeroes them.)
         self.zeroed = bytearray(num_pages)
         self.zeroed_swa = bytearray(swa_pages)
+        self.tables = BlockTables(device, page_size, num_pages, to_device, swa_pages if self.swa_layers else None)
         # the CPU offload pool (EngineConfig.cpu_offload_space), None without one
         self.offload = offload.HostOffload(host_pages, self.k_cache, self.v_cache, page_size, to_device,
                                            self.swa_layers, swa_pages) if host_pages else None
@@ -64,6 +68,16 @@ class KVStore:
         the full pool, ``swa_pages`` of the sliding one (hybrid models)."""
         self._zero(pages, sliding=False)
         self._zero(swa_pages, sliding=True)
+
+    def update_tables(self, step: StepInput) -> None:
+        """Apply the step's block-table deltas (after its page moves) and zero the pages
+        they bring in that were never written: every page a row writes came in by a delta,
+        so none is read before it is zeroed or written whole."""
+        if not step.delta_rows:
+            return
+        self.tables.apply(step.delta_rows, step.delta_cols, step.delta_pages, step.delta_swa)
+        self.zero(_first_use(step.delta_pages, self.zeroed),
+                  _first_use(step.delta_swa, self.zeroed_swa) if self.swa_layers else [])
 
     def move_pages(self, step: StepInput) -> None:
         """The step's page copies, before its forward and in this order: swap-outs to the
@@ -113,3 +127,13 @@ class KVStore:
         zeroed = self.zeroed_swa if sliding else self.zeroed
         for page in moves.dst:
             zeroed[page] = 1  # written whole: never zero it
+
+
+def _first_use(pages: list[int], written: bytearray) -> list[int]:
+    """The pages of ``pages`` never written before, each once, marked written now."""
+    fresh = []
+    for page in pages:
+        if page >= 0 and not written[page]:
+            written[page] = 1
+            fresh.append(page)
+    return fresh

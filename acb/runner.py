@@ -97,7 +97,7 @@ class ModelRunner:
         if not attention.load_kernels(self.attn_backend):  # native kernels not built (logged)
             self.attn_backend = "torch"
         self.attention = packing.AttentionBuilder(self.attn_backend, page_size, self._tensor, self.kv.k_cache,
-                                                  self.kv.v_cache, num_pages, self.kv.swa_layers, swa_pages)
+                                                  self.kv.v_cache, self.kv.tables, self.kv.swa_layers)
         log.info("acb attention backend: %s (attn_backend=%r on %s, %s)", self.attn_backend, attn_backend,
                  self.device, self.dtype)
         self.fast_paths = FastPaths(model, self.kv, self.attn_backend, self.stream, self.generator, row_reduce)
@@ -132,6 +132,14 @@ class ModelRunner:
     def forward_reason(self) -> str:
         """Why the fused forward does not serve the steps ("" when it does)."""
         return self.fast_paths.forward_reason
+
+    def check_tables(self, tables) -> None:
+        """Assert the block-table store holds ``tables`` ((row, pages, sliding pages) per
+        running sequence, as sent: ``Scheduler.sent_tables``). Run it on the worker thread,
+        after the steps launched so far (their deltas applied)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+        self.kv.tables.check(tables)
 
     def release(self) -> None:
         """Give back the KV memory, the model's own linears and its attention setting."""
@@ -212,6 +220,7 @@ class ModelRunner:
         if step.refresh:
             self.fast_paths.refresh()
         self.kv.move_pages(step)
+        self.kv.update_tables(step)
         input_ids, position_ids, keep, meta = self._build(step)
         adapters = self.lora.step(step, self._tensor) if self.lora is not None else None
         if self.fault_hook is not None:
@@ -242,19 +251,34 @@ class ModelRunner:
 
     def _build(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, packing.StepAttention]:
         """The step's input ids, positions, kept logits rows and attention metadata."""
-        kv = self.kv
-        p = packing.pack(step, kv.page_size, kv.zeroed, kv.zeroed_swa if kv.swa_layers else None)
+        p = packing.pack(step)
         if step.prompt_logprobs is not None:  # scored prompt positions: their logits after the sampled rows'
             p.keep += step.prompt_logprobs.keep(step.token_offsets)
         width, padded = self.fast_paths.pad_decode(p)  # a decode-only step may be padded to a graph bucket
-        kv.zero(p.fresh, p.swa_fresh)
         input_ids = self._tensor(p.tokens)
         # After a failed step there is nothing to carry: those rows belong to failed
         # requests whose results are dropped, so their placeholder ids stay.
         if p.carry_pos and self.prev_sampled is not None:
             input_ids[self._tensor(p.carry_pos)] = self.prev_sampled[self._tensor(p.carry_src)]
             self.carried_steps += 1
-        meta = self.attention.build(p, self._tensor(p.slots), width, padded, self.fast_paths.max_decode_blocks)
+        positions = self._tensor(p.positions)
+        slots, swa_slots = self._slots(p, positions)
+        meta = self.attention.build(p, slots, swa_slots, width, padded, self.fast_paths.max_decode_blocks)
         if meta.decode is not None and meta.decode.kernel != "torch":
             self.fast_decode_steps += 1
-        return input_ids, self._tensor(p.positions), self._tensor(p.keep), meta
+        return input_ids, positions, self._tensor(p.keep), meta
+
+    def _slots(self, p: packing.Packed, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Where each packed token's key and value go, in the full pool and (hybrid models)
+        the sliding one: gathered from the block tables; decode padding rows write the
+        scratch slot (the sliding pool's slots cover the step's own tokens only)."""
+        tables = self.kv.tables
+        real = len(p.token_rows)
+        rows = self._tensor(p.token_rows)
+        own = positions[:real] if len(p.positions) > real else positions
+        slots = tables.slots(rows, own)
+        if len(p.positions) > real:
+            scratch = self.fast_paths.decode_padding.scratch_slot
+            slots = torch.cat([slots, torch.full((len(p.positions) - real,), scratch, dtype=slots.dtype,
+                                                 device=slots.device)])
+        return slots, tables.slots(rows, own, sliding=True) if self.kv.swa_layers else None

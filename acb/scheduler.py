@@ -1,8 +1,8 @@
 """Which tokens of which sequences run in the next step. Plain Python over plain data.
 
 The whole decision is a columnar ``StepPlan`` (acb.step) of rows ``(sequence, start,
-num_tokens)`` with their tokens and page tables: prefill, chunked prefill and decode
-are the same thing with different ``num_tokens``.
+num_tokens)`` with their tokens and the block-table entries they change (deltas): prefill,
+chunked prefill and decode are the same thing with different ``num_tokens``.
 A step may be planned while the previous one still runs (async batching): a
 sequence's last token may then be *in flight* (sampled on the device, not yet
 seen here), and its row takes that token from the previous step's output.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -54,6 +55,10 @@ class Sequence:
     num_inflight: int = 0  # sampled tokens not yet seen on the host (0 or 1)
     num_computed: int = 0  # tokens whose KV is written or being written
     block_table: list[int] = field(default_factory=list)
+    # its row in the runner's block-table store (acb.block_tables) while running, and how many
+    # leading entries of its tables the store holds as they are here: the rest go with its next row
+    table_row: int = -1
+    num_sent_pages: int = 0
     num_cached_prompt_tokens: int = 0
     num_registered_pages: int = 0
     last_page_hash: int | None = None
@@ -95,6 +100,13 @@ class Sequence:
     def num_generated(self) -> int:
         return len(self.output_ids) + self.num_inflight
 
+    def table_changed(self, index: int) -> None:
+        """Entries from ``index`` on of its block table (or sliding table) were replaced,
+        recycled or cut: they are sent again with its next row. Whoever changes a sent
+        entry calls this (the integrity check finds a table that went unsent)."""
+        if index < self.num_sent_pages:
+            self.num_sent_pages = index
+
     def token_at(self, start: int, stop: int) -> list[int]:
         """Host-known token ids for positions [start, stop)."""
         np_ = len(self.prompt_ids)
@@ -105,7 +117,7 @@ class Sequence:
         return self.prompt_ids[start:] + self.output_ids[: stop - np_]
 
 
-class Scheduler:  # ~580 lines, over the house's 300: see "Why one class" below
+class Scheduler:  # ~670 lines, over the house's 300: see "Why one class" below
     """FIFO, prefill-first or priority scheduling under a token budget and a request cap.
 
     Preemption (when pages run out for a running sequence) takes the running
@@ -129,6 +141,8 @@ class Scheduler:  # ~580 lines, over the house's 300: see "Why one class" below
     ``schedule()`` call, and the page accounting (``check_integrity``) holds only at its
     end. Split across objects, each would write the others' state mid-plan; kept here,
     every write to a sequence or a queue is in this file (docs/design.md, "Who owns what").
+    The block-table deltas (which entries a row sends) follow the same writes, so they are
+    here too.
     """
 
     def __init__(
@@ -170,6 +184,12 @@ class Scheduler:  # ~580 lines, over the house's 300: see "Why one class" below
         # would start with the same page wait for it, then share it instead of
         # computing it again in the same step
         self.pending_first_page: dict[int, Sequence] = {}
+        # rows of the runner's block-table store: given to a sequence when it starts running,
+        # taken back when it stops (the lowest free first keeps the store small)
+        self._free_table_rows: list[int] = []
+        self.num_table_rows = 0
+        # the common decode row has a shortcut (_decode_row) without sliding windows
+        self._plain_decode = sliding_window is None and kv_swa is None
 
     def add(self, seq: Sequence, forks: list[Sequence] | None = None) -> None:
         """Queue a new sequence; ``forks``: the other choices of an n > 1 request, whose
@@ -228,6 +248,7 @@ class Scheduler:  # ~580 lines, over the house's 300: see "Why one class" below
         self.kv.release(seq.block_table)
         seq.block_table = []
         self._release_swa(seq)
+        self._drop_table_row(seq)
         seq.num_recycled_pages = 0
         self.drop_offload(seq)
         seq.status = FINISHED
@@ -315,10 +336,6 @@ class Scheduler:  # ~580 lines, over the house's 300: see "Why one class" below
         else:
             budget = self._continue_running(plan, budget)
             self._admit(plan, budget)
-        for seq, num_tokens, sample in zip(plan.seqs, plan.input.counts(), plan.input.sample, strict=True):
-            seq.num_computed += num_tokens
-            if sample:
-                seq.num_inflight += 1
         if plan.seqs and self._pending_swap_out:
             # Swap-outs ride on the next step that runs: the runner copies the pages
             # out before that step's forward, the first thing that could overwrite them.
@@ -333,7 +350,8 @@ class Scheduler:  # ~580 lines, over the house's 300: see "Why one class" below
 
     def _add_row(self, plan: StepPlan, seq: Sequence, n: int, start: int | None = None) -> None:
         """Append ``seq``'s row of ``n`` tokens from ``start`` (default: its next token to
-        compute) to ``plan``, its tokens and page tables included."""
+        compute) to ``plan``, with the entries of its page tables not sent yet; its
+        tokens count as computed (and a sampled one as in flight) from here on."""
         start = seq.num_computed if start is None else start
         end = start + n
         sample = end == seq.num_tokens
@@ -345,17 +363,62 @@ class Scheduler:  # ~580 lines, over the house's 300: see "Why one class" below
                 carry_from = seq.sampled_row
         else:
             tokens = seq.token_at(start, end)
-        npages = self.kv.pages_for(end)
         plan.seqs.append(seq)
         plan.epochs.append(seq.epoch)
-        plan.input.add_row(tokens, start, seq.block_table[:npages], carry_from, sample, seq.swa_table[:npages],
-                           seq.adapter)
+        inp = plan.input
+        table = seq.block_table
+        sent = seq.num_sent_pages
+        if sent < len(table):
+            inp.send_table(seq.table_row, sent, table[sent:], seq.swa_table[sent:] if self.kv_swa is not None else None)
+            seq.num_sent_pages = len(table)
+        inp.add_table_row(tokens, start, seq.table_row, carry_from, sample, seq.adapter)
         if sample:
             seq.sampled_plan = plan.index
             seq.sampled_row = plan.num_sampled
             plan.num_sampled += 1
             if seq.forks and seq.num_generated == 0:
                 self._fork(plan, seq, end)
+            seq.num_inflight += 1
+        seq.num_computed += n
+
+    def _decode_row(self, plan: StepPlan, seq: Sequence) -> bool:
+        """The common row, planned in one go: one token, the sampled one before it known or
+        in flight, at most one new page and none shared (no copy-on-write), no sliding
+        window, no choices to fork. False (and nothing done) for any other row: the caller
+        takes the general path. What it plans is what that path would."""
+        c = seq.num_computed
+        out = seq.output_ids
+        generated = len(out) + seq.num_inflight
+        if len(seq.prompt_ids) + generated - c != 1 or generated >= seq.max_new_tokens or seq.forks:
+            return False
+        kv = self.kv
+        table = seq.block_table
+        i = c // kv.page_size
+        if i < len(table):
+            if c % kv.page_size and kv.refcount[table[i]] > 1:
+                return False  # shared partial page: copy-on-write
+        elif i > len(table) or not (kv.free_pages or kv.cached_lru):
+            return False  # no page free: the general path preempts
+        else:
+            table += kv.allocate(1)
+        inp = plan.input
+        sent = seq.num_sent_pages
+        if sent < len(table):
+            inp.send_table(seq.table_row, sent, table[sent:])
+            seq.num_sent_pages = len(table)
+        if seq.num_inflight:
+            inp.add_table_row(_PLACEHOLDER, c, seq.table_row,
+                              seq.sampled_row if seq.sampled_plan == plan.index - 1 else -1, True, seq.adapter)
+        else:
+            inp.add_table_row((out[-1] if out else seq.prompt_ids[-1],), c, seq.table_row, -1, True, seq.adapter)
+        plan.seqs.append(seq)
+        plan.epochs.append(seq.epoch)
+        seq.sampled_plan = plan.index
+        seq.sampled_row = plan.num_sampled
+        plan.num_sampled += 1
+        seq.num_inflight += 1
+        seq.num_computed = c + 1
+        return True
 
     def _fork(self, plan: StepPlan, leader: Sequence, end: int) -> None:
         """The leader's prompt is computed by this row: its other choices take references
@@ -384,6 +447,7 @@ class Scheduler:  # ~580 lines, over the house's 300: see "Why one class" below
         if not self._shares_partial_page(seq):
             return
         i = seq.num_computed // self.kv.page_size
+        seq.table_changed(i)
         plan.input.copy_pages.add(seq.block_table[i], self._replace_page(self.kv, seq.block_table, i))
         if self.kv_swa is not None:
             plan.input.copy_swa_pages.add(seq.swa_table[i], self._replace_page(self.kv_swa, seq.swa_table, i))
@@ -415,6 +479,9 @@ class Scheduler:  # ~580 lines, over the house's 300: see "Why one class" below
         """Give running ``seq`` its next row (preempting to find its pages); the budget left."""
         if seq.status is not RUNNING or id(seq) in scheduled:
             return budget
+        if self._plain_decode and self._decode_row(plan, seq):
+            scheduled.add(id(seq))
+            return budget - 1
         n = min(self._tokens_wanted(seq), budget)
         if n <= 0:
             return budget
@@ -435,7 +502,10 @@ class Scheduler:  # ~580 lines, over the house's 300: see "Why one class" below
             self._allocate(seq, need)
         before = len(plan.seqs)
         self._add_row(plan, seq, n)
-        scheduled.update(id(s) for s in plan.seqs[before:])  # with any choices forked from it
+        if len(plan.seqs) == before + 1:
+            scheduled.add(id(seq))
+        else:
+            scheduled.update(id(s) for s in plan.seqs[before:])  # with the choices forked from it
         return budget - n
 
     def _plan_by_rank(self, plan: StepPlan, budget: int) -> int:
@@ -476,6 +546,7 @@ class Scheduler:  # ~580 lines, over the house's 300: see "Why one class" below
             kv, table = (self.kv_swa, seq.swa_table) if self.kv_swa is not None else (self.kv, seq.block_table)
             pages = [p for p in table[seq.num_recycled_pages : dead] if p != RECYCLED]
             table[seq.num_recycled_pages : dead] = [RECYCLED] * (dead - seq.num_recycled_pages)
+            seq.table_changed(seq.num_recycled_pages)
             kv.release(pages)
             seq.num_recycled_pages = dead
 
@@ -506,6 +577,7 @@ class Scheduler:  # ~580 lines, over the house's 300: see "Why one class" below
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.running.remove(seq)
+        self._drop_table_row(seq)
         # KV is kept for host-known tokens only (an in-flight token is sampled again),
         # and at least one is left to compute so the resumed row has logits.
         keep = min(seq.num_computed, len(seq.prompt_ids) + len(seq.output_ids) - 1)
@@ -686,11 +758,39 @@ class Scheduler:  # ~580 lines, over the house's 300: see "Why one class" below
         return False
 
     def _insert_running(self, seq: Sequence) -> None:
-        # Keep ``running`` in rank order (resumed victims rank before the tail).
+        """``seq`` starts running: a block-table row of its own (its tables all unsent), and
+        its place in ``running``, kept in rank order (resumed victims rank before the tail)."""
+        if self._free_table_rows:
+            seq.table_row = heapq.heappop(self._free_table_rows)
+        else:
+            seq.table_row = self.num_table_rows
+            self.num_table_rows += 1
+        seq.num_sent_pages = 0
         i = len(self.running)
         while i > 0 and self.running[i - 1].rank > seq.rank:
             i -= 1
         self.running.insert(i, seq)
+
+
+    def _drop_table_row(self, seq: Sequence) -> None:
+        """``seq`` stops running: its block-table row goes back (what the store holds there
+        is never read again: the next owner sends its own tables from the first entry)."""
+        if seq.table_row >= 0:
+            heapq.heappush(self._free_table_rows, seq.table_row)
+            seq.table_row = -1
+            seq.num_sent_pages = 0
+
+    def sent_tables(self) -> list[tuple[int, list[int], list[int] | None]]:
+        """(row, sent entries of the block table, of the sliding table) per running
+        sequence: what the runner's block-table store must hold (``BlockTables.check``)."""
+        rows = [seq.table_row for seq in self.running]
+        assert len(set(rows)) == len(rows) and min(rows, default=0) >= 0, f"block-table rows held twice: {rows}"
+        assert not set(rows) & set(self._free_table_rows), "a running sequence's block-table row is free"
+        return [(seq.table_row, seq.block_table[: seq.num_sent_pages],
+                 seq.swa_table[: seq.num_sent_pages] if self.kv_swa is not None else None) for seq in self.running]
+
+
+_PLACEHOLDER = (0,)  # a decode row's token while it is in flight (the runner carries it in)
 
 
 def _current(seq: Sequence, epoch: int) -> bool:

@@ -2,12 +2,13 @@
 executes (``StepInput``) and what comes back (``StepOutput``).
 
 Every type is *columnar*: one flat list per field, row ``i`` of a step being index
-``i`` of each column (token ids and page tables are flat lists cut by offsets). A step
-with a thousand rows holds a dozen lists, not a thousand row objects: lists of ints
-cost CPython's cyclic GC one object each, however long, and nothing is allocated per
-row that could live long enough to reach the GC's old generation (the full collections
-that followed, each over every object torch and transformers keep, made the engine's
-cost per request grow with the number of requests; see benchmarks/overhead.py).
+``i`` of each column (token ids are a flat list cut by offsets; page tables go as deltas
+to the runner's block-table store, ``acb.block_tables``). A step with a thousand rows
+holds a dozen lists, not a thousand row objects: lists of ints cost CPython's cyclic GC
+one object each, however long, and nothing is allocated per row that could live long
+enough to reach the GC's old generation (the full collections that followed, each over
+every object torch and transformers keep, made the engine's cost per request grow with
+the number of requests; see benchmarks/overhead.py).
 
 Plain data only, no torch: how a ``StepInput`` travels to the other ranks of a
 tensor-parallel engine (one flat int32 tensor) is ``acb.distributed.protocol``'s.
@@ -59,9 +60,13 @@ class PageMoves:
 class StepInput:
     """What the runner executes: one entry per row in each column. Row ``i`` computes
     the tokens ``token_ids[token_offsets[i]:token_offsets[i + 1]]`` at positions from
-    ``starts[i]``; its page table (the block-table prefix covering those positions) is
-    ``pages[page_offsets[i]:page_offsets[i + 1]]`` and, on hybrid models, its sliding
-    layers' ``swa_pages[swa_offsets[i]:swa_offsets[i + 1]]``. ``carry_from[i]`` >= 0:
+    ``starts[i]``; its page table is row ``table_rows[i]`` of the runner's block-table
+    store (``acb.block_tables``), read as far as those positions reach. The store is
+    kept current by deltas: entry ``k`` of the ``delta_`` columns sets column
+    ``delta_cols[k]`` of store row ``delta_rows[k]`` to page ``delta_pages[k]`` (and, on
+    hybrid models, the sliding pool's table to ``delta_swa[k]``), applied before the
+    step's rows are read. The scheduler sends only what changed since a sequence's table
+    was last sent (``Sequence.num_sent_pages``). ``carry_from[i]`` >= 0:
     the row's last token is a placeholder for the previous step's sampled id at that
     index (still on the device). ``sample[i]``: the row's last position is sampled
     (a row of no tokens samples from the row before it: a forked choice). Safe to hand
@@ -72,10 +77,11 @@ class StepInput:
     sample: list[bool] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     token_offsets: list[int] = field(default_factory=lambda: [0])
-    pages: list[int] = field(default_factory=list)
-    page_offsets: list[int] = field(default_factory=lambda: [0])
-    swa_pages: list[int] = field(default_factory=list)
-    swa_offsets: list[int] = field(default_factory=lambda: [0])
+    table_rows: list[int] = field(default_factory=list)
+    delta_rows: list[int] = field(default_factory=list)
+    delta_cols: list[int] = field(default_factory=list)
+    delta_pages: list[int] = field(default_factory=list)
+    delta_swa: list[int] = field(default_factory=list)  # hybrid models only (else empty)
     sampling: SamplingBatch | None = None  # one entry per sampled row, in row order
     # before the forward, in this order: swap-outs, swap-ins, copy-on-write (hybrid models:
     # ``copy_swa_pages`` copies the sliding layers' pages within their own pool)
@@ -93,19 +99,37 @@ class StepInput:
     adapters: list[int] = field(default_factory=list)
 
     def add_row(self, tokens: Sequence[int], start: int, pages: Sequence[int], carry_from: int = -1,
-                sample: bool = True, swa_pages: Sequence[int] = (), adapter: int = -1) -> None:
-        """Append one row (``tokens``' last id is a placeholder when ``carry_from`` >= 0;
-        ``adapter``: its LoRA slot, -1 for none)."""
+                sample: bool = True, swa_pages: Sequence[int] = (), adapter: int = -1,
+                table_row: int | None = None) -> None:
+        """Append one row with its whole page table ``pages`` (and ``swa_pages``), sent as
+        deltas to store row ``table_row`` (default: the row's index): for steps made by
+        hand (tests, benchmarks); the scheduler sends only what changed (:meth:`send_table`).
+        ``tokens``' last id is a placeholder when ``carry_from`` >= 0; ``adapter``: its LoRA
+        slot, -1 for none."""
+        row = len(self.starts) if table_row is None else table_row
+        self.send_table(row, 0, pages, swa_pages if swa_pages else None)
+        self.add_table_row(tokens, start, row, carry_from, sample, adapter)
+
+    def add_table_row(self, tokens: Sequence[int], start: int, table_row: int, carry_from: int = -1,
+                      sample: bool = True, adapter: int = -1) -> None:
+        """Append one row whose page table is store row ``table_row`` as it stands."""
         self.starts.append(start)
         self.carry_from.append(carry_from)
         self.sample.append(sample)
         self.token_ids += tokens
         self.token_offsets.append(len(self.token_ids))
-        self.pages += pages
-        self.page_offsets.append(len(self.pages))
-        self.swa_pages += swa_pages
-        self.swa_offsets.append(len(self.swa_pages))
+        self.table_rows.append(table_row)
         self.adapters.append(adapter)
+
+    def send_table(self, row: int, first: int, pages: Sequence[int], swa_pages: Sequence[int] | None = None) -> None:
+        """Deltas setting store row ``row`` from column ``first`` on to ``pages`` (and the
+        sliding pool's to ``swa_pages``, as long, on hybrid models)."""
+        n = len(pages)
+        self.delta_rows += [row] * n
+        self.delta_cols += range(first, first + n)
+        self.delta_pages += pages
+        if swa_pages is not None:
+            self.delta_swa += swa_pages
 
     @property
     def num_rows(self) -> int:
@@ -119,11 +143,17 @@ class StepInput:
     def row_tokens(self, i: int) -> list[int]:
         return self.token_ids[self.token_offsets[i] : self.token_offsets[i + 1]]
 
-    def row_pages(self, i: int) -> list[int]:
-        return self.pages[self.page_offsets[i] : self.page_offsets[i + 1]]
-
-    def row_swa_pages(self, i: int) -> list[int]:
-        return self.swa_pages[self.swa_offsets[i] : self.swa_offsets[i + 1]]
+    def tables(self) -> dict[int, tuple[dict[int, int], dict[int, int]]]:
+        """The deltas per store row: {row: ({column: page}, {column: sliding page})} (for
+        tests and logs; the runner applies the columns)."""
+        out: dict[int, tuple[dict[int, int], dict[int, int]]] = {}
+        swa = self.delta_swa
+        for k, (row, col, page) in enumerate(zip(self.delta_rows, self.delta_cols, self.delta_pages, strict=True)):
+            full, sliding = out.setdefault(row, ({}, {}))
+            full[col] = page
+            if swa:
+                sliding[col] = swa[k]
+        return out
 
 
 @dataclass(slots=True, eq=False)

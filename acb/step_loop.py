@@ -82,6 +82,8 @@ class StepLoop:
         self.runner: ModelRunner | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._filler: ThreadPoolExecutor | None = None  # fills structured-output masks (made on first use)
+        self._last_launched: Launched | None = None  # the step submitted last to the step thread
+        self._tables_check: Future | None = None  # a block-table check queued behind steps in flight
         self._loop: LoopHandle | None = None
         self._omp_reset = None
         self._wakeup: anyio.Event | None = None
@@ -192,7 +194,8 @@ class StepLoop:
         masks = controls.token_mask if controls is not None else None
         if masks is not None and self._filler is None:
             self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acb-masks")
-        return Launched(plan, self._executor.submit(self.runner.execute, step), masks, self._filler)
+        self._last_launched = Launched(plan, self._executor.submit(self.runner.execute, step), masks, self._filler)
+        return self._last_launched
 
     async def _complete(self, launched: Launched) -> None:
         """Await a launched step and deliver its tokens (or fail its requests)."""
@@ -219,6 +222,9 @@ class StepLoop:
         if plan.prompt_sinks:
             self.outputs.deliver_prompt_logprobs(plan, out)
         self.outputs.deliver(self.scheduler.update(plan, out), out)
+        if self._tables_check is not None and self._tables_check.done():
+            check, self._tables_check = self._tables_check, None
+            check.result()  # a failed block-table check (AssertionError) stops the loop
         if self.kv_events is not None:
             # before anyone awaiting a request that just finished runs: its pages' events are out
             self.kv_events.flush()
@@ -229,7 +235,7 @@ class StepLoop:
             return False
         if not self.scheduler.has_work():
             if self.debug_checks:
-                self.table.check_integrity()
+                self.check_integrity()
             # nothing else runs between the check and the new event, so a submission
             # either saw work or sets this event
             self._wakeup = wakeup = self._loop.Event()
@@ -258,6 +264,22 @@ class StepLoop:
             if self.kv_events is not None:
                 self.kv_events.close()  # every kv_events() stream ends with the loop
             self.finished.set()  # stop() waits for this
+
+    def check_integrity(self) -> None:
+        """Assert the caches' invariants against the live requests' page tables, and the
+        runner's block-table store against the scheduler's tables, on the step thread after
+        the steps launched so far (this waits for them). Not while the last one waits for
+        its grammar masks, which this thread hands out: the store check is then queued
+        behind it, and a failure stops the loop when the next step completes."""
+        self.table.check_integrity()
+        if self.runner is None:
+            return
+        tables = self.scheduler.sent_tables()
+        last = self._last_launched
+        if last is None or last.masks is None or last.future.done():
+            self._executor.submit(self.runner.check_tables, tables).result()
+        elif self._tables_check is None:
+            self._tables_check = self._executor.submit(self.runner.check_tables, tables)
 
     def stats(self, **fields: Any) -> EngineStats:
         """The counters of the scheduler, its pools and the steps, with ``fields``."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import acb
-from acb.testing import random_prompts, reference_greedy, tiny_engine, tiny_model
+from acb.testing import random_prompts, reference_greedy, runner_of, tiny_engine, tiny_model
 
 PROMPT = random_prompts(1, 13, 13, seed=5)[0]  # 13 tokens: a partial second page (page_size 8)
 LONG_PROMPT = random_prompts(1, 21, 21, seed=6)[0]
@@ -120,3 +120,54 @@ async def test_too_many_choices_are_refused_by_name():
         with pytest.raises(acb.InvalidRequestError) as e:
             await engine.generate(PROMPT, n=5)
         assert e.value.param == "n"
+
+
+
+def _corrupt_a_sent_entry(engine) -> tuple[int, int]:
+    """Change, in the runner's block-table store, an entry a running choice has sent: (its
+    store row, the entry's true value)."""
+    seq = next(s for s in engine.scheduler.running if s.num_sent_pages)
+    store = runner_of(engine).kv.tables
+    true = int(store.pages[seq.table_row + 1, 0])
+    store.pages[seq.table_row + 1, 0] = true + 1
+    return seq.table_row + 1, true
+
+
+async def test_the_integrity_check_compares_the_runners_block_tables_with_the_schedulers():
+    async with tiny_engine(num_blocks=64) as engine:
+        handle = engine.submit(PROMPT, n=3, max_new_tokens=40, ignore_eos=True)
+        checked = False
+        async for _ in handle:
+            if not checked and engine.stats().generated_tokens >= 9:
+                checked = True
+                engine.check_integrity()  # forked tables, copy-on-write and new pages sent
+                row, true = _corrupt_a_sent_entry(engine)
+                with pytest.raises(AssertionError, match="block-table row"):
+                    engine.check_integrity()  # after the step in flight
+                runner_of(engine).kv.tables.pages[row, 0] = true
+                engine.check_integrity()
+                handle.cancel()
+        await handle
+        assert checked
+
+
+async def test_a_block_table_check_behind_a_step_waiting_for_its_grammar_masks_fails_the_next_step():
+    # a step in flight whose grammar masks the loop has not handed out yet: the check cannot
+    # wait for it (the step waits for the loop), so it is queued behind it on the step thread
+    async with tiny_engine(num_blocks=64) as engine:
+        handle = engine.submit(PROMPT, regex="[ab]{300}", max_new_tokens=400)
+        steps = engine._steps
+
+        async def check_while_masks_are_pending() -> None:
+            while True:
+                await asyncio.sleep(0)
+                last = steps._last_launched
+                if engine.stats().generated_tokens >= 9 and last is not None and last.masks is not None:
+                    _corrupt_a_sent_entry(engine)
+                    engine.check_integrity()  # queued: does not raise here
+                    return
+
+        checker = asyncio.ensure_future(check_while_masks_are_pending())
+        with pytest.raises(acb.RequestFailedError, match="block-table row"):
+            await handle
+        assert checker.done() and steps._tables_check is None

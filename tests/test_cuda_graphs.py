@@ -6,13 +6,18 @@ and by benchmarks/gpu_check.py."""
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import acb
 from acb import attention, compiling, cuda_graphs
+from acb.block_tables import BlockTables
 from acb.cuda_graphs import DecodePadding, bucket_for, decode_buckets, padded_kv_pages
+from acb.packing import DeviceIds, Packed
+from acb.runner import ModelRunner
+from acb.step import StepInput
 from acb.testing import random_prompts, reference_greedy, runner_of, step_counts, tiny_model
 
 # ------------------------------------------------------------------ buckets and padding
@@ -49,23 +54,33 @@ def test_context_is_padded_to_the_kv_interval_in_whole_pages():
 
 def test_padding_rows_write_the_scratch_slot_and_read_one_zero_key():
     pad = DecodePadding(decode_buckets(16, 4), kv_interval=16, page_size=4, scratch_slot=99)
-    tokens, positions, slots, token_idx = [7, 8, 9], [10, 3, 20], [42, 13, 81], [0, 1, 2]
-    lengths, tables = [11, 4, 21], [[10, 11, 12], [3], [20, 21, 22, 23, 24, 25]]
-    width = pad.pad(tokens, positions, slots, token_idx, lengths, tables)
+    p = Packed(tokens=[7, 8, 9], positions=[10, 3, 20], token_rows=[0, 1, 2], decode_q=[0, 1, 2],
+               lengths=[11, 4, 21], table_rows=[0, 1, 2])
+    width = pad.pad(p.tokens, p.positions, p.decode_q, p.lengths, p.table_rows)
     assert width == 32  # 21 tokens -> 32 (two intervals of 16), 8 pages of 4
-    assert tokens == [7, 8, 9, cuda_graphs.PAD_TOKEN]
-    assert positions == [10, 3, 20, 0]
-    assert slots == [42, 13, 81, 99]
-    assert token_idx == [0, 1, 2, 3]
-    assert lengths == [11, 4, 21, 1]
-    assert tables[-1] == []  # the runner's page table fills it with the zero page
+    assert p.tokens == [7, 8, 9, cuda_graphs.PAD_TOKEN]
+    assert p.positions == [10, 3, 20, 0]
+    assert p.decode_q == [0, 1, 2, 3]
+    assert p.lengths == [11, 4, 21, 1]
+    assert p.table_rows == [0, 1, 2, -1]  # the empty row: the zero page
+    ids = DeviceIds(torch.device("cpu"))
+    tables = BlockTables(torch.device("cpu"), 4, 30, ids)
+    step = StepInput()
+    for row, pages in enumerate([[10, 11, 12], [3], [20, 21, 22, 23, 24, 25]]):
+        step.send_table(row, 0, pages)
+    tables.apply(step.delta_rows, step.delta_cols, step.delta_pages, step.delta_swa)
+    runner = SimpleNamespace(kv=SimpleNamespace(tables=tables, swa_layers=frozenset()), _tensor=ids,
+                             fast_paths=SimpleNamespace(decode_padding=pad))
+    slots, _ = ModelRunner._slots(runner, p, ids(p.positions))
+    assert slots.tolist() == [12 * 4 + 2, 3 * 4 + 3, 25 * 4, 99]  # the padding row: the scratch slot
+    assert tables.gather(ids(p.table_rows), ids(p.lengths), width)[-1].tolist() == [30] * 8
 
 
 def test_a_step_beyond_the_last_bucket_is_left_unpadded():
     pad = DecodePadding([1, 2], kv_interval=8, page_size=4, scratch_slot=99)
-    lists = ([1, 2, 3], [0, 0, 0], [5, 6, 7], [0, 1, 2], [1, 1, 1], [[1], [2], [3]])
+    lists = ([1, 2, 3], [0, 0, 0], [0, 1, 2], [1, 1, 1], [1, 2, 3])
     assert pad.pad(*lists) is None
-    assert lists[0] == [1, 2, 3] and lists[4] == [1, 1, 1]
+    assert lists[0] == [1, 2, 3] and lists[3] == [1, 1, 1]
 
 
 # ------------------------------------------------------------------ padded parity on CPU

@@ -10,6 +10,8 @@ import types
 import pytest
 import torch
 
+from acb.block_tables import BlockTables
+from acb.kv_store import KVStore
 from acb.packing import AttentionBuilder, DeviceIds, StepAttention, pack
 from acb.step import StepInput
 
@@ -25,31 +27,41 @@ def _step() -> StepInput:
     return step
 
 
-def _builder(kernel: str, sliding: bool = False) -> AttentionBuilder:
+def _tables(step: StepInput, sliding: bool = False) -> BlockTables:
+    """The runner's block-table store with ``step``'s deltas applied (zero pages 8 and 6)."""
+    tables = BlockTables(torch.device("cpu"), PS, 8, DeviceIds(torch.device("cpu")), 6 if sliding else None,
+                         rows=2, cols=1)  # small: applying grows it
+    tables.apply(step.delta_rows, step.delta_cols, step.delta_pages, step.delta_swa)
+    return tables
+
+
+def _builder(kernel: str, step: StepInput, sliding: bool = False) -> AttentionBuilder:
     caches = [torch.zeros(1, 9 * PS, 2)]
-    return AttentionBuilder(kernel, PS, DeviceIds(torch.device("cpu")), caches, caches, zero_page=8,
-                            sliding_layers=frozenset({0}) if sliding else frozenset(), sliding_zero_page=6)
+    return AttentionBuilder(kernel, PS, DeviceIds(torch.device("cpu")), caches, caches, _tables(step, sliding),
+                            sliding_layers=frozenset({0}) if sliding else frozenset())
 
 
-def test_pack_flattens_the_rows_and_finds_pages_written_for_the_first_time():
-    written = bytearray(8)
-    written[1] = 1  # page 1 was written by an earlier step
-    p = pack(_step(), PS, written)
+def _slots(builder: AttentionBuilder, p, sliding: bool = False) -> torch.Tensor:
+    return builder.tables.slots(torch.tensor(p.token_rows), torch.tensor(p.positions), sliding)
+
+
+def test_pack_flattens_the_rows_and_the_store_places_their_tokens():
+    step = _step()
+    p = pack(step)
     assert p.tokens == [5, 6, 7, 8, 9, 11, 12, 13]
     assert p.positions == [0, 1, 2, 3, 4, 6, 4, 5]
-    assert p.slots == [12, 13, 14, 15, 4, 7 * PS + 2, 6 * PS, 6 * PS + 1]
+    assert p.token_rows == [0, 0, 0, 0, 0, 2, 3, 3]
+    assert _slots(_builder("torch", step), p).tolist() == [12, 13, 14, 15, 4, 7 * PS + 2, 6 * PS, 6 * PS + 1]
     assert p.keep == [4, 4, 5]  # the prompt's last token, the fork (the same row), the decode row
     assert (p.carry_pos, p.carry_src) == ([5], [0])
-    assert p.fresh == [3, 7, 6] and all(written[page] for page in (1, 3, 6, 7))
-    assert (p.decode_q, p.lengths, p.tables) == ([5], [7], [[4, 7]])
-    assert p.prefill_rows == [(0, 5, 0), (6, 2, 4)]
-    assert p.swa_slots == [] and p.swa_tables == [None]  # no sliding pool asked for
+    assert (p.decode_q, p.lengths, p.table_rows) == ([5], [7], [2])
+    assert p.prefill_rows == [(0, 5, 0), (6, 2, 4)] and p.prefill_table_rows == [0, 3]
 
 
-def test_pack_places_the_sliding_pool_on_hybrid_models():
-    p = pack(_step(), PS, bytearray(8), bytearray(6))
-    assert p.swa_slots == [0, 1, 2, 3, 2 * PS, 3 * PS + 2, 5 * PS, 5 * PS + 1]
-    assert p.swa_tables == [[1, 3]] and p.swa_prefill_tables == [[0, 2], [4, 5]]
+def test_the_sliding_pool_places_tokens_from_its_own_table():
+    step = _step()
+    builder = _builder("torch", step, sliding=True)
+    assert _slots(builder, pack(step), sliding=True).tolist() == [0, 1, 2, 3, 2 * PS, 3 * PS + 2, 5 * PS, 5 * PS + 1]
 
 
 def _modules_in(meta: StepAttention) -> list[str]:
@@ -64,8 +76,9 @@ def _modules_in(meta: StepAttention) -> list[str]:
 
 
 def test_native_metadata_names_its_path_and_batches_the_fresh_prompts():
-    p = pack(_step(), PS, bytearray(8))
-    meta = _builder("native").build(p, torch.tensor(p.slots), width=7, padded=False, max_decode_blocks=None)
+    step = _step()
+    p = pack(step)
+    meta = _builder("native", step).build(p, torch.zeros(8), None, width=7, padded=False, max_decode_blocks=None)
     assert meta.kernel == "native" and meta.decode.kernel == "native" and _modules_in(meta) == []
     assert meta.decode.valid is None  # masks are PyTorch's path's only
     assert meta.fresh_spans.tolist() == [[0, 5, 0, 0]]
@@ -79,24 +92,56 @@ def test_native_metadata_names_its_path_and_batches_the_fresh_prompts():
 
 
 def test_a_decode_table_wider_than_max_decode_blocks_takes_pytorchs_path():
-    p = pack(_step(), PS, bytearray(8))
-    meta = _builder("native").build(p, torch.tensor(p.slots), width=7, padded=False, max_decode_blocks=1)
+    step = _step()
+    p = pack(step)
+    meta = _builder("native", step).build(p, torch.zeros(8), None, width=7, padded=False, max_decode_blocks=1)
     assert meta.kernel == "native" and meta.decode.kernel == "torch"
     assert meta.decode.valid.tolist() == [[[True] * 7 + [False]]]
     assert meta.decode.q_pos.tolist() == [[6]]
 
 
 def test_the_sliding_pool_is_built_beside_the_full_one():
-    p = pack(_step(), PS, bytearray(8), bytearray(6))
-    meta = _builder("torch", sliding=True).build(p, torch.tensor(p.slots), width=7, padded=False,
-                                                 max_decode_blocks=None)
+    step = _step()
+    p = pack(step)
+    builder = _builder("torch", step, sliding=True)
+    swa_slots = _slots(builder, p, sliding=True)
+    meta = builder.build(p, _slots(builder, p), swa_slots, width=7, padded=False, max_decode_blocks=None)
     assert meta.sliding_layers == frozenset({0})
-    assert meta.sliding.slot_mapping.tolist() == p.swa_slots
+    assert meta.sliding.slot_mapping is swa_slots
     assert meta.sliding.decode_pages.tolist() == [[1, 3]] and meta.pool.decode_pages.tolist() == [[4, 7]]
     assert meta.sliding.context_pages[1].tolist() == [[4, 5]]
     assert meta.fresh_spans is None and all(span.kernel_row is None for span in meta.prefills)  # not "native"
 
 
-def test_recycled_entries_and_padding_read_the_pools_zero_page():
+def test_recycled_entries_padding_and_entries_past_a_rows_length_read_the_zero_page():
+    step = StepInput()
+    step.send_table(0, 0, [-1, 3], [-1, 1])  # a page recycled behind a sliding window
+    step.send_table(1, 0, [5, 2, 7], [0, 4, 5])  # its last two entries: an earlier owner's, or beyond its length
+    tables = _tables(step, sliding=True)
+    rows, lengths = torch.tensor([0, 1, -1]), torch.tensor([8, 3, 1])  # -1: a decode padding row
+    assert tables.gather(rows, lengths, 12).tolist() == [[8, 3, 8], [5, 8, 8], [8, 8, 8]]
+    assert tables.gather(rows, lengths, 12, sliding=True).tolist() == [[6, 1, 6], [0, 6, 6], [6, 6, 6]]
+    assert tables.gather(rows, lengths, 24).shape == (3, 6)  # wider than the store: it grows
+    tables.check([(0, [-1, 3], [-1, 1]), (1, [5, 2, 7], [0, 4, 5])])
+    with pytest.raises(AssertionError, match="block-table row 1"):
+        tables.check([(1, [5, 2, 6], None)])  # an entry changed but never sent
+
+
+def test_a_steps_deltas_zero_the_pages_they_bring_in_once():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                         num_key_value_heads=1, head_dim=8, intermediate_size=8)
     ids = DeviceIds(torch.device("cpu"))
-    assert ids.table([[-1, 3], [5]], 12, PS, zero=8).tolist() == [[8, 3, 8], [5, 8, 8]]
+    kv = KVStore(config, torch.float32, torch.device("cpu"), num_pages=4, page_size=PS, to_device=ids)
+    for cache in kv.k_cache + kv.v_cache:
+        cache[:, : 4 * PS].fill_(float("nan"))  # never-written memory may hold anything
+    kv.zeroed[1] = 1  # page 1 was written before
+    kv.k_cache[0][:, PS : 2 * PS] = 7.0
+    step = StepInput()
+    step.add_row([1, 2, 3, 4, 5], 0, [2, 1])
+    kv.update_tables(step)
+    assert kv.zeroed == bytearray([0, 1, 1, 0])
+    assert kv.k_cache[0][:, 2 * PS : 3 * PS].eq(0).all() and kv.k_cache[0][:, PS : 2 * PS].eq(7).all()
+    assert kv.k_cache[0][:, :PS].isnan().all()  # not in any table: untouched
+    kv.tables.check([(0, [2, 1], None)])

@@ -25,6 +25,69 @@ def _finish_step(sched, plan, rng=None, eos_p=0.0):
     return [seq for seq, _ in sched.update(plan, StepOutput(tokens, None)).finished()]
 
 
+class _TableStore:
+    """What the runner's block-table store does with a plan's deltas (acb.block_tables),
+    in plain Python: the scheduler's tests check the deltas without torch."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, dict[int, int]] = {}
+        self.swa: dict[int, dict[int, int]] = {}
+
+    def apply(self, plan) -> None:
+        inp = plan.input
+        for k, (row, col, page) in enumerate(zip(inp.delta_rows, inp.delta_cols, inp.delta_pages, strict=True)):
+            self.rows.setdefault(row, {})[col] = page
+            if inp.delta_swa:
+                self.swa.setdefault(row, {})[col] = inp.delta_swa[k]
+
+    def check(self, sched, plan, page_size: int) -> None:
+        """Every row of ``plan`` reads, from its store row, the pages its sequence's tables
+        hold for the row's positions (what steps carried whole before deltas); and the
+        store holds what the scheduler says it sent."""
+        inp = plan.input
+        for i, (seq, count) in enumerate(zip(plan.seqs, inp.counts(), strict=True)):
+            npages = -(-(inp.starts[i] + count) // page_size)
+            if count:
+                row = inp.table_rows[i]
+                assert row == seq.table_row >= 0
+                assert [self.rows[row][c] for c in range(npages)] == seq.block_table[:npages]
+                if sched.kv_swa is not None:
+                    assert [self.swa[row][c] for c in range(npages)] == seq.swa_table[:npages]
+        for row, pages, swa_pages in sched.sent_tables():
+            assert [self.rows.get(row, {}).get(c) for c in range(len(pages))] == pages
+            if swa_pages is not None:
+                assert [self.swa.get(row, {}).get(c) for c in range(len(swa_pages))] == swa_pages
+
+
+def test_rows_send_only_the_block_table_entries_that_changed():
+    kv = KVCacheManager(64, 4)
+    s = Scheduler(kv, max_batch_tokens=100, max_requests=8)
+    a, b = _seq(0, 6, max_new=8), _seq(1, 3, max_new=8)
+    s.add(a)
+    s.add(b)
+    store = _TableStore()
+    sent = []
+    for _ in range(6):
+        plan = s.schedule()
+        store.apply(plan)
+        store.check(s, plan, 4)
+        sent.append(plan.input.tables())
+        _finish_step(s, plan)
+    assert (a.table_row, b.table_row) == (0, 1)
+    assert sent[0] == {0: ({0: a.block_table[0], 1: a.block_table[1]}, {}), 1: ({0: b.block_table[0]}, {})}
+    # decode rows: nothing, until a row's next token starts a page
+    assert sent[1] == {} and sent[2] == {1: ({1: b.block_table[1]}, {})}
+    assert sent[3] == {0: ({2: a.block_table[2]}, {})} and sent[4] == sent[5] == {}
+    a_row = a.table_row
+    s.finish(a)  # its row goes back, and the next sequence to run takes it, sending its table whole
+    c = _seq(2, 5)
+    s.add(c)
+    plan = s.schedule()
+    store.apply(plan)
+    store.check(s, plan, 4)
+    assert c.table_row == a_row and plan.input.tables()[a_row] == ({0: c.block_table[0], 1: c.block_table[1]}, {})
+
+
 def test_budget_splits_a_long_prompt_into_chunks():
     kv = KVCacheManager(64, 4)
     s = Scheduler(kv, max_batch_tokens=10, max_requests=8)
@@ -125,6 +188,7 @@ def test_random_workloads_finish_without_leaking_pages(seed, num_pages, budget, 
     capacity = num_pages * page_size
     seqs = []
     pending = None
+    store = _TableStore()
     for step in range(2000):
         if len(seqs) < 12 and rng.random() < 0.3:
             n = rng.randint(1, 20)
@@ -141,6 +205,9 @@ def test_random_workloads_finish_without_leaking_pages(seed, num_pages, budget, 
         plan = s.schedule() if s.has_work() else None
         if plan is not None and policy == "priority":
             _check_priority_order(s, plan, waiting_before)
+        if plan is not None:  # the runner applies each plan's block-table deltas, in order
+            store.apply(plan)
+            store.check(s, plan, page_size)
         # with overlap, step N's tokens are processed after step N+1 is planned
         if overlap:
             if pending is not None:

@@ -189,8 +189,8 @@ def test_non_dividing_size_is_refused_before_any_rank_starts():
 
 def _columns(step: StepInput) -> dict:
     return {name: getattr(step, name) for name in ("starts", "carry_from", "sample", "token_ids", "token_offsets",
-                                                   "pages", "page_offsets", "swa_pages", "swa_offsets", "plain",
-                                                   "refresh")} | {
+                                                   "table_rows", "delta_rows", "delta_cols", "delta_pages",
+                                                   "delta_swa", "plain", "refresh")} | {
         name: getattr(step, name).entries() for name in ("swap_out", "swap_in", "copy_pages", "copy_swa_pages")}
 
 
@@ -198,8 +198,10 @@ def test_step_input_packs_into_one_int32_tensor_and_back_with_carried_tokens_wri
     step = StepInput(refresh=True)
     step.add_row([5, 6, 7], 0, [3], swa_pages=[2])
     step.add_row([9, 0], 16, [1, 4, 2], carry_from=1, swa_pages=[-1, 4, 5])
-    step.add_row([0], 30, [8, -1, 2, 6], carry_from=0, sample=False)
-    step.add_row([], 31, [8, -1, 2, 6])  # a forked choice: no tokens
+    step.add_table_row([0], 30, table_row=7, carry_from=0, sample=False)  # its table as sent before
+    step.send_table(7, 2, [2, 6], [0, 1])  # a page replaced (copy-on-write) and a new one
+    step.add_table_row([], 31, table_row=8)  # a forked choice: no tokens
+    step.send_table(8, 0, [8, -1, 2, 6], [-1, -1, 0, 1])
     step.swap_out.add(3, 1)
     step.swap_in.add(0, 7, 2)
     step.copy_pages.add(5, 9)
@@ -208,7 +210,10 @@ def test_step_input_packs_into_one_int32_tensor_and_back_with_carried_tokens_wri
     assert packed.dtype == torch.int32 and packed.dim() == 1
     back = protocol.unpack_step(packed)
     assert _columns(back) == _columns(step) and back.sampling is None
-    assert back.counts() == [3, 2, 1, 0] and back.row_pages(2) == [8, -1, 2, 6] and back.row_swa_pages(1) == [-1, 4, 5]
+    assert back.counts() == [3, 2, 1, 0] and back.table_rows == [0, 1, 7, 8]
+    tables = back.tables()
+    assert tables[7] == ({2: 2, 3: 6}, {2: 0, 3: 1}) and tables[1] == ({0: 1, 1: 4, 2: 2}, {0: -1, 1: 4, 2: 5})
+    assert tables[8][0] == {0: 8, 1: -1, 2: 2, 3: 6}
     # what rank 0 broadcasts: the placeholders of carried tokens replaced by the sampled ids
     positions, sources = protocol.carried_positions(step)
     assert sources == [1, 0] and [int(packed[p]) for p in positions] == [0, 0]

@@ -5,11 +5,13 @@ ints of its own::
 
     op, length (of the whole message), then the packed step (OP_STEP only)
 
-The packed step: a header (rows, tokens, pages, sliding pages, swap-outs, swap-ins,
-copies, sliding copies, flags), then the columns of ``acb.step.StepInput``: starts,
-carry sources, sample flags, the three offset columns (rows + 1 each), token ids, pages,
-sliding pages, and the page moves (src, dst, swa columns of each). Its sampling batch
-and prompt-logprob rows stay on rank 0.
+The packed step: a header (rows, tokens, block-table deltas, sliding deltas, swap-outs,
+swap-ins, copies, sliding copies, flags), then the columns of ``acb.step.StepInput``:
+starts, carry sources, sample flags, block-table rows, token offsets (rows + 1), token
+ids, the block-table deltas (rows, columns, pages, sliding pages), and the page moves
+(src, dst, swa columns of each). Page tables travel as deltas only: each rank's
+block-table store (``acb.block_tables``) applies them, as rank 0's does. Its sampling
+batch and prompt-logprob rows stay on rank 0.
 
 A token that rank 0 carries over from the previous step's sampling (it never reached
 the host) is written into the message from rank 0's sampled ids, on its device, so the
@@ -33,10 +35,10 @@ STEP_HEADER = 9  # the packed step's own header
 def pack_step(step: StepInput) -> torch.Tensor:
     """``step`` (not its sampling batch) as one flat int32 tensor on the host."""
     moves = (step.swap_out, step.swap_in, step.copy_pages, step.copy_swa_pages)
-    header = [step.num_rows, len(step.token_ids), len(step.pages), len(step.swa_pages),
+    header = [step.num_rows, len(step.token_ids), len(step.delta_rows), len(step.delta_swa),
               *(len(m) for m in moves), step.plain | step.refresh << 1]
-    flat = header + step.starts + step.carry_from + step.sample + step.token_offsets + step.page_offsets \
-        + step.swa_offsets + step.token_ids + step.pages + step.swa_pages
+    flat = header + step.starts + step.carry_from + step.sample + step.table_rows + step.token_offsets \
+        + step.token_ids + step.delta_rows + step.delta_cols + step.delta_pages + step.delta_swa
     for m in moves:
         flat += m.src + m.dst + m.swa
     return torch.tensor(flat, dtype=torch.int32)
@@ -46,7 +48,7 @@ def carried_positions(step: StepInput) -> tuple[list[int], list[int]]:
     """(positions in :func:`pack_step`'s tensor of ``step``'s carried placeholder ids,
     their indexes into the previous step's sampled ids): the sender writes them in on
     the device."""
-    base = STEP_HEADER + 6 * step.num_rows + 3
+    base = STEP_HEADER + 5 * step.num_rows + 1
     o = step.token_offsets
     rows = [i for i, c in enumerate(step.carry_from) if c >= 0]
     return [base + o[i + 1] - 1 for i in rows], [step.carry_from[i] for i in rows]
@@ -55,12 +57,12 @@ def carried_positions(step: StepInput) -> tuple[list[int], list[int]]:
 def unpack_step(packed: torch.Tensor | list[int]) -> StepInput:
     """The step :func:`pack_step` made (its sampling batch None)."""
     flat = packed.tolist() if hasattr(packed, "tolist") else list(packed)
-    rows, n_tokens, n_pages, n_swa, n_out, n_in, n_copy, n_copy_swa, flags = flat[:STEP_HEADER]
+    rows, n_tokens, n_deltas, n_swa, n_out, n_in, n_copy, n_copy_swa, flags = flat[:STEP_HEADER]
     it = _Cursor(flat, STEP_HEADER)
     step = StepInput(starts=it.take(rows), carry_from=it.take(rows), sample=[bool(s) for s in it.take(rows)],
-                     token_offsets=it.take(rows + 1), page_offsets=it.take(rows + 1),
-                     swa_offsets=it.take(rows + 1), token_ids=it.take(n_tokens), pages=it.take(n_pages),
-                     swa_pages=it.take(n_swa), plain=bool(flags & 1), refresh=bool(flags & 2))
+                     table_rows=it.take(rows), token_offsets=it.take(rows + 1), token_ids=it.take(n_tokens),
+                     delta_rows=it.take(n_deltas), delta_cols=it.take(n_deltas), delta_pages=it.take(n_deltas),
+                     delta_swa=it.take(n_swa), plain=bool(flags & 1), refresh=bool(flags & 2))
     step.swap_out, step.swap_in, step.copy_pages, step.copy_swa_pages = (
         PageMoves(it.take(n), it.take(n), it.take(n)) for n in (n_out, n_in, n_copy, n_copy_swa))
     return step
