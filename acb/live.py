@@ -28,7 +28,7 @@ class LiveRequest:
     __slots__ = ("request_id", "seq", "params", "mailbox", "future", "detok", "stopper",
                  "text_parts", "logprobs", "top_logprobs", "metrics", "finish_reason",
                  "controlled", "penalized", "min_length_banned", "matcher", "group", "index",
-                 "deadline", "prompt_sink", "reasoning", "reasoning_parts")
+                 "deadline", "prompt_sink", "reasoning", "reasoning_parts", "plain")
 
     def __init__(self, request_id: str, seq: Sequence, params: SamplingParams,
                  mailbox: Mailbox | None, future: Outcome, tokenizer, matcher: Any = None):
@@ -63,6 +63,9 @@ class LiveRequest:
             tail = tokenizer.decode(seq.prompt_ids[-8:], skip_special_tokens=False)
             self.reasoning = ReasoningSplitter(p.reasoning_parser, prompt_opens_reasoning(tail))
             self.reasoning_parts = []
+        # a token of its that does not end it is text to its mailbox and nothing else: no grammar,
+        # stop strings, logprobs or reasoning parser (Outputs.deliver's shortcut)
+        self.plain = not (matcher or p.stop or p.logprobs or p.top_logprobs or self.reasoning is not None)
 
     @classmethod
     def create(cls, request_id: str, prompt_ids: list[int], params: SamplingParams, mailbox: Mailbox | None,

@@ -87,13 +87,24 @@ class Outputs:
     def deliver(self, update: StepUpdate, out: StepOutput) -> None:
         """Turn the tokens ``Scheduler.update`` took into their requests' text and chunks."""
         now = time.monotonic()
+        live = self.live
+        ids = out.token_ids
         for seq, j, reason in zip(update.seqs, update.samples, update.reasons, strict=True):
-            req = self.live.get(seq.seq_id)
+            req = live.get(seq.seq_id)
             if req is None:  # ended by an earlier row of this step (a failed choice fails its request)
                 continue
+            if reason is None and req.plain:  # what on_token does with such a token, in short
+                m = req.metrics
+                m.last_token_time = now
+                if m.first_token_time is None:
+                    m.first_token_time = now
+                text = req.detok.step() if req.detok is not None else ""
+                req.text_parts.append(text)
+                if req.mailbox is not None:
+                    req.mailbox.put([ids[j]], text, None)
+                continue
             top = (out.top_ids[j], out.top_logprobs[j]) if out.top_ids is not None else None
-            self.on_token(req, out.token_ids[j], out.logprobs[j] if out.logprobs is not None else None, top,
-                          reason, now)
+            self.on_token(req, ids[j], out.logprobs[j] if out.logprobs is not None else None, top, reason, now)
 
     def on_token(self, req: LiveRequest, token: int, logprob: float | None,
                  top: tuple[list[int], list[float]] | None = None, finish: str | None = None,
