@@ -83,6 +83,7 @@ class LoraBank:
         # views[layer][proj][slot]: (A [r, in], B [out, r], scaling) of the adapter in that slot, or None
         self.views = [{p: [None] * max_adapters for p in TARGETS} for _ in range(self.layers)]
         self.active = [False] * max_adapters
+        self.scaling = [0.0] * max_adapters  # each slot's adapter's scaling
         self._alloc = threading.Lock()
         self._hooks: list = []
 
@@ -93,6 +94,9 @@ class LoraBank:
         self._allocate()
         r = adapter.rank
         views = {}
+        for sa, sb in self.stacks.values():  # what an earlier adapter left there: the batched path reads
+            sa[slot].zero_()  # every rank row and every projection of the slots it runs
+            sb[slot].zero_()
         for (layer, proj), (a, b) in adapter.weights.items():
             sa, sb = self.stacks[(layer, proj)]
             sa[slot, :r].copy_(a)
@@ -117,6 +121,7 @@ class LoraBank:
         for layer in range(self.layers):
             for proj in TARGETS:
                 self.views[layer][proj][slot] = views.get((layer, proj))
+        self.scaling[slot] = next(iter(views.values()))[2]
         self.active[slot] = True
 
     def deactivate(self, slot: int) -> None:
@@ -143,11 +148,27 @@ class LoraBank:
             return None  # only forked rows of no tokens
         if all(idx[-1] - idx[0] + 1 == len(idx) for idx in rows.values()):  # (ascending, no repeats)
             return StepLora(self.views, [(slot, idx[0], idx[-1] + 1) for slot, idx in rows.items()], None)
+        widest = max(len(idx) for idx in rows.values())
+        if len(rows) > 1 and self.max_adapters * widest <= 2 * sum(map(len, rows.values())) + 64:
+            return self._batched(rows, widest, to_device)
         groups, perm = [], []
         for slot, idx in rows.items():  # the rows gathered group after group: each a contiguous run there
             groups.append((slot, len(perm), len(perm) + len(idx)))
             perm += idx
         return StepLora(self.views, groups, to_device(perm))
+
+    def _batched(self, rows: dict[int, list[int]], widest: int, to_device) -> StepLora:
+        """Interleaved rows of several adapters (decode rows): every slot's rows padded to
+        ``widest`` and run as one batched GEMM pair over the whole stack, the padding and the
+        slots this step does not run masked to zero (punica's BGMV, with PyTorch's bmm)."""
+        param = next(iter(self.stacks.values()))[0]
+        index = [0] * (self.max_adapters * widest)  # padding: row 0, its contribution masked to 0
+        mask = torch.zeros(self.max_adapters, widest, 1, dtype=param.dtype)
+        for slot, idx in rows.items():
+            index[slot * widest: slot * widest + len(idx)] = idx
+            mask[slot, : len(idx)] = self.scaling[slot]
+        return StepLora(self.views, [(slot, 0, 0) for slot in rows], to_device(index),
+                        batched=(self.stacks, mask.to(param.device), widest))
 
     # ------------------------------------------------------------------ transformers' forward
     def install_hooks(self) -> None:
@@ -180,17 +201,21 @@ class StepLora:
     packed rows themselves (``perm`` None: each adapter's rows are one run there) or in the
     rows gathered by ``perm`` (they interleave: decode rows of different adapters)."""
 
-    __slots__ = ("views", "groups", "perm", "threads", "_gathered")
+    __slots__ = ("views", "groups", "perm", "threads", "batched", "_gathered")
 
     # Below this many adapter rows the LoRA GEMMs run on one thread: for [rows, in] x [in, r]
     # the OpenMP fork/join costs more than the work (measured: benchmarks/adapters.py)
     SINGLE_THREAD_ROWS = 256
 
-    def __init__(self, views: list, groups: list[tuple[int, int, int]], perm: torch.Tensor | None) -> None:
+    def __init__(self, views: list, groups: list[tuple[int, int, int]], perm: torch.Tensor | None,
+                 batched: tuple | None = None) -> None:
         self.views = views
         self.groups = groups
         self.perm = perm
-        rows = groups[-1][2] if perm is not None else sum(hi - lo for _, lo, hi in groups)
+        # (stacks, mask [max_adapters, widest, 1]: each slot's scaling on its rows, else 0, widest):
+        # ``perm`` then gathers every slot's rows padded to ``widest``
+        self.batched = batched
+        rows = len(perm) if perm is not None else sum(hi - lo for _, lo, hi in groups)
         self.threads = 1 if rows < self.SINGLE_THREAD_ROWS else 0  # 0: as many as the process uses
         self._gathered: tuple = (None, None, None)  # (input, its data_ptr and shape, its gathered rows)
 
@@ -209,6 +234,9 @@ class StepLora:
                         y[lo:hi].addmm_(F.linear(x[lo:hi], a), b.t(), alpha=scaling)
                 return
             xs = self._gather(x)
+            if self.batched is not None:
+                self._add_batched(y, xs, layer, proj)
+                return
             delta = y.new_empty(xs.shape[0], y.shape[1])
             for slot, lo, hi in self.groups:
                 if views[slot] is None:
@@ -220,6 +248,16 @@ class StepLora:
         finally:
             if threads:
                 torch.set_num_threads(threads)
+
+    def _add_batched(self, y: torch.Tensor, xs: torch.Tensor, layer: int, proj: str) -> None:
+        views = self.views[layer][proj]
+        if all(views[slot] is None for slot, _, _ in self.groups):
+            return
+        stacks, mask, widest = self.batched
+        a, b = stacks[(layer, proj)]  # [slots, rank, in], [slots, out, rank]
+        h = torch.bmm(xs.view(a.shape[0], widest, -1), a.transpose(1, 2))
+        h.mul_(mask)
+        y.index_add_(0, self.perm, torch.bmm(h, b.transpose(1, 2)).view(-1, y.shape[1]))
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         """``x``'s adapter rows, gathered once for the projections that share it (q/k/v,

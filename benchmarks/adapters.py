@@ -11,6 +11,8 @@ EOS ignored, all submitted at once, a cold prefix cache):
 - ``base``: no request names an adapter;
 - ``one``: every request runs the same adapter;
 - ``eight``: request i runs adapter i % 8;
+- ``eight_all_threads``: the same with the LoRA GEMMs on every thread (acb runs them on one
+  below 256 adapter rows a step, ``StepLora.SINGLE_THREAD_ROWS``);
 - ``base`` again at the end (the machine's drift between the first and the last run).
 
 Then ``load``: the base workload again while, after a quarter of its tokens, an adapter
@@ -128,6 +130,7 @@ async def load_while_serving(engine, w, folder: str) -> dict:
 
 async def main_async(args) -> dict:
     import acb
+    from acb.lora import StepLora
 
     w = workloads.build("standard", args.workload_file, args.limit, 2.0)
     model, tok = load_smollm2()
@@ -142,8 +145,10 @@ async def main_async(args) -> dict:
         out["load_8_from_memory_s"] = time.perf_counter() - t
         await engine.generate_batch(w.prompts, max_new_tokens=2, ignore_eos=True)  # warm-up, every length class
         await engine.generate_batch(w.prompts[:8], max_new_tokens=2, ignore_eos=True, adapter="a0")
-        for label, names in (("base", [None]), ("one", ["a0"]), ("eight", [f"a{i}" for i in range(8)]),
-                             ("base_again", [None])):
+        eight = [f"a{i}" for i in range(8)]
+        for label, names, single_rows in (("base", [None], 256), ("one", ["a0"], 256), ("eight", eight, 256),
+                                          ("eight_all_threads", eight, 0), ("base_again", [None], 256)):
+            StepLora.SINGLE_THREAD_ROWS = single_rows  # 0: the LoRA GEMMs on every thread, whatever the rows
             res = await run(engine, w, names)
             res.pop("_stamps")
             res.pop("_itl")
@@ -159,9 +164,11 @@ async def main_async(args) -> dict:
     base = (out["runs"]["base"]["tok_per_s"] + out["runs"]["base_again"]["tok_per_s"]) / 2
     out["cost_one"] = 1 - out["runs"]["one"]["tok_per_s"] / base
     out["cost_eight"] = 1 - out["runs"]["eight"]["tok_per_s"] / base
+    out["cost_eight_all_threads"] = 1 - out["runs"]["eight_all_threads"]["tok_per_s"] / base
     out["load_end"] = os.getloadavg()
     lo = out["load"]
-    print(f"cost: one adapter {100 * out['cost_one']:.1f} %, eight {100 * out['cost_eight']:.1f} % (against the "
+    print(f"cost: one adapter {100 * out['cost_one']:.1f} %, eight {100 * out['cost_eight']:.1f} % "
+          f"(all threads {100 * out['cost_eight_all_threads']:.1f} %) (against the "
           f"mean of both base runs); load while serving {lo['load_s']:.2f} s, ITL during it p50 "
           f"{1e3 * (lo['itl_during_load_p50_s'] or 0):.0f} ms max {1e3 * (lo['itl_during_load_max_s'] or 0):.0f} ms, "
           f"before it p50 {1e3 * lo['itl_before_load_p50_s']:.0f} ms; load avg {out['load_start']} -> "

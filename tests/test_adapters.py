@@ -240,3 +240,22 @@ def test_engines_that_cannot_run_adapters_name_the_setting(fields, name):
     from acb import lora
 
     assert name.split("_size")[0] in lora.why_not(tiny_model("llama"), acb.EngineConfig(**fields))
+
+
+async def test_a_reused_slot_holds_only_its_new_adapter():
+    """Unloaded, a rank-8 adapter on every projection leaves its slot to a rank-2 one on q/v only:
+    nothing of the first remains in the batched path's view of the whole stack."""
+    big = peft_model("llama", seed=1, r=8)
+    small = peft_model("llama", seed=2, r=2, targets=["q_proj", "v_proj"])
+    other = peft_model("llama", seed=3)
+    prompts = random_prompts(4, 5, 12, seed=17)
+    names = ["small", "other", "small", "other"]
+    async with acb.Engine(tiny_model("llama"), config=config(max_adapters=2, max_adapter_rank=8)) as engine:
+        await engine.load_adapter(big, "big")
+        await engine.unload_adapter("big")
+        await engine.load_adapter(small, "small")  # the big one's slot
+        await engine.load_adapter(other, "other")
+        results = await asyncio.gather(*(engine.generate(p, adapter=n, max_new_tokens=8, ignore_eos=True)
+                                         for p, n in zip(prompts, names)))
+    models = {"small": small, "other": other}
+    assert [r.token_ids for r in results] == [reference_greedy(models[n], p, 8) for p, n in zip(prompts, names)]
