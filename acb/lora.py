@@ -138,26 +138,36 @@ class LoraBank:
         if not slots or max(slots) < 0:
             return None
         offsets = step.token_offsets
-        rows: dict[int, list[int]] = {}
+        runs: list[tuple[int, int, int]] = []  # (slot, lo, hi): a row of many tokens (a prompt chunk)
+        rows: dict[int, list[int]] = {}  # slot -> its rows of few tokens (decode rows)
         for i, slot in enumerate(slots):
-            if slot >= 0 and offsets[i + 1] > offsets[i]:
-                if not self.active[slot]:
-                    raise RuntimeError(f"a row runs LoRA slot {slot}, which holds no adapter")
-                rows.setdefault(slot, []).extend(range(offsets[i], offsets[i + 1]))
-        if not rows:
+            lo, hi = offsets[i], offsets[i + 1]
+            if slot < 0 or hi == lo:
+                continue
+            if not self.active[slot]:
+                raise RuntimeError(f"a row runs LoRA slot {slot}, which holds no adapter")
+            if hi - lo >= StepLora.RUN_ROWS:
+                runs.append((slot, lo, hi))
+            else:
+                rows.setdefault(slot, []).extend(range(lo, hi))
+        for slot, idx in list(rows.items()):
+            if idx[-1] - idx[0] + 1 == len(idx):  # one run after all (ascending, no repeats)
+                runs.append((slot, idx[0], idx[-1] + 1))
+                del rows[slot]
+        if not runs and not rows:
             return None  # only forked rows of no tokens
-        if all(idx[-1] - idx[0] + 1 == len(idx) for idx in rows.values()):  # (ascending, no repeats)
-            return StepLora(self.views, [(slot, idx[0], idx[-1] + 1) for slot, idx in rows.items()], None)
+        if not rows:
+            return StepLora(self.views, runs)
         widest = max(len(idx) for idx in rows.values())
         if len(rows) > 1 and self.max_adapters * widest <= 2 * sum(map(len, rows.values())) + 64:
-            return self._batched(rows, widest, to_device)
+            return self._batched(runs, rows, widest, to_device)
         groups, perm = [], []
         for slot, idx in rows.items():  # the rows gathered group after group: each a contiguous run there
             groups.append((slot, len(perm), len(perm) + len(idx)))
             perm += idx
-        return StepLora(self.views, groups, to_device(perm))
+        return StepLora(self.views, runs, groups, to_device(perm))
 
-    def _batched(self, rows: dict[int, list[int]], widest: int, to_device) -> StepLora:
+    def _batched(self, runs: list, rows: dict[int, list[int]], widest: int, to_device) -> StepLora:
         """Interleaved rows of several adapters (decode rows): every slot's rows padded to
         ``widest`` and run as one batched GEMM pair over the whole stack, the padding and the
         slots this step does not run masked to zero (punica's BGMV, with PyTorch's bmm)."""
@@ -167,7 +177,7 @@ class LoraBank:
         for slot, idx in rows.items():
             index[slot * widest: slot * widest + len(idx)] = idx
             mask[slot, : len(idx)] = self.scaling[slot]
-        return StepLora(self.views, [(slot, 0, 0) for slot in rows], to_device(index),
+        return StepLora(self.views, runs, [(slot, 0, 0) for slot in rows], to_device(index),
                         batched=(self.stacks, mask.to(param.device), widest))
 
     # ------------------------------------------------------------------ transformers' forward
@@ -197,42 +207,48 @@ def _hook(layer: int, proj: str, module: torch.nn.Module, args: tuple, out: torc
 
 
 class StepLora:
-    """One step's adapters: per slot, a contiguous run ``lo:hi`` of its token rows, in the
-    packed rows themselves (``perm`` None: each adapter's rows are one run there) or in the
-    rows gathered by ``perm`` (they interleave: decode rows of different adapters)."""
+    """One step's adapters: ``runs``, rows of many tokens (prompt chunks) or an adapter's
+    rows that are one run of the packed rows, computed in place on their slices; and the
+    rest, rows of few tokens (decode rows) of interleaved adapters, gathered by ``perm``:
+    ``groups`` gives each slot's run of the gathered rows, or with ``batched`` every slot
+    is padded to the same width and all run as one batched GEMM pair."""
 
-    __slots__ = ("views", "groups", "perm", "threads", "batched", "_gathered")
+    __slots__ = ("views", "runs", "groups", "perm", "batched", "run_threads", "threads", "_gathered")
 
-    # Below this many adapter rows the LoRA GEMMs run on one thread: for [rows, in] x [in, r]
-    # the OpenMP fork/join costs more than the work (measured: benchmarks/adapters.py)
+    # Below this many rows the LoRA GEMMs run on one thread: for [rows, in] x [in, r] the
+    # OpenMP fork/join costs more than the work (measured: benchmarks/adapters.py)
     SINGLE_THREAD_ROWS = 256
+    RUN_ROWS = 16  # a row of at least this many tokens is computed on its own slice
 
-    def __init__(self, views: list, groups: list[tuple[int, int, int]], perm: torch.Tensor | None,
-                 batched: tuple | None = None) -> None:
+    def __init__(self, views: list, runs: list[tuple[int, int, int]], groups: list[tuple[int, int, int]] = (),
+                 perm: torch.Tensor | None = None, batched: tuple | None = None) -> None:
         self.views = views
+        self.runs = runs
         self.groups = groups
         self.perm = perm
         # (stacks, mask [max_adapters, widest, 1]: each slot's scaling on its rows, else 0, widest):
         # ``perm`` then gathers every slot's rows padded to ``widest``
         self.batched = batched
-        rows = len(perm) if perm is not None else sum(hi - lo for _, lo, hi in groups)
-        self.threads = 1 if rows < self.SINGLE_THREAD_ROWS else 0  # 0: as many as the process uses
+        single = self.SINGLE_THREAD_ROWS
+        self.run_threads = 1 if sum(hi - lo for _, lo, hi in runs) < single else 0  # 0: the process's
+        self.threads = 1 if perm is not None and len(perm) < single else 0
         self._gathered: tuple = (None, None, None)  # (input, its data_ptr and shape, its gathered rows)
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> None:
         """``y[g] += scaling * B(A(x[g]))`` in place, for each adapter's rows ``g`` (``y``
         and ``x`` 2-D, rows past the step's tokens being padding)."""
         views = self.views[layer][proj]
-        threads = torch.get_num_threads() if self.threads else 0
-        if threads:
-            torch.set_num_threads(self.threads)
+        threads = torch.get_num_threads()
         try:
-            if self.perm is None:  # each adapter's rows a run of the packed rows: no gather, no scatter
-                for slot, lo, hi in self.groups:
+            if self.runs:
+                torch.set_num_threads(self.run_threads or threads)
+                for slot, lo, hi in self.runs:  # in place on the run's rows: no gather, no scatter
                     if views[slot] is not None:
                         a, b, scaling = views[slot]
                         y[lo:hi].addmm_(F.linear(x[lo:hi], a), b.t(), alpha=scaling)
+            if self.perm is None:
                 return
+            torch.set_num_threads(self.threads or threads)
             xs = self._gather(x)
             if self.batched is not None:
                 self._add_batched(y, xs, layer, proj)
@@ -246,8 +262,7 @@ class StepLora:
                     delta[lo:hi].addmm_(F.linear(xs[lo:hi], a), b.t(), beta=0, alpha=scaling)
             y.index_add_(0, self.perm, delta)
         finally:
-            if threads:
-                torch.set_num_threads(threads)
+            torch.set_num_threads(threads)
 
     def _add_batched(self, y: torch.Tensor, xs: torch.Tensor, layer: int, proj: str) -> None:
         views = self.views[layer][proj]
