@@ -122,10 +122,16 @@ def build_scheduler(layout, config: EngineConfig, device: torch.device,
                         events=kv_events.pending if kv_events else None,
                         medium="GPU" if device.type == "cuda" else device.type.upper())
     swa = KVCacheManager(layout.swa_pages, layout.page_size, enable_prefix_caching=False) if layout.swa_pages else None
-    return Scheduler(kv, layout.max_batch_tokens, layout.max_requests, policy=config.scheduler,
-                     safety_margin=config.safety_margin, sliding_window=layout.sliding_window,
-                     host_pool=HostPool(layout.host_pages) if layout.host_pages else None, kv_swa=swa,
-                     aging_steps=config.priority_aging_steps)
+    scheduler = Scheduler(kv, layout.max_batch_tokens, layout.max_requests, policy=config.scheduler,
+                          safety_margin=config.safety_margin, sliding_window=layout.sliding_window,
+                          host_pool=HostPool(layout.host_pages) if layout.host_pages else None, kv_swa=swa,
+                          aging_steps=config.priority_aging_steps)
+    if config.speculative_method == "ngram":
+        from .speculative import Speculation
+
+        scheduler.speculation = Speculation(config.num_speculative_tokens, config.prompt_lookup_min,
+                                            config.prompt_lookup_max)
+    return scheduler
 
 
 def build_runner(model: torch.nn.Module, layout, config: EngineConfig, attn_backend: str, tp=None):

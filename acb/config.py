@@ -82,6 +82,8 @@ class SamplingParams:
     request that sets it (``InvalidRequestError`` naming ``priority``).
     ``adapter`` (None = the base model): the name of a LoRA adapter loaded with
     ``Engine.load_adapter``; rows with different adapters share one step (``acb.lora``).
+    ``speculative`` (None = the engine's ``EngineConfig.speculative_method``; False: this
+    request never carries proposals; see docs/speculative.md).
 
     Example::
 
@@ -114,6 +116,7 @@ class SamplingParams:
     reasoning_parser: str | None = None
     priority: int = 0
     adapter: str | None = None
+    speculative: bool | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and stored as tuples so params stay hashable.
@@ -169,6 +172,10 @@ class SamplingParams:
         if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
             raise InvalidRequestError(f"adapter must be None (the base model) or the name of a loaded adapter, got "
                                       f"{self.adapter!r}", param="adapter")
+        if self.speculative not in (None, False):
+            raise InvalidRequestError(f"speculative must be None (the engine's EngineConfig.speculative_method) or "
+                                      f"False (this request does not speculate), got {self.speculative!r}",
+                                      param="speculative")
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         self._check_structure()
 
@@ -313,6 +320,13 @@ class EngineConfig:
     ``kv_events`` (False): publish the prefix cache's events (``BlockStored``,
     ``BlockRemoved``, ``AllBlocksCleared``) to ``engine.kv_events()`` subscribers.
 
+    Speculative decoding (docs/speculative.md): ``speculative_method`` (None = off;
+    ``"ngram"``: each decode row proposes up to ``num_speculative_tokens`` (4) tokens by
+    matching its last ``prompt_lookup_max``..``prompt_lookup_min`` (4..2) tokens against its
+    prompt and output, and the same step verifies them; ``"draft"``, a ``draft_model``
+    proposing, is refused: not built yet). Lossless: greedy output is unchanged and sampled
+    output keeps its distribution. A request opts out with ``SamplingParams(speculative=False)``.
+
     Structured outputs: ``grammar_compile_timeout_s`` (30.0; None = no bound) is how long a
     request waits for its ``json_schema`` / ``regex`` / ``choice`` grammar to compile (on a
     worker thread, off the event loop) before it is refused with ``InvalidRequestError``
@@ -376,6 +390,11 @@ class EngineConfig:
     cpu_kernels: bool = True
     cpu_prepack: bool = True
     cpu_fused_forward: bool = True
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    draft_model: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:  # long: one check per field, in field order; not on a hot path
         def bad(name: str, why: str) -> None:
@@ -472,6 +491,31 @@ class EngineConfig:
             if self.compile_level or self.varlen_compile_level or self.decode_compile_level:
                 bad("quantization", "must be None with compile_level > 0 (int8 runs acb's fused forward, which "
                     "torch.compile does not trace)")
+        self._check_speculative(bad)
+
+    def _check_speculative(self, bad: Any) -> None:
+        """speculative_method and its settings (docs/speculative.md)."""
+        for name, low in (("num_speculative_tokens", 1), ("prompt_lookup_min", 1), ("prompt_lookup_max", 1)):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < low:
+                bad(name, f"must be an int >= {low}")
+        if self.num_speculative_tokens > 64:
+            bad("num_speculative_tokens", "must be <= 64 (proposals per row and step)")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            bad("prompt_lookup_max", f"must be >= prompt_lookup_min ({self.prompt_lookup_min})")
+        method = self.speculative_method
+        if method is None:
+            if self.draft_model is not None:
+                bad("draft_model", "needs speculative_method='draft'")
+            return
+        if method not in ("ngram", "draft"):
+            bad("speculative_method", "must be None, 'ngram' or 'draft'")
+        if method == "draft":
+            bad("speculative_method", "'draft' (a draft model proposing tokens) is not built yet; use 'ngram'")
+        if self.draft_model is not None:
+            bad("draft_model", "is only for speculative_method='draft'")
+        if self.tensor_parallel_size > 1:
+            bad("speculative_method", "must be None with tensor_parallel_size > 1 (the ranks' step message does "
+                "not carry proposals yet)")
 
     def inactive_settings(self, device: Any = None, dtype: Any = None) -> list[str]:
         """Names of the fields set to a value that has no effect on ``device`` (default:
@@ -506,6 +550,9 @@ class EngineConfig:
             inert += [n for n in ("cpu_kernels", "cpu_prepack", "cpu_fused_forward") if not getattr(self, n)]
         if self.max_blocks_per_request is not None and backend not in (None, "native", "triton"):
             inert.append("max_blocks_per_request")  # it bounds the native and Triton decode kernels only
+        if self.speculative_method is None:  # they tune the proposals of speculative decoding only
+            inert += [n for n, default in (("num_speculative_tokens", 4), ("prompt_lookup_min", 2),
+                                           ("prompt_lookup_max", 4)) if getattr(self, n) != default]
         return inert
 
     @property

@@ -34,14 +34,16 @@ class Detokenizer:
         self.ids.extend(new_ids)
         return self.step()
 
-    def step(self) -> str:
+    def step(self, end: int | None = None) -> str:
         """The text the ids appended since the last call complete (held back while it
-        ends in an incomplete UTF-8 sequence)."""
+        ends in an incomplete UTF-8 sequence); only ``ids[:end]`` when ``end`` is given
+        (several ids appended at once, read one by one)."""
+        end = len(self.ids) if end is None else end
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset :])
+        full = self._decode(self.ids[self.prefix_offset : end])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
+            self.read_offset = end
             return full[len(prefix) :]
         return ""
 

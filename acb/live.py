@@ -151,6 +151,8 @@ def sampling_batch(plan: StepPlan, columns: SamplingColumns, vocab_size: int) ->
     """The sampling batch of ``plan``'s sampled rows: their requests' settings gathered from
     ``columns`` by slot (a plan just made holds live requests only)."""
     inp = plan.input
+    if plan.num_drafts:
+        return _speculative_batch(plan, columns, vocab_size)
     sampled = [seq for seq, sample in zip(plan.seqs, inp.sample, strict=True) if sample]
     if not sampled:
         return SamplingBatch([], [], [], [], False)
@@ -166,20 +168,47 @@ def sampling_batch(plan: StepPlan, columns: SamplingColumns, vocab_size: int) ->
     if any(take(columns.controlled)):
         carries = [c for c, sample in zip(inp.carry_from, inp.sample, strict=True) if sample]
         requests = columns.requests
-        controlled = [(row, requests[slot], carries[row]) for row, slot in enumerate(slots)
+        controlled = [(row, requests[slot], carries[row], ()) for row, slot in enumerate(slots)
                       if columns.controlled[slot]]
         controls = _controls(controlled, len(slots), vocab_size)
     return SamplingBatch(list(take(columns.temperature)), list(take(columns.top_k)), list(take(columns.top_p)),
                          seeds, any(take(columns.logprobs)), max(take(columns.top_logprobs)), controls)
 
 
-def _controls(controlled: list[tuple[int, LiveRequest, int]], num_rows: int, vocab_size: int) -> Controls:
-    """The logit processors of the step's sampled rows that use any."""
+def _speculative_batch(plan: StepPlan, columns: SamplingColumns, vocab_size: int) -> SamplingBatch:
+    """``sampling_batch`` of a plan whose rows carry proposals: one entry per sampled
+    position, each exactly what a step without speculation would sample there (its token
+    index's seed; penalties over the history up to it, the proposals before it included;
+    ``min_new_tokens`` by its token index), so verification changes no output."""
+    inp = plan.input
+    entries: list[tuple[Any, int, list[int]]] = []  # (sequence, carry, proposals before the position)
+    for i, (seq, sample) in enumerate(zip(plan.seqs, inp.sample, strict=True)):
+        if sample:
+            d = inp.drafts[i]
+            proposals = inp.token_ids[inp.token_offsets[i + 1] - d : inp.token_offsets[i + 1]]
+            entries += ((seq, inp.carry_from[i], proposals[:t]) for t in range(d + 1))
+    slots = [seq.slot for seq, _, _ in entries]
+    seeds = [None if columns.seed[slot] is None else mix_seed(columns.seed[slot], seq.num_generated - 1 + len(ahead))
+             for slot, (seq, _, ahead) in zip(slots, entries, strict=True)]
+    controls = None
+    if any(columns.controlled[slot] for slot in slots):
+        controlled = [(row, columns.requests[slot], carry, ahead)
+                      for row, (slot, (_, carry, ahead)) in enumerate(zip(slots, entries, strict=True))
+                      if columns.controlled[slot]]
+        controls = _controls(controlled, len(slots), vocab_size)
+    return SamplingBatch([columns.temperature[s] for s in slots], [columns.top_k[s] for s in slots],
+                         [columns.top_p[s] for s in slots], seeds, any(columns.logprobs[s] for s in slots),
+                         max(columns.top_logprobs[s] for s in slots), controls)
+
+
+def _controls(controlled: list[tuple[int, LiveRequest, int, Any]], num_rows: int, vocab_size: int) -> Controls:
+    """The logit processors of the step's sampled rows that use any (``ahead``, each
+    entry's last item: proposals before its position, taken as already generated)."""
     c = Controls([], [], [], [], [], [], [], [], [])
     min_p = [0.0] * num_rows
     masked: list[int] = []
     matchers = []
-    for row, req, carry_from in controlled:
+    for row, req, carry_from, ahead in controlled:
         if req.matcher is not None:
             masked.append(row)
             matchers.append(req.matcher)
@@ -187,7 +216,7 @@ def _controls(controlled: list[tuple[int, LiveRequest, int]], num_rows: int, voc
         seq = req.seq
         if req.penalized:
             c.penalized.append(row)
-            c.history.append(seq.token_at(0, len(seq.prompt_ids) + len(seq.output_ids)))
+            c.history.append(seq.token_at(0, len(seq.prompt_ids) + len(seq.output_ids)) + list(ahead))
             c.num_prompt.append(len(seq.prompt_ids))
             c.carry.append(carry_from)
             c.repetition.append(p.repetition_penalty)
@@ -195,7 +224,7 @@ def _controls(controlled: list[tuple[int, LiveRequest, int]], num_rows: int, voc
             c.frequency.append(p.frequency_penalty)
         if p.logit_bias:
             c.bias.extend((row, token, bias) for token, bias in p.logit_bias.items())
-        if seq.num_generated - 1 < p.min_new_tokens:
+        if seq.num_generated - 1 + len(ahead) < p.min_new_tokens:
             c.banned.extend((row, token) for token in req.min_length_banned)
         min_p[row] = p.min_p
     if any(min_p):

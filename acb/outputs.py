@@ -89,28 +89,31 @@ class Outputs:
         now = time.monotonic()
         live = self.live
         ids = out.token_ids
-        for seq, j, reason in zip(update.seqs, update.samples, update.reasons, strict=True):
+        for seq, j, reason, end in zip(update.seqs, update.samples, update.reasons, update.ends, strict=True):
             req = live.get(seq.seq_id)
-            if req is None:  # ended by an earlier row of this step (a failed choice fails its request)
+            if req is None:  # ended by an earlier row (or token: a stop string) of this step
                 continue
             if reason is None and req.plain:  # what on_token does with such a token, in short
                 m = req.metrics
                 m.last_token_time = now
                 if m.first_token_time is None:
                     m.first_token_time = now
-                text = req.detok.step() if req.detok is not None else ""
+                text = req.detok.step(end) if req.detok is not None else ""
                 req.text_parts.append(text)
                 if req.mailbox is not None:
                     req.mailbox.put([ids[j]], text, None)
                 continue
             top = (out.top_ids[j], out.top_logprobs[j]) if out.top_ids is not None else None
-            self.on_token(req, ids[j], out.logprobs[j] if out.logprobs is not None else None, top, reason, now)
+            self.on_token(req, ids[j], out.logprobs[j] if out.logprobs is not None else None, top, reason, now, end)
 
     def on_token(self, req: LiveRequest, token: int, logprob: float | None,
                  top: tuple[list[int], list[float]] | None = None, finish: str | None = None,
-                 now: float | None = None) -> None:
+                 now: float | None = None, end: int | None = None) -> None:
         """``token`` was taken into ``req``'s sequence (at ``now``, default the present), ending
-        it with ``finish`` (None: it goes on); a stop string or a completed grammar ends it too."""
+        it with ``finish`` (None: it goes on); a stop string or a completed grammar ends it too.
+        ``end``: the sequence's generated tokens up to this one (default: all of them; fewer
+        when a row that verified proposals took several in at once, and if this one ends
+        the request, those after it are dropped)."""
         params = req.params
         m = req.metrics
         m.last_token_time = now = time.monotonic() if now is None else now
@@ -121,13 +124,15 @@ class Outputs:
                 log.warning("acb: request %s: token %d breaks its grammar", req.request_id, token)
             if req.matcher.is_terminated() and finish in (None, "length"):
                 finish = "stop"  # the grammar is complete (its stop token, or ignore_eos)
-        text = req.detok.step() if req.detok is not None else ""
+        text = req.detok.step(end) if req.detok is not None else ""
         matched = False
-        if self._checks_stop_strings(req):
+        if self._checks_stop_strings(req, end):
             text, matched = req.stopper.push(text)
         if matched:
             finish = "stop"  # the text ends before the stop string; nothing more to flush
-        elif finish is not None:
+        if finish is not None and end is not None and end < len(req.seq.output_ids):
+            self.table.scheduler.truncate(req.seq, end)
+        if finish is not None and not matched:
             text += self.flush_text(req)
         if req.logprobs is not None and logprob is not None:
             req.logprobs.append(logprob)
@@ -146,11 +151,13 @@ class Outputs:
             self.finish(req, finish, text, [token], lp, alternatives)  # hands a stop string's finish back
 
     @staticmethod
-    def _checks_stop_strings(req: LiveRequest) -> bool:
-        """Whether stop strings are looked for in the text of the token just taken: not
-        within the first ``min_new_tokens`` tokens (vLLM's ``min_tokens``), whose text goes
-        out unchecked, so a stop string must lie wholly in the text that follows them."""
-        return bool(req.params.stop) and len(req.seq.output_ids) > req.params.min_new_tokens
+    def _checks_stop_strings(req: LiveRequest, end: int | None = None) -> bool:
+        """Whether stop strings are looked for in the text of the token just taken (the
+        ``end``-th generated one, default the last): not within the first
+        ``min_new_tokens`` tokens (vLLM's ``min_tokens``), whose text goes out unchecked, so
+        a stop string must lie wholly in the text that follows them."""
+        count = len(req.seq.output_ids) if end is None else end
+        return bool(req.params.stop) and count > req.params.min_new_tokens
 
     def flush_text(self, req: LiveRequest) -> str:
         """Text held back by the detokenizer and the stop matcher, for a request that

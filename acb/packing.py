@@ -138,6 +138,7 @@ def pack(step: StepInput) -> Packed:
     p = Packed(tokens=list(step.token_ids))  # a copy: decode padding appends to it
     t_off, rows, carry, sample = step.token_offsets, step.table_rows, step.carry_from, step.sample
     positions, token_rows, keep = p.positions, p.token_rows, p.keep
+    drafts = step.drafts
     for i, start in enumerate(step.starts):
         q0 = t_off[i]
         n = t_off[i + 1] - q0
@@ -150,7 +151,10 @@ def pack(step: StepInput) -> Packed:
             p.carry_pos.append(q0 + n - 1)
             p.carry_src.append(carry[i])
         if sample[i]:
-            keep.append(q0 + n - 1)
+            if drafts and drafts[i]:  # a row verifying proposals: the logits of its last drafts + 1 positions
+                keep += range(q0 + n - 1 - drafts[i], q0 + n)
+            else:
+                keep.append(q0 + n - 1)
         if n == 1:
             positions.append(start)
             token_rows.append(row)

@@ -420,6 +420,10 @@ class EngineStats:
             of the same grammar already running, without compiling again.
         quantization: ``"int8"`` when the model's linear layers hold int8 weights
             (``EngineConfig.quantization``), else "".
+        spec_proposed_tokens: speculative decoding: tokens proposed (and verified).
+        spec_accepted_tokens: of those, the ones accepted (each a token the step made
+            beyond its one).
+        spec_acceptance_rate: accepted / proposed (0 before any proposal).
     """
 
     running: int
@@ -450,3 +454,6 @@ class EngineStats:
     grammars_compiled: int = 0  # structured-output grammars compiled (refused ones included)
     grammar_cache_hits: int = 0  # requests served a grammar without compiling it again
     quantization: str = ""  # "int8" when the linear layers hold int8 weights, else ""
+    spec_proposed_tokens: int = 0  # speculative decoding: tokens proposed and verified
+    spec_accepted_tokens: int = 0  # of those, accepted
+    spec_acceptance_rate: float = 0.0  # accepted / proposed

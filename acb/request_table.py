@@ -108,6 +108,10 @@ class RequestTable:
         if params.priority and policy != "priority":
             raise InvalidRequestError(f"priority={params.priority} needs an engine built with EngineConfig("
                                       f"scheduler='priority'); this one schedules {policy!r}", param="priority")
+        if params.structured and params.speculative is not False and self.scheduler.speculation is not None:
+            raise InvalidRequestError("structured outputs (json_schema, regex, choice) do not compose with speculative "
+                                      "decoding yet: pass speculative=False with them on an engine built with "
+                                      "EngineConfig(speculative_method=...)", param="speculative")
         return params
 
     def _checked(self, prompt: Any, request_id: str | None, params: SamplingParams, ids: list[int] | None = None,
@@ -203,6 +207,8 @@ class RequestTable:
         if adapter is not None:  # its rows run the adapter's slot; its prefix pages chain from its root
             req.seq.adapter, req.seq.prefix_root, req.seq.last_page_hash = adapter.slot, adapter.root, adapter.root
         self.columns.write(slot, req)
+        if self.scheduler.speculation is not None and params.speculative is not False:
+            req.seq.spec = self.scheduler.speculation.state()
         self.live[key] = req
         if req.deadline is not None:
             self.deadlines += 1

@@ -15,6 +15,7 @@ import enum
 import heapq
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from .kv_cache import RECYCLED, HostPool, KVCacheManager, chain_hash
 from .step import PageMoves, StepOutput, StepPlan, StepUpdate
@@ -90,6 +91,10 @@ class Sequence:
     # parent hash of its prefix chain's first page (acb.kv_cache.adapter_root; None: base)
     adapter: int = -1
     prefix_root: int | None = None
+    # speculative decoding (acb.speculative.RowState; None: this sequence never proposes)
+    # and the proposals its row of the plan being made carries
+    spec: Any = None
+    drafts: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -190,6 +195,7 @@ class Scheduler:  # ~670 lines, over the house's 300: see "Why one class" below
         self.num_table_rows = 0
         # the common decode row has a shortcut (_decode_row) without sliding windows
         self._plain_decode = sliding_window is None and kv_swa is None
+        self.speculation: Any = None  # acb.speculative.Speculation when decode rows may carry proposals
 
     def add(self, seq: Sequence, forks: list[Sequence] | None = None) -> None:
         """Queue a new sequence; ``forks``: the other choices of an n > 1 request, whose
@@ -262,11 +268,16 @@ class Scheduler:  # ~670 lines, over the house's 300: see "Why one class" below
         kv = self.kv
         inp = plan.input
         register = kv.enable_prefix_caching
-        j = -1
+        drafts = inp.drafts if plan.num_drafts else None
+        j = 0  # the row's first entry in ``out``
         for i, seq in enumerate(plan.seqs):
             sample = inp.sample[i]
-            j += sample
+            first = j
+            j += sample + (drafts[i] if drafts else 0)
             if not _current(seq, plan.epochs[i]):
+                continue
+            if drafts and drafts[i]:
+                self._verify(plan, i, first, out, update)
                 continue
             if register:
                 done = inp.starts[i] + inp.token_offsets[i + 1] - inp.token_offsets[i]
@@ -274,21 +285,60 @@ class Scheduler:  # ~670 lines, over the house's 300: see "Why one class" below
                     seq.num_registered_pages, seq.last_page_hash = kv.register_full_pages(
                         seq.block_table, seq.token_at(0, done), seq.num_registered_pages, seq.last_page_hash, done)
             if sample:
-                token = out.token_ids[j]
+                token = out.token_ids[first]
                 seq.num_inflight -= 1
                 seq.output_ids.append(token)
                 self.num_generated_tokens += 1
-                reason = None
-                if token in seq.stop_ids:
-                    reason = "stop"
-                elif token in seq.eos_ids:
-                    reason = "eos"
-                elif len(seq.output_ids) >= seq.max_new_tokens:
-                    reason = "length"
-                update.add(seq, j, reason)
+                reason = _finish_reason(seq, token)
+                update.add(seq, first, reason)
                 if reason is not None:
                     self.finish(seq)
         return update
+
+    def _verify(self, plan: StepPlan, i: int, first: int, out: StepOutput, update: StepUpdate) -> None:
+        """Row ``i`` carried proposals: take in those equal to the token sampled at their
+        position, and the first sampled token that differs (or the one after the last
+        proposal), truncated at a stop token, EOS or the length (acb.speculative says
+        why this is exact). The pages its rejected proposals were written to go back now."""
+        inp, seq = plan.input, plan.seqs[i]
+        d = inp.drafts[i]
+        proposals = inp.token_ids[inp.token_offsets[i + 1] - d : inp.token_offsets[i + 1]]
+        ids = out.token_ids
+        accepted = 0
+        while accepted < d and ids[first + accepted] == proposals[accepted]:
+            accepted += 1
+        self.speculation.observe_row(seq.spec, d, accepted)
+        seq.num_inflight -= 1
+        seq.num_computed = inp.starts[i] + 1 + accepted  # the KV of the rejected ones is garbage
+        reason = None
+        for t in range(accepted + 1):
+            seq.output_ids.append(ids[first + t])
+            self.num_generated_tokens += 1
+            reason = _finish_reason(seq, ids[first + t])
+            update.add(seq, first + t, reason)
+            if reason is not None:
+                self.finish(seq)
+                return
+        kv = self.kv
+        if kv.enable_prefix_caching and seq.num_computed // kv.page_size > seq.num_registered_pages:
+            seq.num_registered_pages, seq.last_page_hash = kv.register_full_pages(
+                seq.block_table, seq.token_at(0, seq.num_computed), seq.num_registered_pages, seq.last_page_hash,
+                seq.num_computed)
+        keep = kv.pages_for(seq.num_computed)
+        if len(seq.block_table) > keep:
+            kv.release(seq.block_table[keep:])
+            del seq.block_table[keep:]
+            seq.table_changed(keep)  # the runner's store holds those columns: sent again when refilled
+            if self.kv_swa is not None:
+                self.kv_swa.release([p for p in seq.swa_table[keep:] if p >= 0])
+                del seq.swa_table[keep:]
+
+    def truncate(self, seq: Sequence, end: int) -> None:
+        """End ``seq`` after its first ``end`` generated tokens: the output side found its
+        end (a stop string) inside a run of accepted proposals taken in at once."""
+        self.finish(seq)
+        self.num_generated_tokens -= max(len(seq.output_ids) - end, 0)
+        del seq.output_ids[end:]
 
     def step_failed(self, plan: StepPlan) -> tuple[list[Sequence], list[Sequence]]:
         """A step raised: the sequences that fail with it, (those it computed rows of,
@@ -328,6 +378,8 @@ class Scheduler:  # ~670 lines, over the house's 300: see "Why one class" below
             self.host_pool.end_plan()
         plan = StepPlan(index=self.plan_index)
         budget = self.max_batch_tokens
+        if self.speculation is not None:
+            self.speculation.begin_plan(len(self.running))
         if self.policy == "prefill_first":
             budget = self._admit(plan, budget)
             self._continue_running(plan, budget)
@@ -354,7 +406,9 @@ class Scheduler:  # ~670 lines, over the house's 300: see "Why one class" below
         tokens count as computed (and a sampled one as in flight) from here on."""
         start = seq.num_computed if start is None else start
         end = start + n
-        sample = end == seq.num_tokens
+        drafts = seq.drafts  # set by _propose for this row only (its last token is known then)
+        d = len(drafts)
+        sample = end - d == seq.num_tokens
         carry_from = -1
         if sample and seq.num_inflight > 0:  # its last token is in flight: a placeholder here
             tokens = seq.token_at(start, end - 1)
@@ -362,7 +416,11 @@ class Scheduler:  # ~670 lines, over the house's 300: see "Why one class" below
             if seq.sampled_plan == plan.index - 1:
                 carry_from = seq.sampled_row
         else:
-            tokens = seq.token_at(start, end)
+            tokens = seq.token_at(start, end - d)
+        if d:
+            tokens += drafts
+            seq.drafts = []
+            plan.num_drafts += d
         plan.seqs.append(seq)
         plan.epochs.append(seq.epoch)
         inp = plan.input
@@ -371,11 +429,11 @@ class Scheduler:  # ~670 lines, over the house's 300: see "Why one class" below
         if sent < len(table):
             inp.send_table(seq.table_row, sent, table[sent:], seq.swa_table[sent:] if self.kv_swa is not None else None)
             seq.num_sent_pages = len(table)
-        inp.add_table_row(tokens, start, seq.table_row, carry_from, sample, seq.adapter)
+        inp.add_table_row(tokens, start, seq.table_row, carry_from, sample, seq.adapter, d)
         if sample:
             seq.sampled_plan = plan.index
             seq.sampled_row = plan.num_sampled
-            plan.num_sampled += 1
+            plan.num_sampled += 1 + d
             if seq.forks and seq.num_generated == 0:
                 self._fork(plan, seq, end)
             seq.num_inflight += 1
@@ -479,7 +537,10 @@ class Scheduler:  # ~670 lines, over the house's 300: see "Why one class" below
         """Give running ``seq`` its next row (preempting to find its pages); the budget left."""
         if seq.status is not RUNNING or id(seq) in scheduled:
             return budget
-        if self._plain_decode and self._decode_row(plan, seq):
+        drafts = 0  # speculative proposals (a decode row whose last token is known)
+        if seq.spec is not None and self.speculation is not None and self._tokens_wanted(seq) == 1:
+            drafts = self._propose(seq, budget - 1, self._shares_partial_page(seq))
+        if not drafts and self._plain_decode and self._decode_row(plan, seq):
             scheduled.add(id(seq))
             return budget - 1
         n = min(self._tokens_wanted(seq), budget)
@@ -487,8 +548,9 @@ class Scheduler:  # ~670 lines, over the house's 300: see "Why one class" below
             return budget
         if self.sliding_window:
             self._recycle_out_of_window(seq)
-        need = self.kv.pages_for(seq.num_computed + n) - len(seq.block_table)
         cow = self._shares_partial_page(seq)
+        n += drafts
+        need = self.kv.pages_for(seq.num_computed + n) - len(seq.block_table)
         while not self._fits(need + cow):
             victim = self._pick_victim(scheduled)
             self._preempt(victim, plan)
@@ -507,6 +569,26 @@ class Scheduler:  # ~670 lines, over the house's 300: see "Why one class" below
         else:
             scheduled.update(id(s) for s in plan.seqs[before:])  # with the choices forked from it
         return budget - n
+
+    def _propose(self, seq: Sequence, budget: int, cow: bool) -> int:
+        """Decode row ``seq``'s proposals (``seq.drafts``), as many as pay (acb.speculative),
+        fit the budget, the length left and the free pages (proposals never preempt); how many.
+        Only a row whose last token is known proposes: a row in flight is planned plainly."""
+        seq.drafts = []
+        spec = self.speculation
+        k = min(spec.wanted(seq.spec), budget, seq.max_new_tokens - seq.num_generated - 1)
+        if k <= 0 or seq.num_inflight:
+            return 0
+        drafts = spec.propose(seq.spec, seq.token_at(0, seq.num_tokens), k)
+        have = len(seq.block_table) + self.kv.num_free - cow
+        while drafts and self.kv.pages_for(seq.num_computed + 1 + len(drafts)) > have:
+            drafts.pop()
+        if self.kv_swa is not None:
+            have = len(seq.swa_table) + self.kv_swa.num_free - cow
+            while drafts and self.kv.pages_for(seq.num_computed + 1 + len(drafts)) > have:
+                drafts.pop()
+        seq.drafts = drafts
+        return len(drafts)
 
     def _plan_by_rank(self, plan: StepPlan, budget: int) -> int:
         """``priority``: rows in rank order over running and waiting sequences together, so
@@ -589,6 +671,7 @@ class Scheduler:  # ~670 lines, over the house's 300: see "Why one class" below
         self._release_swa(seq)
         seq.num_computed = 0
         seq.num_inflight = 0
+        seq.drafts = []  # proposed for a row it is not getting
         seq.num_registered_pages = 0
         seq.last_page_hash = seq.prefix_root
         seq.epoch += 1
@@ -788,6 +871,17 @@ class Scheduler:  # ~670 lines, over the house's 300: see "Why one class" below
         assert not set(rows) & set(self._free_table_rows), "a running sequence's block-table row is free"
         return [(seq.table_row, seq.block_table[: seq.num_sent_pages],
                  seq.swa_table[: seq.num_sent_pages] if self.kv_swa is not None else None) for seq in self.running]
+
+
+def _finish_reason(seq: Sequence, token: int) -> str | None:
+    """Why ``token``, just taken into ``seq``, ends it: a stop token, EOS, its length; or None."""
+    if token in seq.stop_ids:
+        return "stop"
+    if token in seq.eos_ids:
+        return "eos"
+    if len(seq.output_ids) >= seq.max_new_tokens:
+        return "length"
+    return None
 
 
 _PLACEHOLDER = (0,)  # a decode row's token while it is in flight (the runner carries it in)

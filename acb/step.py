@@ -69,12 +69,16 @@ class StepInput:
     was last sent (``Sequence.num_sent_pages``). ``carry_from[i]`` >= 0:
     the row's last token is a placeholder for the previous step's sampled id at that
     index (still on the device). ``sample[i]``: the row's last position is sampled
-    (a row of no tokens samples from the row before it: a forked choice). Safe to hand
-    to another thread: nothing here is mutated once the step is launched."""
+    (a row of no tokens samples from the row before it: a forked choice). ``drafts[i]``:
+    the row's last ``drafts[i]`` tokens are speculative proposals (acb.speculative), and
+    it samples at each of its last ``drafts[i] + 1`` positions (that many sampled entries,
+    in order). Safe to hand to another thread: nothing here is mutated once the step is
+    launched."""
 
     starts: list[int] = field(default_factory=list)
     carry_from: list[int] = field(default_factory=list)
     sample: list[bool] = field(default_factory=list)
+    drafts: list[int] = field(default_factory=list)  # empty: no row carries proposals (a tensor-parallel rank)
     token_ids: list[int] = field(default_factory=list)
     token_offsets: list[int] = field(default_factory=lambda: [0])
     table_rows: list[int] = field(default_factory=list)
@@ -100,22 +104,24 @@ class StepInput:
 
     def add_row(self, tokens: Sequence[int], start: int, pages: Sequence[int], carry_from: int = -1,
                 sample: bool = True, swa_pages: Sequence[int] = (), adapter: int = -1,
-                table_row: int | None = None) -> None:
+                table_row: int | None = None, drafts: int = 0) -> None:
         """Append one row with its whole page table ``pages`` (and ``swa_pages``), sent as
         deltas to store row ``table_row`` (default: the row's index): for steps made by
         hand (tests, benchmarks); the scheduler sends only what changed (:meth:`send_table`).
         ``tokens``' last id is a placeholder when ``carry_from`` >= 0; ``adapter``: its LoRA
-        slot, -1 for none."""
+        slot, -1 for none; its last ``drafts`` ids are proposals to verify."""
         row = len(self.starts) if table_row is None else table_row
         self.send_table(row, 0, pages, swa_pages if swa_pages else None)
-        self.add_table_row(tokens, start, row, carry_from, sample, adapter)
+        self.add_table_row(tokens, start, row, carry_from, sample, adapter, drafts)
 
     def add_table_row(self, tokens: Sequence[int], start: int, table_row: int, carry_from: int = -1,
-                      sample: bool = True, adapter: int = -1) -> None:
-        """Append one row whose page table is store row ``table_row`` as it stands."""
+                      sample: bool = True, adapter: int = -1, drafts: int = 0) -> None:
+        """Append one row whose page table is store row ``table_row`` as it stands (its last
+        ``drafts`` ids are proposals to verify)."""
         self.starts.append(start)
         self.carry_from.append(carry_from)
         self.sample.append(sample)
+        self.drafts.append(drafts)
         self.token_ids += tokens
         self.token_offsets.append(len(self.token_ids))
         self.table_rows.append(table_row)
@@ -171,7 +177,8 @@ class StepPlan:
     preempted: list[Any] = field(default_factory=list)
     offloaded: list[Any] = field(default_factory=list)
     admitted: list[Any] = field(default_factory=list)  # sequences taken out of the queue by this plan
-    num_sampled: int = 0  # rows that sample (StepOutput's length)
+    num_sampled: int = 0  # sampled entries: one per sampled row, one more per proposal (StepOutput's length)
+    num_drafts: int = 0  # proposals the plan's rows carry (0: no row speculates)
     # prompt_logprobs: per row that scores prompt positions, its request's sink and first position
     prompt_sinks: list[tuple[PromptSink, int]] = field(default_factory=list)
 
@@ -191,7 +198,8 @@ class StepPlan:
 
 @dataclass(slots=True)
 class StepOutput:
-    """What a step returns, one entry per sampled row in row order."""
+    """What a step returns, one entry per sampled row in row order (a row carrying ``d``
+    proposals has ``d + 1`` entries: the token sampled at each of its positions)."""
 
     token_ids: list[int]
     logprobs: list[float] | None
@@ -216,11 +224,15 @@ class StepUpdate:
     seqs: list[Any] = field(default_factory=list)
     samples: list[int] = field(default_factory=list)
     reasons: list[str | None] = field(default_factory=list)
+    # the sequence's generated tokens up to and including this one (a row that verified
+    # proposals takes in several tokens at once: the output side reads them one by one)
+    ends: list[int] = field(default_factory=list)
 
     def add(self, seq: Any, sample: int, reason: str | None) -> None:
         self.seqs.append(seq)
         self.samples.append(sample)
         self.reasons.append(reason)
+        self.ends.append(len(seq.output_ids))
 
     def finished(self) -> list[tuple[Any, str]]:
         """(sequence, reason) of each sequence this step finished."""

@@ -143,6 +143,9 @@ class StepLoop:
             while not self.life.halting:
                 if self.table.deadlines:
                     self.outputs.expire(time.monotonic())
+                if inflight is not None and self._wait_before_plan(inflight):
+                    inflight, waited = None, inflight
+                    await self._complete(waited)
                 launched = self._launch() if self.scheduler.has_work() else None
                 if launched is not None and not self.async_batching:
                     launched.fill_masks()
@@ -173,6 +176,19 @@ class StepLoop:
                 raise
         finally:
             await self._wind_down(inflight)
+
+    def _wait_before_plan(self, inflight: Launched) -> bool:
+        """Whether the next plan waits for the step in flight instead of overlapping it:
+        speculative decoding. A row verifying proposals has a length no one knows until
+        its step is delivered (it is not planned before: ``Scheduler._tokens_wanted``), and
+        a row proposes only when its last token is known on the host (the n-gram lookup
+        needs it), so while any row would propose the loop plans after each step, not
+        while it computes. The overlap it gives up is the host's planning time, small
+        beside a step; ``Speculation`` stops asking when proposals stop paying."""
+        speculation = self.scheduler.speculation
+        if speculation is None:
+            return False
+        return inflight.plan.num_drafts > 0 or speculation.want_known_tokens(self.scheduler.running)
 
     def _launch(self) -> Launched | None:
         """Plan the next step and hand it to the worker (None: nothing to compute now)."""
@@ -219,6 +235,9 @@ class StepLoop:
             return
         self.steps += 1
         self.device_s += out.device_s
+        if self.scheduler.speculation is not None and plan.num_tokens <= plan.num_sampled:
+            # decode and verification steps only: what proposals add to (prefill chunks cost otherwise)
+            self.scheduler.speculation.observe_step(plan.num_tokens, out.device_s)
         if plan.prompt_sinks:
             self.outputs.deliver_prompt_logprobs(plan, out)
         self.outputs.deliver(self.scheduler.update(plan, out), out)
@@ -285,6 +304,7 @@ class StepLoop:
         """The counters of the scheduler, its pools and the steps, with ``fields``."""
         kv, host, swa, sched, runner = self.scheduler.kv, self.scheduler.host_pool, self.scheduler.kv_swa, \
             self.scheduler, self.runner
+        spec = sched.speculation
         return EngineStats(
             running=len(sched.running), waiting=len(sched.waiting), total_blocks=kv.num_pages,
             free_blocks=kv.num_free, cached_blocks=kv.num_cached, used_blocks=kv.num_used,
@@ -295,7 +315,9 @@ class StepLoop:
             sliding_total_blocks=swa.num_pages if swa else 0, sliding_free_blocks=swa.num_free if swa else 0,
             device_time_s=self.device_s, hashed_blocks=len(kv.page_key),
             forward_path=runner.forward_path if runner is not None else "",
-            forward_reason=runner.forward_reason if runner is not None else "", **fields)
+            forward_reason=runner.forward_reason if runner is not None else "",
+            spec_proposed_tokens=spec.proposed if spec else 0, spec_accepted_tokens=spec.accepted if spec else 0,
+            spec_acceptance_rate=spec.acceptance_rate if spec else 0.0, **fields)
 
     def _check_model(self) -> tuple[str | None, bool]:
         """Has the model changed since the last step (hooks, forwards, weights)? When it

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import acb
-from acb.testing import reference_greedy, runner_of, step_counts, tiny_engine, tiny_model
+from acb.testing import reference_greedy, runner_of, speculate_always, step_counts, tiny_engine, tiny_model
 
 PROMPT = [5, 17, 33, 60, 91, 120]
 
@@ -510,7 +510,21 @@ _EFFECTS = {
                     and e.stats().forward_path == "transformers"),
     "cpu_fused_forward": ({"cpu_fused_forward": False}, lambda e: runner_of(e).fast_paths.prepacked
                           and e.stats().forward_reason == "EngineConfig.cpu_fused_forward=False"),
+    "speculative_method": ({"speculative_method": "ngram"}, lambda e: _speculates(e)),
+    # without speculative_method they tune nothing: named (their effects: tests/test_speculative.py)
+    "num_speculative_tokens": ({"num_speculative_tokens": 2}, None),
+    "prompt_lookup_min": ({"prompt_lookup_min": 3, "prompt_lookup_max": 4}, None),
+    "prompt_lookup_max": ({"prompt_lookup_max": 6}, None),
+    # any value is refused by name (the draft method is not built yet): tests/test_speculative.py
+    "draft_model": ({}, "tests/test_speculative.py"),
 }
+
+
+async def _speculates(engine) -> bool:
+    """A repetitive prompt's greedy run is verified from proposals (tests/test_speculative.py at length)."""
+    speculate_always(engine)
+    await engine.generate([17] * 12, max_new_tokens=12, ignore_eos=True)
+    return engine.stats().spec_accepted_tokens > 0
 
 
 def _grammar_refused(engine) -> bool:

@@ -72,4 +72,5 @@ def test_every_engine_setting_is_in_one_group_of_the_config_reference():
     rows = re.findall(r"^\| (\w+) \| `(\w+)` \|", (ROOT / "docs" / "reference" / "config.md").read_text(), re.M)
     named = [field for _, field in rows]
     assert sorted(named) == sorted(f.name for f in dataclasses.fields(acb.EngineConfig))
-    assert {group for group, _ in rows} == {"cache", "scheduling", "kernels", "placement", "serving", "debug"}
+    assert {group for group, _ in rows} == {"cache", "scheduling", "decoding", "kernels", "placement", "serving",
+                                            "debug"}

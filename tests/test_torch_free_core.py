@@ -11,8 +11,8 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CORE = ["acb.scheduler", "acb.kv_cache", "acb.kv_events", "acb.step", "acb.request", "acb.config", "acb.errors",
-        "acb.lifecycle", "acb.detokenizer", "acb.tools", "acb.reasoning", "acb.defaults"]
+CORE = ["acb.scheduler", "acb.speculative", "acb.kv_cache", "acb.kv_events", "acb.step", "acb.request",
+        "acb.config", "acb.errors", "acb.lifecycle", "acb.detokenizer", "acb.tools", "acb.reasoning", "acb.defaults"]
 
 PROGRAM = textwrap.dedent("""
     import importlib, importlib.abc, sys

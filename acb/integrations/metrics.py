@@ -129,6 +129,12 @@ class ServerMetrics:
         lines += _metric("acb_offloads_total", "counter", "Preemptions whose KV went to the CPU offload pool.",
                          stats.offloads)
         lines += _metric("acb_restores_total", "counter", "Resumptions that copied offloaded KV back.", stats.restores)
+        lines += _metric("acb_spec_proposed_tokens_total", "counter", "Speculative tokens proposed and verified.",
+                         stats.spec_proposed_tokens)
+        lines += _metric("acb_spec_accepted_tokens_total", "counter", "Speculative tokens accepted.",
+                         stats.spec_accepted_tokens)
+        lines += _metric("acb_spec_acceptance_rate", "gauge", "Accepted over proposed speculative tokens.",
+                         stats.spec_acceptance_rate)
         lines += ["# HELP acb_attention_backend_info The attention backend serving the engine (label).",
                   "# TYPE acb_attention_backend_info gauge",
                   f'acb_attention_backend_info{{backend="{stats.attn_backend}"}} 1']

@@ -25,7 +25,7 @@ import torch
 
 from ..config import EngineConfig, SamplingParams
 from ..engine import Engine
-from .inspection import StepCounts, runner_of, step_counts
+from .inspection import StepCounts, runner_of, speculate_always, step_counts
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -193,5 +193,5 @@ def _reference_copy(model: torch.nn.Module) -> torch.nn.Module:
 __all__ = [
     "ARCHITECTURES", "BOS_ID", "EOS_ID", "PAD_ID", "VOCAB_SIZE", "StepCounts", "random_prompts", "reference_greedy",
     "reference_log_softmax",
-    "runner_of", "step_counts", "tiny_config", "tiny_engine", "tiny_model", "tiny_tokenizer",
+    "runner_of", "speculate_always", "step_counts", "tiny_config", "tiny_engine", "tiny_model", "tiny_tokenizer",
 ]

@@ -45,3 +45,14 @@ def step_counts(engine: Engine) -> StepCounts:
     """A snapshot of ``engine``'s step counters (read between steps; they only grow)."""
     runner = runner_of(engine)
     return StepCounts(runner.carried_steps, runner.fast_decode_steps, runner.plain_steps)
+
+
+def speculate_always(engine: Engine) -> None:
+    """Make ``engine`` (built with ``EngineConfig(speculative_method=...)``) propose every
+    token it finds, whatever its cost model says: tests of verification then do not depend
+    on the machine's timings (the cost model, fed measured step times, may turn proposals
+    down on a loaded machine). The rows cap (``acb.speculative.MAX_SPECULATIVE_ROWS``) stays."""
+    speculation = engine.scheduler.speculation
+    if speculation is None:
+        raise ValueError("the engine has no speculative decoding (EngineConfig.speculative_method is None)")
+    speculation.adaptive = False
