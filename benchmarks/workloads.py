@@ -74,3 +74,57 @@ def build(name: str, path: str | None = None, limit: int | None = None, rate: fl
     if name == "stream":
         return streaming(path, limit, rate)
     raise ValueError(f"unknown workload {name!r}")
+
+
+# Real English prose for input-grounded prompts: the license texts every Debian system ships
+# (the same held-out text benchmarks/quality.py scores perplexity on).
+LICENSES = Path("/usr/share/common-licenses")
+_GROUNDED_TEXTS = ("Apache-2.0", "GPL-3", "MPL-2.0", "LGPL-2.1", "Artistic", "GFDL-1.3", "CC0-1.0")
+_GROUNDED_TASKS = (
+    "Quote the passage below exactly, word for word, from its first sentence on.",
+    "Summarise the passage below in a few sentences, keeping its own wording where you can.",
+    "Rewrite the passage below with every occurrence of \"License\" replaced by \"Agreement\"; change nothing else.",
+    "Continue the passage below: repeat its last paragraph, then go on in the same style.",
+)
+
+
+def _passages(words: int, rng: random.Random) -> list[str]:
+    """Windows of about ``words`` words from the license texts, each starting at a paragraph."""
+    out = []
+    for name in _GROUNDED_TEXTS:
+        path = LICENSES / name
+        if not path.is_file():
+            continue
+        paragraphs = [" ".join(p.split()) for p in path.read_text(errors="replace").split("\n\n") if p.strip()]
+        starts = list(range(len(paragraphs)))
+        rng.shuffle(starts)
+        for i in starts[:6]:
+            text, j = [], i
+            while j < len(paragraphs) and sum(len(t.split()) for t in text) < words:
+                text.append(paragraphs[j])
+                j += 1
+            if sum(len(t.split()) for t in text) >= words // 2:
+                out.append("\n\n".join(text))
+    if not out:
+        raise FileNotFoundError(f"no license texts under {LICENSES}: the input-grounded workload needs real text")
+    return out
+
+
+def input_grounded(tokenizer, n: int = 48, words: int = 160, max_new_tokens: int = 128, seed: int = 0) -> Workload:
+    """Chat prompts that ask SmolLM2 to quote, summarise, edit or continue a passage of real
+    text (a window of one of the license texts in /usr/share/common-licenses) given in the
+    prompt: what retrieval-augmented answers, editors and quoting assistants send, and what
+    n-gram speculative decoding is for. The four tasks take turns; ``n`` prompts, seeded."""
+    rng = random.Random(seed)
+    passages = _passages(words, rng)
+    rng.shuffle(passages)
+    prompts = []
+    for i in range(n):
+        task = _GROUNDED_TASKS[i % len(_GROUNDED_TASKS)]
+        passage = passages[i % len(passages)]
+        messages = [{"role": "user", "content": f"{task}\n\n{passage}"}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompts.append(list(tokenizer.encode(text, add_special_tokens=False)))
+    return Workload("grounded", prompts, max_new_tokens, seed=seed,
+                    notes=f"{n} chat prompts: quote / summarise / edit / continue a ~{words}-word passage of the "
+                          f"license texts in {LICENSES}; {max_new_tokens} new tokens, greedy, EOS ends a request")

@@ -1,0 +1,141 @@
+"""Speculative decoding (EngineConfig.speculative_method="ngram") against none, same run, SmolLM2.
+
+    python benchmarks/speculative.py                                 # grounded at 1, 4, 16 + standard at 64
+    python benchmarks/speculative.py --concurrency 1,4 --standard 0  # quick look
+
+The input-grounded workload (benchmarks/workloads.py ``input_grounded``: quote, summarise,
+edit or continue a passage of real text) runs as a closed loop of ``c`` streams (each
+stream submits its next prompt when the last one ends), and the standard workload's 64
+prompts all at once, each first without speculation, then with it, on one loaded model.
+Per request: generated tokens per second of its stream (tokens after the first over the
+time from the first to the last, so queueing and prefill are left out) and its tokens'
+inter-token latencies (a chunk of several tokens, one verified run, shares its gap evenly
+among them). Reported: the p50 over requests of the first, the p50 over tokens of the
+second, total generated tokens per second, and the proposals' acceptance.
+Writes JSON (default bench-results/speculative.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import workloads  # noqa: E402
+
+
+async def closed_loop(engine, prompts: list[list[int]], concurrency: int, new: int, ignore_eos: bool) -> dict:
+    """``concurrency`` streams working through ``prompts``; per-stream and total measures."""
+    queue = list(reversed(prompts))
+    rates: list[float] = []
+    itls: list[float] = []
+    generated = 0
+    s0 = engine.stats()
+
+    async def stream() -> None:
+        nonlocal generated
+        while queue:
+            prompt = queue.pop()
+            times: list[tuple[float, int]] = []
+            async for chunk in engine.stream(prompt, max_new_tokens=new, ignore_eos=ignore_eos):
+                if chunk.token_ids:
+                    times.append((time.perf_counter(), len(chunk.token_ids)))
+            n = sum(k for _, k in times)
+            generated += n
+            if n > 1 and times[-1][0] > times[0][0]:
+                rates.append((n - times[0][1]) / (times[-1][0] - times[0][0]))
+            for (t0, _), (t1, k) in zip(times, times[1:]):
+                itls.extend([(t1 - t0) / k] * k)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(stream() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    s1 = engine.stats()
+    proposed = s1.spec_proposed_tokens - s0.spec_proposed_tokens
+    accepted = s1.spec_accepted_tokens - s0.spec_accepted_tokens
+    return {
+        "concurrency": concurrency, "requests": len(prompts), "generated": generated, "wall_s": wall,
+        "per_stream_tok_s_p50": statistics.median(rates) if rates else None,
+        "itl_p50_ms": 1e3 * statistics.median(itls) if itls else None,
+        "total_tok_s": generated / wall, "steps": s1.steps - s0.steps,
+        "proposed": proposed, "accepted": accepted, "acceptance": accepted / proposed if proposed else None,
+    }
+
+
+async def run_mode(model, tok, method: str | None, args, grounded, standard) -> list[dict]:
+    import acb
+
+    config = acb.EngineConfig(speculative_method=method, num_blocks=args.num_blocks)
+    out = []
+    async with acb.Engine(model, tokenizer=tok, config=config) as engine:
+        await engine.generate(grounded.prompts[0], max_new_tokens=8)  # warm-up (kernels, prepacking)
+        for c in args.concurrency:
+            prompts = grounded.prompts[: max(args.min_requests, args.per_stream * c)]
+            r = await closed_loop(engine, prompts, c, grounded.max_new_tokens, ignore_eos=False)
+            r.update(workload="grounded", method=method or "none")
+            print(json.dumps(r), flush=True)
+            out.append(r)
+        if standard is not None:
+            r = await closed_loop(engine, standard.prompts, len(standard.prompts), standard.max_new_tokens,
+                                  ignore_eos=True)
+            r.update(workload="standard", method=method or "none")
+            print(json.dumps(r), flush=True)
+            out.append(r)
+    return out
+
+
+async def main(args) -> None:
+    from systems import load_smollm2
+
+    model, tok = load_smollm2()
+    grounded = workloads.input_grounded(tok, n=max(args.concurrency) * args.per_stream, max_new_tokens=args.new)
+    standard = workloads.standard(limit=args.standard) if args.standard else None
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    load_start = os.getloadavg()
+    results = []
+    for method in (None, "ngram"):
+        results += await run_mode(model, tok, method, args, grounded, standard)
+    load_end = os.getloadavg()
+    record = {"started": started, "load_start": load_start, "load_end": load_end,
+              "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+              "command": " ".join(["python"] + sys.argv), "workload_notes": grounded.notes, "results": results}
+    print_table(results)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1))
+    print(f"load average at start {load_start[0]:.2f}, at end {load_end[0]:.2f}; wrote {out}")
+
+
+def print_table(results: list[dict]) -> None:
+    base = {(r["workload"], r["concurrency"]): r for r in results if r["method"] == "none"}
+    print("| workload | streams | method | per-stream tok/s p50 | ITL p50 ms | total tok/s | acceptance | vs none |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        b = base.get((r["workload"], r["concurrency"]))
+        ratio = r["per_stream_tok_s_p50"] / b["per_stream_tok_s_p50"] if b and b["per_stream_tok_s_p50"] else None
+        acc = f"{r['acceptance']:.2f} ({r['accepted']}/{r['proposed']})" if r["acceptance"] is not None else "-"
+        print(f"| {r['workload']} | {r['concurrency']} | {r['method']} | {r['per_stream_tok_s_p50']:.1f} | "
+              f"{r['itl_p50_ms']:.1f} | {r['total_tok_s']:.1f} | {acc} | {ratio:.2f}x |" if ratio else
+              f"| {r['workload']} | {r['concurrency']} | {r['method']} | {r['per_stream_tok_s_p50']:.1f} | "
+              f"{r['itl_p50_ms']:.1f} | {r['total_tok_s']:.1f} | {acc} | |")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16])
+    p.add_argument("--per-stream", type=int, default=2, help="grounded requests per stream")
+    p.add_argument("--min-requests", type=int, default=4)
+    p.add_argument("--new", type=int, default=128, help="max new tokens of a grounded request")
+    p.add_argument("--standard", type=int, default=64, help="standard-workload prompts run at once (0: skip)")
+    p.add_argument("--num-blocks", type=int, default=2048)
+    p.add_argument("--out", default=str(HERE.parent / "bench-results" / "speculative.json"))
+    asyncio.run(main(p.parse_args()))
