@@ -184,6 +184,7 @@ def main() -> None:
     args = p.parse_args()
     out = asyncio.run(main_async(args))
     out["command"] = "python benchmarks/adapters.py " + " ".join(sys.argv[1:])
+    out["date"], out["source"] = out["started"], out["command"]  # what benchmarks/results/ files carry
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 
