@@ -11,8 +11,10 @@ of the activations is timed separately, as acb pays it once per GEMM input):
 
 - ``fp32``, ``bf16``: ``torch.ops.mkldnn._linear_pointwise`` over prepacked weights (acb's
   fused forward in those dtypes);
-- ``acb_int8``: acb's VNNI kernel (``acb/kernels/int8_cpu.cpp``), int8 activations per token
-  and weights per channel; ``acb_int8+q``: with the per-token quantization of its input;
+- ``acb_int8``: acb's VNNI kernel (``acb/kernels/int8_cpu.cpp``) as the engine runs it: int8
+  activations per token and group of 64 channels (``acb.quantization.activation_group``), weights
+  per channel; ``acb_int8+q``: with the quantization of its input; ``acb_int8_tok``: the same kernel
+  with one activation scale per token (what the groups cost);
 - ``onednn_int8``: ``torch.ops.onednn.qlinear_pointwise`` (what PyTorch's x86 inductor
   quantization runs), one activation scale per tensor (it cannot take per-token scales);
 - ``w8_bf16``: ``torch._weight_int8pack_mm``, weight-only int8 with bf16 activations.
@@ -56,7 +58,7 @@ def main() -> None:
     q8 = int8_kernels()
     torch.manual_seed(0)
     rows = []
-    names = ["fp32", "bf16", "acb_int8", "acb_int8+q", "onednn_int8", "w8_bf16"]
+    names = ["fp32", "bf16", "acb_int8", "acb_int8+q", "acb_int8_tok", "onednn_int8", "w8_bf16"]
     print(f"load {os.getloadavg()[0]:.2f}; GOPS (2*M*K*N / s), torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
     print(f"{'M':>5}{'K':>6}{'N':>7}" + "".join(f"{n:>12}" for n in names))
@@ -64,7 +66,8 @@ def main() -> None:
         for k, n in SHAPES:
             w = torch.randn(n, k) * 0.05
             wq, ws = quantize_weight(w)
-            layer = Int8Linear.from_int8(wq, ws)
+            layer = Int8Linear.from_int8(wq, ws)  # groups of activation_group(k) channels
+            per_token = Int8Linear.from_int8(wq, ws, group=k)
             pf = torch.ops.mkldnn._reorder_linear_weight(w, None)
             pb = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None)
             qw = torch.ops.onednn.qlinear_prepack(wq, None)
@@ -74,14 +77,17 @@ def main() -> None:
                     continue
                 x = torch.randn(m, k)
                 xb = x.bfloat16()
-                xq, xs = q8.quantize_rows(x)
+                xq, xs = q8.quantize_rows(x, None, False, 1e-6, layer.group)
+                tq, ts = q8.quantize_rows(x)  # one scale per token
                 cands = {
                     "fp32": lambda: torch.ops.mkldnn._linear_pointwise(x, pf, None, "none", [], ""),
                     "bf16": lambda: torch.ops.mkldnn._linear_pointwise(xb, pb, None, "none", [], ""),
                     "acb_int8": lambda: q8.linear(xq, xs, *layer.args, None, torch.float32),
-                    "acb_int8+q": lambda: q8.linear(*q8.quantize_rows(x), *layer.args, None, torch.float32),
+                    "acb_int8+q": lambda: q8.linear(*q8.quantize_rows(x, None, False, 1e-6, layer.group),
+                                                    *layer.args, None, torch.float32),
+                    "acb_int8_tok": lambda: q8.linear(tq, ts, *per_token.args, None, torch.float32),
                     "onednn_int8": lambda: torch.ops.onednn.qlinear_pointwise(
-                        xq, 1.0, 128, qw, ws, zeros, None, 1.0, 0, torch.float32, "none", [], ""),
+                        tq, 1.0, 128, qw, ws, zeros, None, 1.0, 0, torch.float32, "none", [], ""),
                     "w8_bf16": lambda: torch._weight_int8pack_mm(xb, wq, ws.bfloat16()),
                 }
                 gops = {name: 2 * m * k * n / timed(fn, args.seconds) / 1e9 for name, fn in cands.items()}
