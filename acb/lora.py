@@ -86,6 +86,9 @@ class LoraBank:
         self.scaling = [0.0] * max_adapters  # each slot's adapter's scaling
         self._alloc = threading.Lock()
         self._hooks: list = []
+        # names this bank to its hooks: an engine's step adds its own deltas only, and a deep copy
+        # of the model (a reference run) gets a new token its hooks never see
+        self.token = object()
 
     # ------------------------------------------------------------------ loading (worker threads)
     def write(self, slot: int, adapter: AdapterWeights) -> dict:
@@ -157,7 +160,7 @@ class LoraBank:
         if not runs and not rows:
             return None  # only forked rows of no tokens
         if not rows:
-            return StepLora(self.views, runs)
+            return StepLora(self.views, runs, token=self.token)
         widest = max(len(idx) for idx in rows.values())
         if len(rows) > 1 and self.max_adapters * widest <= 2 * sum(map(len, rows.values())) + 64:
             return self._batched(runs, rows, widest, to_device)
@@ -165,7 +168,7 @@ class LoraBank:
         for slot, idx in rows.items():  # the rows gathered group after group: each a contiguous run there
             groups.append((slot, len(perm), len(perm) + len(idx)))
             perm += idx
-        return StepLora(self.views, runs, groups, to_device(perm))
+        return StepLora(self.views, runs, groups, to_device(perm), token=self.token)
 
     def _batched(self, runs: list, rows: dict[int, list[int]], widest: int, to_device) -> StepLora:
         """Interleaved rows of several adapters (decode rows): every slot's rows padded to
@@ -178,7 +181,7 @@ class LoraBank:
             index[slot * widest: slot * widest + len(idx)] = idx
             mask[slot, : len(idx)] = self.scaling[slot]
         return StepLora(self.views, runs, [(slot, 0, 0) for slot in rows], to_device(index),
-                        batched=(self.stacks, mask.to(param.device), widest))
+                        batched=(self.stacks, mask.to(param.device), widest), token=self.token)
 
     # ------------------------------------------------------------------ transformers' forward
     def install_hooks(self) -> None:
@@ -189,7 +192,7 @@ class LoraBank:
             return
         for layer, block in enumerate(self.model.model.layers):
             for proj in TARGETS:
-                hook = functools.partial(_hook, layer, proj)
+                hook = functools.partial(_hook, self.token, layer, proj)
                 hook._acb_own = True
                 self._hooks.append(_projection(block, proj).register_forward_hook(hook))
 
@@ -199,9 +202,9 @@ class LoraBank:
         self._hooks = []
 
 
-def _hook(layer: int, proj: str, module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+def _hook(token: object, layer: int, proj: str, module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
     step = current()
-    if step is not None:
+    if step is not None and step.token is token:  # this bank's step (two engines may share a model)
         x = args[0]
         step.add(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]), layer, proj)
 
@@ -213,7 +216,7 @@ class StepLora:
     ``groups`` gives each slot's run of the gathered rows, or with ``batched`` every slot
     is padded to the same width and all run as one batched GEMM pair."""
 
-    __slots__ = ("views", "runs", "groups", "perm", "batched", "run_threads", "threads", "_gathered")
+    __slots__ = ("views", "runs", "groups", "perm", "batched", "run_threads", "threads", "token", "_gathered")
 
     # Below this many rows the LoRA GEMMs run on one thread: for [rows, in] x [in, r] the
     # OpenMP fork/join costs more than the work (measured: benchmarks/adapters.py)
@@ -221,8 +224,9 @@ class StepLora:
     RUN_ROWS = 16  # a row of at least this many tokens is computed on its own slice
 
     def __init__(self, views: list, runs: list[tuple[int, int, int]], groups: list[tuple[int, int, int]] = (),
-                 perm: torch.Tensor | None = None, batched: tuple | None = None) -> None:
+                 perm: torch.Tensor | None = None, batched: tuple | None = None, token: object = None) -> None:
         self.views = views
+        self.token = token  # the LoraBank's (its hooks add this step's deltas, no other bank's)
         self.runs = runs
         self.groups = groups
         self.perm = perm

@@ -13,7 +13,9 @@ EOS ignored, all submitted at once, a cold prefix cache):
 - ``eight``: request i runs adapter i % 8;
 - ``eight_all_threads``: the same with the LoRA GEMMs on every thread (acb runs them on one
   below 256 adapter rows a step, ``StepLora.SINGLE_THREAD_ROWS``);
-- ``base`` again at the end (the machine's drift between the first and the last run).
+- ``base`` again at the end (the machine's drift between the first and the last run);
+- with ``--rounds N``, base / one / eight N times over, interleaved; the costs are against
+  the mean of every base run, from the means of every run of each kind.
 
 Then ``load``: the base workload again while, after a quarter of its tokens, an adapter
 is loaded from a PEFT folder on disk: the load's wall time, and the inter-token latency
@@ -146,8 +148,10 @@ async def main_async(args) -> dict:
         await engine.generate_batch(w.prompts, max_new_tokens=2, ignore_eos=True)  # warm-up, every length class
         await engine.generate_batch(w.prompts[:8], max_new_tokens=2, ignore_eos=True, adapter="a0")
         eight = [f"a{i}" for i in range(8)]
-        for label, names, single_rows in (("base", [None], 256), ("one", ["a0"], 256), ("eight", eight, 256),
-                                          ("eight_all_threads", eight, 0), ("base_again", [None], 256)):
+        plan = [("base", [None], 256), ("one", ["a0"], 256), ("eight", eight, 256), ("eight_all_threads", eight, 0)]
+        plan += [(f"{label}_{r}", names, single) for r in range(2, args.rounds + 1)
+                 for label, names, single in plan if label != "eight_all_threads"]
+        for label, names, single_rows in plan + [("base_again", [None], 256)]:
             StepLora.SINGLE_THREAD_ROWS = single_rows  # 0: the LoRA GEMMs on every thread, whatever the rows
             res = await run(engine, w, names)
             res.pop("_stamps")
@@ -161,10 +165,18 @@ async def main_async(args) -> dict:
             out["load"] = await load_while_serving(engine, w, folder)
         out["dtype"] = engine.stats().dtype
         out["forward_path"] = engine.stats().forward_path
-    base = (out["runs"]["base"]["tok_per_s"] + out["runs"]["base_again"]["tok_per_s"]) / 2
-    out["cost_one"] = 1 - out["runs"]["one"]["tok_per_s"] / base
-    out["cost_eight"] = 1 - out["runs"]["eight"]["tok_per_s"] / base
-    out["cost_eight_all_threads"] = 1 - out["runs"]["eight_all_threads"]["tok_per_s"] / base
+    runs = out["runs"]
+
+    def mean(kind: str) -> float:  # over the rounds (base: and the last run)
+        rates = [r["tok_per_s"] for label, r in runs.items() if label.rstrip("_0123456789") == kind
+                 or (kind == "base" and label == "base_again")]
+        return sum(rates) / len(rates)
+
+    base = mean("base")
+    out["tok_per_s_mean"] = {kind: mean(kind) for kind in ("base", "one", "eight", "eight_all_threads")}
+    out["cost_one"] = 1 - mean("one") / base
+    out["cost_eight"] = 1 - mean("eight") / base
+    out["cost_eight_all_threads"] = 1 - mean("eight_all_threads") / base
     out["load_end"] = os.getloadavg()
     lo = out["load"]
     print(f"cost: one adapter {100 * out['cost_one']:.1f} %, eight {100 * out['cost_eight']:.1f} % "
@@ -181,6 +193,7 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
     p.add_argument("--workload-file", default=None)
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--rounds", type=int, default=1, help="repeat base/one/eight this many times, interleaved")
     args = p.parse_args()
     out = asyncio.run(main_async(args))
     out["command"] = "python benchmarks/adapters.py " + " ".join(sys.argv[1:])
