@@ -259,3 +259,21 @@ async def test_a_reused_slot_holds_only_its_new_adapter():
                                          for p, n in zip(prompts, names)))
     models = {"small": small, "other": other}
     assert [r.token_ids for r in results] == [reference_greedy(models[n], p, 8) for p, n in zip(prompts, names)]
+
+
+async def test_adapters_run_in_bfloat16():
+    """bf16 (what Engine.from_pretrained picks on CPUs with native bf16): the adapter's weights
+    are cast to the model's dtype and change the output; its first tokens match PEFT's in bf16."""
+    a = peft_model("llama", seed=1)
+    prompts = random_prompts(4, 5, 12, seed=19)
+    names = ["a", None, "a", None]
+    engine = acb.Engine(tiny_model("llama"), config=config(dtype="bfloat16"))
+    async with engine:
+        await engine.load_adapter(a, "a")
+        results = await asyncio.gather(*(engine.generate(p, adapter=n, max_new_tokens=4, ignore_eos=True)
+                                         for p, n in zip(prompts, names)))
+        assert (engine.stats().dtype, engine.stats().forward_path) == ("bfloat16", "fused")
+    ref_a, ref_base = a.to(torch.bfloat16), tiny_model("llama").to(torch.bfloat16)
+    firsts = [r.token_ids[0] for r in results]
+    assert firsts == [reference_greedy(ref_a if n else ref_base, p, 1)[0] for p, n in zip(prompts, names)]
+    assert any(firsts[i] != reference_greedy(ref_base, prompts[i], 1)[0] for i in (0, 2)), "the adapter changed nothing"
