@@ -98,6 +98,18 @@ def test_activations_are_quantized_per_token_and_group_with_the_norm_fused(group
         assert (xs[:, 1:] < xs[:, :1] / 4).all()
 
 
+def test_a_bfloat16_norm_weight_quantizes_as_its_float32_value():
+    """The int8_bf16 forward hands the kernel bf16 norm weights: widened exactly, same result."""
+    q8 = _q8()
+    x = torch.randn(5, 64)
+    w = (torch.rand(64) + 0.5).bfloat16()
+    got = _quantize(q8, x, 16, w)
+    want = _quantize(q8, x, 16, w.float())
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        _quantize(q8, x, 16, w.half())
+
+
 def test_the_group_sums_take_the_activation_offset_back_out_per_group():
     _q8()
     wq, ws = _int8(32, 64, 4)

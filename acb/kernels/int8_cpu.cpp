@@ -327,19 +327,28 @@ std::vector<torch::Tensor> quantize_any(const torch::Tensor& x, const c10::optio
   (void)gemma;  // the norm's two orders of the product are one float (see quantize_row)
   uint8_t* qp = q.data_ptr<uint8_t>();
   float* sp = s.data_ptr<float>();
-  std::vector<float> w(k);
+  // the norm's weight as float32: read in place when it is, else (bf16) widened once per call through one
+  // pointer (it was read through data_ptr() with a dtype check per element)
+  std::vector<float> widened;
+  const float* w = nullptr;
   const bool norm = norm_w.has_value();
   if (norm) {
     TORCH_CHECK(norm_w->numel() == k && norm_w->is_contiguous(), "the norm weight must be a contiguous [K]");
-    for (int64_t i = 0; i < k; ++i)
-      w[i] = norm_w->scalar_type() == torch::kFloat32 ? norm_w->data_ptr<float>()[i]
-                                                       : widen(reinterpret_cast<const uint16_t*>(norm_w->data_ptr())[i]);
+    if (norm_w->scalar_type() == torch::kFloat32) {
+      w = norm_w->data_ptr<float>();
+    } else {
+      TORCH_CHECK(norm_w->scalar_type() == torch::kBFloat16, "the norm weight must be float32 or bfloat16");
+      const uint16_t* src = reinterpret_cast<const uint16_t*>(norm_w->data_ptr());
+      widened.resize(k);
+      for (int64_t i = 0; i < k; ++i) widened[i] = widen(src[i]);
+      w = widened.data();
+    }
   }
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t b, int64_t e) {
     std::vector<float> buf(k);
     for (int64_t t = b; t < e; ++t) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-      quantize_row(xp + t * xs, k, group, w.data(), static_cast<float>(eps), norm, qp + t * k, sp + t * ng,
+      quantize_row(xp + t * xs, k, group, w, static_cast<float>(eps), norm, qp + t * k, sp + t * ng,
                    buf.data());
 #endif
     }
