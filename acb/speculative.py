@@ -21,9 +21,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-# Above this many running rows a step is taken as compute-bound: nobody proposes (the
-# cost model below would mostly say 0 there too; this is the cheap, certain case).
-MAX_SPECULATIVE_ROWS = 32
+# Above this many running rows nobody proposes. Measured (docs/performance.md, SmolLM2 on two
+# cores): with 4 streams proposals made each stream 1.76x faster, with 16 they made it 0.90x as
+# fast (the verification rows and the steps planned without overlap cost more than the cost
+# model below, fitted on step times alone, sees), so the cap sits between.
+MAX_SPECULATIVE_ROWS = 8
 # A row that stops finding matches or having them accepted proposes 0, and tries again
 # after this many of its steps (a probe), so a row whose text turns repetitive comes back.
 PROBE_EVERY = 16
@@ -93,7 +95,7 @@ class Speculation:
     step already makes per second spent, ``R b / (a + b R)``: a lone row on a
     memory-bound step proposes up to ``num_speculative_tokens``; a large batch
     (compute-bound: ``b R`` dominates) proposes nothing. Above ``MAX_SPECULATIVE_ROWS``
-    running rows nobody proposes."""
+    running rows nobody proposes (measured: see the constant)."""
 
     def __init__(self, num_tokens: int, n_min: int, n_max: int) -> None:
         self.num_tokens, self.n_min, self.n_max = num_tokens, n_min, n_max
@@ -112,11 +114,11 @@ class Speculation:
     # ----------------------------------------------------------------- planning
     def begin_plan(self, running: int) -> None:
         """Before a plan of about ``running`` rows: the bar a proposal must clear."""
-        if running > MAX_SPECULATIVE_ROWS:
-            self._threshold = 1.0
-            return
         if not self.adaptive:
             self._threshold = 0.0
+            return
+        if running > MAX_SPECULATIVE_ROWS:
+            self._threshold = 1.0
             return
         a, b = self.cost()
         self._threshold = running * b / (a + b * running) if a + b * running > 0 else 0.0
@@ -153,7 +155,7 @@ class Speculation:
         """Whether the next plan should wait for the step in flight (so the rows' last
         tokens are known and they can propose): some row of ``rows`` would propose. The
         price is the overlap: that plan is made after the step, not while it computes."""
-        if len(rows) > MAX_SPECULATIVE_ROWS:
+        if len(rows) > MAX_SPECULATIVE_ROWS and self.adaptive:
             return False
         return any(seq.spec is not None and seq.spec.want for seq in rows)
 

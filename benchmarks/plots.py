@@ -13,7 +13,9 @@ newest file (by name) is used; the latency plots show every streaming run.
 - peers.png: a bench.py run's systems, acb against each peer (tok/s, acb's ratio);
 - latency.png: TTFT and inter-token latency, p50-p99 per system and workload;
 - latency_cdf.png: their whole distribution, for runs that kept every sample;
-- gpu.png: the GPU check's throughput table.
+- gpu.png: the GPU check's throughput table;
+- speculative.png: speculative.py's run, per-stream tok/s and ITL p50 with and without n-gram
+  speculation per workload and concurrency.
 """
 
 from __future__ import annotations
@@ -173,6 +175,29 @@ def plot_gpu(data: dict, out: Path) -> Path:
     return save(fig, out, "gpu.png")
 
 
+def plot_speculative(data: dict, out: Path) -> Path:
+    rows = data["results"]
+    keys = [(r["workload"], r["concurrency"]) for r in rows if r["method"] == "none"]
+    by = {(r["workload"], r["concurrency"], r["method"]): r for r in rows}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    x = range(len(keys))
+    names = [f"{w}\n{c} stream{'s' if c > 1 else ''}" for w, c in keys]
+    for ax, field, title in ((left, "per_stream_tok_s_p50", "per-stream generated tok/s (p50)"),
+                             (right, "itl_p50_ms", "inter-token latency p50 (ms)")):
+        for k, (method, colour) in enumerate((("none", PEER_COLOUR), ("ngram", ACB_COLOUR))):
+            values = [by[(w, c, method)][field] for w, c in keys]
+            ax.bar([i + (k - 0.5) * 0.38 for i in x], values, 0.38, color=colour,
+                   label="no speculation" if method == "none" else "ngram")
+        ax.set_xticks(list(x), names, fontsize=8)
+        ax.set_title(title, fontsize=10)
+    for i, (w, c) in enumerate(keys):
+        base, spec = by[(w, c, "none")]["per_stream_tok_s_p50"], by[(w, c, "ngram")]["per_stream_tok_s_p50"]
+        left.annotate(f"{spec / base:.2f}x", (i + 0.19, spec), ha="center", va="bottom", fontsize=8)
+    left.legend(fontsize=8)
+    fig.suptitle(f"SmolLM2-135M, speculative_method='ngram' vs none ({caption(data)})", fontsize=10)
+    return save(fig, out, "speculative.png")
+
+
 def render_all(results: Path, out: Path) -> list[Path]:
     """Every plot the files in ``results`` can give, written to ``out``."""
     written = []
@@ -187,6 +212,8 @@ def render_all(results: Path, out: Path) -> list[Path]:
     written += [p for p in (plot_latency_cdf(latency_runs, out),) if p]
     if gpu := newest(results, "gpu"):
         written.append(plot_gpu(gpu, out))
+    if speculative := newest(results, "speculative"):
+        written.append(plot_speculative(speculative, out))
     return written
 
 

@@ -35,7 +35,8 @@ import workloads  # noqa: E402
 
 async def closed_loop(engine, prompts: list[list[int]], concurrency: int, new: int, ignore_eos: bool) -> dict:
     """``concurrency`` streams working through ``prompts``; per-stream and total measures."""
-    queue = list(reversed(prompts))
+    queue = list(reversed(list(enumerate(prompts))))
+    outputs: list[list[int]] = [[] for _ in prompts]
     rates: list[float] = []
     itls: list[float] = []
     generated = 0
@@ -44,11 +45,12 @@ async def closed_loop(engine, prompts: list[list[int]], concurrency: int, new: i
     async def stream() -> None:
         nonlocal generated
         while queue:
-            prompt = queue.pop()
+            index, prompt = queue.pop()
             times: list[tuple[float, int]] = []
             async for chunk in engine.stream(prompt, max_new_tokens=new, ignore_eos=ignore_eos):
                 if chunk.token_ids:
                     times.append((time.perf_counter(), len(chunk.token_ids)))
+                    outputs[index] += chunk.token_ids
             n = sum(k for _, k in times)
             generated += n
             if n > 1 and times[-1][0] > times[0][0]:
@@ -68,6 +70,7 @@ async def closed_loop(engine, prompts: list[list[int]], concurrency: int, new: i
         "itl_p50_ms": 1e3 * statistics.median(itls) if itls else None,
         "total_tok_s": generated / wall, "steps": s1.steps - s0.steps,
         "proposed": proposed, "accepted": accepted, "acceptance": accepted / proposed if proposed else None,
+        "outputs": outputs,
     }
 
 
@@ -82,13 +85,13 @@ async def run_mode(model, tok, method: str | None, args, grounded, standard) -> 
             prompts = grounded.prompts[: max(args.min_requests, args.per_stream * c)]
             r = await closed_loop(engine, prompts, c, grounded.max_new_tokens, ignore_eos=False)
             r.update(workload="grounded", method=method or "none")
-            print(json.dumps(r), flush=True)
+            print(json.dumps({k: v for k, v in r.items() if k != "outputs"}), flush=True)
             out.append(r)
         if standard is not None:
             r = await closed_loop(engine, standard.prompts, len(standard.prompts), standard.max_new_tokens,
                                   ignore_eos=True)
             r.update(workload="standard", method=method or "none")
-            print(json.dumps(r), flush=True)
+            print(json.dumps({k: v for k, v in r.items() if k != "outputs"}), flush=True)
             out.append(r)
     return out
 
@@ -105,10 +108,15 @@ async def main(args) -> None:
     for method in (None, "ngram"):
         results += await run_mode(model, tok, method, args, grounded, standard)
     load_end = os.getloadavg()
-    record = {"started": started, "load_start": load_start, "load_end": load_end,
+    plain = {(r["workload"], r["concurrency"]): r["outputs"] for r in results if r["method"] == "none"}
+    for r in results:  # greedy: speculation must not change a single token
+        r["identical_to_none"] = r["outputs"] == plain[(r["workload"], r["concurrency"])]
+        del r["outputs"]
+    record = {"date": started, "source": "benchmarks/speculative.py", "started": started, "load_start": load_start, "load_end": load_end,
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
               "command": " ".join(["python"] + sys.argv), "workload_notes": grounded.notes, "results": results}
     print_table(results)
+    print("greedy outputs identical with and without speculation:", all(r["identical_to_none"] for r in results))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))

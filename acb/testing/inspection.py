@@ -51,7 +51,8 @@ def speculate_always(engine: Engine) -> None:
     """Make ``engine`` (built with ``EngineConfig(speculative_method=...)``) propose every
     token it finds, whatever its cost model says: tests of verification then do not depend
     on the machine's timings (the cost model, fed measured step times, may turn proposals
-    down on a loaded machine). The rows cap (``acb.speculative.MAX_SPECULATIVE_ROWS``) stays."""
+    down on a loaded machine), nor on the batch size (``acb.speculative.MAX_SPECULATIVE_ROWS``
+    is lifted too)."""
     speculation = engine.scheduler.speculation
     if speculation is None:
         raise ValueError("the engine has no speculative decoding (EngineConfig.speculative_method is None)")
