@@ -112,7 +112,8 @@ async def main(args) -> None:
     for r in results:  # greedy: speculation must not change a single token
         r["identical_to_none"] = r["outputs"] == plain[(r["workload"], r["concurrency"])]
         del r["outputs"]
-    record = {"date": started, "source": "benchmarks/speculative.py", "started": started, "load_start": load_start, "load_end": load_end,
+    record = {"date": started, "source": "benchmarks/speculative.py", "started": started,
+              "load_start": load_start, "load_end": load_end,
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
               "command": " ".join(["python"] + sys.argv), "workload_notes": grounded.notes, "results": results}
     print_table(results)
