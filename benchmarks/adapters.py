@@ -19,7 +19,8 @@ EOS ignored, all submitted at once, a cold prefix cache):
 
 Then ``load``: the base workload again while, after a quarter of its tokens, an adapter
 is loaded from a PEFT folder on disk: the load's wall time, and the inter-token latency
-of the streams while it loads against before it.
+of the streams while it loads against before it. Last, ``one_qv`` (each round): every request
+on one adapter that targets q_proj and v_proj only, PEFT's default for Llama.
 """
 
 from __future__ import annotations
@@ -163,6 +164,16 @@ async def main_async(args) -> dict:
         with tempfile.TemporaryDirectory() as folder:
             save_folder(*adapters[8], folder)
             out["load"] = await load_while_serving(engine, w, folder)
+        # an adapter on q_proj / v_proj only (PEFT's default targets for Llama): the MLP stays fused
+        config_qv, state = random_adapter(model, 16, 9)
+        state = {k: v for k, v in state.items() if ".q_proj." in k or ".v_proj." in k}
+        await engine.load_adapter(({**config_qv, "target_modules": ["q_proj", "v_proj"]}, state), "qv")
+        for r in range(1, args.rounds + 1):
+            res = await run(engine, w, ["qv"])
+            res.pop("_stamps")
+            res.pop("_itl")
+            out["runs"][f"one_qv_{r}"] = res
+            print(f"one_qv_{r}   {res['tok_per_s']:7.1f} tok/s  ITL p50 {1e3 * res['itl_p50_s']:.0f} ms", flush=True)
         out["dtype"] = engine.stats().dtype
         out["forward_path"] = engine.stats().forward_path
     runs = out["runs"]
@@ -173,14 +184,16 @@ async def main_async(args) -> dict:
         return sum(rates) / len(rates)
 
     base = mean("base")
-    out["tok_per_s_mean"] = {kind: mean(kind) for kind in ("base", "one", "eight", "eight_all_threads")}
+    out["tok_per_s_mean"] = {kind: mean(kind) for kind in ("base", "one", "eight", "eight_all_threads", "one_qv")}
+    out["cost_one_qv"] = 1 - mean("one_qv") / base
     out["cost_one"] = 1 - mean("one") / base
     out["cost_eight"] = 1 - mean("eight") / base
     out["cost_eight_all_threads"] = 1 - mean("eight_all_threads") / base
     out["load_end"] = os.getloadavg()
     lo = out["load"]
     print(f"cost: one adapter {100 * out['cost_one']:.1f} %, eight {100 * out['cost_eight']:.1f} % "
-          f"(all threads {100 * out['cost_eight_all_threads']:.1f} %) (against the "
+          f"(all threads {100 * out['cost_eight_all_threads']:.1f} %), one on q/v only "
+          f"{100 * out['cost_one_qv']:.1f} % (against the "
           f"mean of both base runs); load while serving {lo['load_s']:.2f} s, ITL during it p50 "
           f"{1e3 * (lo['itl_during_load_p50_s'] or 0):.0f} ms max {1e3 * (lo['itl_during_load_max_s'] or 0):.0f} ms, "
           f"before it p50 {1e3 * lo['itl_before_load_p50_s']:.0f} ms; load avg {out['load_start']} -> "
