@@ -138,7 +138,7 @@ async def main_async(args) -> dict:
     w = workloads.build("standard", args.workload_file, args.limit, 2.0)
     model, tok = load_smollm2()
     config = acb.EngineConfig(max_adapters=8, max_adapter_rank=16)
-    adapters = [random_adapter(model, 16, seed) for seed in range(9)]
+    adapters = [random_adapter(model, 16, seed) for seed in range(10)]  # (before the engine prepacks the model)
     out: dict = {"load_start": os.getloadavg(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                  "requests": len(w.prompts), "max_new_tokens": w.max_new_tokens, "runs": {}}
     async with acb.Engine(model, tokenizer=tok, config=config) as engine:
@@ -165,7 +165,7 @@ async def main_async(args) -> dict:
             save_folder(*adapters[8], folder)
             out["load"] = await load_while_serving(engine, w, folder)
         # an adapter on q_proj / v_proj only (PEFT's default targets for Llama): the MLP stays fused
-        config_qv, state = random_adapter(model, 16, 9)
+        config_qv, state = adapters[9]
         state = {k: v for k, v in state.items() if ".q_proj." in k or ".v_proj." in k}
         await engine.load_adapter(({**config_qv, "target_modules": ["q_proj", "v_proj"]}, state), "qv")
         for r in range(1, args.rounds + 1):
