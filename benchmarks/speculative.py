@@ -100,15 +100,17 @@ async def main(args) -> None:
     from systems import load_smollm2
 
     model, tok = load_smollm2()
-    grounded = workloads.input_grounded(tok, n=max(args.concurrency) * args.per_stream, max_new_tokens=args.new)
+    grounded = workloads.input_grounded(tok, n=max(args.concurrency + [2]) * args.per_stream, max_new_tokens=args.new)
     standard = workloads.standard(limit=args.standard) if args.standard else None
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     load_start = os.getloadavg()
     results = []
-    for method in (None, "ngram"):
-        results += await run_mode(model, tok, method, args, grounded, standard)
+    for _ in range(args.repeat):  # alternated, so drift on a shared machine falls on both
+        for method in (None, "ngram"):
+            results += await run_mode(model, tok, method, args, grounded, standard)
     load_end = os.getloadavg()
     plain = {(r["workload"], r["concurrency"]): r["outputs"] for r in results if r["method"] == "none"}
+    # (with --repeat, each configuration is compared with the last run without speculation)
     for r in results:  # greedy: speculation must not change a single token
         r["identical_to_none"] = r["outputs"] == plain[(r["workload"], r["concurrency"])]
         del r["outputs"]
@@ -140,7 +142,9 @@ def print_table(results: list[dict]) -> None:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16])
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 4, 16],
+                   help="grounded streams ('' for none)")
+    p.add_argument("--repeat", type=int, default=1, help="alternate none / ngram this many times")
     p.add_argument("--per-stream", type=int, default=2, help="grounded requests per stream")
     p.add_argument("--min-requests", type=int, default=4)
     p.add_argument("--new", type=int, default=128, help="max new tokens of a grounded request")

@@ -393,3 +393,30 @@ async def test_a_large_batch_proposes_nothing():
         stats = engine.stats()
     assert stats.spec_proposed_tokens == 0
     assert all(r.token_ids == results[0].token_ids for r in results)
+
+
+def test_each_position_is_sampled_as_its_token_index_would_be():
+    """The sampling entries of a row verifying 3 proposals: one per position, each with its
+    token index's seed, min_new_tokens ban and penalty history (proposals before it included)."""
+    from acb.live import LiveRequest, SamplingColumns, sampling_batch
+    from acb.request import Outcome
+    from acb.sampling import mix_seed
+
+    s = _spec_scheduler()
+    params = acb.SamplingParams(max_new_tokens=20, temperature=1.0, seed=7, min_new_tokens=4,
+                                repetition_penalty=1.2, top_k=0, top_p=1.0, min_p=0.0)
+    columns = SamplingColumns()
+    req = LiveRequest.create("a", [6, 6, 6, 6], params, None, Outcome(None), None, frozenset({2}),
+                             slot=columns.reserve())
+    columns.write(req.seq.slot, req)
+    seq = req.seq
+    seq.spec = s.speculation.state()
+    s.add(seq)
+    _run(s, s.schedule(), lambda q, t: 6)  # token 0
+    plan = s.schedule()
+    assert plan.input.drafts == [4] and plan.input.row_tokens(0) == [6, 6, 6, 6, 6]
+    batch = sampling_batch(plan, columns, vocab_size=32)
+    assert batch.seeds == [mix_seed(7, i) for i in range(1, 6)]  # tokens 1..5
+    c = batch.controls
+    assert sorted({row for row, _ in c.banned}) == [0, 1, 2]  # tokens 1, 2, 3 are before min_new_tokens=4
+    assert [len(h) for h in c.history] == [5, 6, 7, 8, 9]  # prompt + token 0, then each proposal before
