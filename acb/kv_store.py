@@ -70,14 +70,18 @@ class KVStore:
         self._zero(swa_pages, sliding=True)
 
     def update_tables(self, step: StepInput) -> None:
-        """Apply the step's block-table deltas (after its page moves) and zero the pages
-        they bring in that were never written: every page a row writes came in by a delta,
-        so none is read before it is zeroed or written whole."""
-        if not step.delta_rows:
-            return
-        self.tables.apply(step.delta_rows, step.delta_cols, step.delta_pages, step.delta_swa)
-        self.zero(_first_use(step.delta_pages, self.zeroed),
-                  _first_use(step.delta_swa, self.zeroed_swa) if self.swa_layers else [])
+        """Apply the step's block-table deltas. The runner does it first, before anything
+        that can fail: the next step's rows build on them even when this step fails."""
+        if step.delta_rows:
+            self.tables.apply(step.delta_rows, step.delta_cols, step.delta_pages, step.delta_swa)
+
+    def zero_new_pages(self, step: StepInput) -> None:
+        """Zero the pages the step's deltas bring in that were never written (after its page
+        moves, which write theirs whole): every page a row writes came in by a delta, so
+        none is read before it is zeroed or written whole."""
+        if step.delta_rows:
+            self.zero(_first_use(step.delta_pages, self.zeroed),
+                      _first_use(step.delta_swa, self.zeroed_swa) if self.swa_layers else [])
 
     def move_pages(self, step: StepInput) -> None:
         """The step's page copies, before its forward and in this order: swap-outs to the

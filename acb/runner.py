@@ -217,10 +217,11 @@ class ModelRunner:
     def forward(self, step: StepInput) -> tuple[torch.Tensor | None, tuple | None]:
         """The step's page copies and forward: (the logits of its sampled rows [K, vocab],
         None), or (None, (ids, logprobs)) when a CUDA graph sampled them too."""
+        self.kv.update_tables(step)  # first: the next step's deltas build on these, whatever happens here
         if step.refresh:
             self.fast_paths.refresh()
         self.kv.move_pages(step)
-        self.kv.update_tables(step)
+        self.kv.zero_new_pages(step)
         input_ids, position_ids, keep, meta = self._build(step)
         adapters = self.lora.step(step, self._tensor) if self.lora is not None else None
         if self.fault_hook is not None:

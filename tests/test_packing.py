@@ -141,7 +141,30 @@ def test_a_steps_deltas_zero_the_pages_they_bring_in_once():
     step = StepInput()
     step.add_row([1, 2, 3, 4, 5], 0, [2, 1])
     kv.update_tables(step)
+    kv.zero_new_pages(step)
     assert kv.zeroed == bytearray([0, 1, 1, 0])
     assert kv.k_cache[0][:, 2 * PS : 3 * PS].eq(0).all() and kv.k_cache[0][:, PS : 2 * PS].eq(7).all()
     assert kv.k_cache[0][:, :PS].isnan().all()  # not in any table: untouched
     kv.tables.check([(0, [2, 1], None)])
+
+
+@torch.inference_mode()
+def test_a_step_that_fails_before_its_forward_still_applies_its_block_table_deltas():
+    # the scheduler counts a step's deltas as sent once planned, and the next step's rows (of
+    # sequences failed with this one, still run) build on them: a failure must not lose them
+    from acb.runner import ModelRunner
+    from acb.testing import tiny_model
+
+    runner = ModelRunner(tiny_model(), num_pages=8, page_size=PS)
+    try:
+        def fail(step):
+            raise RuntimeError("page moves failed")
+
+        runner.kv.move_pages = fail
+        step = StepInput()
+        step.add_row([1, 2, 3, 4, 5], 0, [6, 2], table_row=3)
+        with pytest.raises(RuntimeError, match="page moves failed"):
+            runner.forward(step)
+        runner.kv.tables.check([(3, [6, 2], None)])
+    finally:
+        runner.release()
