@@ -1,123 +1,122 @@
-"""Where an acb step's time goes: each native call of the fused forward timed, prefill and decode apart.
+"""Where a run's time goes: acb alone on a workload, each step's parts timed.
 
-    python benchmarks/step_profile.py int8_bf16 48 96   # variant (int8_bf16 | bf16 | fp32), prompts, new tokens
-    PYTHONPATH=. python benchmarks/step_profile.py bf16  # from a worktree: its acb, not the installed one
+    python benchmarks/step_profile.py                 # the standard workload, SmolLM2, default config
 
-Runs SmolLM2 through an Engine on the first N standard-workload prompts (one generate_batch, after a
-warm-up pass), with the fused forward's kernel modules wrapped so every call into them (int8 GEMMs,
-quantization, RMSNorm, RoPE) and ``attention.paged_attention`` is timed; the bf16/fp32 GEMMs (oneDNN,
-called directly) fall in "(rest of forward)". Prints the wall time, the forward's share of it (the
-rest is scheduling, sampling and host work), and per step kind the time of each call. The wrappers
-cost ~1 us a call: compare shares, not absolute figures, with bench.py's. Run it under the exclusive
-lock on a quiet machine (results recorded in docs/performance.md, int8 section).
+Runs the workload once at full size as a warm-up (as bench.py does), then once timed,
+consuming with ``generate_batch``. Steps are split into those carrying prompt tokens
+("prefill") and decode-only ones; within them, wall time is summed for building the
+step's tensors, attention (and the native kernels inside it), the fused forward's
+norms and RoPE, ``lm_head`` and sampling. What is left of a step is the layers' GEMMs
+plus small glue (embeddings, rotary tables). Timers wrap Python-level calls, so
+they add a few microseconds per call; the totals are a breakdown, not a benchmark.
 """
-# ruff: noqa: E402
+
+from __future__ import annotations
+
+import argparse
 import asyncio
 import collections
-import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import torch
-import workloads
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import acb
-from acb import attention, fused, quantization
-from acb.loading import load, smollm2
+import workloads  # noqa: E402
+from systems import load_smollm2  # noqa: E402
 
-T: dict = collections.defaultdict(float)  # (step kind, name) -> seconds
-C: dict = collections.defaultdict(int)  # (step kind, name) -> calls
-kind = ["?"]
+import acb  # noqa: E402
+from acb import attention  # noqa: E402
+from acb.testing import runner_of  # noqa: E402
 
 
-def timed(name, fn):
-    def f(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            T[(kind[0], name)] += time.perf_counter() - t0
-            C[(kind[0], name)] += 1
-    return f
+class Timers:
+    def __init__(self) -> None:
+        self.kind = "prefill"
+        self.total: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.calls: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.total[self.kind, name] += time.perf_counter() - t
+                self.calls[self.kind, name] += 1
+
+        return timed
+
+    def clear(self) -> None:
+        self.total.clear()
+        self.calls.clear()
 
 
-class Proxy:
-    """A kernel module whose callables are timed."""
+class _KernelProxy:
+    """A native kernel module with each function timed (modules' attributes are read-only)."""
 
-    def __init__(self, mod, prefix):
-        self._m, self._p = mod, prefix
-
-    def __getattr__(self, n):
-        v = getattr(self._m, n)
-        return timed(self._p + n, v) if callable(v) else v
+    def __init__(self, module, timers: Timers, names: list[str]) -> None:
+        for name in names:
+            setattr(self, name, timers.wrap(name, getattr(module, name)))
 
 
-def instrument(decode_rows: int) -> None:
-    for cls in (quantization.Int8Forward, fused.FusedForward):
-        def call(self, input_ids, *a, _orig=cls.__call__, **k):
-            if not isinstance(self.k, Proxy):
-                self.k = Proxy(self.k, "k.")
-                if hasattr(self, "q8"):
-                    self.q8 = Proxy(self.q8, "q8.")
-            rows = input_ids.shape[-1]
-            kind[0] = "decode" if rows <= decode_rows else "prefill"
-            t0 = time.perf_counter()
-            out = _orig(self, input_ids, *a, **k)
-            T[(kind[0], "FORWARD")] += time.perf_counter() - t0
-            C[(kind[0], "FORWARD")] += 1
-            T[(kind[0], "rows")] += rows
-            return out
-        cls.__call__ = call
-    attention.paged_attention = timed("paged_attention", attention.paged_attention)
+def instrument(engine: acb.Engine, timers: Timers) -> None:
+    runner = runner_of(engine)
+    execute = runner.execute
+
+    def step(s):
+        timers.kind = "prefill" if len(s.token_ids) > s.num_rows else "decode"
+        return timers.wrap("step", execute)(s)
+
+    runner.execute = step
+    runner._build = timers.wrap("build step tensors", runner._build)
+    attention.paged_attention = timers.wrap("attention (all)", attention.paged_attention)
+    if "native" in attention.KERNELS:
+        attention.KERNELS["native"] = _KernelProxy(attention.KERNELS["native"], timers,
+                                                   ["paged_decode", "prefill_attention"])
+    import acb.runner as runner_module
+
+    runner_module.sample = timers.wrap("sampling", runner_module.sample)
+    if runner.fast_paths.fused is not None:
+        runner.fast_paths.fused.k = _KernelProxy(runner.fast_paths.fused.k, timers, ["rms_norm", "rope_"])
+        runner.fast_paths.fused.lm_head = timers.wrap("lm_head", runner.fast_paths.fused.lm_head)
 
 
-def report(variant: str, n_prompts: int, new: int, wall: float, steps: int) -> None:
-    print(f"{variant}: load {os.getloadavg()[0]:.2f}; wall {wall:.2f} s, {steps} steps, "
-          f"{n_prompts * new / wall:.1f} tok/s")
-    fwd = sum(v for (_, n), v in T.items() if n == "FORWARD")
-    print(f"forward total {fwd:.2f} s ({fwd / wall:.0%} of wall); outside the forward {wall - fwd:.2f} s")
-    for kd in ("prefill", "decode"):
-        f, calls = T.get((kd, "FORWARD"), 0), C.get((kd, "FORWARD"), 0)
-        if not calls:
+async def main(args) -> None:
+    w = workloads.build(args.workload, args.workload_file, args.limit)
+    model, tok = load_smollm2()
+    engine = acb.Engine(model, tokenizer=tok, config=acb.EngineConfig())
+    timers = Timers()
+    async with engine:
+        fused = runner_of(engine).fast_paths.fused is not None
+        instrument(engine, timers)
+        await engine.generate_batch(w.prompts, max_new_tokens=2, ignore_eos=True)  # warm-up at full size
+        engine.kv.evict_all_cached()
+        timers.clear()
+        t = time.perf_counter()
+        out = await engine.generate_batch(w.prompts, max_new_tokens=w.max_new_tokens, ignore_eos=True)
+        elapsed = time.perf_counter() - t
+    generated = sum(len(c.token_ids) for c in out)
+    print(f"{w.name}: {generated} tokens in {elapsed:.2f} s = {generated / elapsed:.1f} tok/s "
+          f"(fused forward {'on' if fused else 'off: attention timed only through the fused forward'})")
+    for kind in ("prefill", "decode"):
+        steps = timers.calls[kind, "step"]
+        if not steps:
             continue
-        print(f"-- {kd}: {calls} forwards, {T[(kd, 'rows')] / calls:.0f} rows avg, {f:.2f} s, "
-              f"{1e3 * f / calls:.1f} ms each")
-        items = sorted(((v, n) for (k2, n), v in T.items() if k2 == kd and n not in ("FORWARD", "rows")),
-                       reverse=True)
-        for v, n in items:
-            print(f"   {n:<22} {v:7.3f} s {v / f:6.1%}  {C[(kd, n)]:6d} calls {1e6 * v / C[(kd, n)]:8.1f} us")
-        rest = f - sum(v for v, _ in items)
-        print(f"   {'(rest of forward)':<22} {rest:7.3f} s {rest / f:6.1%}")
-
-
-def main() -> None:
-    variant = sys.argv[1] if len(sys.argv) > 1 else "int8_bf16"  # int8_bf16 | int8 | bf16 | fp32
-    n_prompts = int(sys.argv[2]) if len(sys.argv) > 2 else 48
-    new = int(sys.argv[3]) if len(sys.argv) > 3 else 96
-    w = workloads.build("standard", None, n_prompts, 2.0)
-    dtype = "bfloat16" if variant in ("bf16", "int8_bf16") else "float32"
-    quant = "int8" if variant.startswith("int8") else None
-    model, tok = load(*smollm2(), dtype=dtype, quantization=quant)
-    model = model if quant else model.to(getattr(torch, dtype))
-    instrument(n_prompts)
-
-    async def run() -> tuple[float, int]:
-        engine = acb.Engine(model, tokenizer=tok, config=acb.EngineConfig(dtype=dtype, quantization=quant))
-        async with engine:
-            await engine.generate_batch(w.prompts, max_new_tokens=2, ignore_eos=True)
-            engine.kv.evict_all_cached()
-            T.clear()
-            C.clear()
-            s0 = engine.stats().steps
-            t0 = time.perf_counter()
-            await engine.generate_batch(w.prompts, max_new_tokens=new, ignore_eos=True)
-            return time.perf_counter() - t0, engine.stats().steps - s0
-
-    wall, steps = asyncio.run(run())
-    report(variant, n_prompts, new, wall, steps)
+        total = timers.total[kind, "step"]
+        print(f"\n{kind} steps: {steps}, {total:.2f} s ({1e3 * total / steps:.1f} ms/step)")
+        parts = [(name, v) for (k, name), v in timers.total.items() if k == kind and name != "step"]
+        accounted = sum(v for name, v in parts if name not in ("paged_decode", "prefill_attention"))
+        for name, v in sorted(parts, key=lambda p: -p[1]):
+            inner = "  (inside attention)" if name in ("paged_decode", "prefill_attention") else ""
+            print(f"  {name:22s} {v:7.3f} s  {timers.calls[kind, name]:6d} calls{inner}")
+        print(f"  {'rest: GEMMs and glue':22s} {total - accounted:7.3f} s")
 
 
 if __name__ == "__main__":
-    main()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", default="standard", choices=["standard", "prefix"])
+    p.add_argument("--workload-file", default=None)
+    p.add_argument("--limit", type=int, default=None)
+    asyncio.run(main(p.parse_args()))

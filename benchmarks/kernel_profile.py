@@ -1,0 +1,123 @@
+"""Where an acb step's time goes: each native call of the fused forward timed, prefill and decode apart.
+
+    python benchmarks/kernel_profile.py int8_bf16 48 96   # variant (int8_bf16 | bf16 | fp32), prompts, new tokens
+    PYTHONPATH=. python benchmarks/kernel_profile.py bf16  # from a worktree: its acb, not the installed one
+
+Runs SmolLM2 through an Engine on the first N standard-workload prompts (one generate_batch, after a
+warm-up pass), with the fused forward's kernel modules wrapped so every call into them (int8 GEMMs,
+quantization, RMSNorm, RoPE) and ``attention.paged_attention`` is timed; the bf16/fp32 GEMMs (oneDNN,
+called directly) fall in "(rest of forward)". Prints the wall time, the forward's share of it (the
+rest is scheduling, sampling and host work), and per step kind the time of each call. The wrappers
+cost ~1 us a call: compare shares, not absolute figures, with bench.py's. Run it under the exclusive
+lock on a quiet machine (results recorded in docs/performance.md, int8 section).
+"""
+# ruff: noqa: E402
+import asyncio
+import collections
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+import workloads
+
+import acb
+from acb import attention, fused, quantization
+from acb.loading import load, smollm2
+
+T: dict = collections.defaultdict(float)  # (step kind, name) -> seconds
+C: dict = collections.defaultdict(int)  # (step kind, name) -> calls
+kind = ["?"]
+
+
+def timed(name, fn):
+    def f(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            T[(kind[0], name)] += time.perf_counter() - t0
+            C[(kind[0], name)] += 1
+    return f
+
+
+class Proxy:
+    """A kernel module whose callables are timed."""
+
+    def __init__(self, mod, prefix):
+        self._m, self._p = mod, prefix
+
+    def __getattr__(self, n):
+        v = getattr(self._m, n)
+        return timed(self._p + n, v) if callable(v) else v
+
+
+def instrument(decode_rows: int) -> None:
+    for cls in (quantization.Int8Forward, fused.FusedForward):
+        def call(self, input_ids, *a, _orig=cls.__call__, **k):
+            if not isinstance(self.k, Proxy):
+                self.k = Proxy(self.k, "k.")
+                if hasattr(self, "q8"):
+                    self.q8 = Proxy(self.q8, "q8.")
+            rows = input_ids.shape[-1]
+            kind[0] = "decode" if rows <= decode_rows else "prefill"
+            t0 = time.perf_counter()
+            out = _orig(self, input_ids, *a, **k)
+            T[(kind[0], "FORWARD")] += time.perf_counter() - t0
+            C[(kind[0], "FORWARD")] += 1
+            T[(kind[0], "rows")] += rows
+            return out
+        cls.__call__ = call
+    attention.paged_attention = timed("paged_attention", attention.paged_attention)
+
+
+def report(variant: str, n_prompts: int, new: int, wall: float, steps: int) -> None:
+    print(f"{variant}: load {os.getloadavg()[0]:.2f}; wall {wall:.2f} s, {steps} steps, "
+          f"{n_prompts * new / wall:.1f} tok/s")
+    fwd = sum(v for (_, n), v in T.items() if n == "FORWARD")
+    print(f"forward total {fwd:.2f} s ({fwd / wall:.0%} of wall); outside the forward {wall - fwd:.2f} s")
+    for kd in ("prefill", "decode"):
+        f, calls = T.get((kd, "FORWARD"), 0), C.get((kd, "FORWARD"), 0)
+        if not calls:
+            continue
+        print(f"-- {kd}: {calls} forwards, {T[(kd, 'rows')] / calls:.0f} rows avg, {f:.2f} s, "
+              f"{1e3 * f / calls:.1f} ms each")
+        items = sorted(((v, n) for (k2, n), v in T.items() if k2 == kd and n not in ("FORWARD", "rows")),
+                       reverse=True)
+        for v, n in items:
+            print(f"   {n:<22} {v:7.3f} s {v / f:6.1%}  {C[(kd, n)]:6d} calls {1e6 * v / C[(kd, n)]:8.1f} us")
+        rest = f - sum(v for v, _ in items)
+        print(f"   {'(rest of forward)':<22} {rest:7.3f} s {rest / f:6.1%}")
+
+
+def main() -> None:
+    variant = sys.argv[1] if len(sys.argv) > 1 else "int8_bf16"  # int8_bf16 | int8 | bf16 | fp32
+    n_prompts = int(sys.argv[2]) if len(sys.argv) > 2 else 48
+    new = int(sys.argv[3]) if len(sys.argv) > 3 else 96
+    w = workloads.build("standard", None, n_prompts, 2.0)
+    dtype = "bfloat16" if variant in ("bf16", "int8_bf16") else "float32"
+    quant = "int8" if variant.startswith("int8") else None
+    model, tok = load(*smollm2(), dtype=dtype, quantization=quant)
+    model = model if quant else model.to(getattr(torch, dtype))
+    instrument(n_prompts)
+
+    async def run() -> tuple[float, int]:
+        engine = acb.Engine(model, tokenizer=tok, config=acb.EngineConfig(dtype=dtype, quantization=quant))
+        async with engine:
+            await engine.generate_batch(w.prompts, max_new_tokens=2, ignore_eos=True)
+            engine.kv.evict_all_cached()
+            T.clear()
+            C.clear()
+            s0 = engine.stats().steps
+            t0 = time.perf_counter()
+            await engine.generate_batch(w.prompts, max_new_tokens=new, ignore_eos=True)
+            return time.perf_counter() - t0, engine.stats().steps - s0
+
+    wall, steps = asyncio.run(run())
+    report(variant, n_prompts, new, wall, steps)
+
+
+if __name__ == "__main__":
+    main()
