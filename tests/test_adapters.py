@@ -290,3 +290,31 @@ async def test_attention_only_adapters_keep_the_fused_mlp():
                                          for p, n in zip(prompts, names)))
     models = {"a": a, None: tiny_model("llama")}
     assert [r.token_ids for r in results] == [reference_greedy(models[n], p, 8) for p, n in zip(prompts, names)]
+
+
+async def test_adapters_with_speculation_match_peft_generate():
+    """n-gram speculation over rows of two adapters and the base: each row still gives PEFT's
+    own greedy tokens (the proposals are verified with the row's adapter), and proposals
+    were made and both accepted and rejected."""
+    from acb.testing import speculate_always
+
+    a, b = peft_model("llama", seed=1, r=4), peft_model("llama", seed=2, r=8)
+    loop = random_prompts(2, 6, 10, seed=9)
+    prompts = [[5, 6, 7] * 4, loop[0] + loop[0][:-2], [17] * 11, loop[1] + loop[1][:-3]]
+    names = ["a", "b", None, "a"]
+    models = {None: tiny_model("llama"), "a": a, "b": b}
+    expected = [reference_greedy(models[n], p, 24) for n, p in zip(names, prompts)]
+    assert all(e != reference_greedy(models[None], p, 24) for e, p, n in zip(expected, prompts, names) if n)
+    engine = acb.Engine(tiny_model("llama"), config=config(max_adapters=2, max_adapter_rank=8,
+                                                           speculative_method="ngram", debug_checks=True))
+    speculate_always(engine)
+    async with engine:
+        await engine.load_adapter(a, "a")
+        await engine.load_adapter(b, "b")
+        results = await asyncio.gather(*(engine.generate(p, adapter=n, max_new_tokens=24, ignore_eos=True,
+                                                         temperature=0) for p, n in zip(prompts, names)))
+        stats = engine.stats()
+        engine.check_integrity()
+    for got, want, n in zip(results, expected, names):
+        assert got.token_ids == want, f"adapter {n!r} diverged from PEFT's generate under speculation"
+    assert stats.spec_proposed_tokens > 0 and 0 < stats.spec_accepted_tokens < stats.spec_proposed_tokens
