@@ -41,6 +41,7 @@ ENV_OVERRIDES = {"ACB_CPU_KERNEL": "cpu_kernels", "ACB_CPU_PREPACK": "cpu_prepac
 PAGE_SIZE = 16
 MAX_REQUESTS = 256
 WAITING_PER_RUNNING = 4
+DTYPES = ("float32", "bfloat16", "float16")  # what EngineConfig.dtype can name
 
 
 def resolve(config: EngineConfig, model: Any = None, layout: Any = None,
@@ -64,8 +65,9 @@ def resolve(config: EngineConfig, model: Any = None, layout: Any = None,
         param = next(model.parameters())
         if config.tensor_parallel_size == 1:
             changes["device"] = str(param.device)
-        if config.dtype in (None, "auto") and config.tensor_parallel_size == 1:
-            changes["dtype"] = str(param.dtype).removeprefix("torch.")
+        dtype = str(param.dtype).removeprefix("torch.")
+        if config.dtype in (None, "auto") and config.tensor_parallel_size == 1 and dtype in DTYPES:
+            changes["dtype"] = dtype  # (a float64 model keeps None: it runs as it is, on the torch path)
     if layout is not None:
         changes.update(num_blocks=layout.num_pages, max_batch_tokens=layout.max_batch_tokens)
         if config.max_waiting_requests is None:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 import acb
 from acb.defaults import ENV_OVERRIDES, resolve
-from acb.testing import runner_of, tiny_engine
+from acb.testing import runner_of, tiny_engine, tiny_model
 
 # decided by resolve (the rest of the None defaults mean "none" / "no bound" on purpose)
 RESOLVED = ("page_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch", "safety_margin",
@@ -44,6 +45,13 @@ async def test_an_engine_holds_its_config_with_every_default_decided():
         assert (config.device, config.dtype) == ("cpu", "float32")
         assert config.max_waiting_requests == 4 * engine.max_requests == engine.max_waiting
         assert engine.scheduler.safety_margin == config.safety_margin == 0.15
+
+
+def test_a_model_in_a_dtype_the_config_cannot_name_keeps_none():
+    """A float64 model runs as it is (PyTorch attention): its config's dtype stays None
+    rather than a value EngineConfig would refuse."""
+    engine = acb.Engine(tiny_model("llama").to(torch.float64), config=acb.EngineConfig(num_blocks=16))
+    assert engine.config.dtype is None and engine.attn_backend == "torch"
 
 
 async def test_an_environment_override_reaches_the_engine(monkeypatch):
