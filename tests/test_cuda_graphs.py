@@ -453,6 +453,7 @@ async def test_engine_compiles_each_path_with_its_level(monkeypatch):
     assert model.config._attn_implementation not in (attention.ATTN_NAME, attention.ATTN_NAME_COMPILED)
 
 
+@pytest.mark.extras  # torch.compile's first compile on the CPU: ~24 s on two cores
 async def test_compile_level_1_keeps_greedy_parity():
     model = tiny_model("llama")
     prompts = random_prompts(4, 3, 20, seed=1)
