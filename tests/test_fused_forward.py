@@ -34,6 +34,7 @@ def _logits(runner, forward, rows):
     step = StepInput()
     for tokens, start, pages in rows:
         step.add_row(tokens, start, pages)
+    runner.kv.update_tables(step)  # the block-table deltas, as ModelRunner.execute applies them first
     input_ids, position_ids, keep, meta = runner._build(step)
     attention.set_step(meta)
     try:

@@ -150,6 +150,7 @@ def _window_logits(runner, tokens: list[int]) -> torch.Tensor:
 
     step = StepInput()
     step.add_row(tokens, 0, list(range(-(-len(tokens) // 16) + 1)))
+    runner.kv.update_tables(step)  # the block-table deltas, as ModelRunner.execute applies them first
     input_ids, position_ids, _, meta = runner._build(step)
     attention.set_step(meta)
     try:
