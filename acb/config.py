@@ -554,11 +554,3 @@ class EngineConfig:
             inert += [n for n, default in (("num_speculative_tokens", 4), ("prompt_lookup_min", 2),
                                            ("prompt_lookup_max", 4)) if getattr(self, n) != default]
         return inert
-
-    @property
-    def effective_safety_margin(self) -> float:
-        """``safety_margin``, or the scheduler's default when it is None (0.15 for fifo and
-        priority, 0 for prefill_first): see ``acb.defaults``."""
-        from .defaults import resolve
-
-        return resolve(self, environ={}).safety_margin
