@@ -54,6 +54,16 @@ class AdapterRegistry:
         """The adapters requests may name now, in load order."""
         return [a.name for a in self.loaded.values() if not a.unloading]
 
+    def install_hooks(self) -> None:
+        """Put the LoRA hooks on the model (no bank: nothing), before the runner's model watch
+        takes the model as its reference."""
+        if self.bank is not None:
+            self.bank.install_hooks()
+
+    def remove_hooks(self) -> None:
+        if self.bank is not None:
+            self.bank.remove_hooks()
+
     def reserve(self, name: str) -> int:
         """A free slot for ``name``, held while it loads; InvalidRequestError naming
         ``adapter`` if the name is taken or every slot is."""

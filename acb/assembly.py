@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 import torch
 
@@ -132,6 +133,27 @@ def build_scheduler(layout, config: EngineConfig, device: torch.device,
         scheduler.speculation = Speculation(config.num_speculative_tokens, config.prompt_lookup_min,
                                             config.prompt_lookup_max)
     return scheduler
+
+
+def build_requests(model: torch.nn.Module, tokenizer, config: EngineConfig, sampling: SamplingParams, scheduler,
+                   device: torch.device, layout, eos_ids) -> tuple[Any, Any, Any]:
+    """The request side of an engine: (grammar compiler, adapter registry, request table)."""
+    from . import lora
+    from .adapters import AdapterRegistry
+    from .inputs import generation_defaults
+    from .request_table import RequestTable
+    from .structured import Grammars
+
+    vocab_size = model.get_input_embeddings().num_embeddings
+    grammars = Grammars(tokenizer, vocab_size, eos_ids, cache_size=config.grammar_cache_size,
+                        timeout_s=config.grammar_compile_timeout_s, threads=1 if device.type == "cpu" else 8)
+    refusal = lora.why_not(model, config)  # None: LoRA adapters can run here (acb.lora)
+    adapters = AdapterRegistry(config.max_adapters, None if refusal else lora.LoraBank(
+        model, config.max_adapters, config.max_adapter_rank), refusal)
+    table = RequestTable(scheduler, grammars, tokenizer=tokenizer, defaults=sampling,
+                         generation_defaults=generation_defaults(model), vocab_size=vocab_size,
+                         max_model_len=layout.max_model_len, eos_ids=eos_ids, adapters=adapters)
+    return grammars, adapters, table
 
 
 def build_runner(model: torch.nn.Module, layout, config: EngineConfig, attn_backend: str, tp=None):

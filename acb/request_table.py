@@ -173,6 +173,17 @@ class RequestTable:
         self.scheduler.add(req.seq)
         return req
 
+    def register_batch(self, prepared: list[Prepared]) -> list[LiveRequest | Choices]:
+        """Register a prepared batch (no stream), in the input's order, queued in prompt order so
+        requests sharing a prefix run close together; every adapter is checked again first (one
+        may have begun unloading while the batch was prepared)."""
+        for p in prepared:
+            self.check_adapter(p.params)
+        reqs: list[Any] = [None] * len(prepared)
+        for i in sorted(range(len(prepared)), key=lambda i: prepared[i].prompt_ids):
+            reqs[i] = self.register(prepared[i], stream=False)
+        return reqs
+
     def _register_choices(self, p: Prepared, stream: bool) -> Choices:
         """n > 1: one sequence per choice (``request_id#i``); choice 0 prefills the prompt
         and the others fork from it. With a seed, choice i samples with one of its own."""
