@@ -26,7 +26,8 @@ ACB = ROOT / "acb"
 LAYERS = {
     "plain": ["detokenizer.py", "errors.py", "eventloop.py", "handle.py", "kv_cache.py", "kv_events.py",
               "progress.py", "prompt_logprobs.py", "request.py", "scheduler.py", "step.py", "tools.py",
-              "reasoning.py", "lifecycle.py", "config.py", "defaults.py", "speculative.py"],
+              "reasoning.py", "lifecycle.py", "config.py", "defaults.py", "speculative.py", "sequence.py",
+              "run_queues.py", "page_tables.py", "preemption.py", "admission.py", "intake.py"],
     "kernels": ["kernels/__init__.py", "kernels/cpu.py", "kernels/cpu_linear.py", "kernels/triton_attention.py"],
     "device": ["attention.py", "attention_routing.py", "compiling.py", "cuda_graphs.py", "distributed/__init__.py",
                "distributed/group.py", "distributed/protocol.py", "distributed/sharding.py", "distributed/worker.py",
@@ -45,7 +46,8 @@ LAYERS = {
 }
 LAYER_OF = {module: layer for layer, modules in LAYERS.items() for module in modules}
 ENGINE_SIDE = {"engine", "outputs", "scheduler", "inputs", "handle", "sync", "progress", "structured", "live",
-               "lifecycle", "assembly", "request_table", "step_loop", "speculative"}
+               "lifecycle", "assembly", "request_table", "step_loop", "speculative", "sequence", "run_queues",
+               "page_tables", "preemption", "admission", "intake"}
 APPS = {"integrations", "server", "cli", "testing"}
 # beside the public API, integrations may use the throughput log of ``acb serve`` (plain Python)
 SHARED_WITH_INTEGRATIONS = {"progress"}

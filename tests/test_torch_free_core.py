@@ -12,7 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE = ["acb.scheduler", "acb.speculative", "acb.kv_cache", "acb.kv_events", "acb.step", "acb.request",
-        "acb.config", "acb.errors", "acb.lifecycle", "acb.detokenizer", "acb.tools", "acb.reasoning", "acb.defaults"]
+        "acb.config", "acb.errors", "acb.lifecycle", "acb.detokenizer", "acb.tools", "acb.reasoning", "acb.defaults",
+        "acb.sequence", "acb.run_queues", "acb.page_tables", "acb.preemption", "acb.admission", "acb.intake"]
 
 PROGRAM = textwrap.dedent("""
     import importlib, importlib.abc, sys
