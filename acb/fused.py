@@ -59,6 +59,7 @@ from dataclasses import dataclass
 import torch
 
 from . import attention, lora
+from .fused_lora import LoraLayers
 from .kernels.cpu_linear import pad_rows, padded_rows
 
 log = logging.getLogger("acb")
@@ -81,10 +82,6 @@ _GEMMA_NORMS = {"Gemma2RMSNorm", "Gemma3RMSNorm"}
 _EMBEDDINGS = {"Embedding", "Gemma2TextScaledWordEmbedding", "Gemma3TextScaledWordEmbedding"}
 # the MLP activation of each family, as oneDNN's fused GEMM epilogue (name, algorithm)
 _ACTIVATIONS = {"SiLU": ("swish", ""), "SiLUActivation": ("swish", ""), "GELUTanh": ("gelu", "tanh")}
-
-# the same activations as functions, for layers that cannot fuse them (a LoRA delta on the gate)
-_ACTIVATION_FNS = {"swish": torch.nn.functional.silu,
-                   "gelu": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}
 
 # A norm: (weight, eps, gemma). Llama's: the module's weight, the row rounded to the model's
 # dtype before the product; Gemma's: 1 + weight in float32, one rounding at the end.
@@ -140,7 +137,7 @@ def _norm(module: torch.nn.Module) -> Norm | None:
     return None
 
 
-class FusedForward:
+class FusedForward(LoraLayers):
     """Callable like the model for acb's runner: ``(input_ids=[1, T], position_ids=[1, T],
     attention_mask=None, use_cache=False, logits_to_keep=[K]) -> .logits [1, K, vocab]``."""
 
@@ -209,43 +206,6 @@ class FusedForward:
         if self.final_softcap is not None:  # Gemma 2/3, in the model's dtype as transformers does
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return _Logits(logits.float().unsqueeze(0))
-
-    def _lora_layer(self, layer: _Layer, i: int, x: torch.Tensor, rows: int, total: int, cos: torch.Tensor,
-                    sin: torch.Tensor, adapters: lora.StepLora) -> torch.Tensor:
-        """One layer with the step's LoRA deltas added (``acb.lora``): the same GEMMs; the
-        gate's activation epilogue and the up product run apart when a delta lands in them
-        (measured: +22 % on the MLP at 64 rows), and the deltas of o and down land on their
-        fused residual sums."""
-        linear = torch.ops.mkldnn._linear_pointwise
-        h = self._rms(x, layer.ln1)
-        q, kk, v = (linear(h, *w, "none", [], "") for w in (layer.q, layer.k, layer.v))
-        for out, proj in ((q, "q_proj"), (kk, "k_proj"), (v, "v_proj")):
-            adapters.add(out, h, i, proj)
-        a = pad_rows(self._attend(layer, q, kk, v, total, cos, sin), rows)
-        if layer.post_attn is None:  # the residual add stays fused; the delta lands on the sum
-            x = self._add_projection(a, x, layer.o)
-            adapters.add(x, a, i, "o_proj")
-        else:
-            o = self._projection(a, layer.o)
-            adapters.add(o, a, i, "o_proj")
-            x = x + self._rms(o, layer.post_attn)
-        h = self._rms(x, layer.ln2)
-        if adapters.touches(i, "gate_proj") or adapters.touches(i, "up_proj"):
-            g = linear(h, *layer.gate, "none", [], "")
-            adapters.add(g, h, i, "gate_proj")
-            u = linear(h, *layer.up, "none", [], "")
-            adapters.add(u, h, i, "up_proj")
-            m = _ACTIVATION_FNS[layer.act[0]](g) * u
-        else:  # no delta inside the MLP (PEFT's default targets q/v only): its epilogues stay fused
-            m = torch.ops.mkldnn._linear_pointwise.binary(h, linear(h, *layer.gate, layer.act[0], [], layer.act[1]),
-                                                          *layer.up, "mul")
-        if layer.post_mlp is None:
-            x = self._add_projection(m, x, layer.down)
-            adapters.add(x, m, i, "down_proj")
-            return x
-        d = self._projection(m, layer.down)
-        adapters.add(d, m, i, "down_proj")
-        return x + self._rms(d, layer.post_mlp)
 
     def _ropes(self, x: torch.Tensor, position_ids: torch.Tensor) -> dict:
         """{rotary type: (cos, sin)}, each [T, head_dim] contiguous, for the step's rows ``x``."""

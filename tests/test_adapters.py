@@ -39,7 +39,15 @@ def config(**fields):
     return acb.EngineConfig(**fields)
 
 
-async def _mixed_batch(arch, tmp_path, monkeypatch=None):
+def native_kernels() -> bool:
+    """Whether float32 adapters run on acb/kernels/lora_cpu.cpp here (an AVX-512 CPU)."""
+    from acb.kernels.cpu import lora_kernels
+
+    kernels = lora_kernels()
+    return kernels is not None and kernels.available()
+
+
+async def _mixed_batch(arch, tmp_path, monkeypatch=None, native=True):
     a = peft_model(arch, seed=1, r=4)
     b = peft_model(arch, seed=2, r=8, alpha=16, use_rslora=True)
     a.save_pretrained(tmp_path / "a")
@@ -54,6 +62,10 @@ async def _mixed_batch(arch, tmp_path, monkeypatch=None):
         await engine.load_adapter(tmp_path / "a", "a")  # a PEFT folder
         await engine.load_adapter(b, "b")  # a peft model
         assert engine.adapters() == ["a", "b"]
+        bank = runner_of(engine).lora
+        if not native:
+            bank.kernels = None  # the fused forward's PyTorch path (what bfloat16 runs)
+        assert (bank.kernels is not None) == (native and native_kernels())
         results = await asyncio.gather(*(engine.generate(p, adapter=n, max_new_tokens=10, ignore_eos=True,
                                                          temperature=0) for p, n in zip(prompts, names)))
         path = runner_of(engine).forward_path
@@ -68,6 +80,25 @@ async def _mixed_batch(arch, tmp_path, monkeypatch=None):
 async def test_mixed_adapters_match_peft_generate(arch, tmp_path):
     path = await _mixed_batch(arch, tmp_path)
     assert path == "fused"  # float32 on the CPU: the fused forward adds the deltas
+
+
+async def test_mixed_adapters_without_the_native_kernels(tmp_path):
+    assert await _mixed_batch("llama", tmp_path, native=False) == "fused"
+
+
+@pytest.mark.parametrize("native", [True, False])
+async def test_one_adapter_on_every_row(native):
+    """Every row on one adapter (prompt chunks and decode rows, side by side): one run of rows,
+    no gather, on the native kernels and on the PyTorch path."""
+    a = peft_model("llama", seed=4, r=8, alpha=16)
+    prompts = random_prompts(5, 3, 40, seed=29)
+    async with acb.Engine(tiny_model("llama"), config=config(max_adapters=2, max_adapter_rank=8)) as engine:
+        await engine.load_adapter(a, "a")
+        if not native:
+            runner_of(engine).lora.kernels = None
+        results = await asyncio.gather(*(engine.generate(p, adapter="a", max_new_tokens=8, ignore_eos=True)
+                                         for p in prompts))
+    assert [r.token_ids for r in results] == [reference_greedy(a, p, 8) for p in prompts]
 
 
 async def test_mixed_adapters_under_transformers_forward(tmp_path, monkeypatch):

@@ -33,7 +33,7 @@ LAYERS = {
                "distributed/group.py", "distributed/protocol.py", "distributed/sharding.py", "distributed/worker.py",
                "block_tables.py", "fast_paths.py", "fused.py", "gguf_int8.py", "kv_store.py", "loading.py",
                "model_shape.py", "offload.py", "packing.py", "quantization.py", "runner.py", "sampling.py", "sizing.py",
-               "watch.py", "lora.py", "lora_source.py"],
+               "watch.py", "lora.py", "lora_source.py", "fused_lora.py"],
     "engine": ["__init__.py", "adapters.py", "engine.py", "inputs.py", "live.py", "outputs.py", "assembly.py",
                "request_table.py", "step_loop.py", "structured.py", "sync.py"],
     "integrations": ["integrations/__init__.py", "integrations/aiohttp.py", "integrations/common.py",

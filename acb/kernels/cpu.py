@@ -86,6 +86,13 @@ def int8_kernels():
     return _build("acb_int8_cpu", "int8_cpu.cpp", ["-O3", "-march=native", "-fopenmp"])
 
 
+def lora_kernels():
+    """The compiled LoRA module (``lora_cpu.cpp``: the deltas of a projection group per row
+    group, and act(g) * u), or None. Float32 on AVX-512; ``available()`` says whether it
+    was built with AVX-512."""
+    return _build("acb_lora_cpu", "lora_cpu.cpp", ["-O3", "-march=native", "-fopenmp"])
+
+
 _gomp = None
 
 

@@ -1,0 +1,86 @@
+"""A layer of the fused CPU forward (``acb.fused``) in a step with adapter rows: the same
+GEMMs, the step's LoRA deltas (``acb.lora``) added where each projection's output lands.
+
+Float32 (the bank holds the native kernels, ``acb/kernels/lora_cpu.cpp``): one kernel call per
+projection group (q/k/v, o, gate/up, down) adds every adapter's deltas on its rows, the
+shrink one GEMM over the group's concatenated A; o's and down's deltas land on their fused
+residual sums; when a delta lands in gate/up, their GEMMs run without the fused epilogue and
+the activation and the product run in one native pass (``glu``) after the deltas. Other
+dtypes: the same with PyTorch ops (``StepLora.add``). An MLP that no adapter of the step
+targets keeps its fused epilogues either way (PEFT's default targets q/v only).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .kernels.cpu_linear import pad_rows
+
+if TYPE_CHECKING:
+    from .fused import FusedForward, _Layer
+    from .lora import StepLora
+
+# the gate activations as functions, for the PyTorch path's unfused MLP
+_ACTIVATION_FNS = {"swish": torch.nn.functional.silu,
+                   "gelu": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}
+_ACT_CODES = {"swish": 0, "gelu": 1}  # the native glu's
+
+
+class LoraLayers:
+    """FusedForward's layer for steps with adapter rows (a mixin: it uses the forward's norms,
+    attention and projections)."""
+
+    def _lora_layer(self: FusedForward, layer: _Layer, i: int, x: torch.Tensor, rows: int, total: int,
+                    cos: torch.Tensor, sin: torch.Tensor, adapters: StepLora) -> torch.Tensor:
+        """One decoder layer with the step's LoRA deltas; ``x`` [rows, hidden] padded."""
+        linear = torch.ops.mkldnn._linear_pointwise
+        native = adapters.native is not None
+        h = self._rms(x, layer.ln1)
+        q, kk, v = (linear(h, *w, "none", [], "") for w in (layer.q, layer.k, layer.v))
+        if native:
+            adapters.add_group([q, kk, v], h, i, "qkv")
+        else:
+            for out, proj in ((q, "q_proj"), (kk, "k_proj"), (v, "v_proj")):
+                adapters.add(out, h, i, proj)
+        a = pad_rows(self._attend(layer, q, kk, v, total, cos, sin), rows)
+        if layer.post_attn is None:  # the residual add stays fused; the delta lands on the sum
+            x = self._add_projection(a, x, layer.o)
+            _add(adapters, native, x, a, i, "o")
+        else:
+            o = self._projection(a, layer.o)
+            _add(adapters, native, o, a, i, "o")
+            x = x + self._rms(o, layer.post_attn)
+        h = self._rms(x, layer.ln2)
+        m = _mlp(layer, i, h, adapters, native)
+        if layer.post_mlp is None:
+            x = self._add_projection(m, x, layer.down)
+            _add(adapters, native, x, m, i, "down")
+            return x
+        d = self._projection(m, layer.down)
+        _add(adapters, native, d, m, i, "down")
+        return x + self._rms(d, layer.post_mlp)
+
+
+def _add(adapters: StepLora, native: bool, y: torch.Tensor, x: torch.Tensor, i: int, group: str) -> None:
+    """The delta of a one-projection group (o, down) on ``y`` in place."""
+    if native:
+        adapters.add_group([y], x, i, group)
+    else:
+        adapters.add(y, x, i, f"{group}_proj")
+
+
+def _mlp(layer: _Layer, i: int, h: torch.Tensor, adapters: StepLora, native: bool) -> torch.Tensor:
+    """act(gate) * up, with the deltas of gate and up added before the activation and the product."""
+    linear = torch.ops.mkldnn._linear_pointwise
+    if not (adapters.touches(i, "gate_proj") or adapters.touches(i, "up_proj")):
+        # no delta inside the MLP (PEFT's default targets q/v only): its epilogues stay fused
+        return linear.binary(h, linear(h, *layer.gate, layer.act[0], [], layer.act[1]), *layer.up, "mul")
+    g = linear(h, *layer.gate, "none", [], "")
+    u = linear(h, *layer.up, "none", [], "")
+    if native:  # the deltas, the activation and the product in one pass over g and u
+        return adapters.glu_add(g, u, h, i, _ACT_CODES[layer.act[0]])
+    adapters.add(g, h, i, "gate_proj")
+    adapters.add(u, h, i, "up_proj")
+    return _ACTIVATION_FNS[layer.act[0]](g) * u
