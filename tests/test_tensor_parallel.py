@@ -12,6 +12,7 @@ import asyncio
 import os
 import signal
 import sys
+from unittest import mock
 
 import aiohttp
 import psutil
@@ -21,8 +22,9 @@ from http_helpers import free_port
 
 import acb
 from acb.distributed import protocol
+from acb.runner import ModelRunner
 from acb.step import StepInput
-from acb.testing import random_prompts, reference_greedy, tiny_model, tiny_tokenizer
+from acb.testing import random_prompts, reference_greedy, runner_of, tiny_model, tiny_tokenizer
 
 NEW_TOKENS = 12
 
@@ -108,6 +110,13 @@ async def test_tp2_choices_equal_one_rank():
     async with acb.Engine(model, config=tp_config(tensor_parallel_size=1, num_blocks=256)) as one:
         async with acb.Engine(model, config=tp_config(num_blocks=256)) as engine:
             tp_greedy, tp_sampled = await run(engine)
+            long = engine.submit(prompts[0], n=2, max_new_tokens=200, ignore_eos=True)
+            while engine.stats().running < 2:  # its tables are in both ranks' stores
+                await asyncio.sleep(0.005)
+            engine.check_integrity()  # rank 1's store too (it answers the check)
+            _rank1_refuses_tables_its_store_does_not_hold(engine)
+            long.cancel()
+            assert (await long).choices[0].finish_reason == "cancelled"
         one_greedy, one_sampled = await run(one)
     for prompt, choices in zip(prompts, tp_greedy, strict=True):
         assert choices == [reference_greedy(model, prompt, NEW_TOKENS)] * 3
@@ -117,6 +126,19 @@ async def test_tp2_choices_equal_one_rank():
     for tp_choices, one_choices in zip(tp_sampled, one_sampled, strict=True):
         for (_, tp_lp), (_, one_lp) in zip(tp_choices, one_choices, strict=True):
             assert tp_lp == pytest.approx(one_lp, abs=1e-4)
+
+
+def _rank1_refuses_tables_its_store_does_not_hold(engine: acb.Engine) -> None:
+    """The check can fail: rank 0 sends tables with one page changed; rank 1 answers with its rank."""
+    runner = runner_of(engine)
+    tables = engine.scheduler.sent_tables()
+    row, pages, swa = next(t for t in tables if t[1])
+    wrong = [(row, [*pages[:-1], pages[-1] + 1], swa)]
+    with runner.tp.lock:
+        runner.tp.channel.send_check(wrong)
+        assert runner.tp.channel.agree(0) == 1
+    with pytest.raises(AssertionError, match="rank 1"), mock.patch.object(ModelRunner, "check_tables"):
+        runner.check_tables(wrong)  # rank 0's own check skipped: rank 1's answer raises
 
 
 def _children() -> set[int]:

@@ -297,6 +297,19 @@ class TPModelRunner(ModelRunner):
     def configure_fast_paths(self, config, max_rows: int, *, pad_on_cpu: bool = False) -> None:
         super().configure_fast_paths(runner_config(config, warn=True), max_rows)
 
+    def check_tables(self, tables) -> None:
+        """Rank 0's store, then every other rank's: each checks its own against the tables
+        sent to it; AssertionError naming a rank whose store differs."""
+        super().check_tables(tables)
+        tp = self.tp
+        with tp.lock:
+            tp.check()
+            tp.channel.send_check(tables)
+            tp.last_send = time.monotonic()
+            bad = tp.channel.agree(0)
+        assert not bad, (f"tensor-parallel rank {bad}: its block-table store differs from the scheduler's "
+                         "tables (its log says where)")
+
     def forward(self, step: StepInput) -> tuple:
         tp = self.tp
         with tp.lock:

@@ -4,6 +4,7 @@ A step travels as one flat int32 tensor (:func:`pack_step`), never pickled, behi
 ints of its own::
 
     op, length (of the whole message), then the packed step (OP_STEP only)
+    or the packed tables to check (OP_CHECK: see :func:`pack_tables`)
 
 The packed step: a header (rows, tokens, block-table deltas, sliding deltas, swap-outs,
 swap-ins, copies, sliding copies, flags), then the columns of ``acb.step.StepInput``:
@@ -22,12 +23,13 @@ only compute: they sample nothing, so they keep no logits.
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import torch
 
 from ..step import PageMoves, StepInput
 
-OP_IDLE, OP_STEP, OP_STOP, OP_RESIZE = 0, 1, 2, 3
+OP_IDLE, OP_STEP, OP_STOP, OP_RESIZE, OP_CHECK = 0, 1, 2, 3, 4
 HEADER = 2
 STEP_HEADER = 9  # the packed step's own header
 
@@ -66,6 +68,27 @@ def unpack_step(packed: torch.Tensor | list[int]) -> StepInput:
     step.swap_out, step.swap_in, step.copy_pages, step.copy_swa_pages = (
         PageMoves(it.take(n), it.take(n), it.take(n)) for n in (n_out, n_in, n_copy, n_copy_swa))
     return step
+
+
+Tables = list[tuple[int, list[int], "list[int] | None"]]
+
+
+def pack_tables(tables: Tables) -> list[int]:
+    """The scheduler's sent block tables ((row, pages, sliding pages or None) per running
+    sequence: ``Scheduler.sent_tables``) as flat ints, for every rank to check its store."""
+    flat = [len(tables)]
+    for row, pages, swa in tables:
+        flat += [row, len(pages), -1 if swa is None else len(swa), *pages, *(swa or ())]
+    return flat
+
+
+def unpack_tables(flat: list[int]) -> Tables:
+    it = _Cursor(flat, 1)
+    tables = []
+    for _ in range(flat[0]):
+        row, n, n_swa = it.take(3)
+        tables.append((row, it.take(n), None if n_swa < 0 else it.take(n_swa)))
+    return tables
 
 
 class _Cursor:
@@ -113,16 +136,41 @@ class Channel:
             self.buffer[idx] = sampled[torch.tensor(carry_src, device=sampled.device)].to(torch.int32)
         self._broadcast()
 
+    def send_check(self, tables: Tables) -> None:
+        """Rank 0: send the scheduler's tables for every rank to check its block-table store
+        against (each answers in :meth:`agree`)."""
+        flat = pack_tables(tables)
+        length = HEADER + len(flat)
+        if length > self.buffer.numel():
+            self.send_op(OP_RESIZE, length)
+            self._grow(length)
+        self.buffer[:length] = torch.tensor([OP_CHECK, length, *flat], dtype=torch.int32)
+        self._broadcast()
+
+    def agree(self, bad: int) -> int:
+        """Every rank: the largest ``bad`` over the ranks (a failed check's rank, else 0)."""
+        flag = torch.tensor([bad], dtype=torch.int32, device=self.device)
+        options = torch.distributed.AllreduceOptions()
+        options.reduceOp = torch.distributed.ReduceOp.MAX
+        options.timeout = self.timeout
+        self.group.allreduce([flag], options).wait()
+        return int(flag)
+
     def send_op(self, op: int, length: int = HEADER) -> None:
         """Rank 0: broadcast a message without a step (idle, stop, resize)."""
         self.buffer[:2] = torch.tensor([op, length], dtype=torch.int32)
         self._broadcast()
 
-    def receive(self) -> tuple[int, StepInput | None]:
-        """The other ranks: (op, step) of rank 0's next broadcast (step None unless OP_STEP)."""
+    def receive(self) -> tuple[int, Any]:
+        """The other ranks: (op, payload) of rank 0's next broadcast: the step (OP_STEP), the
+        tables to check (OP_CHECK), else None."""
         while True:
             self._broadcast()
             op, length = self.buffer[:HEADER].tolist()
+            if op == OP_STEP:
+                return op, unpack_step(self.buffer[HEADER:length])
+            if op == OP_CHECK:
+                return op, unpack_tables(self.buffer[HEADER:length].tolist())
             if op != OP_RESIZE:
-                return op, unpack_step(self.buffer[HEADER:length]) if op == OP_STEP else None
+                return op, None
             self._grow(length)

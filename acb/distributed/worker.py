@@ -78,7 +78,7 @@ def run_worker(rank: int | None = None, size: int | None = None, store_address: 
     runner.configure_fast_paths(config, layout.max_requests)
     channel = protocol.Channel(data, device, timeout)
     store.set(group.SERVING_KEY.format(rank), "1")
-    _serve(runner, channel)
+    _serve(runner, channel, rank)
 
 
 def _device(rank0: torch.device, rank: int) -> torch.device:
@@ -89,7 +89,17 @@ def _device(rank0: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (rank0.index or 0) + rank)
 
 
-def _serve(runner: ModelRunner, channel: protocol.Channel) -> None:
+def _check_tables(runner: ModelRunner, tables, rank: int) -> int:
+    """0 if this rank's block-table store holds ``tables``; else ``rank`` (logged)."""
+    try:
+        runner.check_tables(tables)
+    except AssertionError as e:
+        log.error("acb: tensor-parallel rank %d: %s", rank, e)
+        return rank
+    return 0
+
+
+def _serve(runner: ModelRunner, channel: protocol.Channel, rank: int) -> None:
     nothing = SamplingBatch([], [], [], [], False)
     stream = torch.cuda.stream(runner.stream) if runner.stream is not None else contextlib.nullcontext()
     try:
@@ -102,6 +112,8 @@ def _serve(runner: ModelRunner, channel: protocol.Channel) -> None:
                     step.sampling = nothing  # rank 0 samples: the others keep no logits
                     step.sample = [False] * step.num_rows
                     runner.forward(step)
+                elif op == protocol.OP_CHECK:  # step is the scheduler's tables: is the store the same?
+                    channel.agree(_check_tables(runner, step, rank))
     finally:
         runner.release()
 
