@@ -132,6 +132,10 @@ def build_scheduler(layout, config: EngineConfig, device: torch.device,
 
         scheduler.speculation = Speculation(config.num_speculative_tokens, config.prompt_lookup_min,
                                             config.prompt_lookup_max)
+    elif config.speculative_method == "draft":
+        from .speculative import DraftSpeculation
+
+        scheduler.speculation = DraftSpeculation(config.num_speculative_tokens)
     return scheduler
 
 
@@ -156,9 +160,20 @@ def build_requests(model: torch.nn.Module, tokenizer, config: EngineConfig, samp
     return grammars, adapters, table
 
 
-def build_runner(model: torch.nn.Module, layout, config: EngineConfig, attn_backend: str, tp=None):
+def build_draft(model: torch.nn.Module, config: EngineConfig):
+    """The draft model of ``speculative_method="draft"`` (``acb.draft.prepare``: refused by
+    name if it cannot propose for ``model``), else None."""
+    if config.speculative_method != "draft":
+        return None
+    from .draft import prepare
+
+    return prepare(model, config)
+
+
+def build_runner(model: torch.nn.Module, layout, config: EngineConfig, attn_backend: str, tp=None, draft=None):
     """The device side of an engine: a ``ModelRunner`` over the model's KV cache, or the
-    tensor-parallel group's runner (``tp``), its fast paths configured."""
+    tensor-parallel group's runner (``tp``), its fast paths configured; with the draft
+    model ``draft`` (``acb.draft``) beside it, over a cache mirroring its own."""
     if tp is not None:
         runner = tp.runner(layout, config)
     else:
@@ -168,6 +183,10 @@ def build_runner(model: torch.nn.Module, layout, config: EngineConfig, attn_back
                              swa_pages=layout.swa_pages, swa_layers=layout.swa_layers)
     runner.fault_hook = config.fault_hook
     runner.configure_fast_paths(config, layout.max_requests)
+    if draft is not None:
+        from .draft import DraftRunner
+
+        runner.draft = DraftRunner(draft, runner, config)
     return runner
 
 

@@ -323,8 +323,9 @@ class EngineConfig:
     Speculative decoding (docs/speculative.md): ``speculative_method`` (None = off;
     ``"ngram"``: each decode row proposes up to ``num_speculative_tokens`` (4) tokens by
     matching its last ``prompt_lookup_max``..``prompt_lookup_min`` (4..2) tokens against its
-    prompt and output, and the same step verifies them; ``"draft"``, a ``draft_model``
-    proposing, is refused: not built yet). Lossless: greedy output is unchanged and sampled
+    prompt and output, and the same step verifies them; ``"draft"``: ``draft_model``, a
+    smaller model sharing the tokenizer (a folder or a model object, with its own paged
+    cache), proposes them greedily). Lossless: greedy output is unchanged and sampled
     output keeps its distribution. A request opts out with ``SamplingParams(speculative=False)``.
 
     Structured outputs: ``grammar_compile_timeout_s`` (30.0; None = no bound) is how long a
@@ -509,9 +510,10 @@ class EngineConfig:
             return
         if method not in ("ngram", "draft"):
             bad("speculative_method", "must be None, 'ngram' or 'draft'")
-        if method == "draft":
-            bad("speculative_method", "'draft' (a draft model proposing tokens) is not built yet; use 'ngram'")
-        if self.draft_model is not None:
+        if method == "draft" and self.draft_model is None:
+            bad("draft_model", "must be set (a model folder or a model object sharing the model's tokenizer) with "
+                "speculative_method='draft'")
+        if method != "draft" and self.draft_model is not None:
             bad("draft_model", "is only for speculative_method='draft'")
         if self.tensor_parallel_size > 1:
             bad("speculative_method", "must be None with tensor_parallel_size > 1 (the ranks' step message does "
@@ -553,4 +555,7 @@ class EngineConfig:
         if self.speculative_method is None:  # they tune the proposals of speculative decoding only
             inert += [n for n, default in (("num_speculative_tokens", 4), ("prompt_lookup_min", 2),
                                            ("prompt_lookup_max", 4)) if getattr(self, n) != default]
+        elif self.speculative_method == "draft":  # the n-gram lookup's: a draft model proposes instead
+            inert += [n for n, default in (("prompt_lookup_min", 2), ("prompt_lookup_max", 4))
+                      if getattr(self, n) != default]
         return inert

@@ -47,6 +47,7 @@ class Engine:
         # refuses, naming the setting, a backend or a parallel layout that cannot run here, now
         placement = assembly.build_placement(model, config)
         self.attn_backend, self._tp, self.device, self.layout, self.config = placement
+        self._draft = assembly.build_draft(model, self.config)  # speculative_method="draft" (acb.draft), else None
         self.max_waiting = self.config.max_waiting_requests
         self._kv_events = KVEventPublisher(lambda: self.kv.registered()) if self.config.kv_events else None
         self.scheduler = assembly.build_scheduler(self.layout, self.config, self.device, self._kv_events)
@@ -88,7 +89,7 @@ class Engine:
             return
         self._adapters.install_hooks()
         runner = self._steps.runner or assembly.build_runner(self.model, self.layout, self.config,
-                                                             self.attn_backend, self._tp)
+                                                             self.attn_backend, self._tp, self._draft)
         runner.lora = self._adapters.bank
         self._loop = LoopHandle()
         self._table.event = self._loop.Event

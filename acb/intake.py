@@ -33,14 +33,17 @@ class Intake:
         register = kv.enable_prefix_caching
         drafts = inp.drafts if plan.num_drafts else None
         j = 0  # the row's first entry in ``out``
+        d = 0  # its first proposal among the step's (a draft model's come back in ``out.proposals``)
         for i, seq in enumerate(plan.seqs):
             sample = inp.sample[i]
             first = j
             j += sample + (drafts[i] if drafts else 0)
-            if not current(seq, plan.epochs[i]):
-                continue
             if drafts and drafts[i]:
-                self._verify(plan, i, first, out, update)
+                d += drafts[i]
+                if current(seq, plan.epochs[i]):
+                    self._verify(plan, i, first, out, update, d - drafts[i])
+                continue
+            if not current(seq, plan.epochs[i]):
                 continue
             if register:
                 done = inp.starts[i] + inp.token_offsets[i + 1] - inp.token_offsets[i]
@@ -58,14 +61,18 @@ class Intake:
                     self._finish(seq)
         return update
 
-    def _verify(self, plan: StepPlan, i: int, first: int, out: StepOutput, update: StepUpdate) -> None:
-        """Row ``i`` carried proposals: take in those equal to the token sampled at their
-        position, and the first sampled token that differs (or the one after the last
-        proposal), truncated at a stop token, EOS or the length (acb.speculative says
-        why this is exact). The pages its rejected proposals were written to go back now."""
+    def _verify(self, plan: StepPlan, i: int, first: int, out: StepOutput, update: StepUpdate, at: int) -> None:
+        """Row ``i`` carried proposals (the step's ``at``-th on): take in those equal to the
+        token sampled at their position, and the first sampled token that differs (or the
+        one after the last proposal), truncated at a stop token, EOS or the length
+        (acb.speculative says why this is exact). The pages its rejected proposals were
+        written to go back now."""
         inp, seq = plan.input, plan.seqs[i]
         d = inp.drafts[i]
-        proposals = inp.token_ids[inp.token_offsets[i + 1] - d : inp.token_offsets[i + 1]]
+        if out.proposals is not None:  # a draft model's, computed on the device over placeholders
+            proposals = out.proposals[at : at + d]
+        else:
+            proposals = inp.token_ids[inp.token_offsets[i + 1] - d : inp.token_offsets[i + 1]]
         ids = out.token_ids
         accepted = 0
         while accepted < d and ids[first + accepted] == proposals[accepted]:

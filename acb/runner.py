@@ -29,7 +29,7 @@ class PendingOutput:
     blocking it) and then takes ``result()``, which no longer waits. ``timings`` are
     (start, end) timing events of the device work it reports (``StepOutput.device_s``)."""
 
-    __slots__ = ("event", "ids", "logprobs", "top", "timings", "prompt")
+    __slots__ = ("event", "ids", "logprobs", "top", "timings", "prompt", "proposals")
 
     def __init__(self, event, ids: torch.Tensor, logprobs: torch.Tensor | None,
                  top: tuple[torch.Tensor, torch.Tensor] | None = None, timings: list[tuple] = ()) -> None:
@@ -39,6 +39,7 @@ class PendingOutput:
         self.top = top  # top-logprob ids and values, in pinned host memory
         self.timings = timings
         self.prompt = None  # the step's prompt scores (prompt_logprobs), already on the host
+        self.proposals = None  # (a draft model's proposals in pinned host memory, its chain's steps)
 
     def ready(self) -> bool:
         return bool(self.event.query())
@@ -49,6 +50,8 @@ class PendingOutput:
         out = _step_output(self.ids, self.logprobs, self.top)
         out.device_s = sum(start.elapsed_time(end) for start, end in self.timings) / 1e3
         out.prompt_logprobs = self.prompt
+        if self.proposals is not None:
+            out.proposals, out.draft_steps = self.proposals[0].tolist(), self.proposals[1]
         return out
 
 
@@ -102,6 +105,9 @@ class ModelRunner:
                  self.device, self.dtype)
         self.fast_paths = FastPaths(model, self.kv, self.attn_backend, self.stream, self.generator, row_reduce)
         self.lora: lora.LoraBank | None = None  # the engine's adapters (acb.lora), when it can run them
+        self.draft = None  # acb.draft.DraftRunner: a draft model proposing (speculative_method="draft")
+        self._proposals: torch.Tensor | None = None  # the packed index of this step's draft proposals
+        self._proposed_ids: torch.Tensor | None = None  # ... into these input ids
         self.step_index = 0
         self.fast_decode_steps = 0  # steps whose decode rows ran on a kernel reading pages in place
         self.plain_steps = 0  # steps that ran the model's own forward (a hook, a replaced forward)
@@ -144,6 +150,9 @@ class ModelRunner:
     def release(self) -> None:
         """Give back the KV memory, the model's own linears and its attention setting."""
         self.fast_paths.release()  # first: CUDA graphs hold the cache's addresses
+        if self.draft is not None:
+            self.draft.release()
+            self.draft = None
         self.kv.release()
         self.attention = None  # it holds the cache tensors too
         self.prev_sampled = None
@@ -169,6 +178,7 @@ class ModelRunner:
                 return self._execute(step)
         except BaseException:
             self.prev_sampled = None
+            self._proposals = self._proposed_ids = None
             if self._timings:
                 self._timings.pop()  # never recorded its end
             raise
@@ -191,16 +201,36 @@ class ModelRunner:
         if sampled is not None:
             ids, logprobs = sampled
         else:
+            controls = step.sampling.controls
+            if self._proposals is not None and controls is not None and controls.penalized:
+                # penalties at a proposal's position count the proposals before it: the draft's, known now
+                from .draft import fill_penalty_history
+
+                fill_penalty_history(step, self._proposed_ids.index_select(0, self._proposals).tolist())
             ids, logprobs = sample(logits, step.sampling, self.generator, self.prev_sampled)
         top = top_alternatives(logits, step.sampling.top_logprobs) if step.sampling.top_logprobs else None
         self.prev_sampled = ids
+        proposals = self._take_proposals()
         if self.stream is None:
             out = _step_output(ids, logprobs, top)
             out.prompt_logprobs = prompt
+            if proposals is not None:
+                out.proposals, out.draft_steps, out.draft_s = proposals.tolist(), self.draft.chain_steps, \
+                    self.draft.chain_s
             return out
-        pending = self._pending(ids, logprobs, top)
+        proposed = (_to_pinned(proposals), self.draft.chain_steps) if proposals is not None else None
+        pending = self._pending(ids, logprobs, top)  # (its event is recorded after that copy)
         pending.prompt = prompt
+        pending.proposals = proposed
         return pending
+
+    def _take_proposals(self) -> torch.Tensor | None:
+        """The draft's proposals of this step (in row order), or None."""
+        if self._proposals is None:
+            return None
+        index, self._proposals = self._proposals, None
+        ids, self._proposed_ids = self._proposed_ids, None
+        return ids.index_select(0, index)
 
     def _pending(self, ids: torch.Tensor, logprobs: torch.Tensor | None,
                  top: tuple[torch.Tensor, torch.Tensor] | None) -> PendingOutput:
@@ -222,7 +252,12 @@ class ModelRunner:
             self.fast_paths.refresh()
         self.kv.move_pages(step)
         self.kv.zero_new_pages(step)
+        if self.draft is not None:
+            self.draft.prepare(step)  # its store mirrors this one's
         input_ids, position_ids, keep, meta = self._build(step)
+        if self.draft is not None:  # the draft's proposals over their placeholders, then its mirror forward
+            self._proposals = self.draft.run(step, input_ids)
+            self._proposed_ids = input_ids
         adapters = self.lora.step(step, self._tensor) if self.lora is not None else None
         if self.fault_hook is not None:
             self.fault_hook(self.step_index, "forward")

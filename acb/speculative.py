@@ -35,6 +35,8 @@ _EMA = 0.3  # weight of the newest observation in a row's acceptance average
 _MATCH_EMA = 0.15
 _MIN_MATCH = 0.1
 _DECAY = 0.97  # per step, the forgetting of the step-cost fit
+_DRAFT_EMA = 0.3  # weight of the newest chain-step time in a draft model's step cost
+_PLACEHOLDER = 0  # a draft model's proposal until it computes it on the device (acb.draft)
 
 
 class NgramIndex:
@@ -121,7 +123,8 @@ class Speculation:
             self._threshold = 1.0
             return
         a, b = self.cost()
-        self._threshold = running * b / (a + b * running) if a + b * running > 0 else 0.0
+        step = a + b * running
+        self._threshold = (running * b + self.proposal_overhead()) / step if step > 0 else 0.0
 
     def wanted(self, row: RowState) -> int:
         """How many tokens this row should propose now (before looking for a match)."""
@@ -193,6 +196,40 @@ class Speculation:
         b = my / (mx + 16.0) if mx + 16.0 > 0 else 0.0
         return 16.0 * b, b
 
+    def proposal_overhead(self) -> float:
+        """Seconds a step's proposals cost beyond their tokens' share of the step (0 for
+        n-gram lookup, done on the host while the step before computes; a draft model's
+        chain step: ``DraftSpeculation``)."""
+        return 0.0
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.proposed if self.proposed else 0.0
+
+
+class DraftSpeculation(Speculation):
+    """The controller (``acb.speculative.Speculation``) for draft proposals: a row
+    proposes placeholders the draft fills on the device (no lookup: a draft always has
+    something to propose), and each proposal also costs a share of one step of the draft's
+    chain. The chain's steps are timed apart from the step (``observe_draft``); the bar a
+    row's ``j``-th proposal must clear becomes ``(R b + c) / (a + b R)`` with ``c`` the
+    time of one chain step, shared by the ``R`` rows (all proposing, the case it is built
+    for: a lone row pays the whole chain step)."""
+
+    def __init__(self, num_tokens: int) -> None:
+        super().__init__(num_tokens, 1, 1)
+        self.chain_step_s = 0.0  # a moving average of one chain step's time (0 until measured)
+
+    def propose(self, row: Any, tokens: list[int], k: int) -> list[int]:
+        row.idle = 0
+        return [_PLACEHOLDER] * k
+
+    def observe_draft(self, steps: int, seconds: float) -> None:
+        """The draft's chain ran ``steps`` decode steps in ``seconds``."""
+        if steps:
+            per = seconds / steps
+            self.chain_step_s = per if not self.chain_step_s else self.chain_step_s + _DRAFT_EMA * (
+                per - self.chain_step_s)
+
+    def proposal_overhead(self) -> float:
+        return self.chain_step_s

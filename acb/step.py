@@ -210,6 +210,11 @@ class StepOutput:
     # device's, between events around its work on the runner's stream (a step that samples
     # nothing is reported with the next one that does: its events complete no sooner)
     device_s: float = 0.0
+    # a draft model's proposals (acb.draft), in row order: what the rows' placeholders were
+    # verified as; and its chain's decode steps and their time (CPU; 0 on CUDA: in device_s)
+    proposals: list[int] | None = None
+    draft_steps: int = 0
+    draft_s: float = 0.0
 
 
 @dataclass(slots=True, eq=False)

@@ -235,9 +235,13 @@ class StepLoop:
             return
         self.steps += 1
         self.device_s += out.device_s
-        if self.scheduler.speculation is not None and plan.num_tokens <= plan.num_sampled:
-            # decode and verification steps only: what proposals add to (prefill chunks cost otherwise)
-            self.scheduler.speculation.observe_step(plan.num_tokens, out.device_s)
+        speculation = self.scheduler.speculation
+        if speculation is not None and plan.num_tokens <= plan.num_sampled:
+            # decode and verification steps only: what proposals add to (prefill chunks cost otherwise);
+            # a draft model's chain is timed apart (acb.speculative.DraftSpeculation)
+            speculation.observe_step(plan.num_tokens, out.device_s - out.draft_s)
+        if out.draft_s:
+            speculation.observe_draft(out.draft_steps, out.draft_s)
         if plan.prompt_sinks:
             self.outputs.deliver_prompt_logprobs(plan, out)
         self.outputs.deliver(self.scheduler.update(plan, out), out)

@@ -31,7 +31,7 @@ LAYERS = {
     "kernels": ["kernels/__init__.py", "kernels/cpu.py", "kernels/cpu_linear.py", "kernels/triton_attention.py"],
     "device": ["attention.py", "attention_routing.py", "compiling.py", "cuda_graphs.py", "distributed/__init__.py",
                "distributed/group.py", "distributed/protocol.py", "distributed/sharding.py", "distributed/worker.py",
-               "block_tables.py", "fast_paths.py", "fused.py", "gguf_int8.py", "kv_store.py", "loading.py",
+               "block_tables.py", "draft.py", "fast_paths.py", "fused.py", "gguf_int8.py", "kv_store.py", "loading.py",
                "model_shape.py", "offload.py", "packing.py", "quantization.py", "runner.py", "sampling.py", "sizing.py",
                "watch.py", "lora.py", "lora_source.py", "fused_lora.py"],
     "engine": ["__init__.py", "adapters.py", "engine.py", "inputs.py", "live.py", "outputs.py", "assembly.py",

@@ -335,7 +335,8 @@ async def test_sampled_output_distribution_is_unchanged():
 # ----------------------------------------------------------------------------- refusals
 def test_config_fields_are_checked_by_name():
     for kwargs, name in ((dict(speculative_method="medusa"), "speculative_method"),
-                         (dict(speculative_method="draft"), "speculative_method"),
+                         (dict(speculative_method="draft"), "draft_model"),
+                         (dict(speculative_method="ngram", draft_model="x"), "draft_model"),
                          (dict(num_speculative_tokens=0), "num_speculative_tokens"),
                          (dict(prompt_lookup_min=0), "prompt_lookup_min"),
                          (dict(prompt_lookup_min=3, prompt_lookup_max=2), "prompt_lookup_max"),
@@ -343,8 +344,6 @@ def test_config_fields_are_checked_by_name():
                          (dict(speculative_method="ngram", tensor_parallel_size=2), "speculative_method")):
         with pytest.raises(ValueError, match=name):
             acb.EngineConfig(**kwargs)
-    with pytest.raises(ValueError, match="not built yet"):
-        acb.EngineConfig(speculative_method="draft")
     with pytest.raises(acb.InvalidRequestError, match="speculative"):
         acb.SamplingParams(speculative=True)
 
