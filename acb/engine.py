@@ -249,6 +249,10 @@ class Engine:
         """The names of the loaded adapters requests may name, in load order."""
         return self._adapters.names()
 
+    def adapter_ids(self) -> dict[str, int]:
+        """Each loaded adapter's ``lora_id`` by name (its pages' key: ``kv_events()``, ``prefix_page_hashes``)."""
+        return {name: self._adapters.loaded[name].lora_id for name in self._adapters.names()}
+
     def tokenize(self, prompt: Any) -> list[int]:
         """The token ids ``prompt`` (text, token ids or chat messages) runs as; bad input raises
         ``InvalidRequestError`` naming it."""

@@ -49,7 +49,8 @@ class Intake:
                 done = inp.starts[i] + inp.token_offsets[i + 1] - inp.token_offsets[i]
                 if done // kv.page_size > seq.num_registered_pages:
                     seq.num_registered_pages, seq.last_page_hash = kv.register_full_pages(
-                        seq.block_table, seq.token_at(0, done), seq.num_registered_pages, seq.last_page_hash, done)
+                        seq.block_table, seq.token_at(0, done), seq.num_registered_pages, seq.last_page_hash, done,
+                        seq.lora_id)
             if sample:
                 token = out.token_ids[first]
                 seq.num_inflight -= 1
@@ -92,7 +93,7 @@ class Intake:
         if kv.enable_prefix_caching and seq.num_computed // kv.page_size > seq.num_registered_pages:
             seq.num_registered_pages, seq.last_page_hash = kv.register_full_pages(
                 seq.block_table, seq.token_at(0, seq.num_computed), seq.num_registered_pages, seq.last_page_hash,
-                seq.num_computed)
+                seq.num_computed, seq.lora_id)
         self.pages.cut(seq, kv.pages_for(seq.num_computed))
 
     def truncate(self, seq: Sequence, end: int) -> None:

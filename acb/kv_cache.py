@@ -90,6 +90,7 @@ class KVCacheManager:
         self.free_pages: list[int] = list(range(num_pages - 1, -1, -1))
         # page -> (hash, tokens, parent hash) for full pages whose contents are registered
         self.page_key: dict[int, tuple[int, tuple[int, ...], int | None]] = {}
+        self.page_lora: dict[int, int] = {}  # page -> lora_id, for the registered pages of an adapter's chains
         self.events = events
         self.medium = medium
         self.hash_to_page: dict[int, int] = {}
@@ -160,6 +161,7 @@ class KVCacheManager:
 
     def _forget(self, page: int) -> None:
         key = self.page_key.pop(page, None)
+        self.page_lora.pop(page, None)
         if key is not None and self.hash_to_page.get(key[0]) == page:
             del self.hash_to_page[key[0]]
             events = self.events
@@ -206,11 +208,12 @@ class KVCacheManager:
 
     def register_full_pages(
         self, block_table: Sequence[int], token_ids: Sequence[int], num_registered: int,
-        parent: int | None, num_computed: int,
+        parent: int | None, num_computed: int, lora_id: int | None = None,
     ) -> tuple[int, int | None]:
         """Register the pages of ``block_table`` that became full (all ``page_size`` tokens
         computed) since ``num_registered``. Returns the new (num_registered, parent hash).
-        A page whose chain is already cached elsewhere stays private (first one wins)."""
+        A page whose chain is already cached elsewhere stays private (first one wins).
+        ``lora_id``: the adapter the sequence runs (its events carry it), None for the base model."""
         if not self.enable_prefix_caching:
             return num_registered, parent
         ps = self.page_size
@@ -224,9 +227,11 @@ class KVCacheManager:
             if h not in self.hash_to_page and page not in self.page_key:
                 self.hash_to_page[h] = page
                 self.page_key[page] = (h, chunk, parent)
+                if lora_id is not None:
+                    self.page_lora[page] = lora_id
                 if events is not None:
                     if stored is None:
-                        stored = BlockStored([], parent, [], ps, None, self.medium)
+                        stored = BlockStored([], parent, [], ps, lora_id, self.medium)
                         events.append(stored)
                     stored.block_hashes.append(h)
                     stored.token_ids.extend(chunk)
@@ -257,8 +262,8 @@ class KVCacheManager:
     def registered(self) -> Iterator[BlockStored]:
         """One ``BlockStored`` per page whose prefix hash is registered now (in use or
         cached): the current set, as a resync of ``kv_events()`` describes it."""
-        for h, chunk, parent in self.page_key.values():
-            yield BlockStored([h], parent, list(chunk), self.page_size, None, self.medium)
+        for page, (h, chunk, parent) in self.page_key.items():
+            yield BlockStored([h], parent, list(chunk), self.page_size, self.page_lora.get(page), self.medium)
 
     # -- checks ------------------------------------------------------------------------
     def check_integrity(self, block_tables: Iterable[Sequence[int]] = ()) -> None:

@@ -217,6 +217,7 @@ class RequestTable:
                                  matcher, next(self._arrivals), slot)
         if adapter is not None:  # its rows run the adapter's slot; its prefix pages chain from its root
             req.seq.adapter, req.seq.prefix_root, req.seq.last_page_hash = adapter.slot, adapter.root, adapter.root
+            req.seq.lora_id = adapter.lora_id
         self.columns.write(slot, req)
         if self.scheduler.speculation is not None and params.speculative is not False:
             req.seq.spec = self.scheduler.speculation.state()

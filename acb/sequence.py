@@ -80,6 +80,7 @@ class Sequence:
     # parent hash of its prefix chain's first page (acb.kv_cache.adapter_root; None: base)
     adapter: int = -1
     prefix_root: int | None = None
+    lora_id: int | None = None  # the adapter's (its registered pages' kv_events carry it)
     # speculative decoding (acb.speculative.RowState; None: this sequence never proposes)
     # and the proposals its row of the plan being made carries
     spec: Any = None

@@ -181,6 +181,33 @@ async def test_prefix_cache_is_keyed_by_adapter():
     assert base.token_ids == reference_greedy(tiny_model("llama"), prompt, 6)
 
 
+async def test_kv_events_carry_the_adapters_lora_id():
+    """An adapter's registered pages are published with its lora_id (``engine.adapter_ids()``),
+    as they are registered and in a resync; the base model's with None; the hashes are those
+    ``prefix_page_hashes`` gives under that lora_id."""
+    a, b = peft_model("llama", seed=1), peft_model("llama", seed=2)
+    prompt = random_prompts(1, 40, 40, seed=9)[0]
+    async with acb.Engine(tiny_model("llama"), config=config(kv_events=True, max_adapters=2)) as engine:
+        stream = engine.kv_events()
+        assert stream.pending()[0].resync  # (empty) from here on, the events as pages are registered
+        await engine.load_adapter(a, "a")
+        await engine.load_adapter(b, "b")
+        ids = engine.adapter_ids()
+        assert set(ids) == {"a", "b"} and ids["a"] != ids["b"] and all(isinstance(v, int) for v in ids.values())
+        for name in (None, "a", "b"):
+            await engine.generate(prompt, max_new_tokens=2, ignore_eos=True, adapter=name)
+        stored = [e for batch in stream.pending() for e in batch.events if isinstance(e, acb.BlockStored)]
+        resync = [e for batch in engine.kv_events().pending() for e in batch.events if isinstance(e, acb.BlockStored)]
+    for events in (stored, resync):
+        by_lora: dict = {}
+        for e in events:
+            by_lora.setdefault(e.lora_id, []).extend(e.block_hashes)
+        assert set(by_lora) == {None, ids["a"], ids["b"]}
+        for lora_id, hashes in by_lora.items():  # (the hashes a lookup can hit: every page but the last token's)
+            want = acb.prefix_page_hashes(prompt, 8, lora_id=lora_id)
+            assert len(want) == 4 and hashes[:4] == want
+
+
 def test_prefix_page_hashes_base_unchanged_and_adapter_apart():
     ids = list(range(3, 40))
     assert acb.prefix_page_hashes(ids, 8) == acb.prefix_page_hashes(ids, 8, lora_id=None)
