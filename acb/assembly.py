@@ -93,11 +93,12 @@ def place(model: torch.nn.Module, config: EngineConfig) -> EngineConfig:
     return resolve(config, model)
 
 
-def build_placement(model: torch.nn.Module, config: EngineConfig):
+def build_placement(model: torch.nn.Module, config: EngineConfig, draft: torch.nn.Module | None = None):
     """(attention backend, tensor-parallel group or None, device, cache layout, the config
-    with the cache's sizes decided) of an engine over ``model``: the backend refused
-    (ValueError naming attn_backend) if it cannot run here; with tensor_parallel_size > 1
-    the ranks start and the group sizes the cache."""
+    with the cache's sizes decided) of an engine over ``model`` (and a ``draft`` model whose
+    cache mirrors its pages: ``build_draft``): the backend refused (ValueError naming
+    attn_backend) if it cannot run here; with tensor_parallel_size > 1 the ranks start and
+    the group sizes the cache."""
     from . import attention, sizing
 
     param = next(model.parameters())
@@ -107,7 +108,7 @@ def build_placement(model: torch.nn.Module, config: EngineConfig):
 
         tp = TensorParallel(model, config)
         return backend, tp, tp.device, tp.layout, resolve(config, layout=tp.layout)
-    layout = sizing.layout(model, config)
+    layout = sizing.layout(model, config, draft)
     return backend, None, param.device, layout, resolve(config, layout=layout)
 
 

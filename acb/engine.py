@@ -44,10 +44,10 @@ class Engine:
         config = assembly.place(model, config)  # and warns naming the settings that cannot act on it
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.eos_token_ids = sizing.eos_ids(model, tokenizer)
+        self._draft = assembly.build_draft(model, config)  # speculative_method="draft" (acb.draft), else None
         # refuses, naming the setting, a backend or a parallel layout that cannot run here, now
-        placement = assembly.build_placement(model, config)
+        placement = assembly.build_placement(model, config, self._draft)
         self.attn_backend, self._tp, self.device, self.layout, self.config = placement
-        self._draft = assembly.build_draft(model, self.config)  # speculative_method="draft" (acb.draft), else None
         self.max_waiting = self.config.max_waiting_requests
         self._kv_events = KVEventPublisher(lambda: self.kv.registered()) if self.config.kv_events else None
         self.scheduler = assembly.build_scheduler(self.layout, self.config, self.device, self._kv_events)

@@ -33,12 +33,14 @@ class Layout:
     swa_layers: frozenset[int] = frozenset()
 
 
-def layout(model: torch.nn.Module, config: EngineConfig) -> Layout:
+def layout(model: torch.nn.Module, config: EngineConfig, draft: torch.nn.Module | None = None) -> Layout:
     config = resolve(config)  # the plain defaults (page size, requests per batch): acb.defaults
     text = text_config(model.config)
     param = next(model.parameters())
     page_size = config.page_size
     per_page = ModelShape.of(model.config).kv_bytes_per_token(param.dtype) * page_size
+    if draft is not None:  # a draft model's cache has a page for each of the model's (acb.draft): budgeted too
+        per_page += ModelShape.of(draft.config).kv_bytes_per_token(param.dtype) * page_size
     window = getattr(text, "sliding_window", None)
     layer_types = list(getattr(text, "layer_types", None) or [])
     swa_layers = frozenset(i for i, t in enumerate(layer_types) if t == "sliding_attention")

@@ -1,7 +1,16 @@
-"""Speculative decoding (EngineConfig.speculative_method="ngram") against none, same run, SmolLM2.
+"""Speculative decoding (EngineConfig.speculative_method="ngram" / "draft") against none, same run, SmolLM2.
 
     python benchmarks/speculative.py                                 # grounded at 1, 4, 16 + standard at 64
     python benchmarks/speculative.py --concurrency 1,4 --standard 0  # quick look
+    python benchmarks/speculative.py --methods none,draft-tiny,draft-tiny:always,draft-self:always
+
+Methods: ``none``, ``ngram``, ``draft-self`` (SmolLM2 drafting for itself: every greedy
+proposal is its own argmax, so it measures what acceptance the machinery delivers, at the
+cost of a draft as big as the model) and ``draft-tiny`` (a random 2-layer model with
+SmolLM2's vocabulary: what a small draft's mirror forward and chain cost; its proposals
+are nearly all rejected). ``:always`` pins the controller to propose all it may
+(``acb.testing.speculate_always``), else the engine's cost model decides. SmolLM2-135M is
+the smallest of its family here, so no real small sibling is measured.
 
 The input-grounded workload (benchmarks/workloads.py ``input_grounded``: quote, summarise,
 edit or continue a passage of real text) runs as a closed loop of ``c`` streams (each
@@ -74,23 +83,56 @@ async def closed_loop(engine, prompts: list[list[int]], concurrency: int, new: i
     }
 
 
-async def run_mode(model, tok, method: str | None, args, grounded, standard) -> list[dict]:
+def tiny_draft(model):
+    """A random 2-layer Llama with ``model``'s vocabulary (tied embeddings, as SmolLM2's)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    c = model.config
+    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=c.max_position_embeddings,
+                      tie_word_embeddings=True, bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=next(model.parameters()).dtype).eval()
+
+
+def engine_config(model, mode: str, args):
+    """(EngineConfig, pinned) of a method name (module docstring)."""
     import acb
 
-    config = acb.EngineConfig(speculative_method=method, num_blocks=args.num_blocks)
+    method, _, always = mode.partition(":")
+    fields = dict(num_blocks=args.num_blocks)
+    if method == "ngram":
+        fields.update(speculative_method="ngram")
+    elif method == "draft-self":
+        fields.update(speculative_method="draft", draft_model=model)
+    elif method == "draft-tiny":
+        fields.update(speculative_method="draft", draft_model=tiny_draft(model))
+    elif method != "none":
+        raise SystemExit(f"unknown method {mode!r}")
+    return acb.EngineConfig(**fields), always == "always"
+
+
+async def run_mode(model, tok, method: str, args, grounded, standard) -> list[dict]:
+    import acb
+    from acb.testing import speculate_always
+
+    config, pinned = engine_config(model, method, args)
     out = []
     async with acb.Engine(model, tokenizer=tok, config=config) as engine:
+        if pinned:
+            speculate_always(engine)
         await engine.generate(grounded.prompts[0], max_new_tokens=8)  # warm-up (kernels, prepacking)
         for c in args.concurrency:
             prompts = grounded.prompts[: max(args.min_requests, args.per_stream * c)]
             r = await closed_loop(engine, prompts, c, grounded.max_new_tokens, ignore_eos=False)
-            r.update(workload="grounded", method=method or "none")
+            r.update(workload="grounded", method=method)
             print(json.dumps({k: v for k, v in r.items() if k != "outputs"}), flush=True)
             out.append(r)
         if standard is not None:
             r = await closed_loop(engine, standard.prompts, len(standard.prompts), standard.max_new_tokens,
                                   ignore_eos=True)
-            r.update(workload="standard", method=method or "none")
+            r.update(workload="standard", method=method)
             print(json.dumps({k: v for k, v in r.items() if k != "outputs"}), flush=True)
             out.append(r)
     return out
@@ -106,7 +148,7 @@ async def main(args) -> None:
     load_start = os.getloadavg()
     results = []
     for _ in range(args.repeat):  # alternated, so drift on a shared machine falls on both
-        for method in (None, "ngram"):
+        for method in args.methods:
             results += await run_mode(model, tok, method, args, grounded, standard)
     load_end = os.getloadavg()
     plain = {(r["workload"], r["concurrency"]): r["outputs"] for r in results if r["method"] == "none"}
@@ -144,7 +186,9 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 4, 16],
                    help="grounded streams ('' for none)")
-    p.add_argument("--repeat", type=int, default=1, help="alternate none / ngram this many times")
+    p.add_argument("--methods", type=lambda s: [x for x in s.split(",") if x], default=["none", "ngram"],
+                   help="none, ngram, draft-self, draft-tiny, each optionally with :always (first must be none)")
+    p.add_argument("--repeat", type=int, default=1, help="alternate the methods this many times")
     p.add_argument("--per-stream", type=int, default=2, help="grounded requests per stream")
     p.add_argument("--min-requests", type=int, default=4)
     p.add_argument("--new", type=int, default=128, help="max new tokens of a grounded request")

@@ -515,8 +515,8 @@ _EFFECTS = {
     "num_speculative_tokens": ({"num_speculative_tokens": 2}, None),
     "prompt_lookup_min": ({"prompt_lookup_min": 3, "prompt_lookup_max": 4}, None),
     "prompt_lookup_max": ({"prompt_lookup_max": 6}, None),
-    # any value is refused by name (the draft method is not built yet): tests/test_speculative.py
-    "draft_model": ({}, "tests/test_speculative.py"),
+    # the draft of speculative_method="draft" (refused by name without it): tests/test_speculative_draft.py
+    "draft_model": ({}, "tests/test_speculative_draft.py"),
 }
 
 

@@ -231,6 +231,19 @@ def test_drafts_that_cannot_propose_are_refused_by_name():
                             prompt_lookup_max=6).inactive_settings("cpu") == ["prompt_lookup_max"]
 
 
+def test_the_cache_budget_counts_the_draft_pages():
+    """The draft's cache has a page for each of the model's: a self-draft halves the pages
+    a memory budget buys."""
+    from acb import sizing
+
+    model = tiny_model("llama")
+    config = acb.EngineConfig(max_memory_percent=0.01)
+    alone, mirrored = sizing.layout(model, config).num_pages, sizing.layout(model, config, model).num_pages
+    assert mirrored == pytest.approx(alone / 2, rel=0.05)
+    small = sizing.layout(model, config, small_draft("llama")).num_pages
+    assert mirrored < small < alone
+
+
 def _with_vocab(model: torch.nn.Module, vocab: int) -> torch.nn.Module:
     model.resize_token_embeddings(vocab)
     return model
