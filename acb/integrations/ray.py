@@ -283,7 +283,7 @@ def _checked_arguments(model, num_replicas, autoscaling_config, engine_config, d
     return engine_config
 
 
-def build_app(model: ModelSource, *, num_replicas: int | None = None,
+def build_app(model: ModelSource, *, num_replicas: int | None = None,  # long: half of it documents the options
               autoscaling_config: dict[str, Any] | None = None, engine_config: acb.EngineConfig | None = None,
               gguf_file: str | None = None, model_name: str | None = None, api_key: str | None = None,
               max_tokens_limit: int = 4096, default_max_tokens: int = 256, max_body_bytes: int = 1 << 20,
