@@ -99,10 +99,11 @@ def build_placement(model: torch.nn.Module, config: EngineConfig, draft: torch.n
     cache mirrors its pages: ``build_draft``): the backend refused (ValueError naming
     attn_backend) if it cannot run here; with tensor_parallel_size > 1 the ranks start and
     the group sizes the cache."""
-    from . import attention, sizing
+    from . import attention, kv_quant, sizing
 
     param = next(model.parameters())
     backend = attention.resolve_backend(config.attn_backend, param.device, param.dtype, native=config.cpu_kernels)
+    kv_quant.check(config.kv_cache_dtype, backend)  # int8 pages: native CPU attention only
     if config.tensor_parallel_size > 1:
         from .distributed import TensorParallel
 
@@ -181,7 +182,8 @@ def build_runner(model: torch.nn.Module, layout, config: EngineConfig, attn_back
         from .runner import ModelRunner
 
         runner = ModelRunner(model, layout.num_pages, layout.page_size, attn_backend, host_pages=layout.host_pages,
-                             swa_pages=layout.swa_pages, swa_layers=layout.swa_layers)
+                             swa_pages=layout.swa_pages, swa_layers=layout.swa_layers,
+                             kv_cache_dtype=config.kv_cache_dtype)
     runner.fault_hook = config.fault_hook
     runner.configure_fast_paths(config, layout.max_requests)
     if draft is not None:

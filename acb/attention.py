@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from . import kv_quant
+
 if TYPE_CHECKING:
     from .packing import DecodeRows, PagePool, StepAttention
 
@@ -147,11 +149,13 @@ def current_step() -> StepAttention:
 
 def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
     """[kvh, slots, d] cache, [B, P] page ids -> [kvh, B, P * page_size, d]. Whole pages
-    are copied (page_size * d contiguous values each), not single slots."""
+    are copied (page_size * d contiguous values each), not single slots. int8 pages
+    (``acb.kv_quant``) come back dequantized, float32."""
     kvh, slots, d = cache.shape
     b, p = pages.shape
     paged = cache.view(kvh, slots // page_size, page_size * d)
-    return paged.index_select(1, pages.view(-1)).view(kvh, b, p * page_size, d)
+    rows = paged.index_select(1, pages.view(-1)).view(kvh, b, p * page_size, d)
+    return kv_quant.dequantize(rows) if cache.dtype == torch.int8 else rows
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
@@ -195,9 +199,6 @@ def paged_attention(
 
     k_new = key[0]  # [kvh, T, d]
     v_new = value[0]
-    k_cache.index_copy_(1, pool.slot_mapping, k_new.to(k_cache.dtype))
-    v_cache.index_copy_(1, pool.slot_mapping, v_new.to(v_cache.dtype))
-
     q_all = query[0]  # [H, T, d]
     # The native kernels compute in float32 whatever the model's dtype (bf16/fp16 pages are
     # widened as they are read): a half-precision step hands them float32 queries and new
@@ -205,6 +206,13 @@ def paged_attention(
     widen = meta.kernel == "native" and query.dtype != torch.float32
     if widen:
         q_all, k_new, v_new = q_all.float(), k_new.float(), v_new.float()
+    if k_cache.dtype == torch.int8:  # kv_cache_dtype="int8": quantized as written (acb.kv_quant)
+        write = KERNELS["native"].write_kv_int8
+        write(k_new if k_new.stride(2) == 1 else k_new.contiguous(), k_cache, pool.slot_mapping)
+        write(v_new if v_new.stride(2) == 1 else v_new.contiguous(), v_cache, pool.slot_mapping)
+    else:
+        k_cache.index_copy_(1, pool.slot_mapping, k_new.to(k_cache.dtype))
+        v_cache.index_copy_(1, pool.slot_mapping, v_new.to(v_cache.dtype))
     out = q_all.new_empty(total, num_heads, head_dim)
     if meta.decode is not None:
         _decode_rows(meta, pool, q_all, k_cache, v_cache, key.shape[1], scaling, sliding_window, softcap, out)

@@ -105,6 +105,9 @@ def add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # lo
     p.add_argument("--quantization", choices=["int8"],
                    help="int8 weights per output channel and int8 activations per token (CPUs with AVX-512 VNNI; "
                         "see docs/performance.md, Dtypes); the norms, attention and KV pages keep --dtype")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "int8"],
+                   help="KV pages in int8 with a float32 scale per token and kv head (~2x the pages of bf16; acb's "
+                        "native CPU attention only); auto (default): the model's dtype")
     p.add_argument("--tensor-parallel-size", type=_positive, default=1,
                    help="shard the model over N ranks: acb starts N-1 more processes (gloo on CPU, NCCL on "
                         "CUDA); under torchrun the ranks other than 0 serve as workers (default: 1)")
@@ -159,7 +162,7 @@ def _model_source(args: argparse.Namespace):
     fields = {k: getattr(args, k) for k in ("num_blocks", "max_batch_tokens", "device", "dtype", "cpu_offload_space",
                                             "tensor_parallel_size", "max_waiting_requests", "scheduler",
                                             "priority_aging_steps", "kv_events", "quantization", "max_adapters",
-                                            "max_adapter_rank")}
+                                            "max_adapter_rank", "kv_cache_dtype")}
     fields["grammar_compile_timeout_s"] = args.grammar_compile_timeout or None
     if fields["max_adapters"] is None:  # room for the start-up adapters, whatever their number and rank
         fields["max_adapters"] = max(4, len(args.adapter))

@@ -351,6 +351,14 @@ class EngineConfig:
     forward in place of transformers' (off: transformers' forward over acb's paged attention).
     ``quantization="int8"`` needs all three.
 
+    ``kv_cache_dtype`` (named as vLLM's): None or ``"auto"`` store the KV pages in the model's
+    dtype; ``"int8"`` stores each key/value row (one token, one kv head) as int8 with its own
+    float32 scale, ``head_dim + 4`` bytes, so about twice the pages of a bf16 cache fit the
+    same memory (the sizing counts the scales). Written quantized, read by acb's native CPU
+    attention kernels in float32 (``acb.kv_quant``); the engine refuses it, naming it, where
+    those kernels do not run (CUDA, ``attn_backend="torch"``, ``cpu_kernels=False``,
+    ``tensor_parallel_size > 1``). Accuracy: docs/performance.md.
+
     A setting that has no effect where the engine runs (the CUDA-graph settings on the
     CPU, say) is named by :meth:`inactive_settings`, and the engine logs a warning naming
     it at construction.
@@ -386,6 +394,7 @@ class EngineConfig:
     grammar_compile_timeout_s: float | None = 30.0
     grammar_cache_size: int = 256
     quantization: str | None = None
+    kv_cache_dtype: str | None = None
     max_adapters: int = 4
     max_adapter_rank: int = 16
     cpu_kernels: bool = True
@@ -492,6 +501,11 @@ class EngineConfig:
             if self.compile_level or self.varlen_compile_level or self.decode_compile_level:
                 bad("quantization", "must be None with compile_level > 0 (int8 runs acb's fused forward, which "
                     "torch.compile does not trace)")
+        if self.kv_cache_dtype not in (None, "auto", "int8"):
+            bad("kv_cache_dtype", "must be None, 'auto' (the model's dtype) or 'int8'")
+        if self.kv_cache_dtype == "int8" and self.tensor_parallel_size > 1:
+            bad("kv_cache_dtype", "must not be 'int8' with tensor_parallel_size > 1 (int8 pages are read by the "
+                "native CPU kernels of a single process)")
         self._check_speculative(bad)
 
     def _check_speculative(self, bad: Any) -> None:

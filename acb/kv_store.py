@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import offload
+from . import kv_quant, offload
 from .block_tables import BlockTables
 from .model_shape import ModelShape
 
@@ -28,7 +28,9 @@ if TYPE_CHECKING:
 class KVStore:
     """Owns the KV tensors (``k_cache``, ``v_cache``), which pages were ever written
     (``zeroed``, ``zeroed_swa``), the block tables (``tables``) and the host offload pool
-    (``offload``, None without one). ``to_device`` turns a list of ints into a long tensor on the cache's device."""
+    (``offload``, None without one). ``to_device`` turns a list of ints into a long tensor on the cache's device.
+    ``dtype``: the pages' (the model's, or int8 with ``EngineConfig.kv_cache_dtype="int8"``, whose rows
+    carry their scale: ``acb.kv_quant``)."""
 
     def __init__(self, config, dtype: torch.dtype, device: torch.device, num_pages: int, page_size: int,
                  to_device: Callable[[list[int]], torch.Tensor], host_pages: int = 0, swa_pages: int = 0,
@@ -50,7 +52,8 @@ class KVStore:
         for layer in range(shape.layers):
             slots = ((swa_pages if layer in self.swa_layers else num_pages) + 1) * page_size
             for caches in (self.k_cache, self.v_cache):
-                caches.append(torch.empty(shape.kv_heads, slots, shape.head_dim, dtype=dtype, device=device))
+                caches.append(torch.empty(shape.kv_heads, slots, kv_quant.row_width(shape.head_dim, dtype), dtype=dtype,
+                                          device=device))
                 caches[-1][:, slots - page_size :].zero_()
         # Attention reads whole pages, so the unwritten tail of a row's last page is read
         # too (and masked). Masked scores are -inf, but a NaN bit pattern in never-written

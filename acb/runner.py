@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from . import attention, attention_routing, lora, packing, prompt_logprobs
+from . import attention, attention_routing, kv_quant, lora, packing, prompt_logprobs
 from .fast_paths import FastPaths
 from .kv_store import KVStore
 from .sampling import sample, top_alternatives
@@ -79,7 +79,7 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, attn_backend: str = "auto",
                  host_pages: int = 0, swa_pages: int = 0, swa_layers: frozenset[int] = frozenset(),
-                 row_reduce=None) -> None:
+                 row_reduce=None, kv_cache_dtype: str | None = None) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -88,8 +88,8 @@ class ModelRunner:
         self.generator.seed()
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._tensor = packing.DeviceIds(self.device)  # host list -> long tensor on the device
-        self.kv = KVStore(model.config, self.dtype, self.device, num_pages, page_size, self._tensor, host_pages,
-                          swa_pages, swa_layers)
+        self.kv = KVStore(model.config, kv_quant.cache_dtype(kv_cache_dtype, self.dtype), self.device, num_pages,
+                          page_size, self._tensor, host_pages, swa_pages, swa_layers)
         attention.register()
         # acb's attention inside acb's steps only (see acb.attention_routing)
         self._routed = attention_routing.route_model(model.config)
@@ -99,6 +99,7 @@ class ModelRunner:
         self.attn_backend = attention.resolve_backend(attn_backend, self.device, self.dtype)
         if not attention.load_kernels(self.attn_backend):  # native kernels not built (logged)
             self.attn_backend = "torch"
+        kv_quant.check(kv_cache_dtype, self.attn_backend)
         self.attention = packing.AttentionBuilder(self.attn_backend, page_size, self._tensor, self.kv.k_cache,
                                                   self.kv.v_cache, self.kv.tables, self.kv.swa_layers)
         log.info("acb attention backend: %s (attn_backend=%r on %s, %s)", self.attn_backend, attn_backend,

@@ -12,6 +12,7 @@ import torch
 from .config import EngineConfig
 from .cuda_graphs import graph_memory_reserve
 from .defaults import resolve
+from .kv_quant import bytes_per_token, cache_dtype
 from .model_shape import ModelShape, text_config
 
 log = logging.getLogger("acb")
@@ -38,7 +39,10 @@ def layout(model: torch.nn.Module, config: EngineConfig, draft: torch.nn.Module 
     text = text_config(model.config)
     param = next(model.parameters())
     page_size = config.page_size
-    per_page = ModelShape.of(model.config).kv_bytes_per_token(param.dtype) * page_size
+    shape = ModelShape.of(model.config)
+    # int8 pages (kv_cache_dtype="int8") count their per-row scales: acb.kv_quant
+    per_page = bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim,
+                               cache_dtype(config.kv_cache_dtype, param.dtype)) * page_size
     if draft is not None:  # a draft model's cache has a page for each of the model's (acb.draft): budgeted too
         per_page += ModelShape.of(draft.config).kv_bytes_per_token(param.dtype) * page_size
     window = getattr(text, "sliding_window", None)

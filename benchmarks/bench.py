@@ -6,6 +6,7 @@
     python benchmarks/bench.py --vllm-venv ~/vllm-venv  # adds vLLM's CPU engine (or set ACB_VLLM_VENV)
     python benchmarks/bench.py --systems acb_fp32,acb_bf16,vllm,vllm_fp32 --vllm-venv ~/vllm-venv  # dtypes
     python benchmarks/bench.py --systems acb_fp32,acb_bf16,acb_int8,acb_int8_bf16  # + int8 weights
+    python benchmarks/bench.py --systems acb_bf16,acb_bf16_kv8,acb_int8_bf16_kv8  # + int8 KV pages
     python benchmarks/bench.py --systems acb --limit 16 # quick look
 
 Each system runs in its own process, so peak RSS is its own. Prints a table,
@@ -35,9 +36,10 @@ import workloads  # noqa: E402
 # acb: its default dtype here (Engine.from_pretrained's); vllm: its default (dtype="auto": bf16 on x86);
 # the _fp32 / _bf16 variants force a dtype
 # acb_int8: int8 weights and activations in the GEMMs (EngineConfig.quantization="int8"), float32 between
-# them; acb_int8_bf16: the same with bfloat16 between them (and bf16 KV pages)
-SYSTEMS = ("acb", "acb_fp32", "acb_bf16", "acb_int8", "acb_int8_bf16", "hf_generate_batch", "hf_generate", "vllm",
-           "vllm_fp32", "vllm_bf16")
+# them; acb_int8_bf16: the same with bfloat16 between them (and bf16 KV pages); a _kv8 suffix adds int8 KV
+# pages (EngineConfig.kv_cache_dtype="int8")
+SYSTEMS = ("acb", "acb_fp32", "acb_bf16", "acb_int8", "acb_int8_bf16", "acb_fp32_kv8", "acb_bf16_kv8", "acb_int8_kv8",
+           "acb_int8_bf16_kv8", "hf_generate_batch", "hf_generate", "vllm", "vllm_fp32", "vllm_bf16")
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "int8": "float32", "int8_bf16": "bfloat16"}
 
 
@@ -92,8 +94,10 @@ def child(system: str, args: argparse.Namespace) -> dict:
 
     w = workloads.build(args.workload, args.workload_file, args.limit, args.rate)
     if system == "acb" or system.startswith("acb_"):
-        return systems.run_acb(w, json.loads(args.acb_config) if args.acb_config else None,
-                               _DTYPES.get(system.removeprefix("acb_")),
+        config = json.loads(args.acb_config) if args.acb_config else {}
+        if system.endswith("_kv8"):
+            config["kv_cache_dtype"] = "int8"
+        return systems.run_acb(w, config or None, _DTYPES.get(system.removeprefix("acb_").removesuffix("_kv8")),
                                "int8" if system.startswith("acb_int8") else None)
     if system == "hf_generate_batch":
         return systems.run_hf_generate_batch(w)

@@ -3,12 +3,18 @@
     python benchmarks/quality.py                        # float32 vs bfloat16, SmolLM2-135M
     python benchmarks/quality.py --dtypes float32,bfloat16 --tokens 24000 --prompts 16
     python benchmarks/quality.py --dtypes float32,int8,int8_bf16  # int8 weights (EngineConfig.quantization)
+    python benchmarks/quality.py --dtypes float32,bfloat16,bfloat16_kv8,int8_bf16_kv8  # int8 KV pages too
 
 A ``--dtypes`` name is a dtype, or ``int8`` (int8 weights and int8 activations, per token and
 group of 64 channels, in the GEMMs, float32 between them) / ``int8_bf16`` (the same, bfloat16
 between them), or ``vllm_bfloat16`` / ``vllm_float32``: vLLM's CPU engine in that dtype
 (``--vllm-venv``), scored on the same windows through its ``prompt_logprobs`` (what a peer's
-bf16 costs on the same text: the context for acb's bf16 figures).
+bf16 costs on the same text: the context for acb's bf16 figures). A name ending in ``_kv8``
+(``bfloat16_kv8``, ``int8_bf16_kv8``, ...) runs with int8 KV pages (``EngineConfig.kv_cache_dtype=
+"int8"``), and its teacher-forced scores come from decode steps (every window's positions one
+token a step, all windows batched), so that each position reads every earlier one from the
+int8 pages, as generation does: a fresh prefill attends to its exact keys and values and
+would show nothing of the pages' precision.
 
     python benchmarks/quality.py --dtypes float32,bfloat16,vllm_bfloat16 --vllm-venv /work/vllm-venv
 
@@ -66,6 +72,7 @@ def window_logits(runner, tokens: list[int], pages: list[int]) -> torch.Tensor:
 
     step = StepInput()
     step.add_row(tokens, 0, pages)
+    runner.kv.update_tables(step)  # the block-table deltas first, as ModelRunner.execute applies them
     input_ids, position_ids, _, meta = runner._build(step)
     attention.set_step(meta)
     try:
@@ -102,6 +109,49 @@ def teacher_forced(model, ids: list[int], window: int) -> dict:
     finally:
         runner.release()
     return {"nll": nll, "argmax": argmax, "forward_path": path}
+
+
+def teacher_forced_decode(model, ids: list[int], window: int, kv_cache_dtype: str | None) -> dict:
+    """As :func:`teacher_forced`, but every position is a decode row over the pages the
+    earlier positions were written to (all windows batched, one position a step)."""
+    from acb import EngineConfig, attention
+    from acb.runner import ModelRunner
+    from acb.step import StepInput
+
+    windows = [c for c in (ids[s: s + window + 1] for s in range(0, len(ids) - 1, window)) if len(c) >= 2]
+    page_size = 16
+    per = -(-window // page_size)
+    runner = ModelRunner(model, len(windows) * per + 1, page_size, kv_cache_dtype=kv_cache_dtype)
+    runner.configure_fast_paths(EngineConfig(kv_cache_dtype=kv_cache_dtype), len(windows))
+    nll: list[list[float]] = [[] for _ in windows]
+    argmax: list[list[int]] = [[] for _ in windows]
+    try:
+        for t in range(window):
+            live = [i for i, c in enumerate(windows) if t < len(c) - 1]
+            if not live:
+                break
+            step = StepInput()
+            for i in live:
+                step.add_row([windows[i][t]], t, list(range(i * per, (i + 1) * per)), table_row=i)
+            runner.kv.update_tables(step)
+            runner.kv.zero_new_pages(step)
+            input_ids, position_ids, keep, meta = runner._build(step)
+            attention.set_step(meta)
+            try:
+                with torch.inference_mode():
+                    logits = runner.fast_paths.varlen_forward(
+                        input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
+                        attention_mask=None, use_cache=False, logits_to_keep=keep).logits[0].float()
+            finally:
+                attention.set_step(None)
+            logp = torch.log_softmax(logits.double(), -1)
+            for j, i in enumerate(live):
+                nll[i].append(-logp[j, windows[i][t + 1]].item())
+                argmax[i].append(int(logits[j].argmax()))
+        path = runner.forward_path + ", decode-scored"
+    finally:
+        runner.release()
+    return {"nll": [x for w in nll for x in w], "argmax": [x for w in argmax for x in w], "forward_path": path}
 
 
 def hf_teacher_forced(model, ids: list[int], window: int) -> list[int]:
@@ -165,18 +215,22 @@ def vllm_scored(venv: str, dtype: str, ids: list[int], window: int, prompts: lis
             "forward_path": f"vllm {res['dtype']}"}
 
 
-def variant(name: str) -> tuple[torch.dtype, str | None]:
-    """(the model's dtype, EngineConfig.quantization) of a ``--dtypes`` name."""
+def variant(name: str) -> tuple[torch.dtype, str | None, str | None]:
+    """(the model's dtype, EngineConfig.quantization, EngineConfig.kv_cache_dtype) of a ``--dtypes`` name."""
+    kv = "int8" if name.endswith("_kv8") else None
+    name = name.removesuffix("_kv8")
     if name.startswith("int8"):
-        return (torch.bfloat16 if name == "int8_bf16" else torch.float32), "int8"
-    return getattr(torch, name), None
+        return (torch.bfloat16 if name == "int8_bf16" else torch.float32), "int8", kv
+    return getattr(torch, name), None, kv
 
 
-def greedy(model, tok, prompts: list[list[int]], new: int, quantization: str | None = None) -> list[list[int]]:
+def greedy(model, tok, prompts: list[list[int]], new: int, quantization: str | None = None,
+           kv_cache_dtype: str | None = None) -> list[list[int]]:
     import acb
 
     async def run():
-        async with acb.Engine(model, tokenizer=tok, config=acb.EngineConfig(quantization=quantization)) as engine:
+        config = acb.EngineConfig(quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+        async with acb.Engine(model, tokenizer=tok, config=config) as engine:
             done = await engine.generate_batch(prompts, max_new_tokens=new, ignore_eos=True)
         return [d.token_ids for d in done]
 
@@ -234,16 +288,16 @@ def main() -> None:
             results[name]["seconds"] = time.perf_counter() - t0
             print(f"-- {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
             continue
-        dtype, quantization = variant(name)
+        dtype, quantization, kv = variant(name)
         model = copy.deepcopy(base).to(dtype)
         if quantization:  # in place, as the engine does (transformers' forward then runs the int8 modules too)
             from acb.quantization import quantize_
 
             quantize_(model)
-        hf_tf = hf_teacher_forced(model, ids, args.window)
-        tf = teacher_forced(model, ids, args.window)
-        gen = greedy(model, tok, w.prompts, args.new_tokens, quantization)
-        hf = None if args.no_hf else hf_greedy(model, w.prompts, args.new_tokens)
+        hf_tf = None if kv else hf_teacher_forced(model, ids, args.window)  # transformers has no int8 pages
+        tf = teacher_forced_decode(model, ids, args.window, kv) if kv else teacher_forced(model, ids, args.window)
+        gen = greedy(model, tok, w.prompts, args.new_tokens, quantization, kv)
+        hf = None if args.no_hf or kv else hf_greedy(model, w.prompts, args.new_tokens)
         del model
         results[name] = {"ppl": math.exp(sum(tf["nll"]) / len(tf["nll"])), "tf": tf, "greedy": gen, "hf": hf,
                          "hf_argmax": hf_tf,
@@ -263,14 +317,14 @@ def main() -> None:
         if r["hf"] is not None:
             row["greedy_vs_hf_same_dtype"] = divergence_summary(r["greedy"], r["hf"])
         rows.append(row)
-    head = f"{'dtype':<14}{'path':<14}{'tokens':>8}{'ppl':>9}{'vs fp32':>9}{'top-1':>8}{'HF top-1':>9}" \
+    head = f"{'dtype':<16}{'path':<26}{'tokens':>8}{'ppl':>9}{'vs fp32':>9}{'top-1':>8}{'HF top-1':>9}" \
            f"{'greedy = fp32':>15}{'greedy = HF':>13}"
     print(head)
     print("-" * len(head))
     for r in rows:
         g = r["greedy_vs_fp32"]
         h = r.get("greedy_vs_hf_same_dtype")
-        print(f"{r['dtype']:<14}{r['forward_path']:<14}{r['scored_tokens']:>8}{r['ppl']:>9.4f}"
+        print(f"{r['dtype']:<16}{r['forward_path']:<26}{r['scored_tokens']:>8}{r['ppl']:>9.4f}"
               f"{r['ppl_vs_fp32']:>+9.2%}{r['top1_agreement']:>8.2%}"
               f"{format(r['hf_top1_agreement'], '.2%') if r['hf_top1_agreement'] is not None else '-':>9}"
               f"{g['identical']:>11}/{g['of']:<3}"

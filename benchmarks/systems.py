@@ -94,7 +94,7 @@ def run_acb(w: Workload, config_kwargs: dict | None = None, dtype: str | None = 
     else:
         model, tok = load_smollm2()
     name = f"acb_{config.quantization + '_' if config.quantization else ''}{SHORT[dtype]}" + \
-        ("" if requested else "_default")
+        ("_kv8" if config.kv_cache_dtype == "int8" else "") + ("" if requested else "_default")
 
     async def main() -> dict:
         engine = acb.Engine(model, tokenizer=tok, config=config)
@@ -136,6 +136,7 @@ def run_acb(w: Workload, config_kwargs: dict | None = None, dtype: str | None = 
                 "prefix_hit_rate": s.prefix_hit_rate, "preemptions": s.preemptions,
                 "max_batch_tokens": s.max_batch_tokens, "total_blocks": s.total_blocks,
                 "dtype": s.dtype, "forward_path": s.forward_path, "quantization": s.quantization,
+                "kv_cache_dtype": config.kv_cache_dtype or s.dtype,
                 "weight_mib": weight_bytes(engine.model) / 2**20,
             })
 

@@ -501,6 +501,7 @@ _EFFECTS = {
     "grammar_cache_size": ({"grammar_cache_size": 0}, lambda e: _grammar_compiles(e, 2) == 2),
     # int8 weights (AVX-512 VNNI CPUs; refused by name elsewhere): tests/test_quantization.py
     "quantization": ({"quantization": "int8"}, "tests/test_quantization.py"),
+    "kv_cache_dtype": ({"kv_cache_dtype": "int8"}, lambda e: runner_of(e).kv.k_cache[0].dtype == torch.int8),
     # adapters loaded at once and their rank bound: refused past them by name
     "max_adapters": ({"max_adapters": 1}, "tests/test_adapters.py"),
     "max_adapter_rank": ({"max_adapter_rank": 4}, "tests/test_adapters.py"),

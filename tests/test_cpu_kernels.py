@@ -81,8 +81,11 @@ def test_native_decode_kernel_refuses_what_it_cannot_read():
         pytest.skip("the native CPU kernel did not build here")
     kc = torch.zeros(1, 32, 64, dtype=torch.float64)
     q, pages, lengths = torch.zeros(1, 1, 64), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
-    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+    with pytest.raises(RuntimeError, match="float32, bfloat16, float16 or int8"):
         kernel.paged_decode(q, kc, kc, pages, lengths, torch.empty_like(q), 16, 0.125, 0.0, 0)
+    k8 = torch.zeros(1, 32, 64, dtype=torch.int8)  # int8 rows carry 4 bytes of scale: 68 wide
+    with pytest.raises(RuntimeError, match="cache rows of 64 elements for a head dim of 64"):
+        kernel.paged_decode(q, k8, k8, pages, lengths, torch.empty_like(q), 16, 0.125, 0.0, 0)
     with pytest.raises(RuntimeError, match="q and out must be contiguous float32"):
         kernel.paged_decode(q.bfloat16(), kc.float(), kc.float(), pages, lengths, torch.empty_like(q), 16, 0.125,
                             0.0, 0)

@@ -10,7 +10,12 @@
 // model's dtype): each row is widened to float32 as it is read, and queries, scores,
 // the softmax and the accumulators are float32 whatever the pages hold, so a bf16 cache
 // reads half the bytes of a float32 one and loses nothing more than its storage did.
+//
+// int8 pages (EngineConfig.kv_cache_dtype="int8", acb/kv_quant.py): each cached row is
+// D int8 values followed by its float32 scale (D + 4 bytes; value = q * scale), written by
+// write_kv_int8 below; the kernels widen q * scale to float32 and compute as above.
 #include <torch/extension.h>
+#include <cstring>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <climits>
@@ -48,13 +53,32 @@ static inline __m512 load16(const at::BFloat16* p) {
 static inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+static inline __m512 load16(const int8_t* p) {  // int8 values, their row's scale applied by the caller
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+
+// A cached row: D values, then (int8 pages only) its float32 scale. STRIDE: elements per row.
+template <typename T> struct RowOf { static constexpr int64_t EXTRA = 0; };
+template <> struct RowOf<int8_t> { static constexpr int64_t EXTRA = 4; };
+template <typename T> static inline float row_scale(const T*, int64_t) { return 1.f; }
+static inline float row_scale(const int8_t* row, int64_t D) {
+  float s;
+  std::memcpy(&s, row + D, sizeof s);
+  return s;
+}
+
+#if defined(__AVX512F__)
 
 // Pages are scattered, so hardware prefetch stops at each one: fetch a key's (or value's)
 // row ahead of its use.
 template <int D, typename T, int HINT = _MM_HINT_T0>
 static inline void prefetch_row(const T* base, const int64_t* pages, int64_t page_size, int64_t pos) {
-  const char* row = reinterpret_cast<const char*>(base + (pages[pos / page_size] * page_size + pos % page_size) * D);
-  for (int c = 0; c < D * static_cast<int>(sizeof(T)); c += 64) _mm_prefetch(row + c, static_cast<_mm_hint>(HINT));
+  constexpr int64_t STRIDE = D + RowOf<T>::EXTRA;
+  constexpr int BYTES = static_cast<int>(STRIDE * sizeof(T));
+  const char* row = reinterpret_cast<const char*>(base + (pages[pos / page_size] * page_size + pos % page_size) * STRIDE);
+  for (int c = 0; c < BYTES; c += 64) _mm_prefetch(row + c, static_cast<_mm_hint>(HINT));
+  if (BYTES % 64 != 0) _mm_prefetch(row + BYTES - 1, static_cast<_mm_hint>(HINT));  // an unaligned row's last line
 }
 
 // The row at position first + i (of n) of one head's paged keys or values, fetching the
@@ -67,7 +91,55 @@ static inline const T* paged_row(const T* base, const int64_t* pages, int64_t pa
   const int64_t pos = first + i;
   if (i + AHEAD < n) prefetch_row<D, T>(base, pages, page_size, pos + AHEAD);
   if (i + FAR < n) prefetch_row<D, T, _MM_HINT_T1>(base, pages, page_size, pos + FAR);
-  return base + (pages[pos / page_size] * page_size + pos % page_size) * D;
+  return base + (pages[pos / page_size] * page_size + pos % page_size) * (D + RowOf<T>::EXTRA);
+}
+
+// 16 vectors -> one: lane j = the sum of v[j]'s lanes (a tree of 15 shuffle-adds, not 16
+// horizontal reductions). v is overwritten.
+static inline __m512 reduce16(__m512* v) {
+  __m512 s[8], t[4], u[2];
+  for (int i = 0; i < 8; ++i)  // lanes 0-7: v[2i]'s two halves added, 8-15: v[2i+1]'s
+    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int j = 0; j < 4; ++j)  // quarter k: v[4j + k]'s partial sums (4 lanes)
+    t[j] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], 0xDD));
+  for (int j = 0; j < 2; ++j)
+    u[j] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // lane 4k + l: the sum of v[4l + k]; put lane j at j
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, w);
+}
+
+// Scores of G query heads against keys [i0, i0 + nk) (nk <= 16): the keys are widened
+// once into kf (16 x D floats, L1), then each head's 16 dot products are reduced
+// together. scores[g * n + i] = q_g . k_i * scale (* the row's scale on int8 pages).
+template <int G, int DC, typename T>
+static inline void scores16(const __m512* q, const T* kbase, const int64_t* pages, int64_t page_size,
+                            int64_t first, int64_t i0, int nk, int64_t n, float scale, float* kf, float* scores) {
+  constexpr int D = DC * 16;
+  alignas(64) float ks[16];
+  for (int j = 0; j < nk; ++j) {
+    const T* kp = paged_row<D>(kbase, pages, page_size, first, i0 + j, n);
+    for (int c = 0; c < DC; ++c) _mm512_store_ps(kf + j * D + c * 16, load16(kp + c * 16));
+    ks[j] = row_scale(kp, D) * scale;
+  }
+  for (int j = nk; j < 16; ++j) {  // a short last block: zero keys, scores not stored
+    for (int c = 0; c < DC; ++c) _mm512_store_ps(kf + j * D + c * 16, _mm512_setzero_ps());
+    ks[j] = 0.f;
+  }
+  const __mmask16 keep = nk == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nk) - 1);
+  const __m512 kscale = _mm512_load_ps(ks);
+  for (int g = 0; g < G; ++g) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; ++j) acc[j] = _mm512_mul_ps(q[g * DC], _mm512_load_ps(kf + j * D));
+    for (int c = 1; c < DC; ++c)
+      for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(q[g * DC + c], _mm512_load_ps(kf + j * D + c * 16), acc[j]);
+    _mm512_mask_storeu_ps(scores + g * n + i0, keep, _mm512_mul_ps(reduce16(acc), kscale));
+  }
 }
 
 // One (row, kv head): G query heads of DC*16 dims over n keys starting at position
@@ -80,16 +152,10 @@ static void decode_item_avx512(const float* qrow, const T* kbase, const T* vbase
   __m512 q[G * DC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < DC; ++c) q[g * DC + c] = _mm512_loadu_ps(qrow + g * D + c * 16);
-  for (int64_t i = 0; i < n; ++i) {
-    const T* kp = paged_row<D>(kbase, pages, page_size, first, i, n);
-    __m512 k[DC];
-    for (int c = 0; c < DC; ++c) k[c] = load16(kp + c * 16);
-    for (int g = 0; g < G; ++g) {
-      __m512 acc = _mm512_mul_ps(q[g * DC], k[0]);
-      for (int c = 1; c < DC; ++c) acc = _mm512_fmadd_ps(q[g * DC + c], k[c], acc);
-      scores[g * n + i] = _mm512_reduce_add_ps(acc) * scale;
-    }
-  }
+  alignas(64) float kf[16 * D];
+  for (int64_t i0 = 0; i0 < n; i0 += 16)
+    scores16<G, DC, T>(q, kbase, pages, page_size, first, i0, static_cast<int>(std::min<int64_t>(16, n - i0)), n,
+                       scale, kf, scores);
   float denom[G];
   for (int g = 0; g < G; ++g) {
     float* sg = scores + g * n;
@@ -117,10 +183,11 @@ static void decode_item_avx512(const float* qrow, const T* kbase, const T* vbase
   for (int j = 0; j < G * DC; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
     const T* vp = paged_row<D>(vbase, pages, page_size, first, i, n);
+    const float vs = row_scale(vp, D);
     __m512 v[DC];
     for (int c = 0; c < DC; ++c) v[c] = load16(vp + c * 16);
     for (int g = 0; g < G; ++g) {
-      const __m512 w = _mm512_set1_ps(scores[g * n + i]);
+      const __m512 w = _mm512_set1_ps(scores[g * n + i] * vs);
       for (int c = 0; c < DC; ++c) acc[g * DC + c] = _mm512_fmadd_ps(w, v[c], acc[g * DC + c]);
     }
   }
@@ -166,7 +233,7 @@ static void paged_decode_t(const torch::Tensor& q, const torch::Tensor& k_cache,
                            int64_t page_size, double scale, double softcap, int64_t window) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = k_cache.size(0), S = k_cache.size(1), P = pages.size(1);
-  const int64_t G = H / KVH;
+  const int64_t G = H / KVH, STRIDE = D + RowOf<T>::EXTRA;
   const float* qp = q.data_ptr<float>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
@@ -186,7 +253,7 @@ static void paged_decode_t(const torch::Tensor& q, const torch::Tensor& k_cache,
         const int64_t first = window > 0 ? std::max<int64_t>(0, L - window) : 0;
         const int64_t n = L - first;
         scores.resize(G * n);
-        fast(qp + (b * H + kh * G) * D, kp + kh * S * D, vp + kh * S * D, pg + b * P, page_size, first, n, fscale,
+        fast(qp + (b * H + kh * G) * D, kp + kh * S * STRIDE, vp + kh * S * STRIDE, pg + b * P, page_size, first, n, fscale,
              scores.data(), op + (b * H + kh * G) * D);
       }
     });
@@ -204,18 +271,19 @@ static void paged_decode_t(const torch::Tensor& q, const torch::Tensor& k_cache,
       const int64_t n = L - first;
       scores.assign(G * n, 0.f);
       const float* qrow = qp + (b * H + kh * G) * D;
-      const T* kbase = kp + kh * S * D;
-      const T* vbase = vp + kh * S * D;
+      const T* kbase = kp + kh * S * STRIDE;
+      const T* vbase = vp + kh * S * STRIDE;
       for (int64_t i = 0; i < n; ++i) {
         const int64_t pos = first + i;
         const int64_t slot = pg[b * P + pos / page_size] * page_size + pos % page_size;
-        const T* k = kbase + slot * D;
+        const T* k = kbase + slot * STRIDE;
+        const float ks = row_scale(k, D);
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qrow + g * D;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t d = 0; d < D; ++d) dot += qg[d] * static_cast<float>(k[d]);
-          float s = dot * fscale;
+          float s = dot * ks * fscale;
           if (fcap > 0.f) s = tanhf(s / fcap) * fcap;
           scores[g * n + i] = s;
         }
@@ -236,9 +304,10 @@ static void paged_decode_t(const torch::Tensor& q, const torch::Tensor& k_cache,
       for (int64_t i = 0; i < n; ++i) {
         const int64_t pos = first + i;
         const int64_t slot = pg[b * P + pos / page_size] * page_size + pos % page_size;
-        const T* v = vbase + slot * D;
+        const T* v = vbase + slot * STRIDE;
+        const float vs = row_scale(v, D);
         for (int64_t g = 0; g < G; ++g) {
-          const float w = scores[g * n + i];
+          const float w = scores[g * n + i] * vs;
           float* a = acc.data() + g * D;
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) a[d] += w * static_cast<float>(v[d]);
@@ -255,7 +324,7 @@ static void paged_decode_t(const torch::Tensor& q, const torch::Tensor& k_cache,
 
 
 void paged_decode(const torch::Tensor& q,        // [B, H, D] float32, contiguous
-                  const torch::Tensor& k_cache,  // [KVH, S, D] float32, bfloat16 or float16
+                  const torch::Tensor& k_cache,  // [KVH, S, D] float32, bfloat16, float16; int8: [KVH, S, D + 4]
                   const torch::Tensor& v_cache,  // [KVH, S, D] as k_cache
                   const torch::Tensor& pages,    // [B, P] int64
                   const torch::Tensor& lengths,  // [B] int64: context length, query at length - 1
@@ -267,14 +336,19 @@ void paged_decode(const torch::Tensor& q,        // [B, H, D] float32, contiguou
               "paged_decode: k_cache and v_cache must be contiguous and of one dtype");
   TORCH_CHECK(pages.scalar_type() == torch::kInt64 && lengths.scalar_type() == torch::kInt64 && pages.is_contiguous(),
               "paged_decode: pages and lengths must be int64");
+  const int64_t extra = k_cache.scalar_type() == torch::kInt8 ? RowOf<int8_t>::EXTRA : 0;
+  TORCH_CHECK(k_cache.size(2) == q.size(2) + extra && v_cache.sizes() == k_cache.sizes(),
+              "paged_decode: cache rows of ", k_cache.size(2), " elements for a head dim of ", q.size(2));
   switch (k_cache.scalar_type()) {
+    case torch::kInt8: return paged_decode_t<int8_t>(q, k_cache, v_cache, pages, lengths, out, page_size, scale,
+                                                     softcap, window);
     case torch::kFloat32: return paged_decode_t<float>(q, k_cache, v_cache, pages, lengths, out, page_size, scale,
                                                        softcap, window);
     case torch::kBFloat16: return paged_decode_t<at::BFloat16>(q, k_cache, v_cache, pages, lengths, out, page_size,
                                                                scale, softcap, window);
     case torch::kHalf: return paged_decode_t<at::Half>(q, k_cache, v_cache, pages, lengths, out, page_size, scale,
                                                        softcap, window);
-    default: TORCH_CHECK(false, "paged_decode: pages must be float32, bfloat16 or float16, not ",
+    default: TORCH_CHECK(false, "paged_decode: pages must be float32, bfloat16, float16 or int8, not ",
                          k_cache.scalar_type());
   }
 }
@@ -543,9 +617,44 @@ bool prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const tor
 #endif
 }
 
+// Writes the step's new keys (or values) into int8 pages: src [KVH, T, D] float32 (any
+// strides, the last dim contiguous), cache [KVH, S, D + 4] int8, slots [T] int64. Each
+// (kv head, token) row gets scale = max|x| * (1/127) and q = round(x * 127 / max|x|) (ties to
+// even; an all-zero row: scale 0, q 0), the scale stored as the row's last 4 bytes.
+void write_kv_int8(const torch::Tensor& src, torch::Tensor& cache, const torch::Tensor& slots) {
+  TORCH_CHECK(src.scalar_type() == torch::kFloat32 && src.dim() == 3 && src.stride(2) == 1,
+              "write_kv_int8: src must be float32 [KVH, T, D] with a contiguous last dim");
+  TORCH_CHECK(cache.scalar_type() == torch::kInt8 && cache.is_contiguous() && cache.size(0) == src.size(0) &&
+                  cache.size(2) == src.size(2) + RowOf<int8_t>::EXTRA,
+              "write_kv_int8: cache must be contiguous int8 [KVH, S, D + 4]");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.numel() == src.size(1),
+              "write_kv_int8: slots must be int64 [T]");
+  const int64_t KVH = src.size(0), T = src.size(1), D = src.size(2), S = cache.size(1), W = cache.size(2);
+  const float* x = src.data_ptr<float>();
+  int8_t* c = cache.data_ptr<int8_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t sh = src.stride(0), st = src.stride(1);
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "write_kv_int8: slot ", sl[t], " out of range");
+  at::parallel_for(0, KVH * T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / T, t = item % T;
+      const float* row = x + h * sh + t * st;
+      float amax = 0.f;
+      for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(row[d]));
+      const float scale = amax * (1.f / 127.f), inv = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t* dst = c + (h * S + sl[t]) * W;
+      for (int64_t d = 0; d < D; ++d)
+        dst[d] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(row[d] * inv))));
+      std::memcpy(dst + D, &scale, sizeof scale);
+    }
+  });
+}
+
 // The GIL is released while a kernel runs: the event loop's thread keeps serving.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", py::call_guard<py::gil_scoped_release>());
+  m.def("write_kv_int8", &write_kv_int8, "quantize new keys/values into int8 pages (CPU)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention", &prefill_attention, "causal prefill attention of prompt chunks (CPU)",
         py::call_guard<py::gil_scoped_release>());
 }

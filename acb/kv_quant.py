@@ -1,0 +1,72 @@
+"""int8 KV pages: ``EngineConfig.kv_cache_dtype="int8"`` (named like vLLM's ``kv_cache_dtype``).
+
+Each cached key (or value) row of one token and one kv head is stored as its ``head_dim``
+int8 values followed by its float32 scale, ``head_dim + 4`` bytes: value = q * scale,
+scale = max|x| / 127, q = round(x / scale) (ties to even; a row of zeros: scale 0). The
+cache tensors keep their usual ``[kv heads, slots, row]`` layout with a row of
+``head_dim + 4`` int8, so every page move (zeroing, copy-on-write, the CPU offload pool's
+copies) carries a page's scales with its values, by construction. Per token, a bf16
+cache takes ``2 * head_dim`` bytes per kv head and an int8 one ``head_dim + 4``: 1.88x
+the pages for the same memory at head_dim 64, 1.94x at 128.
+
+The new tokens' keys and values are quantized as they are written (the native kernel
+``write_kv_int8``); the native decode kernel reads int8 rows and widens ``q * scale`` to
+float32 (scores, softmax and accumulators stay float32); a continued prompt chunk
+(chunked prefill, prefix hit) attends to its context dequantized. A fresh prompt's own
+tokens attend to each other's exact keys and values in that step (its new k/v, before
+they are stored), as the float caches do; every later step reads them quantized.
+
+Only acb's native CPU attention reads int8 pages: on CUDA (Triton), with the PyTorch
+backend, or with the native kernels off, the engine refuses ``kv_cache_dtype="int8"``
+naming it (:func:`check`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+KV_CACHE_DTYPES = (None, "auto", "int8")
+SCALE_BYTES = 4  # the float32 scale after each int8 row
+
+
+def cache_dtype(kv_cache_dtype: str | None, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV tensors' dtype: int8, or the model's (None / "auto")."""
+    return torch.int8 if kv_cache_dtype == "int8" else model_dtype
+
+
+def row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements of one cached row (one token, one kv head) in a cache of ``dtype``."""
+    return head_dim + SCALE_BYTES if dtype == torch.int8 else head_dim
+
+
+def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V one token takes over every layer in a cache of ``dtype``, scales included."""
+    return 2 * layers * kv_heads * row_width(head_dim, dtype) * dtype.itemsize
+
+
+def check(kv_cache_dtype: str | None, backend: str) -> None:
+    """Refuse (ValueError naming ``kv_cache_dtype``) int8 pages where the attention
+    backend ``backend`` (``acb.attention.resolve_backend``'s answer) cannot read them."""
+    if kv_cache_dtype == "int8" and backend != "native":
+        raise ValueError(
+            f"EngineConfig.kv_cache_dtype='int8' cannot run here: int8 KV pages are read by acb's native CPU "
+            f"attention kernels only, and this engine's attention backend is {backend!r} (CUDA, "
+            f"attn_backend='torch', or cpu_kernels=False / ACB_CPU_KERNEL=0 / no compiler); use "
+            f"kv_cache_dtype=None")
+
+
+def quantize(x: torch.Tensor) -> torch.Tensor:
+    """Rows ``x [..., D]`` (float) -> int8 rows ``[..., D + 4]`` as the kernel writes them
+    (the reference for tests; the engine uses the native ``write_kv_int8``)."""
+    x = x.float()
+    amax = x.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(x * inv).clamp_(-127, 127).to(torch.int8)
+    scale = (amax * (1.0 / 127.0)).contiguous().view(torch.int8)  # [..., 4]
+    return torch.cat([q, scale], dim=-1)
+
+
+def dequantize(rows: torch.Tensor) -> torch.Tensor:
+    """int8 rows ``[..., D + 4]`` -> float32 ``[..., D]`` (q * scale)."""
+    d = rows.shape[-1] - SCALE_BYTES
+    return rows[..., :d].float() * rows[..., d:].contiguous().view(torch.float32)
