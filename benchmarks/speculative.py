@@ -8,7 +8,8 @@ Methods: ``none``, ``ngram``, ``draft-self`` (SmolLM2 drafting for itself: every
 proposal is its own argmax, so it measures what acceptance the machinery delivers, at the
 cost of a draft as big as the model) and ``draft-tiny`` (a random 2-layer model with
 SmolLM2's vocabulary: what a small draft's mirror forward and chain cost; its proposals
-are nearly all rejected). ``:always`` pins the controller to propose all it may
+are nearly all rejected), ``draft-layersN`` (SmolLM2's first N layers with its norm and head:
+a layer-skip draft, small and often right). ``:always`` pins the controller to propose all it may
 (``acb.testing.speculate_always``), else the engine's cost model decides. SmolLM2-135M is
 the smallest of its family here, so no real small sibling is measured.
 
@@ -96,6 +97,24 @@ def tiny_draft(model):
     return AutoModelForCausalLM.from_config(cfg, dtype=next(model.parameters()).dtype).eval()
 
 
+def truncated_draft(model, layers: int):
+    """``model``'s first ``layers`` decoder layers, its final norm and head (a layer-skip draft:
+    small, the same vocabulary, and often the model's own next token)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    cfg = copy.deepcopy(model.config)
+    cfg.num_hidden_layers = layers
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:layers]
+    draft = AutoModelForCausalLM.from_config(cfg, dtype=next(model.parameters()).dtype)
+    keep = {k: v for k, v in model.state_dict().items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    draft.load_state_dict(keep)
+    return draft.eval()
+
+
 def engine_config(model, mode: str, args):
     """(EngineConfig, pinned) of a method name (module docstring)."""
     import acb
@@ -108,6 +127,8 @@ def engine_config(model, mode: str, args):
         fields.update(speculative_method="draft", draft_model=model)
     elif method == "draft-tiny":
         fields.update(speculative_method="draft", draft_model=tiny_draft(model))
+    elif method.startswith("draft-layers"):
+        fields.update(speculative_method="draft", draft_model=truncated_draft(model, int(method[12:])))
     elif method != "none":
         raise SystemExit(f"unknown method {mode!r}")
     return acb.EngineConfig(**fields), always == "always"
@@ -187,7 +208,7 @@ if __name__ == "__main__":
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 4, 16],
                    help="grounded streams ('' for none)")
     p.add_argument("--methods", type=lambda s: [x for x in s.split(",") if x], default=["none", "ngram"],
-                   help="none, ngram, draft-self, draft-tiny, each optionally with :always (first must be none)")
+                   help="none, ngram, draft-self, draft-tiny, draft-layersN, each optionally :always (first: none)")
     p.add_argument("--repeat", type=int, default=1, help="alternate the methods this many times")
     p.add_argument("--per-stream", type=int, default=2, help="grounded requests per stream")
     p.add_argument("--min-requests", type=int, default=4)
