@@ -11,11 +11,12 @@ EOS ignored, all submitted at once, a cold prefix cache):
 - ``base``: no request names an adapter;
 - ``one``: every request runs the same adapter;
 - ``eight``: request i runs adapter i % 8;
-- ``eight_all_threads``: the same with the LoRA GEMMs on every thread (acb runs them on one
-  below 256 adapter rows a step, ``StepLora.SINGLE_THREAD_ROWS``);
-- ``base`` again at the end (the machine's drift between the first and the last run);
 - with ``--rounds N``, base / one / eight N times over, interleaved; the costs are against
-  the mean of every base run, from the means of every run of each kind.
+  the mean of every base run, from the means of every run of each kind;
+- ``one_pytorch`` and ``eight_pytorch`` (once): the same without the native LoRA kernels
+  (``acb/kernels/lora_cpu.cpp``), the deltas with PyTorch ops as in bfloat16 (what float32
+  ran before the kernels);
+- ``base`` again at the end (the machine's drift between the first and the last run).
 
 Then ``load``: the base workload again while, after a quarter of its tokens, an adapter
 is loaded from a PEFT folder on disk: the load's wall time, and the inter-token latency
@@ -133,7 +134,7 @@ async def load_while_serving(engine, w, folder: str) -> dict:
 
 async def main_async(args) -> dict:
     import acb
-    from acb.lora import StepLora
+    from acb.testing import runner_of
 
     w = workloads.build("standard", args.workload_file, args.limit, 2.0)
     model, tok = load_smollm2()
@@ -149,11 +150,13 @@ async def main_async(args) -> dict:
         await engine.generate_batch(w.prompts, max_new_tokens=2, ignore_eos=True)  # warm-up, every length class
         await engine.generate_batch(w.prompts[:8], max_new_tokens=2, ignore_eos=True, adapter="a0")
         eight = [f"a{i}" for i in range(8)]
-        plan = [("base", [None], 256), ("one", ["a0"], 256), ("eight", eight, 256), ("eight_all_threads", eight, 0)]
-        plan += [(f"{label}_{r}", names, single) for r in range(2, args.rounds + 1)
-                 for label, names, single in plan if label != "eight_all_threads"]
-        for label, names, single_rows in plan + [("base_again", [None], 256)]:
-            StepLora.SINGLE_THREAD_ROWS = single_rows  # 0: the LoRA GEMMs on every thread, whatever the rows
+        bank = runner_of(engine).lora
+        kernels = bank.kernels
+        plan = [(f"{label}_{r}" if r > 1 else label, names, kernels) for r in range(1, args.rounds + 1)
+                for label, names in (("base", [None]), ("one", ["a0"]), ("eight", eight))]
+        plan += [("one_pytorch", ["a0"], None), ("eight_pytorch", eight, None), ("base_again", [None], kernels)]
+        for label, names, native in plan:
+            bank.kernels = native  # None: the fused forward adds the deltas with PyTorch ops
             res = await run(engine, w, names)
             res.pop("_stamps")
             res.pop("_itl")
@@ -184,15 +187,16 @@ async def main_async(args) -> dict:
         return sum(rates) / len(rates)
 
     base = mean("base")
-    out["tok_per_s_mean"] = {kind: mean(kind) for kind in ("base", "one", "eight", "eight_all_threads", "one_qv")}
-    out["cost_one_qv"] = 1 - mean("one_qv") / base
-    out["cost_one"] = 1 - mean("one") / base
-    out["cost_eight"] = 1 - mean("eight") / base
-    out["cost_eight_all_threads"] = 1 - mean("eight_all_threads") / base
+    kinds = ("base", "one", "eight", "one_pytorch", "eight_pytorch", "one_qv")
+    out["tok_per_s_mean"] = {kind: mean(kind) for kind in kinds}
+    out["native_lora_kernels"] = kernels is not None
+    for kind in kinds[1:]:
+        out[f"cost_{kind}"] = 1 - mean(kind) / base
     out["load_end"] = os.getloadavg()
     lo = out["load"]
     print(f"cost: one adapter {100 * out['cost_one']:.1f} %, eight {100 * out['cost_eight']:.1f} % "
-          f"(all threads {100 * out['cost_eight_all_threads']:.1f} %), one on q/v only "
+          f"(PyTorch ops: {100 * out['cost_one_pytorch']:.1f} %, {100 * out['cost_eight_pytorch']:.1f} %), "
+          f"one on q/v only "
           f"{100 * out['cost_one_qv']:.1f} % (against the "
           f"mean of both base runs); load while serving {lo['load_s']:.2f} s, ITL during it p50 "
           f"{1e3 * (lo['itl_during_load_p50_s'] or 0):.0f} ms max {1e3 * (lo['itl_during_load_max_s'] or 0):.0f} ms, "

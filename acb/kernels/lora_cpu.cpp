@@ -265,34 +265,37 @@ void add_(const std::vector<torch::Tensor>& ys, const torch::Tensor& x, const to
 #if defined(__AVX512F__)
   auto t = shrink(x, at, op, tiles);
   const float* tp = t.data_ptr<float>();
-  for (size_t p = 0; p < ys.size(); ++p) {
-    const int64_t N = ys[p].size(1), ys_ = ys[p].stride(0), blocks = (N + 63) / 64;
-    float* yp = ys[p].data_ptr<float>();
-    const float* bp = bts[p].data_ptr<float>();
-    const float* sp = scales[p].data_ptr<float>();
-    const int64_t off = static_cast<int64_t>(p) * R;
-    at::parallel_for(0, static_cast<int64_t>(tiles.size()) * blocks, 4, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        const Tile& tile = tiles[i / blocks];
-        const float s = sp[tile.slot];
-        if (s == 0.f) continue;
-        float* yr[MR];
-        float ts[MR][64];
-        for (int64_t m = 0; m < tile.len; ++m) {
-          yr[m] = yp + op[tile.start + m] * ys_;
-          for (int64_t r = 0; r < R; ++r) ts[m][r] = tp[(tile.start + m) * C + off + r] * s;
-        }
-        const float* bt = bp + tile.slot * R * N;
-        const int64_t n0 = (i % blocks) * 64;
-        switch (tile.len) {
-          case 1: expand_tile<1>(yr, ts, bt, R, N, n0); break;
-          case 2: expand_tile<2>(yr, ts, bt, R, N, n0); break;
-          case 3: expand_tile<3>(yr, ts, bt, R, N, n0); break;
-          default: expand_tile<4>(yr, ts, bt, R, N, n0); break;
-        }
+  // one parallel region over (tile, projection, 64-column block): a tile's units side by side
+  const int64_t np = static_cast<int64_t>(ys.size());
+  std::vector<int64_t> first(np + 1, 0);  // each projection's first block among a tile's
+  for (int64_t p = 0; p < np; ++p) first[p + 1] = first[p] + (ys[p].size(1) + 63) / 64;
+  const int64_t blocks = first[np];
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()) * blocks, 4, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const Tile& tile = tiles[i / blocks];
+      const int64_t j = i % blocks;
+      int64_t p = 0;
+      while (first[p + 1] <= j) ++p;
+      const float s = scales[p].data_ptr<float>()[tile.slot];
+      if (s == 0.f) continue;
+      const int64_t N = ys[p].size(1), ys_ = ys[p].stride(0), off = p * R;
+      float* yp = ys[p].data_ptr<float>();
+      float* yr[MR];
+      float ts[MR][64];
+      for (int64_t m = 0; m < tile.len; ++m) {
+        yr[m] = yp + op[tile.start + m] * ys_;
+        for (int64_t r = 0; r < R; ++r) ts[m][r] = tp[(tile.start + m) * C + off + r] * s;
       }
-    });
-  }
+      const float* bt = bts[p].data_ptr<float>() + tile.slot * R * N;
+      const int64_t n0 = (j - first[p]) * 64;
+      switch (tile.len) {
+        case 1: expand_tile<1>(yr, ts, bt, R, N, n0); break;
+        case 2: expand_tile<2>(yr, ts, bt, R, N, n0); break;
+        case 3: expand_tile<3>(yr, ts, bt, R, N, n0); break;
+        default: expand_tile<4>(yr, ts, bt, R, N, n0); break;
+      }
+    }
+  });
 #endif
 }
 
