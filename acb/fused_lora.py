@@ -5,7 +5,7 @@ Float32 (the bank holds the native kernels, ``acb/kernels/lora_cpu.cpp``): one k
 projection group (q/k/v, o, gate/up, down) adds every adapter's deltas on its rows, the
 shrink one GEMM over the group's concatenated A; o's and down's deltas land on their fused
 residual sums; when a delta lands in gate/up, their GEMMs run without the fused epilogue and
-the activation and the product run in one native pass (``glu``) after the deltas. Other
+the activation and the product run in one native pass with the deltas (``glu_add``). Other
 dtypes: the same with PyTorch ops (``StepLora.add``). An MLP that no adapter of the step
 targets keeps its fused epilogues either way (PEFT's default targets q/v only).
 """
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 # the gate activations as functions, for the PyTorch path's unfused MLP
 _ACTIVATION_FNS = {"swish": torch.nn.functional.silu,
                    "gelu": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}
-_ACT_CODES = {"swish": 0, "gelu": 1}  # the native glu's
+_ACT_CODES = {"swish": 0, "gelu": 1}  # glu_add's act
 
 
 class LoraLayers:

@@ -1,7 +1,8 @@
 """acb/kernels/lora_cpu.cpp against PyTorch: each adapter row of a step gets exactly its own
 adapter's delta on every projection of a group (the shrink over the group's concatenated A,
 the expand per projection), rows of no adapter and slots whose scale is 0 are left alone,
-whatever the mix and order of slots; ``glu`` is the MLP's SiLU / GELU-tanh times up."""
+whatever the mix and order of slots; ``glu_add`` is the MLP's SiLU / GELU-tanh times up with
+the gate's and up's deltas added first."""
 
 from __future__ import annotations
 
@@ -68,12 +69,15 @@ def test_add_on_strided_rows_and_one_projection():
     assert torch.equal(wide[:, :2], torch.zeros(6, 2)) and torch.equal(wide[:, 34:], torch.zeros(6, 16))
 
 
-def test_glu_matches_pytorch():
+def test_glu_add_of_no_adapter_rows_is_the_plain_mlp():
     gen = torch.Generator().manual_seed(4)
     g, u = torch.randn(9, 70, generator=gen) * 4, torch.randn(9, 70, generator=gen)
-    torch.testing.assert_close(kernels.glu(g, u, 0), torch.nn.functional.silu(g) * u, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(kernels.glu(g, u, 1), torch.nn.functional.gelu(g, approximate="tanh") * u,
-                               rtol=1e-5, atol=1e-6)
+    x, at, bt = torch.randn(9, 16), torch.randn(2, 16, 8), torch.randn(2, 4, 70)
+    none = (torch.zeros(0, dtype=torch.long), torch.zeros(0, 3, dtype=torch.long))
+    torch.testing.assert_close(kernels.glu_add(g, u, x, at, [bt, bt], [torch.ones(2)] * 2, *none, 0),
+                               torch.nn.functional.silu(g) * u, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kernels.glu_add(g, u, x, at, [bt, bt], [torch.ones(2)] * 2, *none, 1),
+                               torch.nn.functional.gelu(g, approximate="tanh") * u, rtol=1e-5, atol=1e-6)
 
 
 def test_bad_arguments_are_refused():

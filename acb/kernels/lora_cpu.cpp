@@ -10,8 +10,8 @@
 // ``order`` (the base model's, the padding) are not touched. A slot whose scale for a projection is
 // 0 (its adapter does not target it) adds nothing there.
 //
-// glu: m = act(g) * u over rows (SiLU or GELU-tanh), for the MLP whose gate/up took a delta (the
-// GEMM's fused epilogue cannot take it before the activation).
+// glu_add: m = act(g + gate delta) * (u + up delta) over rows (SiLU or GELU-tanh) in one pass, for
+// the MLP whose gate/up take a delta (the GEMM's fused epilogue cannot take it before the activation).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -22,6 +22,18 @@
 namespace {
 
 constexpr int64_t MR = 4;  // rows of one slot per tile
+// Below this many rows a call runs on the calling thread: a decode step's deltas are a few
+// microseconds of work, less than waking the OpenMP pool (measured: docs/performance.md)
+constexpr int64_t kParallelRows = 256;
+
+// fn(0, units) on this thread when ``rows`` is small, else at::parallel_for over the units
+template <typename F>
+void run_units(int64_t rows, int64_t units, int64_t grain, const F& fn) {
+  if (rows < kParallelRows)
+    fn(0, units);
+  else
+    at::parallel_for(0, units, grain, fn);
+}
 
 struct Tile {
   int64_t slot, start, len;
@@ -197,7 +209,7 @@ torch::Tensor shrink(const torch::Tensor& x, const torch::Tensor& at, const int6
   const float* xp = x.data_ptr<float>();
   const float* ap = at.data_ptr<float>();
   const int64_t xs = x.stride(0);
-  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t b, int64_t e) {
+  run_units(n, static_cast<int64_t>(tiles.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const Tile& tile = tiles[i];
       const float* xr[MR];
@@ -270,7 +282,7 @@ void add_(const std::vector<torch::Tensor>& ys, const torch::Tensor& x, const to
   std::vector<int64_t> first(np + 1, 0);  // each projection's first block among a tile's
   for (int64_t p = 0; p < np; ++p) first[p + 1] = first[p] + (ys[p].size(1) + 63) / 64;
   const int64_t blocks = first[np];
-  at::parallel_for(0, static_cast<int64_t>(tiles.size()) * blocks, 4, [&](int64_t b, int64_t e) {
+  run_units(order.size(0), static_cast<int64_t>(tiles.size()) * blocks, 4, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const Tile& tile = tiles[i / blocks];
       const int64_t j = i % blocks;
@@ -331,7 +343,7 @@ torch::Tensor glu_add(const torch::Tensor& g, const torch::Tensor& u, const torc
   float* o = out.data_ptr<float>();
   const int64_t gs = g.stride(0), us = u.stride(0), blocks = (N + 31) / 32;
   const int64_t nt = static_cast<int64_t>(tiles.size()), units = (nt + static_cast<int64_t>(rest.size())) * blocks;
-  at::parallel_for(0, units, 8, [&](int64_t b, int64_t e) {
+  run_units(M, units, 8, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const int64_t k = i / blocks, n0 = (i % blocks) * 32;
       const bool lora = k < nt;
@@ -367,38 +379,10 @@ torch::Tensor glu_add(const torch::Tensor& g, const torch::Tensor& u, const torc
   return out;
 }
 
-// act(g) * u over rows; act 0: SiLU, 1: GELU-tanh
-torch::Tensor glu(const torch::Tensor& g, const torch::Tensor& u, int64_t act) {
-  TORCH_CHECK(available(), "acb's LoRA kernels were built without AVX-512");
-  check_f32_rows(g, "g");
-  check_f32_rows(u, "u");
-  TORCH_CHECK(g.sizes() == u.sizes(), "g and u must have the same shape");
-  TORCH_CHECK(act == 0 || act == 1, "act must be 0 (SiLU) or 1 (GELU-tanh)");
-  const int64_t M = g.size(0), N = g.size(1);
-  auto out = torch::empty({M, N}, g.options());
-#if defined(__AVX512F__)
-  const float* gp = g.data_ptr<float>();
-  const float* up = u.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  const int64_t gs = g.stride(0), us = u.stride(0);
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1)), [&](int64_t b, int64_t e) {
-    for (int64_t m = b; m < e; ++m)
-      for (int64_t n = 0; n < N; n += 16) {
-        const __mmask16 k = tail(N - n);
-        const __m512 gv = _mm512_maskz_loadu_ps(k, gp + m * gs + n);
-        const __m512 uv = _mm512_maskz_loadu_ps(k, up + m * us + n);
-        _mm512_mask_storeu_ps(o + m * N + n, k, _mm512_mul_ps(act512(gv, act), uv));
-      }
-  });
-#endif
-  return out;
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether the kernels were built with AVX-512");
   m.def("add_", &add_, "LoRA deltas of the projections sharing x, per row group, in place",
         py::call_guard<py::gil_scoped_release>());
   m.def("glu_add", &glu_add, "act(g + gate delta) * (u + up delta), per row group",
         py::call_guard<py::gil_scoped_release>());
-  m.def("glu", &glu, "act(g) * u (SiLU or GELU-tanh)", py::call_guard<py::gil_scoped_release>());
 }
