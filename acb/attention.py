@@ -201,25 +201,34 @@ def paged_attention(
     v_new = value[0]
     q_all = query[0]  # [H, T, d]
     # The native kernels compute in float32 whatever the model's dtype (bf16/fp16 pages are
-    # widened as they are read): a half-precision step hands them float32 queries and new
-    # keys/values and takes float32 outputs, rounded to the model's dtype once at the end.
-    widen = meta.kernel == "native" and query.dtype != torch.float32
+    # widened as they are read) and write float32 outputs, rounded to the model's dtype once at
+    # the end. A bf16 step's prompt rows go to the prefill kernel as they are (its avx512_bf16
+    # dot products, float32 softmax and sums); every other half-precision input is widened.
+    half = meta.kernel == "native" and query.dtype != torch.float32
+    widen = half and not (query.dtype == torch.bfloat16 and bf16_prefill())
     if widen:
         q_all, k_new, v_new = q_all.float(), k_new.float(), v_new.float()
     if k_cache.dtype == torch.int8:  # kv_cache_dtype="int8": quantized as written (acb.kv_quant)
         write = KERNELS["native"].write_kv_int8
-        write(k_new if k_new.stride(2) == 1 else k_new.contiguous(), k_cache, pool.slot_mapping)
-        write(v_new if v_new.stride(2) == 1 else v_new.contiguous(), v_cache, pool.slot_mapping)
+        for new, cache in ((k_new.float(), k_cache), (v_new.float(), v_cache)):
+            write(new if new.stride(2) == 1 else new.contiguous(), cache, pool.slot_mapping)
     else:
         k_cache.index_copy_(1, pool.slot_mapping, k_new.to(k_cache.dtype))
         v_cache.index_copy_(1, pool.slot_mapping, v_new.to(v_cache.dtype))
-    out = q_all.new_empty(total, num_heads, head_dim)
+    out = q_all.new_empty(total, num_heads, head_dim, dtype=torch.float32 if half else q_all.dtype)
     if meta.decode is not None:
         _decode_rows(meta, pool, q_all, k_cache, v_cache, key.shape[1], scaling, sliding_window, softcap, out)
     if meta.prefills:
-        _prefill_rows(meta, pool, q_all, k_new, v_new, k_cache, v_cache, widen, scaling, sliding_window, softcap,
+        _prefill_rows(meta, pool, q_all, k_new, v_new, k_cache, v_cache, half, scaling, sliding_window, softcap,
                       out)
-    return (out.to(query.dtype) if widen else out).unsqueeze(0), None
+    return (out.to(query.dtype) if half else out).unsqueeze(0), None
+
+
+def bf16_prefill() -> bool:
+    """Whether the native prefill kernel takes bfloat16 queries, keys and values (built with
+    avx512_bf16: ``paged_decode_cpu.cpp``); else a bf16 step widens them to float32 for it."""
+    kernel = KERNELS.get("native")
+    return kernel is not None and kernel.prefill_bf16()
 
 
 def _decode_rows(meta: StepAttention, pool: PagePool, q_all: torch.Tensor, k_cache: torch.Tensor,
@@ -228,31 +237,35 @@ def _decode_rows(meta: StepAttention, pool: PagePool, q_all: torch.Tensor, k_cac
     """The decode rows (native or PyTorch path): q_all [H, T, d] -> their tokens' rows of
     ``out`` [T, H, d]."""
     decode = meta.decode
+    contiguous32 = dict(dtype=torch.float32, memory_format=torch.contiguous_format)  # the decode kernel's queries
     if decode.kernel == "native" and not meta.prefills:
         # a decode-only step: every packed token is a decode row, in order; the
         # kernel reads the queries in place and writes straight into the output
-        _decode_native(pool, decode, meta.page_size, q_all.transpose(0, 1).contiguous(), k_cache, v_cache,
+        _decode_native(pool, decode, meta.page_size, q_all.transpose(0, 1).to(**contiguous32), k_cache, v_cache,
                        scaling, sliding_window, softcap, out)
         return
     idx = decode.token_idx
     if decode.kernel == "native":
-        o = _decode_native(pool, decode, meta.page_size, q_all.index_select(1, idx).transpose(0, 1).contiguous(),
+        o = _decode_native(pool, decode, meta.page_size, q_all.index_select(1, idx).transpose(0, 1).to(**contiguous32),
                            k_cache, v_cache, scaling, sliding_window, softcap)
     else:
-        o = _decode_torch(pool, decode, meta.page_size, q_all.index_select(1, idx), k_cache, v_cache, kv_heads,
+        o = _decode_torch(pool, decode, meta.page_size, q_all.index_select(1, idx).to(out.dtype), k_cache, v_cache,
+                          kv_heads,
                           scaling, sliding_window, softcap)
     out.index_copy_(0, idx, o.to(out.dtype))
 
 
 def _prefill_rows(meta: StepAttention, pool: PagePool, q_all: torch.Tensor, k_new: torch.Tensor,
-                  v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, widen: bool, scaling: float,
+                  v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, half: bool, scaling: float,
                   sliding_window: int | None, softcap: float | None, out: torch.Tensor) -> None:
     """The prefill rows (native or PyTorch path): q_all [H, T, d] and the new k/v
-    [kvh, T, d] -> their tokens' rows of ``out`` [T, H, d]."""
+    [kvh, T, d] -> their tokens' rows of ``out`` [T, H, d]. In a half-precision step the
+    native kernel gets float32 or bf16 inputs (all alike), PyTorch's attention float32."""
     kernel = KERNELS["native"] if meta.kernel == "native" else None
     cap = softcap or 0.0
     fresh_done = meta.fresh_spans is not None and kernel.prefill_attention(
         q_all, k_new, v_new, meta.fresh_spans, out, scaling, cap, sliding_window or 0)
+    q32 = None  # q_all in float32, made once if a context chunk's pages read as float32 (int8 pages)
     for span, context_pages in zip(meta.prefills, pool.context_pages, strict=True):
         qs, qe, past = span.q_start, span.q_end, span.past
         if past == 0 and fresh_done:
@@ -263,12 +276,17 @@ def _prefill_rows(meta: StepAttention, pool: PagePool, q_all: torch.Tensor, k_ne
         else:
             k = _gather_pages(k_cache, context_pages, meta.page_size)[:, 0, :length]
             v = _gather_pages(v_cache, context_pages, meta.page_size)[:, 0, :length]
-            if widen:
+            if half and k.dtype != q_all.dtype:  # fp16 pages widened, int8 pages dequantized
                 k, v = k.float(), v.float()
+                q32 = q_all.float() if q32 is None else q32
             if kernel is not None and kernel.prefill_attention(
-                    q_all, k, v, span.kernel_row, out, scaling, cap, sliding_window or 0):
+                    q_all if k.dtype == q_all.dtype else q32, k, v, span.kernel_row, out, scaling, cap,
+                    sliding_window or 0):
                 continue
-        out[qs:qe] = _prefill_torch(q_all[:, qs:qe], k, v, past, scaling, sliding_window, softcap).transpose(0, 1)
+        q = q_all[:, qs:qe]
+        if half:  # PyTorch's attention on float32 inputs, as the kernels compute
+            q, k, v = q.float(), k.float(), v.float()
+        out[qs:qe] = _prefill_torch(q, k, v, past, scaling, sliding_window, softcap).transpose(0, 1).to(out.dtype)
 
 
 def _prefill_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scaling: float,

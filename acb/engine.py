@@ -1,7 +1,6 @@
-"""The engine: the public API and the lifecycle (``acb.lifecycle``) over the parts ``acb.assembly``
-wires: the request table and its output side, the scheduler over the paged cache, the step loop
-(plans step N+1 while step N computes on a worker thread, never on the event loop). anyio waits:
-asyncio (uvloop too) and trio. docs/design.md draws the whole."""
+"""The engine: the public API and the lifecycle (``acb.lifecycle``) over the parts ``acb.assembly`` wires:
+the request table, the scheduler over the paged cache, the step loop (plans step N+1 while step N computes
+on a worker thread, never on the event loop); asyncio, uvloop and trio (anyio). docs/design.md draws it."""
 
 from __future__ import annotations
 
@@ -82,8 +81,7 @@ class Engine:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        """Start the engine loop on the running event loop, asyncio or trio (allocates the KV cache
-        the first time)."""
+        """Start the engine loop on the running event loop, asyncio or trio (allocates the KV cache at first)."""
         self._life.check_startable()
         if self._life.looping:
             return
@@ -144,8 +142,7 @@ class Engine:
 
     @property
     def worker_pids(self) -> list[int]:
-        """Process ids of the tensor-parallel ranks this engine started (empty with one rank, or
-        under torchrun, where the launcher owns them)."""
+        """Process ids of the tensor-parallel ranks this engine started (none with one rank or torchrun)."""
         return self._tp.worker_pids if self._tp else []
 
     # ------------------------------------------------------------------ requests
@@ -207,8 +204,8 @@ class Engine:
     async def generate_batch(self, prompts: list[Any], *, sampling: SamplingParams | None = None,
                              request_ids: list[str] | None = None, progress: bool = False,
                              **kwargs: Any) -> list[Completion]:
-        """Run several prompts; results in input order (queued in prompt order, so shared prefixes
-        run close together). ``progress=True``: a tqdm bar on stderr (requests done, tokens/s).
+        """Run several prompts; results in input order (queued in prompt order, so shared prefixes run
+        together). ``progress=True``: a tqdm bar on stderr (requests done, tokens/s).
 
         Example::
 
@@ -254,8 +251,7 @@ class Engine:
         return {name: self._adapters.loaded[name].lora_id for name in self._adapters.names()}
 
     def tokenize(self, prompt: Any) -> list[int]:
-        """The token ids ``prompt`` (text, token ids or chat messages) runs as; bad input raises
-        ``InvalidRequestError`` naming it."""
+        """The token ids ``prompt`` (text, ids or chat messages) runs as; ``InvalidRequestError`` if bad."""
         return tokenize(prompt, self.tokenizer, self.vocab_size)
 
     def cancel(self, request_id: str, index: int | None = None) -> bool:
@@ -266,8 +262,7 @@ class Engine:
 
     # ------------------------------------------------------------------ inspection
     def stats(self) -> EngineStats:
-        """A snapshot of the engine's load, cache and counters (``acb.EngineStats``): for example
-        ``engine.stats().running``, ``.waiting``, ``.free_blocks``, ``.prefix_hit_rate``."""
+        """A snapshot of the engine's load, cache and counters (``acb.EngineStats``)."""
         runner = self._steps.runner
         return self._steps.stats(
             page_size=self.page_size, max_batch_tokens=self.max_batch_tokens,

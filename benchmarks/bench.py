@@ -156,7 +156,7 @@ def table(results: list[dict], ceiling: dict | None) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workload", default="standard", choices=["standard", "prefix", "stream"])
+    p.add_argument("--workload", default="standard", choices=["standard", "prefix", "stream", "realtext"])
     p.add_argument("--workload-file", default=None, help="standard-workload.json (default: ../shared/bench)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--rate", type=float, default=2.0, help="arrivals per second for --workload stream")

@@ -73,6 +73,12 @@ def build(name: str, path: str | None = None, limit: int | None = None, rate: fl
         return prefix_heavy(path, limit)
     if name == "stream":
         return streaming(path, limit, rate)
+    if name == "realtext":
+        from transformers import AutoTokenizer
+
+        from acb.loading import _converted_gguf, smollm2
+
+        return real_text(AutoTokenizer.from_pretrained(str(_converted_gguf(*smollm2()))), limit=limit)
     raise ValueError(f"unknown workload {name!r}")
 
 
@@ -128,3 +134,19 @@ def input_grounded(tokenizer, n: int = 48, words: int = 160, max_new_tokens: int
     return Workload("grounded", prompts, max_new_tokens, seed=seed,
                     notes=f"{n} chat prompts: quote / summarise / edit / continue a ~{words}-word passage of the "
                           f"license texts in {LICENSES}; {max_new_tokens} new tokens, greedy, EOS ends a request")
+
+
+def real_text(tokenizer, n: int = 48, max_new_tokens: int = 96, seed: int = 0, limit: int | None = None) -> Workload:
+    """Plain-text prompts cut from real prose (windows of 60-480 words of the license texts
+    in /usr/share/common-licenses, each starting at a paragraph), continued for
+    ``max_new_tokens`` tokens: issue 28's second workload (its table: 48 prompts, ~15.8k
+    prompt tokens, 96 new tokens each). Longer prompts than the standard workload's, so
+    prefill and its attention weigh more. Seeded."""
+    rng = random.Random(seed)
+    pool = [p for words in (60, 120, 240, 480) for p in _passages(words, rng)]
+    rng.shuffle(pool)
+    prompts = [list(tokenizer.encode(text, add_special_tokens=False)) for text in pool[:n]]
+    prompts = prompts[:limit] if limit else prompts
+    return Workload("realtext", prompts, max_new_tokens, seed=seed,
+                    notes=f"{len(prompts)} plain-text prompts cut from the license texts in {LICENSES}; "
+                          f"{max_new_tokens} new tokens each")

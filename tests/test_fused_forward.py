@@ -257,6 +257,50 @@ def test_native_prefill_attention_matches_a_reference(heads, kv_heads, dim, wind
     torch.testing.assert_close(out[5:5 + n], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 1, 16), (8, 8, 128), (4, 2, 32), (4, 1, 256)])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (37, 0.0), (0, 20.0)])
+def test_native_prefill_attention_in_bf16_matches_a_reference(heads, kv_heads, dim, window, softcap):
+    """bf16 queries, keys and values (a bf16 model's prompt rows) through the avx512_bf16 dot
+    products: float32 scores and softmax, the weights rounded to bf16 for the second product,
+    so within bf16's rounding of those weights of the exact attention over the same inputs."""
+    kernel = paged_decode_kernel()
+    if kernel is None or not kernel.prefill_bf16():
+        pytest.skip("the native CPU kernel has no avx512_bf16 build here")
+    torch.manual_seed(heads + dim + window)
+    lengths = [1, 5, 31, 32, 33, 100, 203]
+    total = sum(lengths) + 3
+    bf = torch.bfloat16
+    q = torch.randn(total, heads, dim).to(bf).transpose(0, 1)
+    k = torch.randn(total, kv_heads, dim).to(bf).transpose(0, 1)
+    v = torch.randn(total, kv_heads, dim).to(bf).transpose(0, 1)
+    spans, t = [], 2
+    for n in lengths:
+        spans.append((t, t + n, t, 0))
+        t += n
+    out = torch.zeros(total, heads, dim)
+    assert kernel.prefill_attention(q, k, v, torch.tensor(spans), out, dim**-0.5, softcap, window)
+    errors = []
+    for first, end, _, _ in spans:
+        want = _attention_reference(q[:, first:end].float(), k[:, first:end].float(), v[:, first:end].float(), 0,
+                                    dim**-0.5, softcap, window)
+        torch.testing.assert_close(out[first:end], want, rtol=0, atol=3e-2)  # |v| <= ~4.5, weights to 2^-9
+        errors.append((out[first:end] - want).abs().mean().item())
+    assert max(errors) < 3e-3  # typical error: bf16 rounding of the weights, not a wrong row
+    assert not out[:2].any() and not out[-1].any()
+    past, n = 75, 40  # a continued chunk over a separate context, read from bf16 pages
+    ctx_k = torch.randn(past + n, kv_heads, dim).to(bf).transpose(0, 1)
+    ctx_v = torch.randn(past + n, kv_heads, dim).to(bf).transpose(0, 1)
+    out = torch.zeros(total, heads, dim)
+    assert kernel.prefill_attention(q, ctx_k, ctx_v, torch.tensor([[5, 5 + n, 0, past]]), out, dim**-0.5,
+                                    softcap, window)
+    want = _attention_reference(q[:, 5:5 + n].float(), ctx_k.float(), ctx_v.float(), past, dim**-0.5, softcap, window)
+    torch.testing.assert_close(out[5:5 + n], want, rtol=0, atol=3e-2)
+    # mixed dtypes are declined, touching nothing
+    out = torch.zeros(total, heads, dim)
+    assert not kernel.prefill_attention(q, k.float(), v.float(), torch.tensor(spans), out, dim**-0.5, softcap, window)
+    assert not out.any()
+
+
 def test_native_prefill_attention_declines_what_it_does_not_cover():
     kernel = paged_decode_kernel()
     if kernel is None:

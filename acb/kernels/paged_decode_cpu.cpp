@@ -535,26 +535,301 @@ static RunFn pick(int64_t D) {
   }
 }
 
+
+#if defined(__AVX512BF16__)
+// bfloat16 prompts (a bf16 model): the same tiles and online softmax, with the two products
+// on avx512_bf16 dot products (VDPBF16PS: two bf16 pairs a lane into a float32 sum), half the
+// instructions of the float32 kernel's FMAs. Keys are packed per (span, kv head) as
+// [D/2][ldk] pairs (k[d], k[d+1]) of one key, values as [ldk/2][D] pairs (v_j[d], v_j+1[d]) of
+// two keys; queries are read in place as pairs. Scores, the softmax, its sums and the
+// accumulators are float32; the softmax weights are rounded to bf16 for the second product
+// (as flash attention does on GPUs), their sum is taken before rounding.
+static inline __m512 dot(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+}
+static inline uint32_t pair_at(const at::BFloat16* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// s[r][0:32] = q_r . K[0:32] for R rows; kt: [D/2][ldk] uint32 pairs
+template <int R>
+static inline void qk16(const at::BFloat16* const* qr, const uint32_t* kt, int64_t ldk, int64_t D, float* s) {
+  __m512 c0[R], c1[R];
+  for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm512_setzero_ps();
+  for (int64_t dp = 0; dp < D / 2; ++dp) {
+    const __m512i b0 = _mm512_loadu_si512(kt + dp * ldk), b1 = _mm512_loadu_si512(kt + dp * ldk + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512i a = _mm512_set1_epi32(static_cast<int>(pair_at(qr[r] + 2 * dp)));
+      c0[r] = dot(c0[r], b0, a);
+      c1[r] = dot(c1[r], b1, a);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(s + r * KB, c0[r]);
+    _mm512_storeu_ps(s + r * KB + 16, c1[r]);
+  }
+}
+
+// acc[r] = acc[r] * corr[r] + sum_j p[r][j] v_j; p16: per row KB/2 uint32 pairs of bf16
+// weights, vt: [pairs][D] uint32 value pairs starting at this block
+template <int DC, int R>
+static inline void pv16(float* acc, const float* corr, const uint32_t* p16, const uint32_t* vt, int np) {
+  constexpr int D = DC * 16;
+  __m512 a[R * DC];
+  for (int r = 0; r < R; ++r) {
+    const __m512 cr = _mm512_set1_ps(corr[r]);
+    for (int c = 0; c < DC; ++c) a[r * DC + c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + c * 16), cr);
+  }
+  for (int j = 0; j < np; ++j) {
+    __m512i v[DC];
+    for (int c = 0; c < DC; ++c) v[c] = _mm512_loadu_si512(vt + j * D + c * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512i w = _mm512_set1_epi32(static_cast<int>(p16[r * (KB / 2) + j]));
+      for (int c = 0; c < DC; ++c) a[r * DC + c] = dot(a[r * DC + c], v[c], w);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(acc + r * D + c * 16, a[r * DC + c]);
+}
+
+template <int DC>
+static void pv16_rows(float* acc, const float* corr, const uint32_t* p16, const uint32_t* vt, int np, int rows) {
+  constexpr int RP = DC >= 16 ? 1 : (16 / DC > RB ? RB : 16 / DC);
+  constexpr int D = DC * 16;
+  int r = 0;
+  for (; r + RP <= rows; r += RP) pv16<DC, RP>(acc + r * D, corr + r, p16 + r * (KB / 2), vt, np);
+  for (; r < rows; ++r) pv16<DC, 1>(acc + r * D, corr + r, p16 + r * (KB / 2), vt, np);
+}
+
+static void qk16_rows(const at::BFloat16* const* qr, const uint32_t* kt, int64_t ldk, int64_t D, float* s, int rows) {
+  switch (rows) {
+    case 1: qk16<1>(qr, kt, ldk, D, s); break;
+    case 2: qk16<2>(qr, kt, ldk, D, s); break;
+    case 3: qk16<3>(qr, kt, ldk, D, s); break;
+    case 4: qk16<4>(qr, kt, ldk, D, s); break;
+    case 5: qk16<5>(qr, kt, ldk, D, s); break;
+    case 6: qk16<6>(qr, kt, ldk, D, s); break;
+    case 7: qk16<7>(qr, kt, ldk, D, s); break;
+    default: qk16<8>(qr, kt, ldk, D, s); break;
+  }
+}
+
+struct Args16 {
+  const at::BFloat16* q; int64_t q_tok, q_head;
+  float* out; int64_t o_tok, o_head;
+  int64_t D, G;
+  float scale, cap;
+  int64_t window;
+};
+
+// As run_item, over packed bf16 keys kt ([D/2][ldk] pairs) and values vt ([ldk/2][D] pairs).
+template <int DC>
+static void run_item16(const Args16& a, int64_t t0, int64_t past, int64_t kh, int64_t i0, int64_t i1,
+                       const uint32_t* kt, const uint32_t* vt, int64_t ldk, float* s, uint32_t* p16, float* acc) {
+  constexpr int D = DC * 16;
+  const int64_t G = a.G;
+  const int64_t nrows = (i1 - i0) * G;
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 vscale = _mm512_set1_ps(a.scale);
+  for (int64_t r0 = 0; r0 < nrows; r0 += RB) {
+    const int R = static_cast<int>(std::min<int64_t>(RB, nrows - r0));
+    const at::BFloat16* qr[RB];
+    int64_t pos[RB], lo[RB];
+    float m[RB], l[RB], corr[RB];
+    int64_t hi_max = 0, lo_min = INT64_MAX;
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r0 + r, i = i0 + row / G, h = kh * G + row % G;
+      qr[r] = a.q + (t0 + i) * a.q_tok + h * a.q_head;
+      pos[r] = past + i;
+      lo[r] = a.window > 0 ? std::max<int64_t>(0, pos[r] - a.window + 1) : 0;
+      hi_max = std::max(hi_max, pos[r]);
+      lo_min = std::min(lo_min, lo[r]);
+      m[r] = 0.f;
+      l[r] = 0.f;
+      std::fill(acc + r * D, acc + (r + 1) * D, 0.f);
+    }
+    for (int64_t kb = lo_min / KB * KB; kb <= hi_max; kb += KB) {
+      qk16_rows(qr, kt + kb, ldk, D, s, R);
+      const int nk = static_cast<int>(std::min<int64_t>(KB, hi_max + 1 - kb));
+      for (int r = 0; r < R; ++r) {
+        float* sr = s + r * KB;
+        uint32_t* pr = p16 + r * (KB / 2);
+        const __m512i key0 = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(kb)));
+        const __m512i key1 = _mm512_add_epi32(key0, _mm512_set1_epi32(16));
+        const __m512i hi = _mm512_set1_epi32(static_cast<int>(pos[r])), low = _mm512_set1_epi32(static_cast<int>(lo[r]));
+        const __mmask16 v0 = _mm512_cmple_epi32_mask(key0, hi) & _mm512_cmpge_epi32_mask(key0, low);
+        const __mmask16 v1 = _mm512_cmple_epi32_mask(key1, hi) & _mm512_cmpge_epi32_mask(key1, low);
+        if ((v0 | v1) == 0) {
+          std::fill(pr, pr + KB / 2, 0u);
+          corr[r] = 1.f;
+          continue;
+        }
+        __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(sr), vscale);
+        __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(sr + 16), vscale);
+        if (a.cap > 0.f) {
+          alignas(64) float t[KB];
+          _mm512_store_ps(t, x0);
+          _mm512_store_ps(t + 16, x1);
+          for (int j = 0; j < KB; ++j) t[j] = tanhf(t[j] / a.cap) * a.cap;
+          x0 = _mm512_load_ps(t);
+          x1 = _mm512_load_ps(t + 16);
+        }
+        const __m512 lowest = _mm512_set1_ps(-3.0e38f);
+        const float bm = _mm512_reduce_max_ps(
+            _mm512_max_ps(_mm512_mask_mov_ps(lowest, v0, x0), _mm512_mask_mov_ps(lowest, v1, x1)));
+        const bool first = l[r] == 0.f;
+        const float m_new = first ? bm : std::max(m[r], bm);
+        corr[r] = first ? 0.f : expf(m[r] - m_new);
+        const __m512 mv = _mm512_set1_ps(m_new);
+        const __m512 p0 = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(x0, mv)));
+        const __m512 p1 = _mm512_maskz_mov_ps(v1, exp16(_mm512_sub_ps(x1, mv)));
+        // 32 bf16 weights in key order: pair j = (p[2j], p[2j+1])
+        _mm512_storeu_si512(pr, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0)));
+        l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+        m[r] = m_new;
+      }
+      pv16_rows<DC>(acc, corr, p16, vt + (kb / 2) * D, (nk + 1) / 2, R);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r0 + r, i = i0 + row / G, h = kh * G + row % G;
+      float* o = a.out + (t0 + i) * a.o_tok + h * a.o_head;
+      const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+      for (int c = 0; c < DC; ++c) _mm512_storeu_ps(o + c * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + c * 16), inv));
+    }
+  }
+}
+
+using RunFn16 = void (*)(const Args16&, int64_t, int64_t, int64_t, int64_t, int64_t, const uint32_t*, const uint32_t*,
+                         int64_t, float*, uint32_t*, float*);
+
+static RunFn16 pick16(int64_t D) {
+  switch (D) {
+    case 16: return run_item16<1>;
+    case 32: return run_item16<2>;
+    case 64: return run_item16<4>;
+    case 128: return run_item16<8>;
+    case 256: return run_item16<16>;
+    default: return nullptr;
+  }
+}
+#endif
 }  // namespace prefill
 #endif
 
+#if defined(__AVX512F__)
+// Work items (span, kv head, block of BQ query positions), spread over the threads by their
+// cost (causal: a block's keys grow with its position), largest first: one list per thread.
+struct Item { int64_t s, kh, i0, i1; double cost; };
+static std::vector<std::vector<Item>> spread_items(const int64_t* sp, int64_t N, int64_t KVH, int64_t window) {
+  std::vector<Item> items;
+  for (int64_t s = 0; s < N; ++s) {
+    const int64_t n = sp[4 * s + 1] - sp[4 * s], past = sp[4 * s + 3];
+    for (int64_t i0 = 0; i0 < n; i0 += prefill::BQ) {
+      const int64_t i1 = std::min(n, i0 + prefill::BQ);
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, past + i0 - window + 1) : 0;
+      for (int64_t kh = 0; kh < KVH; ++kh)
+        items.push_back({s, kh, i0, i1, double(i1 - i0) * double(past + i1 - lo + prefill::KB)});
+    }
+  }
+  std::sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size())));
+  std::vector<std::vector<Item>> buckets(nt);
+  std::vector<double> load(nt, 0.0);
+  for (const Item& it : items) {
+    const int64_t b = std::min_element(load.begin(), load.end()) - load.begin();
+    buckets[b].push_back(it);
+    load[b] += it.cost;
+  }
+  return buckets;
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// The bf16 prefill (q, k, v all bfloat16; out float32): keys and values packed as pairs.
+static bool prefill_attention_bf16(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                   const torch::Tensor& spans, torch::Tensor& out, double scale, double softcap,
+                                   int64_t window) {
+  using prefill::KB;
+  const int64_t H = q.size(0), D = q.size(2), KVH = k.size(0);
+  const prefill::RunFn16 run = prefill::pick16(D);
+  if (run == nullptr) return false;
+  prefill::Args16 a{q.data_ptr<at::BFloat16>(), q.stride(1), q.stride(0), out.data_ptr<float>(), out.stride(0),
+                    out.stride(1), D, H / KVH, static_cast<float>(scale), static_cast<float>(softcap), window};
+  const at::BFloat16 *kp = k.data_ptr<at::BFloat16>(), *vp = v.data_ptr<at::BFloat16>();
+  const int64_t k_tok = k.stride(1), k_head = k.stride(0), v_tok = v.stride(1), v_head = v.stride(0);
+  const int64_t N = spans.size(0);
+  const int64_t* sp = spans.data_ptr<int64_t>();
+  auto keys = [&](int64_t s) { return sp[4 * s + 3] + sp[4 * s + 1] - sp[4 * s]; };  // past + n
+  // per span and kv head: keys [D/2][ldk] pairs, values [ldk/2][D] pairs (ldk: keys rounded up to KB)
+  std::vector<int64_t> off(N + 1, 0);
+  for (int64_t s = 0; s < N; ++s) off[s + 1] = off[s] + KVH * (D / 2) * ((keys(s) + KB - 1) / KB * KB);
+  std::vector<uint32_t> kt(off[N]), vt(off[N]);
+  at::parallel_for(0, N * KVH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / KVH, kh = item % KVH, k0 = sp[4 * s + 2], n = keys(s);
+      const int64_t ldk = (n + KB - 1) / KB * KB;
+      uint32_t* kd = kt.data() + off[s] + kh * (D / 2) * ldk;
+      uint32_t* vd = vt.data() + off[s] + kh * (D / 2) * ldk;
+      std::fill(kd, kd + (D / 2) * ldk, 0u);
+      std::fill(vd, vd + (D / 2) * ldk, 0u);
+      const uint16_t* kb16 = reinterpret_cast<const uint16_t*>(kp);
+      const uint16_t* vb16 = reinterpret_cast<const uint16_t*>(vp);
+      for (int64_t j = 0; j < n; ++j) {
+        const uint16_t* kr = kb16 + (k0 + j) * k_tok + kh * k_head;
+        for (int64_t dp = 0; dp < D / 2; ++dp) kd[dp * ldk + j] = uint32_t(kr[2 * dp]) | (uint32_t(kr[2 * dp + 1]) << 16);
+        const uint16_t* vr = vb16 + (k0 + j) * v_tok + kh * v_head;
+        uint16_t* vrow = reinterpret_cast<uint16_t*>(vd + (j / 2) * D) + (j % 2);
+        for (int64_t d = 0; d < D; ++d) vrow[2 * d] = vr[d];
+      }
+    }
+  });
+  const auto buckets = spread_items(sp, N, KVH, window);
+  at::parallel_for(0, static_cast<int64_t>(buckets.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(prefill::RB * KB), acc(prefill::RB * D);
+    std::vector<uint32_t> p16(prefill::RB * KB / 2);
+    for (int64_t b = begin; b < end; ++b)
+      for (const Item& it : buckets[b]) {
+        const int64_t* row = sp + 4 * it.s;
+        const int64_t ldk = (keys(it.s) + KB - 1) / KB * KB;
+        const int64_t base = off[it.s] + it.kh * (D / 2) * ldk;
+        run(a, row[0], row[3], it.kh, it.i0, it.i1, kt.data() + base, vt.data() + base, ldk, s.data(), p16.data(),
+            acc.data());
+      }
+  });
+  return true;
+}
+#endif
+
 // q [H, T, D], k/v [KVH, L, D] (any strides, the last dim contiguous), out [T, H, D]
-// (last dim contiguous), spans [N, 4] int64, one row per prompt chunk: (first, end) its
+// float32 (last dim contiguous), spans [N, 4] int64, one row per prompt chunk: (first, end) its
 // query rows in q/out, `key_first` where its keys start in k/v and `past` the position
 // of its first query: queries i in [0, end - first) sit at position past + i and see
 // keys j <= past + i (and > past + i - window), key j at k/v row key_first + j. A fresh
 // prompt is (first, end, first, 0). Returns false, touching nothing, where this build or shape has no fast
-// path (the caller then uses PyTorch's attention).
+// path (the caller then uses PyTorch's attention). q, k and v are all float32, or all
+// bfloat16 where the build has avx512_bf16 (``prefill_bf16()``).
 bool prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                        const torch::Tensor& spans, torch::Tensor& out, double scale, double softcap,
                        int64_t window) {
 #if defined(__AVX512F__)
   const int64_t H = q.size(0), D = q.size(2), KVH = k.size(0);
+  const bool shapes_ok = q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && out.stride(2) == 1 &&
+                         H % KVH == 0 && out.scalar_type() == torch::kFloat32 &&
+                         spans.scalar_type() == torch::kInt64 && spans.is_contiguous() && spans.dim() == 2 &&
+                         spans.size(1) == 4;
+  if (!shapes_ok) return false;
+  if (q.scalar_type() == torch::kBFloat16) {
+#if defined(__AVX512BF16__)
+    if (k.scalar_type() == torch::kBFloat16 && v.scalar_type() == torch::kBFloat16)
+      return prefill_attention_bf16(q, k, v, spans, out, scale, softcap, window);
+#endif
+    return false;
+  }
   const prefill::RunFn run = prefill::pick(D);
   if (run == nullptr || q.scalar_type() != torch::kFloat32 || k.scalar_type() != torch::kFloat32 ||
-      v.scalar_type() != torch::kFloat32 || out.scalar_type() != torch::kFloat32 || q.stride(2) != 1 ||
-      k.stride(2) != 1 || v.stride(2) != 1 || out.stride(2) != 1 || H % KVH != 0 || spans.scalar_type() != torch::kInt64 ||
-      !spans.is_contiguous() || spans.dim() != 2 || spans.size(1) != 4)
+      v.scalar_type() != torch::kFloat32)
     return false;
   using prefill::KB;
   prefill::Args a{q.data_ptr<float>(), q.stride(1), q.stride(0), k.data_ptr<float>(), k.stride(1), k.stride(0),
@@ -579,29 +854,8 @@ bool prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const tor
       for (int64_t d = 0; d < D; ++d) std::fill(dst + d * ldk + n, dst + (d + 1) * ldk, 0.f);
     }
   });
-  // work items: (span, kv head, block of BQ query positions), spread over the threads by
-  // their cost (causal: a block's keys grow with its position), largest first
-  struct Item { int64_t s, kh, i0, i1; double cost; };
-  std::vector<Item> items;
-  for (int64_t s = 0; s < N; ++s) {
-    const int64_t n = sp[4 * s + 1] - sp[4 * s], past = sp[4 * s + 3];
-    for (int64_t i0 = 0; i0 < n; i0 += prefill::BQ) {
-      const int64_t i1 = std::min(n, i0 + prefill::BQ);
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, past + i0 - window + 1) : 0;
-      for (int64_t kh = 0; kh < KVH; ++kh)
-        items.push_back({s, kh, i0, i1, double(i1 - i0) * double(past + i1 - lo + KB)});
-    }
-  }
-  std::sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
-  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size())));
-  std::vector<std::vector<Item>> buckets(nt);
-  std::vector<double> load(nt, 0.0);
-  for (const Item& it : items) {
-    const int64_t b = std::min_element(load.begin(), load.end()) - load.begin();
-    buckets[b].push_back(it);
-    load[b] += it.cost;
-  }
-  at::parallel_for(0, nt, 1, [&](int64_t begin, int64_t end) {
+  const auto buckets = spread_items(sp, N, KVH, window);
+  at::parallel_for(0, static_cast<int64_t>(buckets.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(prefill::RB * KB), p(prefill::RB * KB), acc(prefill::RB * D);
     for (int64_t b = begin; b < end; ++b)
       for (const Item& it : buckets[b]) {
@@ -655,6 +909,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", py::call_guard<py::gil_scoped_release>());
   m.def("write_kv_int8", &write_kv_int8, "quantize new keys/values into int8 pages (CPU)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("prefill_bf16", []() {
+#if defined(__AVX512BF16__)
+    return true;
+#else
+    return false;
+#endif
+  }, "whether prefill_attention takes bfloat16 q/k/v (built with avx512_bf16)");
   m.def("prefill_attention", &prefill_attention, "causal prefill attention of prompt chunks (CPU)",
         py::call_guard<py::gil_scoped_release>());
 }
