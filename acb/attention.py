@@ -237,17 +237,16 @@ def _decode_rows(meta: StepAttention, pool: PagePool, q_all: torch.Tensor, k_cac
     """The decode rows (native or PyTorch path): q_all [H, T, d] -> their tokens' rows of
     ``out`` [T, H, d]."""
     decode = meta.decode
-    contiguous32 = dict(dtype=torch.float32, memory_format=torch.contiguous_format)  # the decode kernel's queries
     if decode.kernel == "native" and not meta.prefills:
         # a decode-only step: every packed token is a decode row, in order; the
         # kernel reads the queries in place and writes straight into the output
-        _decode_native(pool, decode, meta.page_size, q_all.transpose(0, 1).to(**contiguous32), k_cache, v_cache,
+        _decode_native(pool, decode, meta.page_size, q_all.transpose(0, 1).contiguous().float(), k_cache, v_cache,
                        scaling, sliding_window, softcap, out)
         return
     idx = decode.token_idx
     if decode.kernel == "native":
-        o = _decode_native(pool, decode, meta.page_size, q_all.index_select(1, idx).transpose(0, 1).to(**contiguous32),
-                           k_cache, v_cache, scaling, sliding_window, softcap)
+        q = q_all.index_select(1, idx).transpose(0, 1).contiguous().float()
+        o = _decode_native(pool, decode, meta.page_size, q, k_cache, v_cache, scaling, sliding_window, softcap)
     else:
         o = _decode_torch(pool, decode, meta.page_size, q_all.index_select(1, idx).to(out.dtype), k_cache, v_cache,
                           kv_heads,

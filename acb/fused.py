@@ -119,6 +119,9 @@ class _Layer:
     post_mlp: Norm | None = None  # Gemma: on the MLP's output, before the residual add
     softcap: float | None = None  # Gemma 2: attention logit soft-capping
     rope: str | None = None  # Gemma 3: which rotary embedding (its layer type); None: the one
+    qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # q/k/v packed side by side: one GEMM
+    qkv_split: tuple[int, int, int] = (0, 0, 0)  # its output's column counts: q, k, v
+    gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # gate/up side by side, then glu
 
 
 # The dtypes the fused forward runs in (the native kernels' and oneDNN's prepacked ones)
@@ -163,6 +166,7 @@ class FusedForward(LoraLayers):
             log.info("acb: fused CPU forward not used (%s); transformers' forward runs", reason)
             return None
         layers = describe(model, lambda m: (packed.layers[m].packed, m.bias))
+        side_by_side(model, layers)
         log.info("acb: fused CPU forward over %d %s layers (%s)", len(layers), type(model.model.layers[0]).__name__,
                  str(next(model.parameters()).dtype).removeprefix("torch."))
         return cls(model, layers, kernels, row_reduce)
@@ -174,7 +178,6 @@ class FusedForward(LoraLayers):
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
                  use_cache: bool = False, logits_to_keep: torch.Tensor | int | None = None) -> _Logits:
         linear = torch.ops.mkldnn._linear_pointwise
-        binary = linear.binary
         x = self.embed(input_ids[0])  # [T, hidden]
         total = x.shape[0]
         rows = padded_rows(total)  # the GEMMs run on zero-padded rows (see acb.kernels.cpu_linear)
@@ -187,17 +190,14 @@ class FusedForward(LoraLayers):
                 x = self._lora_layer(layer, i, x, rows, total, cos, sin, adapters)
                 continue
             h = self._rms(x, layer.ln1)
-            q = linear(h, *layer.q, "none", [], "")
-            kk = linear(h, *layer.k, "none", [], "")
-            v = linear(h, *layer.v, "none", [], "")
+            q, kk, v = linear(h, *layer.qkv, "none", [], "").split(layer.qkv_split, dim=1)  # column views
             a = pad_rows(self._attend(layer, q, kk, v, total, cos, sin), rows)
             if layer.post_attn is None:
                 x = self._add_projection(a, x, layer.o)
             else:  # Gemma: normed before the residual add, which then cannot be fused into the GEMM
                 x = x + self._rms(self._projection(a, layer.o), layer.post_attn)
             h = self._rms(x, layer.ln2)
-            g = linear(h, *layer.gate, layer.act[0], [], layer.act[1])
-            m = binary(h, g, *layer.up, "mul")
+            m = self.k.glu(linear(h, *layer.gate_up, "none", [], ""), 0 if layer.act[0] == "swish" else 1)
             if layer.post_mlp is None:
                 x = self._add_projection(m, x, layer.down)
             else:
@@ -253,6 +253,33 @@ class FusedForward(LoraLayers):
         if reduce is not None:
             reduce(out)
         return out
+
+
+def side_by_side(model: torch.nn.Module, layers: list[_Layer]) -> None:
+    """Pack each layer's q/k/v weights side by side, and its gate/up weights, so the fused
+    forward runs one GEMM where the model has three (or two): fewer, wider GEMMs, each
+    reading its input once (on SmolLM2's shapes in bf16, 64 rows: q/k/v 285 -> 219 us a layer,
+    gate/up with their epilogues 718 -> 641 us plus the act(g) * up pass; 2048 rows: gate/up
+    23.5 -> 20.4 ms). Each output column is the same dot product as before. A copy beside the
+    per-projection packs (transformers' forward and the LoRA layers use those), rebuilt with
+    the fused forward when weights change."""
+    for layer, module in zip(layers, model.model.layers, strict=False):
+        attn, mlp = module.self_attn, module.mlp
+        layer.qkv = _packed_side_by_side((attn.q_proj, attn.k_proj, attn.v_proj))
+        layer.qkv_split = (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
+        layer.gate_up = _packed_side_by_side((mlp.gate_proj, mlp.up_proj))
+
+
+def _packed_side_by_side(linears: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One prepacked weight (and bias) whose output columns are each linear's, in order."""
+    weight = torch.cat([m.weight.detach() for m in linears]).contiguous()
+    biases = [m.bias for m in linears]
+    if all(b is None for b in biases):
+        bias = None
+    else:  # Qwen2's q/k/v: a missing bias counts as zeros
+        bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
+                          for m in linears]).contiguous()
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None), bias
 
 
 def kept_rows(x: torch.Tensor, logits_to_keep: torch.Tensor | int | None) -> torch.Tensor:

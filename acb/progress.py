@@ -98,6 +98,9 @@ async def gather_batch(requests: list[Any], event: Callable[[], Any], progress: 
         for r in requests:
             r.future.add_done_callback(on_done)
         await settled.wait()
+        for r in requests:  # the failure that woke us, wherever it stands in the batch
+            if r.future.done() and r.future.exception() is not None:
+                r.future.result()
         return [r.future.result() for r in requests]
     except BaseException:
         for r in requests:

@@ -98,3 +98,28 @@ def test_gguf_conversion_shows_its_stages_on_a_bar(tmp_path, monkeypatch, capsys
     assert (target / "config.json").is_file()
     err = capsys.readouterr().err
     assert "acb: converting SmolLM2" in err and "3/3" in err
+
+
+async def test_a_batch_raises_its_first_failure_while_earlier_requests_still_run():
+    """generate_batch raises the first failure at once, wherever its request stands in the
+    batch: it used to read the batch in order and hit a request still running first
+    (RuntimeError 'the outcome is not set yet', the real error lost)."""
+    import types
+
+    from acb.progress import gather_batch
+    from acb.request import Outcome
+
+    reqs = [types.SimpleNamespace(request_id=str(i), future=Outcome()) for i in range(3)]
+    cancelled: list[str] = []
+    error = acb.RequestFailedError("step failed")
+
+    async def fail_the_second() -> None:
+        await asyncio.sleep(0.01)
+        reqs[1].future.set_exception(error)
+
+    task = asyncio.ensure_future(fail_the_second())
+    with pytest.raises(acb.RequestFailedError) as raised:
+        await gather_batch(reqs, asyncio.Event, False, cancelled.append)
+    await task
+    assert raised.value is error
+    assert cancelled == ["0", "1", "2"]  # the rest of the batch is cancelled with it

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include "vec_math.h"
 
 namespace {
 
@@ -148,10 +149,76 @@ void rope_(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin, 
     rope_t<uint16_t>(x, cos, sin, d);
 }
 
+
+// The MLP's gated activation over one GEMM's output: gu [T, 2N] holds the gate projection's
+// N columns, then the up projection's (rows may be strided); out[t] = act(g[t]) * u[t],
+// computed in float32 from the values as gu's dtype holds them and rounded once to it
+// (float32 or bfloat16). act 0: SiLU, g / (1 + exp(-g)); 1: GELU-tanh. The exp is a
+// degree-6 polynomial (relative error ~2e-7, acb/kernels/vec_math.h), as oneDNN's fused
+// epilogue approximates it: not bit-identical to PyTorch's, well inside float32's noise.
+template <typename T>
+static void glu_t(const torch::Tensor& gu, int64_t act, torch::Tensor& out) {
+  const int64_t T_ = gu.size(0), N = gu.size(1) / 2, gs = gu.stride(0);
+  const T* src = ptr<T>(gu);
+  T* dst = ptr<T>(out);
+  // ~32k values a chunk: a decode step's few rows stay on one thread (waking the pool costs more)
+  at::parallel_for(0, T_, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, N)), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const T* g = src + t * gs;
+      const T* u = g + N;
+      T* m = dst + t * N;
+      int64_t n = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+      for (; n < N; n += 16) {
+        const __mmask16 k = N - n >= 16 ? __mmask16(0xffff) : __mmask16((1u << (N - n)) - 1);
+        __m512 gv, uv;
+        if constexpr (std::is_same_v<T, float>) {
+          gv = _mm512_maskz_loadu_ps(k, g + n);
+          uv = _mm512_maskz_loadu_ps(k, u + n);
+        } else {
+          gv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, g + n)), 16));
+          uv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, u + n)), 16));
+        }
+        const __m512 mv = _mm512_mul_ps(acb_vec::act512(gv, act), uv);
+        if constexpr (std::is_same_v<T, float>) {
+          _mm512_mask_storeu_ps(m + n, k, mv);
+        } else {  // to_bf16 on 16 lanes: round to nearest even, NaN stays NaN
+          const __m512i bits = _mm512_castps_si512(mv);
+          const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+          __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+          r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(mv, mv, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+          _mm256_mask_storeu_epi16(m + n, k, _mm512_cvtepi32_epi16(r));
+        }
+      }
+#endif
+      for (; n < N; ++n) {
+        const float gf = widen(g[n]), uf = widen(u[n]);
+        const float a = act == 0 ? gf / (1.f + std::exp(-gf))
+                                 : 0.5f * gf * (1.f + std::tanh(0.7978845608028654f * (gf + 0.044715f * gf * gf * gf)));
+        store(m + n, a * uf);
+      }
+    }
+  });
+}
+
+torch::Tensor glu(const torch::Tensor& gu, int64_t act) {
+  check_rows(gu, "gu");
+  TORCH_CHECK(gu.size(1) % 2 == 0, "gu must hold the gate's and the up projection's columns (an even width)");
+  TORCH_CHECK(act == 0 || act == 1, "act must be 0 (SiLU) or 1 (GELU-tanh)");
+  auto out = torch::empty({gu.size(0), gu.size(1) / 2}, gu.options());
+  if (gu.scalar_type() == torch::kFloat32)
+    glu_t<float>(gu, act, out);
+  else
+    glu_t<uint16_t>(gu, act, out);
+  return out;
+}
+
 // The GIL is released while a kernel runs: the event loop's thread keeps serving.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over rows (float32 or bfloat16)", py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm_f32w", &rms_norm_f32w, "Gemma's RMSNorm over rows (float32 weight, one rounding)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("glu", &glu, "act(gate) * up over one GEMM's [T, 2N] output (float32 or bfloat16)",
         py::call_guard<py::gil_scoped_release>());
   m.def("rope_", &rope_, "rotary embedding in place (float32 or bfloat16)", py::call_guard<py::gil_scoped_release>());
 }

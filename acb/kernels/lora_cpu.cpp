@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include "vec_math.h"
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -53,6 +54,7 @@ std::vector<Tile> tiles_of(const torch::Tensor& groups, int64_t slots, int64_t n
 }
 
 #if defined(__AVX512F__)
+using acb_vec::act512;
 inline __mmask16 tail(int64_t left) { return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1); }
 
 // t[m, c0 : c0 + 16 NV] = sum_k x_m[k] at[k, c0 + ...], M rows, masked past C
@@ -123,34 +125,6 @@ void expand_tile(float* const* yr, const float (*ts)[64], const float* bt, int64
   for (int m = 0; m < M; ++m)
 #pragma GCC unroll 4
     for (int v = 0; v < 4; ++v) _mm512_mask_storeu_ps(yr[m] + n0 + 16 * v, mask[v], acc[m][v]);
-}
-
-// exp(x) for float32 lanes: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial for e^r, 2^n by
-// scalef (relative error ~2e-7 over the range an activation meets; as acb/kernels/int8_cpu.cpp)
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
-inline __m512 act512(__m512 g, int64_t act) {
-  const __m512 one = _mm512_set1_ps(1.f);
-  if (act == 0) return _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-  // GELU-tanh: 0.5 g (1 + tanh(u)), tanh(u) = 1 - 2 / (exp(2u) + 1)
-  const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
-                                 _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), g), _mm512_mul_ps(g, g), g));
-  const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(exp512(_mm512_add_ps(u, u)), one)));
-  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(one, t));
 }
 
 // m_r[n0 : n0 + 32] = act(g_r + sum_q tg[r][q] btg[q, n0 + ...]) * (u_r + sum_q tu[r][q] btu[q, ...]) for M rows
