@@ -266,7 +266,7 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig:  # ~300 lines: its fields, documented in groups, and one check per field (__post_init__)
     """How the engine uses the hardware: memory, scheduling and kernels.
 
     ``None`` means "choose for the device". Example::

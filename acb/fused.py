@@ -9,12 +9,14 @@ model's own modules hold them) in about a dozen calls per layer (measured on Smo
 standard workload: decode steps 10.6 -> 9.2-9.6 s, prefill steps 15.2 -> 13.8 s):
 
     h = rms_norm(x)                                native kernel (acb/kernels/fused_cpu.cpp)
-    q, k, v = h @ Wq, h @ Wk, h @ Wv               oneDNN, prepacked weights (+ Qwen3's q/k norms)
+    q | k | v = h @ [Wq | Wk | Wv]                 one oneDNN GEMM, the weights prepacked side by side
+                                                   (+ Qwen3's q/k norms); q, k, v are column views
     rope_(q), rope_(k)                             native kernel, in place, bit-identical to HF's
     a = paged attention (acb.attention)            the same function the HF forward calls
     x = a @ Wo + x                                 one GEMM with the residual add fused
     h = rms_norm(x)
-    m = (h @ Wup) * silu(h @ Wgate)                two GEMMs, SiLU and the product fused
+    g | u = h @ [Wgate | Wup]                      one GEMM
+    m = silu(g) * u                                native kernel, one pass (``glu``)
     x = m @ Wdown + x                              one GEMM with the residual add fused
 
 Only the rows whose logits are kept go through the final norm and ``lm_head``.

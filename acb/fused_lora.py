@@ -1,11 +1,12 @@
 """A layer of the fused CPU forward (``acb.fused``) in a step with adapter rows: the same
-GEMMs, the step's LoRA deltas (``acb.lora``) added where each projection's output lands.
+GEMMs (q/k/v and gate/up each one, ``acb.fused.side_by_side``), the step's LoRA deltas
+(``acb.lora``) added in place on each projection's columns of their output.
 
 Float32 (the bank holds the native kernels, ``acb/kernels/lora_cpu.cpp``): one kernel call per
 projection group (q/k/v, o, gate/up, down) adds every adapter's deltas on its rows, the
 shrink one GEMM over the group's concatenated A; o's and down's deltas land on their fused
-residual sums; when a delta lands in gate/up, their GEMMs run without the fused epilogue and
-the activation and the product run in one native pass with the deltas (``glu_add``). Other
+residual sums; when a delta lands in gate/up, the activation and the product run in one
+native pass with the deltas (``glu_add``), else in the base model's (``glu``). Other
 dtypes: the same with PyTorch ops (``StepLora.add``). An MLP that no adapter of the step
 targets keeps its fused epilogues either way (PEFT's default targets q/v only).
 """
@@ -38,7 +39,7 @@ class LoraLayers:
         linear = torch.ops.mkldnn._linear_pointwise
         native = adapters.native is not None
         h = self._rms(x, layer.ln1)
-        q, kk, v = (linear(h, *w, "none", [], "") for w in (layer.q, layer.k, layer.v))
+        q, kk, v = linear(h, *layer.qkv, "none", [], "").split(layer.qkv_split, dim=1)  # column views
         if native:
             adapters.add_group([q, kk, v], h, i, "qkv")
         else:
@@ -53,7 +54,7 @@ class LoraLayers:
             _add(adapters, native, o, a, i, "o")
             x = x + self._rms(o, layer.post_attn)
         h = self._rms(x, layer.ln2)
-        m = _mlp(layer, i, h, adapters, native)
+        m = _mlp(layer, i, h, adapters, native, self.k)
         if layer.post_mlp is None:
             x = self._add_projection(m, x, layer.down)
             _add(adapters, native, x, m, i, "down")
@@ -71,14 +72,14 @@ def _add(adapters: StepLora, native: bool, y: torch.Tensor, x: torch.Tensor, i: 
         adapters.add(y, x, i, f"{group}_proj")
 
 
-def _mlp(layer: _Layer, i: int, h: torch.Tensor, adapters: StepLora, native: bool) -> torch.Tensor:
+def _mlp(layer: _Layer, i: int, h: torch.Tensor, adapters: StepLora, native: bool, kernels) -> torch.Tensor:
     """act(gate) * up, with the deltas of gate and up added before the activation and the product."""
     linear = torch.ops.mkldnn._linear_pointwise
+    gu = linear(h, *layer.gate_up, "none", [], "")  # gate | up, one GEMM (acb.fused.side_by_side)
     if not (adapters.touches(i, "gate_proj") or adapters.touches(i, "up_proj")):
-        # no delta inside the MLP (PEFT's default targets q/v only): its epilogues stay fused
-        return linear.binary(h, linear(h, *layer.gate, layer.act[0], [], layer.act[1]), *layer.up, "mul")
-    g = linear(h, *layer.gate, "none", [], "")
-    u = linear(h, *layer.up, "none", [], "")
+        # no delta inside the MLP (PEFT's default targets q/v only): the base model's one pass
+        return kernels.glu(gu, _ACT_CODES[layer.act[0]])
+    g, u = gu.split(gu.shape[1] // 2, dim=1)
     if native:  # the deltas, the activation and the product in one pass over g and u
         return adapters.glu_add(g, u, h, i, _ACT_CODES[layer.act[0]])
     adapters.add(g, h, i, "gate_proj")

@@ -31,7 +31,8 @@ from .step import StepOutput, StepPlan, StepUpdate
 __all__ = ["FINISHED", "FORKING", "RUNNING", "WAITING", "Scheduler", "SeqStatus", "Sequence"]
 
 
-class Scheduler:
+class Scheduler:  # ~320 lines: the three policies' row planning (continue, admit, rank), decode's shortcut,
+    # forks and proposals, which share the step's budget and page checks; the rest is composed (above)
     """FIFO, prefill-first or priority scheduling under a token budget and a request cap.
 
     fifo: running sequences continue first (decode rows, then chunks of long prompts), then

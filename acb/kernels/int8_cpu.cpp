@@ -19,6 +19,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include "vec_math.h"
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -50,34 +51,7 @@ enum Epilogue : int64_t { kNone = 0, kAdd = 1 };
 enum Act : int64_t { kSilu = 0, kGeluTanh = 1 };
 
 #if defined(__AVX512F__)
-// exp(x) for float32 lanes: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial for e^r,
-// 2^n by scalef (relative error ~2e-7 over the range an activation meets)
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
-inline __m512 act512(__m512 g, int64_t act) {
-  const __m512 one = _mm512_set1_ps(1.f);
-  if (act == kSilu) return _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-  // GELU-tanh: 0.5 g (1 + tanh(u)), tanh(u) = 1 - 2 / (exp(2u) + 1)
-  const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
-                                 _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), g), _mm512_mul_ps(g, g), g));
-  const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f),
-                                                    _mm512_add_ps(exp512(_mm512_add_ps(u, u)), one)));
-  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(one, t));
-}
+using acb_vec::act512;  // SiLU (kSilu) / GELU-tanh (kGeluTanh), acb/kernels/vec_math.h
 
 inline __m512 load_row(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load_row(const uint16_t* p) {

@@ -379,6 +379,47 @@ struct Args {
   int64_t window;
 };
 
+// One row's online-softmax step over a block of KB scores s (keys kb..kb+31): scaled, soft-capped
+// when cap > 0, masked to the keys lo..pos the row sees. p0/p1: the block's weights (0 where
+// masked), relative to the row's running max m; corr: the factor for its accumulators; m, l: its
+// running max and sum, updated. False (corr = 1, nothing updated) where the row sees no key here.
+static inline bool softmax_block(const float* s, int64_t kb, int64_t pos, int64_t lo, float scale, float cap,
+                                 float& m, float& l, float& corr, __m512& p0, __m512& p1) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i key0 = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(kb)));
+  const __m512i key1 = _mm512_add_epi32(key0, _mm512_set1_epi32(16));
+  const __m512i hi = _mm512_set1_epi32(static_cast<int>(pos)), low = _mm512_set1_epi32(static_cast<int>(lo));
+  const __mmask16 v0 = _mm512_cmple_epi32_mask(key0, hi) & _mm512_cmpge_epi32_mask(key0, low);
+  const __mmask16 v1 = _mm512_cmple_epi32_mask(key1, hi) & _mm512_cmpge_epi32_mask(key1, low);
+  if ((v0 | v1) == 0) {
+    corr = 1.f;
+    return false;
+  }
+  const __m512 vscale = _mm512_set1_ps(scale);
+  __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(s), vscale);
+  __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(s + 16), vscale);
+  if (cap > 0.f) {
+    alignas(64) float t[KB];
+    _mm512_store_ps(t, x0);
+    _mm512_store_ps(t + 16, x1);
+    for (int j = 0; j < KB; ++j) t[j] = tanhf(t[j] / cap) * cap;
+    x0 = _mm512_load_ps(t);
+    x1 = _mm512_load_ps(t + 16);
+  }
+  const __m512 lowest = _mm512_set1_ps(-3.0e38f);  // masked lanes (no infinities: -ffast-math)
+  const float bm = _mm512_reduce_max_ps(
+      _mm512_max_ps(_mm512_mask_mov_ps(lowest, v0, x0), _mm512_mask_mov_ps(lowest, v1, x1)));
+  const bool first = l == 0.f;
+  const float m_new = first ? bm : std::max(m, bm);
+  corr = first ? 0.f : expf(m - m_new);
+  const __m512 mv = _mm512_set1_ps(m_new);
+  p0 = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(x0, mv)));
+  p1 = _mm512_maskz_mov_ps(v1, exp16(_mm512_sub_ps(x1, mv)));
+  l = l * corr + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+  m = m_new;
+  return true;
+}
+
 // s[r][0:32] = q_r . KT[:, 0:32] for R rows
 template <int R>
 static inline void qk(const float* const* qr, const float* kt, int64_t ldk, int64_t D, float* s) {
@@ -449,8 +490,6 @@ static void run_item(const Args& a, int64_t t0, int64_t k0, int64_t past, int64_
   constexpr int D = DC * 16;
   const int64_t G = a.G;
   const int64_t nrows = (i1 - i0) * G;
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512 vscale = _mm512_set1_ps(a.scale);
   for (int64_t r0 = 0; r0 < nrows; r0 += RB) {
     const int R = static_cast<int>(std::min<int64_t>(RB, nrows - r0));
     const float* qr[RB];
@@ -473,41 +512,14 @@ static void run_item(const Args& a, int64_t t0, int64_t k0, int64_t past, int64_
       qk_rows(qr, kt + kb, ldk, D, s, R);
       const int nk = static_cast<int>(std::min<int64_t>(KB, hi_max + 1 - kb));
       for (int r = 0; r < R; ++r) {
-        float* sr = s + r * KB;
         float* pr = p + r * KB;
-        const __m512i key0 = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(kb)));
-        const __m512i key1 = _mm512_add_epi32(key0, _mm512_set1_epi32(16));
-        const __m512i hi = _mm512_set1_epi32(static_cast<int>(pos[r])), low = _mm512_set1_epi32(static_cast<int>(lo[r]));
-        const __mmask16 v0 = _mm512_cmple_epi32_mask(key0, hi) & _mm512_cmpge_epi32_mask(key0, low);
-        const __mmask16 v1 = _mm512_cmple_epi32_mask(key1, hi) & _mm512_cmpge_epi32_mask(key1, low);
-        if ((v0 | v1) == 0) {  // nothing visible to this row in this block
+        __m512 p0, p1;
+        if (!softmax_block(s + r * KB, kb, pos[r], lo[r], a.scale, a.cap, m[r], l[r], corr[r], p0, p1)) {
           std::fill(pr, pr + KB, 0.f);
-          corr[r] = 1.f;
           continue;
         }
-        __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(sr), vscale);
-        __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(sr + 16), vscale);
-        if (a.cap > 0.f) {
-          alignas(64) float t[KB];
-          _mm512_store_ps(t, x0);
-          _mm512_store_ps(t + 16, x1);
-          for (int j = 0; j < KB; ++j) t[j] = tanhf(t[j] / a.cap) * a.cap;
-          x0 = _mm512_load_ps(t);
-          x1 = _mm512_load_ps(t + 16);
-        }
-        const __m512 lowest = _mm512_set1_ps(-3.0e38f);  // masked lanes (no infinities: -ffast-math)
-        const float bm = _mm512_reduce_max_ps(
-            _mm512_max_ps(_mm512_mask_mov_ps(lowest, v0, x0), _mm512_mask_mov_ps(lowest, v1, x1)));
-        const bool first = l[r] == 0.f;
-        const float m_new = first ? bm : std::max(m[r], bm);
-        corr[r] = first ? 0.f : expf(m[r] - m_new);
-        const __m512 mv = _mm512_set1_ps(m_new);
-        const __m512 p0 = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(x0, mv)));
-        const __m512 p1 = _mm512_maskz_mov_ps(v1, exp16(_mm512_sub_ps(x1, mv)));
         _mm512_storeu_ps(pr, p0);
         _mm512_storeu_ps(pr + 16, p1);
-        l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-        m[r] = m_new;
       }
       for (int j = 0; j < nk; ++j) vr[j] = a.v + (k0 + kb + j) * a.v_tok + kh * a.v_head;
       pv_rows<DC>(acc, corr, p, vr, nk, R);
@@ -631,8 +643,6 @@ static void run_item16(const Args16& a, int64_t t0, int64_t past, int64_t kh, in
   constexpr int D = DC * 16;
   const int64_t G = a.G;
   const int64_t nrows = (i1 - i0) * G;
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512 vscale = _mm512_set1_ps(a.scale);
   for (int64_t r0 = 0; r0 < nrows; r0 += RB) {
     const int R = static_cast<int>(std::min<int64_t>(RB, nrows - r0));
     const at::BFloat16* qr[RB];
@@ -654,41 +664,14 @@ static void run_item16(const Args16& a, int64_t t0, int64_t past, int64_t kh, in
       qk16_rows(qr, kt + kb, ldk, D, s, R);
       const int nk = static_cast<int>(std::min<int64_t>(KB, hi_max + 1 - kb));
       for (int r = 0; r < R; ++r) {
-        float* sr = s + r * KB;
         uint32_t* pr = p16 + r * (KB / 2);
-        const __m512i key0 = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(kb)));
-        const __m512i key1 = _mm512_add_epi32(key0, _mm512_set1_epi32(16));
-        const __m512i hi = _mm512_set1_epi32(static_cast<int>(pos[r])), low = _mm512_set1_epi32(static_cast<int>(lo[r]));
-        const __mmask16 v0 = _mm512_cmple_epi32_mask(key0, hi) & _mm512_cmpge_epi32_mask(key0, low);
-        const __mmask16 v1 = _mm512_cmple_epi32_mask(key1, hi) & _mm512_cmpge_epi32_mask(key1, low);
-        if ((v0 | v1) == 0) {
+        __m512 p0, p1;
+        if (!softmax_block(s + r * KB, kb, pos[r], lo[r], a.scale, a.cap, m[r], l[r], corr[r], p0, p1)) {
           std::fill(pr, pr + KB / 2, 0u);
-          corr[r] = 1.f;
           continue;
         }
-        __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(sr), vscale);
-        __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(sr + 16), vscale);
-        if (a.cap > 0.f) {
-          alignas(64) float t[KB];
-          _mm512_store_ps(t, x0);
-          _mm512_store_ps(t + 16, x1);
-          for (int j = 0; j < KB; ++j) t[j] = tanhf(t[j] / a.cap) * a.cap;
-          x0 = _mm512_load_ps(t);
-          x1 = _mm512_load_ps(t + 16);
-        }
-        const __m512 lowest = _mm512_set1_ps(-3.0e38f);
-        const float bm = _mm512_reduce_max_ps(
-            _mm512_max_ps(_mm512_mask_mov_ps(lowest, v0, x0), _mm512_mask_mov_ps(lowest, v1, x1)));
-        const bool first = l[r] == 0.f;
-        const float m_new = first ? bm : std::max(m[r], bm);
-        corr[r] = first ? 0.f : expf(m[r] - m_new);
-        const __m512 mv = _mm512_set1_ps(m_new);
-        const __m512 p0 = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(x0, mv)));
-        const __m512 p1 = _mm512_maskz_mov_ps(v1, exp16(_mm512_sub_ps(x1, mv)));
         // 32 bf16 weights in key order: pair j = (p[2j], p[2j+1])
         _mm512_storeu_si512(pr, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0)));
-        l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-        m[r] = m_new;
       }
       pv16_rows<DC>(acc, corr, p16, vt + (kb / 2) * D, (nk + 1) / 2, R);
     }
