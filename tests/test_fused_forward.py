@@ -223,6 +223,15 @@ def _attention_reference(q, k, v, past, scale, softcap, window):
     return (probs @ v.double().repeat_interleave(groups, 0)).transpose(0, 1).float()
 
 
+def _fresh_spans(lengths: list[int], first: int) -> list[tuple[int, int, int, int]]:
+    """The kernel's span rows for fresh prompts of ``lengths`` packed from row ``first`` on."""
+    spans, t = [], first
+    for n in lengths:
+        spans.append((t, t + n, t, 0))
+        t += n
+    return spans
+
+
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 1, 16), (8, 8, 128), (4, 2, 32), (4, 1, 256)])
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (37, 0.0), (0, 20.0)])
 def test_native_prefill_attention_matches_a_reference(heads, kv_heads, dim, window, softcap):
@@ -236,10 +245,7 @@ def test_native_prefill_attention_matches_a_reference(heads, kv_heads, dim, wind
     q = torch.randn(total, heads, dim).transpose(0, 1)
     k = torch.randn(total, kv_heads, dim).transpose(0, 1)
     v = torch.randn(total, kv_heads, dim).transpose(0, 1)
-    spans, t = [], 2
-    for n in lengths:
-        spans.append((t, t + n, t, 0))
-        t += n
+    spans = _fresh_spans(lengths, 2)
     out = torch.zeros(total, heads, dim)
     assert kernel.prefill_attention(q, k, v, torch.tensor(spans), out, dim**-0.5, softcap, window)
     for first, end, _, _ in spans:
@@ -273,10 +279,7 @@ def test_native_prefill_attention_in_bf16_matches_a_reference(heads, kv_heads, d
     q = torch.randn(total, heads, dim).to(bf).transpose(0, 1)
     k = torch.randn(total, kv_heads, dim).to(bf).transpose(0, 1)
     v = torch.randn(total, kv_heads, dim).to(bf).transpose(0, 1)
-    spans, t = [], 2
-    for n in lengths:
-        spans.append((t, t + n, t, 0))
-        t += n
+    spans = _fresh_spans(lengths, 2)
     out = torch.zeros(total, heads, dim)
     assert kernel.prefill_attention(q, k, v, torch.tensor(spans), out, dim**-0.5, softcap, window)
     errors = []

@@ -25,24 +25,10 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#include "vec_math.h"
 
-// exp on 16 lanes: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6 polynomial
-// (relative error ~2e-7, like expf). Inputs here are scores minus their max: <= 0.
-static inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
+// exp on 16 lanes (inputs here are scores minus their max: <= 0): acb/kernels/vec_math.h's
+static inline __m512 exp16(__m512 x) { return acb_vec::exp512(x); }
 
 // 16 lanes of a cached row, widened to float32 (bf16: the top half of a float's bits).
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -420,6 +406,46 @@ static inline bool softmax_block(const float* s, int64_t kb, int64_t pos, int64_
   return true;
 }
 
+// Up to RB query rows of one work item (positions [i0, i1) of a span, the G heads of kv head kh,
+// rows r0..): their queries, positions and windows, and their online-softmax state.
+template <typename Q>
+struct Rows {
+  int R;
+  const Q* qr[RB];
+  int64_t pos[RB], lo[RB];
+  float m[RB], l[RB], corr[RB];
+  int64_t hi_max = 0, lo_min = INT64_MAX;
+
+  Rows(const Q* q, int64_t q_tok, int64_t q_head, int64_t G, int64_t window, int64_t t0, int64_t past, int64_t kh,
+       int64_t i0, int64_t r0, int64_t nrows, float* acc, int64_t D)
+      : R(static_cast<int>(std::min<int64_t>(RB, nrows - r0))) {
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r0 + r, i = i0 + row / G, h = kh * G + row % G;
+      qr[r] = q + (t0 + i) * q_tok + h * q_head;
+      pos[r] = past + i;
+      lo[r] = window > 0 ? std::max<int64_t>(0, pos[r] - window + 1) : 0;
+      hi_max = std::max(hi_max, pos[r]);
+      lo_min = std::min(lo_min, lo[r]);
+      m[r] = 0.f;
+      l[r] = 0.f;
+      std::fill(acc + r * D, acc + (r + 1) * D, 0.f);
+    }
+  }
+
+  // out rows = acc / l, DC * 16 dims each
+  template <int DC>
+  void store(float* out, int64_t o_tok, int64_t o_head, int64_t t0, int64_t i0, int64_t r0, int64_t kh, int64_t G,
+             const float* acc) const {
+    constexpr int D = DC * 16;
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r0 + r, i = i0 + row / G, h = kh * G + row % G;
+      float* o = out + (t0 + i) * o_tok + h * o_head;
+      const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+      for (int c = 0; c < DC; ++c) _mm512_storeu_ps(o + c * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + c * 16), inv));
+    }
+  }
+};
+
 // s[r][0:32] = q_r . KT[:, 0:32] for R rows
 template <int R>
 static inline void qk(const float* const* qr, const float* kt, int64_t ldk, int64_t D, float* s) {
@@ -491,22 +517,12 @@ static void run_item(const Args& a, int64_t t0, int64_t k0, int64_t past, int64_
   const int64_t G = a.G;
   const int64_t nrows = (i1 - i0) * G;
   for (int64_t r0 = 0; r0 < nrows; r0 += RB) {
-    const int R = static_cast<int>(std::min<int64_t>(RB, nrows - r0));
-    const float* qr[RB];
-    int64_t pos[RB], lo[RB];
-    float m[RB], l[RB], corr[RB];
-    int64_t hi_max = 0, lo_min = INT64_MAX;
-    for (int r = 0; r < R; ++r) {
-      const int64_t row = r0 + r, i = i0 + row / G, h = kh * G + row % G;
-      qr[r] = a.q + (t0 + i) * a.q_tok + h * a.q_head;
-      pos[r] = past + i;
-      lo[r] = a.window > 0 ? std::max<int64_t>(0, pos[r] - a.window + 1) : 0;
-      hi_max = std::max(hi_max, pos[r]);
-      lo_min = std::min(lo_min, lo[r]);
-      m[r] = 0.f;
-      l[r] = 0.f;
-      std::fill(acc + r * D, acc + (r + 1) * D, 0.f);
-    }
+    Rows<float> t(a.q, a.q_tok, a.q_head, G, a.window, t0, past, kh, i0, r0, nrows, acc, D);
+    const int R = t.R;
+    const float* const* qr = t.qr;
+    const int64_t *pos = t.pos, *lo = t.lo;
+    float *m = t.m, *l = t.l, *corr = t.corr;
+    const int64_t hi_max = t.hi_max, lo_min = t.lo_min;
     const float* vr[KB];
     for (int64_t kb = lo_min / KB * KB; kb <= hi_max; kb += KB) {
       qk_rows(qr, kt + kb, ldk, D, s, R);
@@ -524,12 +540,7 @@ static void run_item(const Args& a, int64_t t0, int64_t k0, int64_t past, int64_
       for (int j = 0; j < nk; ++j) vr[j] = a.v + (k0 + kb + j) * a.v_tok + kh * a.v_head;
       pv_rows<DC>(acc, corr, p, vr, nk, R);
     }
-    for (int r = 0; r < R; ++r) {
-      const int64_t row = r0 + r, i = i0 + row / G, h = kh * G + row % G;
-      float* o = a.out + (t0 + i) * a.o_tok + h * a.o_head;
-      const __m512 inv = _mm512_set1_ps(1.f / l[r]);
-      for (int c = 0; c < DC; ++c) _mm512_storeu_ps(o + c * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + c * 16), inv));
-    }
+    t.store<DC>(a.out, a.o_tok, a.o_head, t0, i0, r0, kh, G, acc);
   }
 }
 
@@ -644,22 +655,12 @@ static void run_item16(const Args16& a, int64_t t0, int64_t past, int64_t kh, in
   const int64_t G = a.G;
   const int64_t nrows = (i1 - i0) * G;
   for (int64_t r0 = 0; r0 < nrows; r0 += RB) {
-    const int R = static_cast<int>(std::min<int64_t>(RB, nrows - r0));
-    const at::BFloat16* qr[RB];
-    int64_t pos[RB], lo[RB];
-    float m[RB], l[RB], corr[RB];
-    int64_t hi_max = 0, lo_min = INT64_MAX;
-    for (int r = 0; r < R; ++r) {
-      const int64_t row = r0 + r, i = i0 + row / G, h = kh * G + row % G;
-      qr[r] = a.q + (t0 + i) * a.q_tok + h * a.q_head;
-      pos[r] = past + i;
-      lo[r] = a.window > 0 ? std::max<int64_t>(0, pos[r] - a.window + 1) : 0;
-      hi_max = std::max(hi_max, pos[r]);
-      lo_min = std::min(lo_min, lo[r]);
-      m[r] = 0.f;
-      l[r] = 0.f;
-      std::fill(acc + r * D, acc + (r + 1) * D, 0.f);
-    }
+    Rows<at::BFloat16> t(a.q, a.q_tok, a.q_head, G, a.window, t0, past, kh, i0, r0, nrows, acc, D);
+    const int R = t.R;
+    const at::BFloat16* const* qr = t.qr;
+    const int64_t *pos = t.pos, *lo = t.lo;
+    float *m = t.m, *l = t.l, *corr = t.corr;
+    const int64_t hi_max = t.hi_max, lo_min = t.lo_min;
     for (int64_t kb = lo_min / KB * KB; kb <= hi_max; kb += KB) {
       qk16_rows(qr, kt + kb, ldk, D, s, R);
       const int nk = static_cast<int>(std::min<int64_t>(KB, hi_max + 1 - kb));
@@ -675,12 +676,7 @@ static void run_item16(const Args16& a, int64_t t0, int64_t past, int64_t kh, in
       }
       pv16_rows<DC>(acc, corr, p16, vt + (kb / 2) * D, (nk + 1) / 2, R);
     }
-    for (int r = 0; r < R; ++r) {
-      const int64_t row = r0 + r, i = i0 + row / G, h = kh * G + row % G;
-      float* o = a.out + (t0 + i) * a.o_tok + h * a.o_head;
-      const __m512 inv = _mm512_set1_ps(1.f / l[r]);
-      for (int c = 0; c < DC; ++c) _mm512_storeu_ps(o + c * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + c * 16), inv));
-    }
+    t.store<DC>(a.out, a.o_tok, a.o_head, t0, i0, r0, kh, G, acc);
   }
 }
 
