@@ -481,3 +481,31 @@ async def test_cuda_graphs_keep_greedy_parity(async_batching):
         graphs = runner_of(engine).fast_paths.decode_graphs
         assert graphs is not None and not graphs.failed and graphs.graphs
     assert [r.token_ids for r in results] == expected
+
+
+async def test_speculation_with_graphs_keeps_parity_and_replays_only_steps_without_proposals():
+    """Speculative decoding beside decode graphs (CUDA stood in for): a step whose rows carry
+    proposals is varlen and runs eagerly, decode-only steps without proposals replay their
+    graphs, and greedy output is still transformers' own."""
+    from acb.testing import speculate_always
+
+    model = tiny_model("llama")
+    rnd = random_prompts(2, 6, 10, seed=4)
+    prompts = [[5] * 10, [5, 6, 7] * 4, rnd[0] + rnd[0][:-2], rnd[1]]  # n-gram lookups find these
+    max_new = [12, 9, 14, 7]
+    expected = [reference_greedy(model, p, n) for p, n in zip(prompts, max_new)]
+    config = acb.EngineConfig(page_size=4, num_blocks=96, max_requests_per_batch=16, attn_backend="torch",
+                              q_padding_interval_size=4, kv_padding_interval_size=12, speculative_method="ngram")
+    async with acb.Engine(model, config=config) as engine:
+        speculate_always(engine)
+        graphs = _cpu_graphs(engine, CpuGraphs)
+        handles = [engine.submit(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(prompts, max_new)]
+        got = [(await h).token_ids for h in handles]
+        stats = engine.stats()
+        # a decode-only step after speculation: one request with no repetition to look up
+        tail = await engine.generate(list(range(40, 52)), max_new_tokens=6, ignore_eos=True)
+    assert got == expected
+    assert tail.token_ids == reference_greedy(model, list(range(40, 52)), 6)
+    assert stats.spec_proposed_tokens > 0 and stats.spec_accepted_tokens > 0, "the test did not speculate"
+    assert graphs.graphs and not graphs.failed
+    assert sum(g.graph.replays for g in graphs.graphs.values()) > 0, "no decode step replayed a graph"
