@@ -51,6 +51,7 @@ KERNEL_PATHS = ("native", "triton", "torch")
 # runner, at construction): step metadata names a path, the attention function looks
 # its module up here.
 KERNELS: dict[str, object] = {}
+_BF16_PREFILL = [False]  # the native kernel's bf16 prefill path, once loaded (bf16_prefill)
 
 
 def load_kernels(path: str) -> bool:
@@ -67,6 +68,8 @@ def load_kernels(path: str) -> bool:
     if module is None:
         return False
     KERNELS[path] = module
+    if path == "native":
+        _BF16_PREFILL[0] = bool(module.prefill_bf16())
     return True
 
 
@@ -226,9 +229,9 @@ def paged_attention(
 
 def bf16_prefill() -> bool:
     """Whether the native prefill kernel takes bfloat16 queries, keys and values (built with
-    avx512_bf16: ``paged_decode_cpu.cpp``); else a bf16 step widens them to float32 for it."""
-    kernel = KERNELS.get("native")
-    return kernel is not None and kernel.prefill_bf16()
+    avx512_bf16: ``paged_decode_cpu.cpp``); else a bf16 step widens them to float32 for it.
+    Read from the kernel once, when it loads (``load_kernels``)."""
+    return _BF16_PREFILL[0]
 
 
 def _decode_rows(meta: StepAttention, pool: PagePool, q_all: torch.Tensor, k_cache: torch.Tensor,
@@ -248,9 +251,8 @@ def _decode_rows(meta: StepAttention, pool: PagePool, q_all: torch.Tensor, k_cac
         q = q_all.index_select(1, idx).transpose(0, 1).contiguous().float()
         o = _decode_native(pool, decode, meta.page_size, q, k_cache, v_cache, scaling, sliding_window, softcap)
     else:
-        o = _decode_torch(pool, decode, meta.page_size, q_all.index_select(1, idx).to(out.dtype), k_cache, v_cache,
-                          kv_heads,
-                          scaling, sliding_window, softcap)
+        q = q_all.index_select(1, idx).to(out.dtype)
+        o = _decode_torch(pool, decode, meta.page_size, q, k_cache, v_cache, kv_heads, scaling, sliding_window, softcap)
     out.index_copy_(0, idx, o.to(out.dtype))
 
 

@@ -117,6 +117,7 @@ class _Layer:
     scaling: float
     window: int | None
     act: tuple[str, str] = ("swish", "")  # oneDNN epilogue of the gate projection
+    act_code: int = 0  # the native kernels' act (glu, glu_add, int8 glu): 0 SiLU, 1 GELU-tanh
     post_attn: Norm | None = None  # Gemma: on the attention's output, before the residual add
     post_mlp: Norm | None = None  # Gemma: on the MLP's output, before the residual add
     softcap: float | None = None  # Gemma 2: attention logit soft-capping
@@ -199,7 +200,7 @@ class FusedForward(LoraLayers):
             else:  # Gemma: normed before the residual add, which then cannot be fused into the GEMM
                 x = x + self._rms(self._projection(a, layer.o), layer.post_attn)
             h = self._rms(x, layer.ln2)
-            m = self.k.glu(linear(h, *layer.gate_up, "none", [], ""), 0 if layer.act[0] == "swish" else 1)
+            m = self.k.glu(linear(h, *layer.gate_up, "none", [], ""), layer.act_code)
             if layer.post_mlp is None:
                 x = self._add_projection(m, x, layer.down)
             else:
@@ -312,6 +313,7 @@ def describe(model: torch.nn.Module, lin) -> list[_Layer]:
             head_dim=attn.head_dim, scaling=float(attn.scaling),
             window=_WINDOW[type(layer).__name__](attn, config),
             act=_ACTIVATIONS[type(mlp.act_fn).__name__],
+            act_code=0 if _ACTIVATIONS[type(mlp.act_fn).__name__][0] == "swish" else 1,
             post_attn=_norm(layer.post_attention_layernorm) if gemma else None,
             post_mlp=_norm(layer.post_feedforward_layernorm) if gemma else None,
             softcap=getattr(attn, "attn_logit_softcapping", None) if type(layer).__name__ == "Gemma2DecoderLayer"

@@ -8,7 +8,7 @@ shrink one GEMM over the group's concatenated A; o's and down's deltas land on t
 residual sums; when a delta lands in gate/up, the activation and the product run in one
 native pass with the deltas (``glu_add``), else in the base model's (``glu``). Other
 dtypes: the same with PyTorch ops (``StepLora.add``). An MLP that no adapter of the step
-targets keeps its fused epilogues either way (PEFT's default targets q/v only).
+targets runs as the base model's (PEFT's default targets q/v only).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 # the gate activations as functions, for the PyTorch path's unfused MLP
 _ACTIVATION_FNS = {"swish": torch.nn.functional.silu,
                    "gelu": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}
-_ACT_CODES = {"swish": 0, "gelu": 1}  # glu_add's act
 
 
 class LoraLayers:
@@ -78,10 +77,10 @@ def _mlp(layer: _Layer, i: int, h: torch.Tensor, adapters: StepLora, native: boo
     gu = linear(h, *layer.gate_up, "none", [], "")  # gate | up, one GEMM (acb.fused.side_by_side)
     if not (adapters.touches(i, "gate_proj") or adapters.touches(i, "up_proj")):
         # no delta inside the MLP (PEFT's default targets q/v only): the base model's one pass
-        return kernels.glu(gu, _ACT_CODES[layer.act[0]])
+        return kernels.glu(gu, layer.act_code)
     g, u = gu.split(gu.shape[1] // 2, dim=1)
     if native:  # the deltas, the activation and the product in one pass over g and u
-        return adapters.glu_add(g, u, h, i, _ACT_CODES[layer.act[0]])
+        return adapters.glu_add(g, u, h, i, layer.act_code)
     adapters.add(g, h, i, "gate_proj")
     adapters.add(u, h, i, "up_proj")
     return _ACTIVATION_FNS[layer.act[0]](g) * u

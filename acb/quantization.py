@@ -442,7 +442,7 @@ class Int8Forward(FusedForward):
             else:  # Gemma: normed before the residual add
                 x = x + self._rms(linear(*a, *layer.o, None, dtype), layer.post_attn)
             h = self._quantized(x, layer.gate, layer.ln2)
-            m = self._quantized(q8.glu(*h, *layer.gate, *layer.up, 0 if layer.act[0] == "swish" else 1, dtype),
+            m = self._quantized(q8.glu(*h, *layer.gate, *layer.up, layer.act_code, dtype),
                                 layer.down)
             if layer.post_mlp is None:
                 x = linear(*m, *layer.down, x, dtype)
