@@ -184,10 +184,13 @@ def paged_attention(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    acb_out: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention interface, for one layer of an acb step: q [1, H, T, d],
-    new k/v [1, kvh, T, d] -> ([1, T, H, d], None)."""
+    new k/v [1, kvh, T, d] -> ([1, T, H, d], None). ``acb_out`` (acb's fused forwards): a
+    [T, H, d] view in the query's dtype, heads contiguous, that receives the output (the
+    returned tensor is then a view of it)."""
     meta = current_step()
     layer = module.layer_idx
     pool = meta.sliding if meta.sliding is not None and layer in meta.sliding_layers else meta.pool
@@ -197,12 +200,26 @@ def paged_attention(
     if scaling is None:
         scaling = head_dim**-0.5
     if meta.kernel == "triton":
-        return _triton_attention(meta, pool, query[0], key[0], value[0], k_cache, v_cache, scaling, sliding_window,
-                                 softcap), None
+        out = _triton_attention(meta, pool, query[0], key[0], value[0], k_cache, v_cache, scaling, sliding_window,
+                                softcap)
+        if acb_out is not None:
+            acb_out.copy_(out[0])
+            return acb_out.unsqueeze(0), None
+        return out, None
 
     k_new = key[0]  # [kvh, T, d]
     v_new = value[0]
     q_all = query[0]  # [H, T, d]
+    if (meta.kernel == "native" and not meta.prefills and meta.decode is not None and meta.decode.kernel == "native"
+            and k_cache.dtype == query.dtype):
+        # a decode-only step in one native call: cache writes, attention and the output in the
+        # model's dtype, no copies around it (paged_decode_into; False where it does not apply)
+        out = acb_out if acb_out is not None else q_all.new_empty(total, num_heads, head_dim)
+        if KERNELS["native"].paged_decode_into(
+                q_all.transpose(0, 1), k_new.transpose(0, 1), v_new.transpose(0, 1), k_cache, v_cache,
+                pool.slot_mapping, pool.decode_pages, meta.decode.lengths, out, meta.page_size, scaling,
+                softcap or 0.0, sliding_window or 0):
+            return out.unsqueeze(0), None
     # The native kernels compute in float32 whatever the model's dtype (bf16/fp16 pages are
     # widened as they are read) and write float32 outputs, rounded to the model's dtype once at
     # the end. A bf16 step's prompt rows go to the prefill kernel as they are (its avx512_bf16
@@ -218,12 +235,19 @@ def paged_attention(
     else:
         k_cache.index_copy_(1, pool.slot_mapping, k_new.to(k_cache.dtype))
         v_cache.index_copy_(1, pool.slot_mapping, v_new.to(v_cache.dtype))
-    out = q_all.new_empty(total, num_heads, head_dim, dtype=torch.float32 if half else q_all.dtype)
+    if acb_out is not None and not half:
+        out = acb_out  # the kernels write the model's dtype: straight into the caller's buffer
+    else:
+        out = q_all.new_empty(total, num_heads, head_dim, dtype=torch.float32 if half else q_all.dtype)
     if meta.decode is not None:
         _decode_rows(meta, pool, q_all, k_cache, v_cache, key.shape[1], scaling, sliding_window, softcap, out)
     if meta.prefills:
         _prefill_rows(meta, pool, q_all, k_new, v_new, k_cache, v_cache, half, scaling, sliding_window, softcap,
                       out)
+    if acb_out is not None:
+        if out is not acb_out:
+            acb_out.copy_(out)  # rounds to the model's dtype when the kernels ran in float32
+        return acb_out.unsqueeze(0), None
     return (out.to(query.dtype) if half else out).unsqueeze(0), None
 
 

@@ -194,7 +194,7 @@ class FusedForward(LoraLayers):
                 continue
             h = self._rms(x, layer.ln1)
             q, kk, v = linear(h, *layer.qkv, "none", [], "").split(layer.qkv_split, dim=1)  # column views
-            a = pad_rows(self._attend(layer, q, kk, v, total, cos, sin), rows)
+            a = self._attend(layer, q, kk, v, total, cos, sin, rows)
             if layer.post_attn is None:
                 x = self._add_projection(a, x, layer.o)
             else:  # Gemma: normed before the residual add, which then cannot be fused into the GEMM
@@ -219,9 +219,11 @@ class FusedForward(LoraLayers):
         return {t: (cos[0].contiguous(), sin[0].contiguous()) for t, (cos, sin) in ropes.items()}
 
     def _attend(self, layer: _Layer, q: torch.Tensor, kk: torch.Tensor, v: torch.Tensor, total: int,
-                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                cos: torch.Tensor, sin: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """The attention of one layer over its projections' first ``total`` rows (the
-        rest is padding): q/k norms, RoPE in place, paged attention -> [total, heads * d]."""
+        rest is padding): q/k norms, RoPE in place, paged attention -> [rows, heads * d]
+        (``rows`` >= ``total``, default ``total``: the rows after ``total`` zero), the buffer
+        the next GEMM reads."""
         d = layer.head_dim
         if layer.q_norm is not None:  # Qwen3, Gemma 3: RMSNorm over each head, before RoPE
             q = self._rms(q.reshape(-1, d), layer.q_norm).view(q.shape[0], -1)
@@ -229,14 +231,19 @@ class FusedForward(LoraLayers):
         q, kk, v = q[:total], kk[:total], v[:total]  # views: the padding stays out of the cache
         self.k.rope_(q, cos, sin, d)
         self.k.rope_(kk, cos, sin, d)
-        a, _ = attention.paged_attention(
+        rows = total if rows is None else rows
+        out = q.new_empty(rows, layer.heads * d)
+        if rows > total:
+            out[total:].zero_()
+        attention.paged_attention(
             layer.attn,
             q.view(total, layer.heads, d).transpose(0, 1).unsqueeze(0),
             kk.view(total, layer.kv_heads, d).transpose(0, 1).unsqueeze(0),
             v.view(total, layer.kv_heads, d).transpose(0, 1).unsqueeze(0),
             None, scaling=layer.scaling, sliding_window=layer.window, softcap=layer.softcap,
+            acb_out=out[:total].view(total, layer.heads, d),
         )
-        return a.view(total, -1)
+        return out
 
     def _projection(self, h: torch.Tensor, weight: tuple) -> torch.Tensor:
         """``h @ W``; sharded, summed over the ranks."""

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .kernels.cpu_linear import pad_rows
 
 if TYPE_CHECKING:
     from .fused import FusedForward, _Layer
@@ -44,7 +43,7 @@ class LoraLayers:
         else:
             for out, proj in ((q, "q_proj"), (kk, "k_proj"), (v, "v_proj")):
                 adapters.add(out, h, i, proj)
-        a = pad_rows(self._attend(layer, q, kk, v, total, cos, sin), rows)
+        a = self._attend(layer, q, kk, v, total, cos, sin, rows)
         if layer.post_attn is None:  # the residual add stays fused; the delta lands on the sum
             x = self._add_projection(a, x, layer.o)
             _add(adapters, native, x, a, i, "o")

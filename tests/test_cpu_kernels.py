@@ -75,6 +75,42 @@ def test_native_decode_kernel_reads_half_precision_pages(page_dtype, heads, kv_h
                                                window), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 256)])
+@pytest.mark.parametrize("window", [0, 37])
+def test_decode_in_one_call_equals_the_separate_writes_and_conversions(dtype, heads, kv_heads, dim, window):
+    """paged_decode_into (a decode-only step's whole attention call: cache writes, strided
+    queries, output in the model's dtype) gives the bits of the separate path it replaces:
+    index_copy_ into the pages, float32 queries, paged_decode, the output rounded."""
+    kernel = paged_decode_kernel()
+    if kernel is None:
+        pytest.skip("the native CPU kernel did not build here")
+    torch.manual_seed(heads * dim + window)
+    rows, ps, per_row = 13, 16, 20
+    kc = torch.randn(kv_heads, 400 * ps, dim).to(dtype)
+    vc = torch.randn(kv_heads, 400 * ps, dim).to(dtype)
+    pages = (torch.randperm(399)[: rows * per_row] + 1).view(rows, per_row).contiguous()
+    lengths = torch.randint(1, per_row * ps, (rows,))
+    slots = torch.stack([pages[b, (n - 1) // ps] * ps + (n - 1) % ps for b, n in enumerate(lengths.tolist())])
+    qkv = torch.randn(rows + 3, (heads + 2 * kv_heads) * dim).to(dtype)  # the GEMM's output: column views
+    q, k, v = (t[:rows].view(rows, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], 1))
+    kc1, vc1 = kc.clone(), vc.clone()
+    kc1.index_copy_(1, slots, k.transpose(0, 1))
+    vc1.index_copy_(1, slots, v.transpose(0, 1))
+    expected = torch.empty(rows, heads, dim)
+    kernel.paged_decode(q.float().contiguous(), kc1, vc1, pages, lengths, expected, ps, dim**-0.5, 0.0, window)
+    padded = torch.zeros(rows + 5, heads * dim, dtype=dtype)
+    out = padded[:rows].view(rows, heads, dim)
+    assert kernel.paged_decode_into(q, k, v, kc, vc, slots, pages, lengths, out, ps, dim**-0.5, 0.0, window)
+    assert torch.equal(kc, kc1) and torch.equal(vc, vc1)
+    assert torch.equal(out, expected.to(dtype))
+    assert not padded[rows:].any()  # nothing written past the rows
+    # what it does not cover it declines, untouched: soft-capping, mixed dtypes
+    assert not kernel.paged_decode_into(q, k, v, kc, vc, slots, pages, lengths, out, ps, 0.1, 30.0, 0)
+    assert not kernel.paged_decode_into(q.half(), k, v, kc, vc, slots, pages, lengths, out, ps, 0.1, 0.0, 0)
+    assert torch.equal(kc, kc1)
+
+
 def test_native_decode_kernel_refuses_what_it_cannot_read():
     kernel = paged_decode_kernel()
     if kernel is None:

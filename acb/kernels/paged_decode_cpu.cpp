@@ -39,6 +39,15 @@ static inline __m512 load16(const at::BFloat16* p) {
 static inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+// 16 float32 lanes stored as float32, or rounded to bfloat16 (to nearest, ties to even: what
+// PyTorch's float -> bfloat16 conversion does for every non-NaN value)
+static inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+static inline void store16(at::BFloat16* p, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+}
 static inline __m512 load16(const int8_t* p) {  // int8 values, their row's scale applied by the caller
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
@@ -80,6 +89,19 @@ static inline const T* paged_row(const T* base, const int64_t* pages, int64_t pa
   return base + (pages[pos / page_size] * page_size + pos % page_size) * (D + RowOf<T>::EXTRA);
 }
 
+// The first rows [first, first + m) of one head's paged keys or values into L2, for the item after
+// the current one: each item starts where no prefetch ran ahead of it, and a thread's items are
+// short (~200 keys: a few microseconds), so a cold start per pass cost a third of the bandwidth.
+template <typename T>
+static inline void prefetch_start(const T* base, const int64_t* pages, int64_t page_size, int64_t stride,
+                                  int64_t first, int64_t m) {
+  const int64_t bytes = stride * static_cast<int64_t>(sizeof(T));
+  for (int64_t pos = first; pos < first + m; ++pos) {
+    const char* row = reinterpret_cast<const char*>(base + (pages[pos / page_size] * page_size + pos % page_size) * stride);
+    for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(row + c, _MM_HINT_T1);
+  }
+}
+
 // 16 vectors -> one: lane j = the sum of v[j]'s lanes (a tree of 15 shuffle-adds, not 16
 // horizontal reductions). v is overwritten.
 static inline __m512 reduce16(__m512* v) {
@@ -104,12 +126,14 @@ static inline __m512 reduce16(__m512* v) {
 // once into kf (16 x D floats, L1), then each head's 16 dot products are reduced
 // together. scores[g * n + i] = q_g . k_i * scale (* the row's scale on int8 pages).
 template <int G, int DC, typename T>
-static inline void scores16(const __m512* q, const T* kbase, const int64_t* pages, int64_t page_size,
+static inline void scores16(const __m512* q, const T* kbase, const T* vbase, const int64_t* pages, int64_t page_size,
                             int64_t first, int64_t i0, int nk, int64_t n, float scale, float* kf, float* scores) {
   constexpr int D = DC * 16;
   alignas(64) float ks[16];
   for (int j = 0; j < nk; ++j) {
     const T* kp = paged_row<D>(kbase, pages, page_size, first, i0 + j, n);
+    // the value pass follows this one over the same positions: bring the values into L2 now
+    if (i0 + j + 32 < n) prefetch_row<D, T, _MM_HINT_T1>(vbase, pages, page_size, first + i0 + j + 32);
     for (int c = 0; c < DC; ++c) _mm512_store_ps(kf + j * D + c * 16, load16(kp + c * 16));
     ks[j] = row_scale(kp, D) * scale;
   }
@@ -130,17 +154,17 @@ static inline void scores16(const __m512* q, const T* kbase, const int64_t* page
 
 // One (row, kv head): G query heads of DC*16 dims over n keys starting at position
 // `first`. Queries and the G x D accumulator live in registers (G, DC compile-time).
-template <int G, int DC, typename T>
-static void decode_item_avx512(const float* qrow, const T* kbase, const T* vbase, const int64_t* pages,
+template <int G, int DC, typename T, typename Q = float>
+static void decode_item_avx512(const Q* qrow, const T* kbase, const T* vbase, const int64_t* pages,
                                int64_t page_size, int64_t first, int64_t n, float scale, float* scores,
-                               float* out) {
+                               Q* out) {
   constexpr int D = DC * 16;
   __m512 q[G * DC];
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < DC; ++c) q[g * DC + c] = _mm512_loadu_ps(qrow + g * D + c * 16);
+    for (int c = 0; c < DC; ++c) q[g * DC + c] = load16(qrow + g * D + c * 16);
   alignas(64) float kf[16 * D];
   for (int64_t i0 = 0; i0 < n; i0 += 16)
-    scores16<G, DC, T>(q, kbase, pages, page_size, first, i0, static_cast<int>(std::min<int64_t>(16, n - i0)), n,
+    scores16<G, DC, T>(q, kbase, vbase, pages, page_size, first, i0, static_cast<int>(std::min<int64_t>(16, n - i0)), n,
                        scale, kf, scores);
   float denom[G];
   for (int g = 0; g < G; ++g) {
@@ -179,35 +203,34 @@ static void decode_item_avx512(const float* qrow, const T* kbase, const T* vbase
   }
   for (int g = 0; g < G; ++g) {
     const __m512 inv = _mm512_set1_ps(1.f / denom[g]);
-    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(out + g * D + c * 16, _mm512_mul_ps(acc[g * DC + c], inv));
+    for (int c = 0; c < DC; ++c) store16(out + g * D + c * 16, _mm512_mul_ps(acc[g * DC + c], inv));
   }
 }
 
-template <typename T>
-using ItemFn = void (*)(const float*, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, float, float*,
-                        float*);
+template <typename T, typename Q = float>
+using ItemFn = void (*)(const Q*, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, float, float*, Q*);
 
-template <int DC, typename T>
-static ItemFn<T> pick_g(int64_t G) {
+template <int DC, typename T, typename Q = float>
+static ItemFn<T, Q> pick_g(int64_t G) {
   switch (G) {
-    case 1: return decode_item_avx512<1, DC, T>;
-    case 2: return decode_item_avx512<2, DC, T>;
-    case 3: return decode_item_avx512<3, DC, T>;
-    case 4: return decode_item_avx512<4, DC, T>;
-    case 5: return decode_item_avx512<5, DC, T>;
-    case 6: return decode_item_avx512<6, DC, T>;
-    case 7: return decode_item_avx512<7, DC, T>;
-    case 8: return decode_item_avx512<8, DC, T>;
+    case 1: return decode_item_avx512<1, DC, T, Q>;
+    case 2: return decode_item_avx512<2, DC, T, Q>;
+    case 3: return decode_item_avx512<3, DC, T, Q>;
+    case 4: return decode_item_avx512<4, DC, T, Q>;
+    case 5: return decode_item_avx512<5, DC, T, Q>;
+    case 6: return decode_item_avx512<6, DC, T, Q>;
+    case 7: return decode_item_avx512<7, DC, T, Q>;
+    case 8: return decode_item_avx512<8, DC, T, Q>;
     default: return nullptr;
   }
 }
 
-template <typename T>
-static ItemFn<T> pick_item(int64_t G, int64_t D) {
+template <typename T, typename Q = float>
+static ItemFn<T, Q> pick_item(int64_t G, int64_t D) {
   switch (D) {
-    case 64: return pick_g<4, T>(G);
-    case 128: return pick_g<8, T>(G);
-    case 256: return pick_g<16, T>(G);
+    case 64: return pick_g<4, T, Q>(G);
+    case 128: return pick_g<8, T, Q>(G);
+    case 256: return pick_g<16, T, Q>(G);
     default: return nullptr;
   }
 }
@@ -239,6 +262,13 @@ static void paged_decode_t(const torch::Tensor& q, const torch::Tensor& k_cache,
         const int64_t first = window > 0 ? std::max<int64_t>(0, L - window) : 0;
         const int64_t n = L - first;
         scores.resize(G * n);
+        if (item + 1 < end) {  // the next item's first keys and values, while this one runs
+          const int64_t b2 = (item + 1) / KVH, kh2 = (item + 1) % KVH, L2 = len[b2];
+          const int64_t first2 = window > 0 ? std::max<int64_t>(0, L2 - window) : 0;
+          const int64_t m = std::min<int64_t>(32, L2 - first2);
+          prefetch_start(kp + kh2 * S * STRIDE, pg + b2 * P, page_size, STRIDE, first2, m);
+          prefetch_start(vp + kh2 * S * STRIDE, pg + b2 * P, page_size, STRIDE, first2, m);
+        }
         fast(qp + (b * H + kh * G) * D, kp + kh * S * STRIDE, vp + kh * S * STRIDE, pg + b * P, page_size, first, n, fscale,
              scores.data(), op + (b * H + kh * G) * D);
       }
@@ -337,6 +367,101 @@ void paged_decode(const torch::Tensor& q,        // [B, H, D] float32, contiguou
     default: TORCH_CHECK(false, "paged_decode: pages must be float32, bfloat16, float16 or int8, not ",
                          k_cache.scalar_type());
   }
+}
+
+
+// A decode-only step's whole attention call in one pass (the fused forward's, per layer): each row's
+// new key and value written into its page slot, then its attention, queries read where the
+// projection left them and the output written where the next GEMM reads it, in the model's dtype
+// (float32 or bfloat16: widened as read, rounded once as written, as PyTorch's conversions around
+// paged_decode did; the same float32 arithmetic in between, so the same bits). The separate copies
+// (two index_copy_, the queries' transpose and widening, the output's rounding) were ~100-250 us a
+// layer of a ~800 us call at SmolLM2's 57-row decode steps. Returns false, having done nothing,
+// where it does not apply (soft-capping, a head layout without a vectorised item, mixed dtypes, no
+// AVX-512): the caller then takes the separate path.
+#if defined(__AVX512F__)
+template <typename T>
+static void decode_into_t(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new,
+                          torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots,
+                          const torch::Tensor& pages, const torch::Tensor& lengths, torch::Tensor& out,
+                          int64_t page_size, float scale, int64_t window, ItemFn<T, T> fast) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(0), S = k_cache.size(1);
+  const int64_t P = pages.size(1), G = H / KVH;
+  const int64_t qs = q.stride(0), ks = k_new.stride(0), vs = v_new.stride(0), os = out.stride(0);
+  const T* qp = q.data_ptr<T>();
+  const T* knp = k_new.data_ptr<T>();
+  const T* vnp = v_new.data_ptr<T>();
+  T* kp = k_cache.data_ptr<T>();
+  T* vp = v_cache.data_ptr<T>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t* pg = pages.data_ptr<int64_t>();
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / KVH, kh = item % KVH;
+      // only this item reads row b's keys and values of head kh: write them first
+      std::memcpy(kp + (kh * S + sl[b]) * D, knp + b * ks + kh * D, D * sizeof(T));
+      std::memcpy(vp + (kh * S + sl[b]) * D, vnp + b * vs + kh * D, D * sizeof(T));
+      const int64_t L = len[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+      const int64_t n = L - first;
+      scores.resize(G * n);
+      if (item + 1 < end) {
+        const int64_t b2 = (item + 1) / KVH, kh2 = (item + 1) % KVH, L2 = len[b2];
+        const int64_t first2 = window > 0 ? std::max<int64_t>(0, L2 - window) : 0;
+        const int64_t m = std::min<int64_t>(32, L2 - first2);
+        prefetch_start(kp + kh2 * S * D, pg + b2 * P, page_size, D, first2, m);
+        prefetch_start(vp + kh2 * S * D, pg + b2 * P, page_size, D, first2, m);
+      }
+      fast(qp + b * qs + kh * G * D, kp + kh * S * D, vp + kh * S * D, pg + b * P, page_size, first, n, scale,
+           scores.data(), op + b * os + kh * G * D);
+    }
+  });
+}
+#endif
+
+bool paged_decode_into(const torch::Tensor& q,      // [B, H, D]: heads contiguous within a row, any row stride
+                       const torch::Tensor& k_new,  // [B, KVH, D] the rows' new keys, laid out as q
+                       const torch::Tensor& v_new,  // [B, KVH, D] their values
+                       torch::Tensor& k_cache, torch::Tensor& v_cache,  // [KVH, S, D]
+                       const torch::Tensor& slots,    // [B] int64: each row's new slot
+                       const torch::Tensor& pages,    // [B, P] int64
+                       const torch::Tensor& lengths,  // [B] int64: context length, the new token's included
+                       torch::Tensor& out,            // [B, H, D], laid out as q
+                       int64_t page_size, double scale, double softcap, int64_t window) {
+#if defined(__AVX512F__)
+  const auto dt = q.scalar_type();
+  if (softcap > 0.0 || (dt != torch::kFloat32 && dt != torch::kBFloat16)) return false;
+  for (const torch::Tensor* t : {&k_new, &v_new, static_cast<const torch::Tensor*>(&k_cache),
+                                 static_cast<const torch::Tensor*>(&v_cache), static_cast<const torch::Tensor*>(&out)})
+    if (t->scalar_type() != dt) return false;
+  for (const torch::Tensor* t : {&q, &k_new, &v_new, static_cast<const torch::Tensor*>(&out)})
+    if (t->dim() != 3 || t->stride(2) != 1 || t->stride(1) != t->size(2)) return false;
+  if (!k_cache.is_contiguous() || !v_cache.is_contiguous() || k_cache.size(2) != q.size(2) ||
+      v_cache.sizes() != k_cache.sizes() || q.size(1) % k_cache.size(0) != 0 || k_new.size(1) != k_cache.size(0) ||
+      slots.scalar_type() != torch::kInt64 || pages.scalar_type() != torch::kInt64 ||
+      lengths.scalar_type() != torch::kInt64 || !pages.is_contiguous() || !slots.is_contiguous() ||
+      slots.size(0) != q.size(0) || k_new.size(0) != q.size(0) || out.size(0) != q.size(0))
+    return false;
+  const int64_t G = q.size(1) / k_cache.size(0), D = q.size(2);
+  const float fscale = static_cast<float>(scale);
+  if (dt == torch::kFloat32) {
+    const ItemFn<float, float> fast = pick_item<float, float>(G, D);
+    if (fast == nullptr) return false;
+    decode_into_t<float>(q, k_new, v_new, k_cache, v_cache, slots, pages, lengths, out, page_size, fscale, window,
+                         fast);
+  } else {
+    const ItemFn<at::BFloat16, at::BFloat16> fast = pick_item<at::BFloat16, at::BFloat16>(G, D);
+    if (fast == nullptr) return false;
+    decode_into_t<at::BFloat16>(q, k_new, v_new, k_cache, v_cache, slots, pages, lengths, out, page_size, fscale,
+                                window, fast);
+  }
+  return true;
+#else
+  return false;
+#endif
 }
 
 
@@ -886,6 +1011,9 @@ void write_kv_int8(const torch::Tensor& src, torch::Tensor& cache, const torch::
 // The GIL is released while a kernel runs: the event loop's thread keeps serving.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode_into", &paged_decode_into,
+        "a decode-only step's attention: cache writes, attention, output in the model's dtype (CPU)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("write_kv_int8", &write_kv_int8, "quantize new keys/values into int8 pages (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("prefill_bf16", []() {
