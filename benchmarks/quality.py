@@ -278,7 +278,10 @@ def main() -> None:
     ids = tok(held_out_text())["input_ids"][: args.tokens + 1]
     w = workloads.build("standard", None, args.prompts, 2.0)
     results: dict[str, dict] = {}
-    for name in args.dtypes.split(","):
+    names = args.dtypes.split(",")
+    if "float32" not in names:  # every measure is against float32: run it first, whatever was asked
+        names.insert(0, "float32")
+    for name in names:
         t0 = time.perf_counter()
         if name.startswith("vllm_"):
             if not args.vllm_venv:
