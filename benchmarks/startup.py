@@ -1,0 +1,82 @@
+"""Start-up time: a fresh process, from its first line to the first generated token, SmolLM2-135M
+from its GGUF file with acb's conversion already cached (what every start after the first pays).
+
+    python benchmarks/startup.py                 # bf16 (the default here), float32, int8; 3 runs each
+    python benchmarks/startup.py --variants int8 --runs 5
+
+Each run is its own ``python -c`` process (imports included: torch and transformers are most of
+it); the first run of each variant also fills the cache (reported apart, not in the median). The
+phases come from the child's own clock: imports, ``Engine.from_pretrained`` (load, prepack, cache
+sizing), ``async with`` (the engine starting: kernels loaded, fused forward built) and the first
+token of a one-token request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+CHILD = r"""
+import time, sys
+t0 = time.perf_counter()
+import asyncio, json
+import acb
+from acb.loading import smollm2
+t_import = time.perf_counter()
+async def main():
+    folder, gguf = smollm2()
+    config = acb.EngineConfig(**json.loads(sys.argv[1]))
+    engine = acb.Engine.from_pretrained(folder, gguf_file=gguf, config=config)
+    t_load = time.perf_counter()
+    async with engine:
+        t_start = time.perf_counter()
+        await engine.generate("Hello", max_new_tokens=1)
+        t_first = time.perf_counter()
+        dtype = engine.stats().dtype if hasattr(engine.stats(), "dtype") else ""
+    print(json.dumps({"import": t_import - t0, "load": t_load - t_import, "start": t_start - t_load,
+                      "first_token": t_first - t_start, "total": t_first - t0, "dtype": str(dtype)}))
+asyncio.run(main())
+"""
+
+VARIANTS = {
+    "bfloat16": {"dtype": "bfloat16"},
+    "float32": {"dtype": "float32"},
+    "int8": {"quantization": "int8"},
+}
+
+
+def run_once(config: dict) -> dict:
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(config)], capture_output=True, text=True, check=True)
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    row["wall"] = time.perf_counter() - t0  # the interpreter's own start-up included
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variants", default="bfloat16,float32,int8")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--out", default="bench-results/startup.json")
+    args = p.parse_args()
+    results = {}
+    for name in args.variants.split(","):
+        first = run_once(VARIANTS[name])  # fills the conversion cache if it was empty
+        runs = [run_once(VARIANTS[name]) for _ in range(args.runs)]
+        med = {k: statistics.median(r[k] for r in runs) for k in ("wall", "import", "load", "start", "first_token")}
+        results[name] = {"first_run_wall": first["wall"], "median": med, "runs": runs}
+        print(f"{name:9s} first run {first['wall']:.1f} s; cached, median of {args.runs}: {med['wall']:.2f} s "
+              f"(imports {med['import']:.2f}, from_pretrained {med['load']:.2f}, start {med['start']:.2f}, "
+              f"first token {med['first_token']:.2f})", flush=True)
+    from pathlib import Path
+
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
