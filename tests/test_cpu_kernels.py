@@ -76,7 +76,7 @@ def test_native_decode_kernel_reads_half_precision_pages(page_dtype, heads, kv_h
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 256)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 256), (4, 2, 16), (6, 2, 32)])
 @pytest.mark.parametrize("window", [0, 37])
 def test_decode_in_one_call_equals_the_separate_writes_and_conversions(dtype, heads, kv_heads, dim, window):
     """paged_decode_into (a decode-only step's whole attention call: cache writes, strided

@@ -109,6 +109,47 @@ async def test_greedy_parity_with_the_fused_forward_on_and_off(arch, fused, monk
             assert result.token_ids == reference_greedy(engine.model, prompt, 12)
 
 
+class _CountingKernels:
+    """attention.KERNELS["native"] with its paged_decode_into calls counted by what they returned."""
+
+    def __init__(self, module) -> None:
+        self.module, self.took, self.declined = module, 0, 0
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+    def paged_decode_into(self, *args):
+        took = self.module.paged_decode_into(*args)
+        self.took += took
+        self.declined += not took
+        return took
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gemma2"])
+async def test_decode_only_steps_attend_in_one_native_call(arch, dtype, monkeypatch):
+    """A fused decode-only step's attention is one native call per layer (paged_decode_into:
+    the cache writes, the attention and the output in the model's dtype), Gemma 3's sliding
+    layers over their own pool included; Gemma 2's soft-capping is declined there and takes
+    the separate path. In float32 the tokens are generate's either way."""
+    _kernels_or_skip()
+    prompts = random_prompts(5, 3, 40, seed=13)
+    async with tiny_engine(arch, seed=2, dtype=dtype) as engine:
+        assert runner_of(engine).fast_paths.fused is not None
+        counting = _CountingKernels(attention.KERNELS["native"])
+        monkeypatch.setitem(attention.KERNELS, "native", counting)
+        got = await engine.generate_batch(prompts, max_new_tokens=10, ignore_eos=True)
+    if arch == "gemma2":
+        assert counting.took == 0 and counting.declined > 0
+    else:
+        assert counting.took > 0 and counting.declined == 0
+    if dtype == "float32":
+        for prompt, result in zip(prompts, got, strict=True):
+            assert result.token_ids == reference_greedy(engine.model, prompt, 10)
+    else:
+        assert all(len(r.token_ids) == 10 for r in got)
+
+
 def test_native_rms_norm_matches_transformers():
     _kernels_or_skip()
     from transformers.models.llama.modeling_llama import LlamaRMSNorm

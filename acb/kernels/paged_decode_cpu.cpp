@@ -228,6 +228,8 @@ static ItemFn<T, Q> pick_g(int64_t G) {
 template <typename T, typename Q = float>
 static ItemFn<T, Q> pick_item(int64_t G, int64_t D) {
   switch (D) {
+    case 16: return pick_g<1, T, Q>(G);
+    case 32: return pick_g<2, T, Q>(G);
     case 64: return pick_g<4, T, Q>(G);
     case 128: return pick_g<8, T, Q>(G);
     case 256: return pick_g<16, T, Q>(G);
