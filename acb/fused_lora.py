@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-
 if TYPE_CHECKING:
     from .fused import FusedForward, _Layer
     from .lora import StepLora
