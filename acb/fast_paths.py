@@ -85,6 +85,10 @@ class FastPaths:
         self._configure_forwards(config)
         self._configure_graphs(config, max_rows, pad_on_cpu)
         self.watch.snapshot()  # the model as the fast paths now see it (prepacked or not)
+        if self.device.type == "cpu":  # the packing's freed copies back to the OS, not kept by glibc
+            from .kernels.cpu_linear import trim_heap
+
+            trim_heap()
         if self.decode_padding is None:
             log.info("acb decode steps: eager, unpadded")
         else:

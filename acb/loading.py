@@ -112,9 +112,14 @@ def load(path: str | os.PathLike, gguf_file: str | None = None, *,
         path = str(_converted_gguf(path, gguf_file))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **model_kwargs)
     model.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
     if device == "cpu":
         _own_memory(model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+        from .kernels.cpu_linear import trim_heap
+
+        # what loading freed (the checkpoint's tensors before the cast and the copies above)
+        # goes back to the OS now: glibc keeps it otherwise (bf16 from a float32 file: ~230 MB)
+        trim_heap()
     return model, tokenizer
 
 

@@ -89,10 +89,9 @@ def run_acb(w: Workload, config_kwargs: dict | None = None, dtype: str | None = 
     requested = config.dtype or dtype
     dtype = requested or default_dtype("cpu")
     config = dataclasses.replace(config, dtype=dtype, quantization=quantization or config.quantization)
-    if config.quantization:
-        model, tok = load(*smollm2(), dtype=dtype, quantization=config.quantization)
-    else:
-        model, tok = load_smollm2()
+    # loaded in the dtype it runs in, as Engine.from_pretrained does (not float32 and then cast:
+    # that would put the float32 copy into the peak RSS reported)
+    model, tok = load(*smollm2(), dtype=dtype, quantization=config.quantization)
     name = f"acb_{config.quantization + '_' if config.quantization else ''}{SHORT[dtype]}" + \
         ("_kv8" if config.kv_cache_dtype == "int8" else "") + ("" if requested else "_default")
 

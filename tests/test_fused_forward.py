@@ -73,6 +73,34 @@ def test_fused_forward_computes_the_models_logits(arch):
         runner.release()
 
 
+@torch.inference_mode()
+def test_the_fused_forward_frees_the_packs_it_replaces_and_a_module_packs_again_when_used():
+    """q/k/v and gate/up run as two side-by-side GEMMs, so their own packed copies are freed
+    (a third copy of two thirds of the weights); o/down keep theirs (the fused forward reads
+    them). A module's own forward, if transformers' ever runs, packs from the weight as it is."""
+    _kernels_or_skip()
+    model = tiny_model("llama", seed=3)
+    runner = _runner(model)
+    try:
+        packs = runner.fast_paths.packed.layers
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            assert all(packs[m].packed is None for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj,
+                                                          mlp.up_proj))
+            assert packs[attn.o_proj].packed is not None and packs[mlp.down_proj].packed is not None
+        attn = model.model.layers[0].self_attn
+        x = torch.randn(5, attn.q_proj.in_features)
+        torch.testing.assert_close(attn.q_proj(x), x @ attn.q_proj.weight.T, rtol=1e-4, atol=1e-4)
+        assert packs[attn.q_proj].packed is not None  # packed again by its own forward
+        runner.fast_paths.packed.refresh(force=True)  # (reload_weights) repacks what is packed, no more
+        assert packs[attn.k_proj].packed is None and packs[attn.o_proj].packed is not None
+        attn.k_proj.weight.mul_(2)  # edited while its copy is freed
+        torch.testing.assert_close(attn.k_proj(x), x @ attn.k_proj.weight.T, rtol=1e-4, atol=1e-4)
+        assert packs[attn.k_proj].fresh()
+    finally:
+        runner.release()
+
+
 def test_a_layer_it_does_not_reproduce_keeps_transformers_forward(caplog):
     _kernels_or_skip()
     caplog.set_level("INFO", logger="acb")

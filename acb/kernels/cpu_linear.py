@@ -9,7 +9,9 @@ steps (576x960: 0.38 ms vs 0.76 ms).
 While an engine holds the model, each ``nn.Linear`` forward uses its packed weight.
 The dense weights stay where they are, the model's own: ``state_dict``,
 ``load_state_dict`` and in-place edits keep working, at the cost of the linear
-weights' memory twice. A packed weight is a copy, so each remembers which dense
+weights' memory twice. (The fused forward packs q/k/v and gate/up side by side and
+frees these modules' own packed copies, :meth:`Prepacked.drop`: a module packs again
+at its next own forward, if one ever runs.) A packed weight is a copy, so each remembers which dense
 weight it was made from (the tensor, its ``_version`` and address): a forward
 whose weight was replaced or edited in place since computes with the dense weight
 (never the stale copy), and :meth:`Prepacked.refresh` repacks what changed (the
@@ -85,6 +87,11 @@ class _Packed:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.data.contiguous(), None)
         self.stamp = stamp(weight)  # written after the packed weight: a reader that sees it sees both
 
+    def drop(self) -> None:
+        """Free the packed copy (a fused forward packs this weight beside others and
+        computes with that): the next forward through this module packs it again."""
+        self.packed = None
+
     def fresh(self) -> bool:
         weight, version, ptr = self.stamp
         current = self.module.weight
@@ -92,6 +99,8 @@ class _Packed:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         module = self.module
+        if self.packed is None:  # dropped while a fused forward stood in for this one (drop)
+            self.pack()
         if not self.fresh():  # edited since it was packed: the model's own weight, never the copy
             return torch.nn.functional.linear(x, module.weight, module.bias)
         rows = x.reshape(-1, x.shape[-1])
@@ -120,12 +129,21 @@ class Prepacked:
     def refresh(self, force: bool = False) -> int:
         """Repack the layers whose dense weight changed since they were packed (all of
         them with ``force``); returns how many were repacked."""
-        stale = [e for e in self.layers.values() if force or not e.fresh()]
+        # a dropped copy (``_Packed.drop``) is packed again, from the weight as it is then, when used
+        stale = [e for e in self.layers.values() if e.packed is not None and (force or not e.fresh())]
         for entry in stale:
             entry.pack()
         if stale:
             log.info("acb: repacked %d linear layers whose weights changed", len(stale))
         return len(stale)
+
+    def drop(self, modules) -> None:
+        """Free the packed copies of ``modules`` (acb.fused computes with its own side-by-side
+        packs of them); each is packed again at its next own forward, if there is one."""
+        for module in modules:
+            entry = self.layers.get(module)
+            if entry is not None:
+                entry.drop()
 
     def restore(self) -> None:
         for entry in self.layers.values():
