@@ -81,11 +81,12 @@ class _Packed:
         self.pack()
         self.bound = self.forward  # the instance attribute set on the module (compared by identity)
 
-    def pack(self) -> None:
+    def pack(self) -> torch.Tensor:
         weight = self.module.weight
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.data.contiguous(), None)
+            packed = self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.data.contiguous(), None)
         self.stamp = stamp(weight)  # written after the packed weight: a reader that sees it sees both
+        return packed
 
     def drop(self) -> None:
         """Free the packed copy (a fused forward packs this weight beside others and
@@ -99,12 +100,13 @@ class _Packed:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         module = self.module
-        if self.packed is None:  # dropped while a fused forward stood in for this one (drop)
-            self.pack()
+        packed = self.packed  # read once: another engine's fused forward may drop it meanwhile
+        if packed is None:  # dropped while a fused forward stood in for this one (drop)
+            packed = self.pack()
         if not self.fresh():  # edited since it was packed: the model's own weight, never the copy
             return torch.nn.functional.linear(x, module.weight, module.bias)
         rows = x.reshape(-1, x.shape[-1])
-        out = torch.ops.mkldnn._linear_pointwise(pad_rows(rows, padded_rows(rows.shape[0])), self.packed,
+        out = torch.ops.mkldnn._linear_pointwise(pad_rows(rows, padded_rows(rows.shape[0])), packed,
                                                  module.bias, "none", [], "")
         return out[: rows.shape[0]].view(*x.shape[:-1], out.shape[-1])
 
