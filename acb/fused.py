@@ -169,8 +169,7 @@ class FusedForward(LoraLayers):
             log.info("acb: fused CPU forward not used (%s); transformers' forward runs", reason)
             return None
         layers = describe(model, lambda m: (packed.layers[m].packed, m.bias))
-        side_by_side(model, layers)
-        packed.drop(_side_by_side_modules(model))  # their own copies: the side-by-side ones serve
+        packed.drop(side_by_side(model, layers))  # their own copies: the side-by-side ones serve
         log.info("acb: fused CPU forward over %d %s layers (%s)", len(layers), type(model.model.layers[0]).__name__,
                  str(next(model.parameters()).dtype).removeprefix("torch."))
         return cls(model, layers, kernels, row_reduce)
@@ -266,7 +265,7 @@ class FusedForward(LoraLayers):
         return out
 
 
-def side_by_side(model: torch.nn.Module, layers: list[_Layer]) -> None:
+def side_by_side(model: torch.nn.Module, layers: list[_Layer]) -> list[torch.nn.Linear]:
     """Pack each layer's q/k/v weights side by side, and its gate/up weights, so the fused
     forward runs one GEMM where the model has three (or two): fewer, wider GEMMs, each
     reading its input once (on SmolLM2's shapes in bf16, 64 rows: q/k/v 285 -> 219 us a layer,
@@ -274,23 +273,16 @@ def side_by_side(model: torch.nn.Module, layers: list[_Layer]) -> None:
     23.5 -> 20.4 ms). Each output column is the same dot product as before. They stand in for
     the per-projection packs, which :meth:`FusedForward.build` then frees (a module's own forward,
     if transformers' ever runs, packs its weight again); rebuilt with the fused forward when
-    weights change."""
+    weights change. Returns the linears it packed together."""
+    joined = []
     for layer, module in zip(layers, model.model.layers, strict=False):
         attn, mlp = module.self_attn, module.mlp
         layer.qkv = _packed_side_by_side((attn.q_proj, attn.k_proj, attn.v_proj))
         layer.qkv_split = (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
         layer.gate_up = _packed_side_by_side((mlp.gate_proj, mlp.up_proj))
         layer.q = layer.k = layer.v = layer.gate = layer.up = None  # read through qkv / gate_up only
-
-
-def _side_by_side_modules(model: torch.nn.Module) -> list[torch.nn.Linear]:
-    """The linears :func:`side_by_side` packs together (the fused forward reads none of
-    their own packed copies)."""
-    out = []
-    for module in model.model.layers[: model.config.num_hidden_layers]:
-        attn, mlp = module.self_attn, module.mlp
-        out += [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj]
-    return out
+        joined += [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj]
+    return joined
 
 
 def _packed_side_by_side(linears: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:

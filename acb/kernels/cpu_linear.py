@@ -88,11 +88,6 @@ class _Packed:
         self.stamp = stamp(weight)  # written after the packed weight: a reader that sees it sees both
         return packed
 
-    def drop(self) -> None:
-        """Free the packed copy (a fused forward packs this weight beside others and
-        computes with that): the next forward through this module packs it again."""
-        self.packed = None
-
     def fresh(self) -> bool:
         weight, version, ptr = self.stamp
         current = self.module.weight
@@ -131,7 +126,7 @@ class Prepacked:
     def refresh(self, force: bool = False) -> int:
         """Repack the layers whose dense weight changed since they were packed (all of
         them with ``force``); returns how many were repacked."""
-        # a dropped copy (``_Packed.drop``) is packed again, from the weight as it is then, when used
+        # a dropped copy (``drop``) is packed again, from the weight as it is then, when used
         stale = [e for e in self.layers.values() if e.packed is not None and (force or not e.fresh())]
         for entry in stale:
             entry.pack()
@@ -145,7 +140,7 @@ class Prepacked:
         for module in modules:
             entry = self.layers.get(module)
             if entry is not None:
-                entry.drop()
+                entry.packed = None  # its forward packs again when it finds None
 
     def restore(self) -> None:
         for entry in self.layers.values():

@@ -102,6 +102,19 @@ static inline void prefetch_start(const T* base, const int64_t* pages, int64_t p
   }
 }
 
+// prefetch_start for item `item` (= row * KVH + kv head) of a decode call: its first keys and
+// values, fetched while the item before it runs
+template <typename T>
+static inline void prefetch_item(const T* kp, const T* vp, const int64_t* pg, const int64_t* len, int64_t item,
+                                 int64_t KVH, int64_t S, int64_t stride, int64_t P, int64_t page_size,
+                                 int64_t window) {
+  const int64_t b = item / KVH, kh = item % KVH, L = len[b];
+  const int64_t first = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+  const int64_t m = std::min<int64_t>(32, L - first);
+  prefetch_start(kp + kh * S * stride, pg + b * P, page_size, stride, first, m);
+  prefetch_start(vp + kh * S * stride, pg + b * P, page_size, stride, first, m);
+}
+
 // 16 vectors -> one: lane j = the sum of v[j]'s lanes (a tree of 15 shuffle-adds, not 16
 // horizontal reductions). v is overwritten.
 static inline __m512 reduce16(__m512* v) {
@@ -264,13 +277,7 @@ static void paged_decode_t(const torch::Tensor& q, const torch::Tensor& k_cache,
         const int64_t first = window > 0 ? std::max<int64_t>(0, L - window) : 0;
         const int64_t n = L - first;
         scores.resize(G * n);
-        if (item + 1 < end) {  // the next item's first keys and values, while this one runs
-          const int64_t b2 = (item + 1) / KVH, kh2 = (item + 1) % KVH, L2 = len[b2];
-          const int64_t first2 = window > 0 ? std::max<int64_t>(0, L2 - window) : 0;
-          const int64_t m = std::min<int64_t>(32, L2 - first2);
-          prefetch_start(kp + kh2 * S * STRIDE, pg + b2 * P, page_size, STRIDE, first2, m);
-          prefetch_start(vp + kh2 * S * STRIDE, pg + b2 * P, page_size, STRIDE, first2, m);
-        }
+        if (item + 1 < end) prefetch_item(kp, vp, pg, len, item + 1, KVH, S, STRIDE, P, page_size, window);
         fast(qp + (b * H + kh * G) * D, kp + kh * S * STRIDE, vp + kh * S * STRIDE, pg + b * P, page_size, first, n, fscale,
              scores.data(), op + (b * H + kh * G) * D);
       }
@@ -410,13 +417,7 @@ static void decode_into_t(const torch::Tensor& q, const torch::Tensor& k_new, co
       const int64_t first = window > 0 ? std::max<int64_t>(0, L - window) : 0;
       const int64_t n = L - first;
       scores.resize(G * n);
-      if (item + 1 < end) {
-        const int64_t b2 = (item + 1) / KVH, kh2 = (item + 1) % KVH, L2 = len[b2];
-        const int64_t first2 = window > 0 ? std::max<int64_t>(0, L2 - window) : 0;
-        const int64_t m = std::min<int64_t>(32, L2 - first2);
-        prefetch_start(kp + kh2 * S * D, pg + b2 * P, page_size, D, first2, m);
-        prefetch_start(vp + kh2 * S * D, pg + b2 * P, page_size, D, first2, m);
-      }
+      if (item + 1 < end) prefetch_item(kp, vp, pg, len, item + 1, KVH, S, D, P, page_size, window);
       fast(qp + b * qs + kh * G * D, kp + kh * S * D, vp + kh * S * D, pg + b * P, page_size, first, n, scale,
            scores.data(), op + b * os + kh * G * D);
     }
