@@ -157,5 +157,8 @@ async def test_the_starlette_app_serves_on_trio_and_shuts_down_gracefully(trio_s
         proc.send_signal(signal.SIGTERM)
         rest = [c for c in await sse_json(resp) if c != "[DONE]"]
     assert rest and rest[-1]["finish_reason"] == "length"
+    # hypercorn's graceful shutdown waits for every connection to close (up to graceful_timeout,
+    # 30 s here): the client's idle keep-alive connections go, as a real client's would
+    await session.close()
     assert await asyncio.wait_for(proc.wait(), 60) == 0
     assert b"acb-trio: stopped" in await proc.stdout.read()
