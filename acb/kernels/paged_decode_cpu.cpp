@@ -177,21 +177,10 @@ static inline void scores16(const __m512* q, const T* kbase, const T* vbase, con
   }
 }
 
-// One (row, kv head): G query heads of DC*16 dims over n keys starting at position
-// `first`. Queries and the G x D accumulator live in registers (G, DC compile-time).
-template <int G, int DC, typename T, typename Q = float>
-static void decode_item_avx512(const Q* qrow, const T* kbase, const T* vbase, const int64_t* pages,
-                               int64_t page_size, int64_t first, int64_t n, float scale, float* scores,
-                               Q* out) {
-  constexpr int D = DC * 16;
-  __m512 q[G * DC];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < DC; ++c) q[g * DC + c] = load16(qrow + g * D + c * 16);
-  alignas(64) float kf[16 * D];
-  for (int64_t i0 = 0; i0 < n; i0 += 16)
-    scores16<G, DC, T>(q, kbase, vbase, pages, page_size, first, i0, static_cast<int>(std::min<int64_t>(16, n - i0)), n,
-                       scale, kf, scores);
-  float denom[G];
+// G rows of n scores (row g at scores + g * n) -> exp(score - the row's max), in place; denom[g]:
+// the row's sum (the softmax's denominator)
+template <int G>
+static inline void exp_rows(float* scores, int64_t n, float* denom) {
   for (int g = 0; g < G; ++g) {
     float* sg = scores + g * n;
     __m512 mxv = _mm512_set1_ps(-INFINITY);
@@ -214,6 +203,24 @@ static void decode_item_avx512(const Q* qrow, const T* kbase, const T* vbase, co
     }
     denom[g] = _mm512_reduce_add_ps(sumv);
   }
+}
+
+// One (row, kv head): G query heads of DC*16 dims over n keys starting at position
+// `first`. Queries and the G x D accumulator live in registers (G, DC compile-time).
+template <int G, int DC, typename T, typename Q = float>
+static void decode_item_avx512(const Q* qrow, const T* kbase, const T* vbase, const int64_t* pages,
+                               int64_t page_size, int64_t first, int64_t n, float scale, float* scores,
+                               Q* out) {
+  constexpr int D = DC * 16;
+  __m512 q[G * DC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < DC; ++c) q[g * DC + c] = load16(qrow + g * D + c * 16);
+  alignas(64) float kf[16 * D];
+  for (int64_t i0 = 0; i0 < n; i0 += 16)
+    scores16<G, DC, T>(q, kbase, vbase, pages, page_size, first, i0, static_cast<int>(std::min<int64_t>(16, n - i0)), n,
+                       scale, kf, scores);
+  float denom[G];
+  exp_rows<G>(scores, n, denom);
   __m512 acc[G * DC];
   for (int j = 0; j < G * DC; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
@@ -401,37 +408,45 @@ void paged_decode(const torch::Tensor& q,        // [B, H, D] float32, contiguou
 // where it does not apply (soft-capping, a head layout without a vectorised item, mixed dtypes, no
 // AVX-512): the caller then takes the separate path.
 #if defined(__AVX512F__)
+// A paged_decode_into call's tensors as pointers, sizes and strides (both drivers below)
 template <typename T>
-static void decode_into_t(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new,
-                          torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots,
-                          const torch::Tensor& pages, const torch::Tensor& lengths, torch::Tensor& out,
-                          int64_t page_size, float scale, int64_t window, ItemFn<T, T> fast) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(0), S = k_cache.size(1);
-  const int64_t P = pages.size(1), G = H / KVH;
-  const int64_t qs = q.stride(0), ks = k_new.stride(0), vs = v_new.stride(0), os = out.stride(0);
-  const T* qp = q.data_ptr<T>();
-  const T* knp = k_new.data_ptr<T>();
-  const T* vnp = v_new.data_ptr<T>();
-  T* kp = k_cache.data_ptr<T>();
-  T* vp = v_cache.data_ptr<T>();
-  const int64_t* sl = slots.data_ptr<int64_t>();
-  const int64_t* pg = pages.data_ptr<int64_t>();
-  const int64_t* len = lengths.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+struct IntoCall {
+  int64_t B, H, D, KVH, S, P, G, qs, ks, vs, os;
+  const T *qp, *knp, *vnp;
+  T *kp, *vp, *op;
+  const int64_t *sl, *pg, *len;
+  int64_t page_size, window;
+  IntoCall(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new, torch::Tensor& k_cache,
+           torch::Tensor& v_cache, const torch::Tensor& slots, const torch::Tensor& pages,
+           const torch::Tensor& lengths, torch::Tensor& out, int64_t page_size_, int64_t window_)
+      : B(q.size(0)), H(q.size(1)), D(q.size(2)), KVH(k_cache.size(0)), S(k_cache.size(1)), P(pages.size(1)),
+        G(H / KVH), qs(q.stride(0)), ks(k_new.stride(0)), vs(v_new.stride(0)), os(out.stride(0)),
+        qp(q.data_ptr<T>()), knp(k_new.data_ptr<T>()), vnp(v_new.data_ptr<T>()), kp(k_cache.data_ptr<T>()),
+        vp(v_cache.data_ptr<T>()), op(out.data_ptr<T>()), sl(slots.data_ptr<int64_t>()),
+        pg(pages.data_ptr<int64_t>()), len(lengths.data_ptr<int64_t>()), page_size(page_size_), window(window_) {}
+  // only item (b, kh) reads row b's keys and values of head kh: it writes them first
+  void write(int64_t b, int64_t kh) const {
+    std::memcpy(kp + (kh * S + sl[b]) * D, knp + b * ks + kh * D, D * sizeof(T));
+    std::memcpy(vp + (kh * S + sl[b]) * D, vnp + b * vs + kh * D, D * sizeof(T));
+  }
+  int64_t first(int64_t b) const { return window > 0 ? std::max<int64_t>(0, len[b] - window) : 0; }
+  const T* q_of(int64_t b, int64_t kh) const { return qp + b * qs + kh * G * D; }
+  T* out_of(int64_t b, int64_t kh) const { return op + b * os + kh * G * D; }
+};
+
+template <typename T>
+static void decode_into_t(const IntoCall<T>& c, float scale, ItemFn<T, T> fast) {
+  at::parallel_for(0, c.B * c.KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / KVH, kh = item % KVH;
-      // only this item reads row b's keys and values of head kh: write them first
-      std::memcpy(kp + (kh * S + sl[b]) * D, knp + b * ks + kh * D, D * sizeof(T));
-      std::memcpy(vp + (kh * S + sl[b]) * D, vnp + b * vs + kh * D, D * sizeof(T));
-      const int64_t L = len[b];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, L - window) : 0;
-      const int64_t n = L - first;
-      scores.resize(G * n);
-      if (item + 1 < end) prefetch_item(kp, vp, pg, len, item + 1, KVH, S, D, P, page_size, window);
-      fast(qp + b * qs + kh * G * D, kp + kh * S * D, vp + kh * S * D, pg + b * P, page_size, first, n, scale,
-           scores.data(), op + b * os + kh * G * D);
+      const int64_t b = item / c.KVH, kh = item % c.KVH;
+      c.write(b, kh);
+      const int64_t first = c.first(b), n = c.len[b] - first;
+      scores.resize(c.G * n);
+      if (item + 1 < end)
+        prefetch_item(c.kp, c.vp, c.pg, c.len, item + 1, c.KVH, c.S, c.D, c.P, c.page_size, c.window);
+      fast(c.q_of(b, kh), c.kp + kh * c.S * c.D, c.vp + kh * c.S * c.D, c.pg + b * c.P, c.page_size, first, n, scale,
+           scores.data(), c.out_of(b, kh));
     }
   });
 }
@@ -512,28 +527,7 @@ static void decode_item_bf16(const at::BFloat16* qrow, const at::BFloat16* kbase
   }
   ahead.step(2 * ahead.n);
   float denom[G];
-  for (int g = 0; g < G; ++g) {
-    float* sg = scores + g * n;
-    __m512 mxv = _mm512_set1_ps(-INFINITY);
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) mxv = _mm512_max_ps(mxv, _mm512_loadu_ps(sg + i));
-    float mx = _mm512_reduce_max_ps(mxv);
-    for (; i < n; ++i) mx = std::max(mx, sg[i]);
-    const __m512 mx16 = _mm512_set1_ps(mx);
-    __m512 sumv = _mm512_setzero_ps();
-    for (i = 0; i + 16 <= n; i += 16) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + i), mx16));
-      _mm512_storeu_ps(sg + i, e);
-      sumv = _mm512_add_ps(sumv, e);
-    }
-    if (i < n) {
-      const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + i), mx16));
-      _mm512_mask_storeu_ps(sg + i, m, e);
-      sumv = _mm512_add_ps(sumv, _mm512_maskz_mov_ps(m, e));
-    }
-    denom[g] = _mm512_reduce_add_ps(sumv);
-  }
+  exp_rows<G>(scores, n, denom);
   // values: acc[g][2w] holds dims 32w + 2m (lane m), acc[g][2w + 1] dims 32w + 2m + 1
   __m512 acc[G * 2 * W];
   for (int j = 0; j < G * 2 * W; ++j) acc[j] = _mm512_setzero_ps();
@@ -593,51 +587,29 @@ static BF16ItemFn pick_bf16(int64_t G, int64_t D) {
 
 // decode_into_t for bf16 on avx512_bf16: the same writes and items, each item's slots computed
 // before it runs (its successor's while it runs, for the prefetch)
-static void decode_into_bf16(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new,
-                             torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots,
-                             const torch::Tensor& pages, const torch::Tensor& lengths, torch::Tensor& out,
-                             int64_t page_size, float scale, int64_t window, BF16ItemFn fast) {
-  using T = at::BFloat16;
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(0), S = k_cache.size(1);
-  const int64_t P = pages.size(1), G = H / KVH;
-  const int64_t qs = q.stride(0), ks = k_new.stride(0), vs = v_new.stride(0), os = out.stride(0);
-  const T* qp = q.data_ptr<T>();
-  const T* knp = k_new.data_ptr<T>();
-  const T* vnp = v_new.data_ptr<T>();
-  T* kp = k_cache.data_ptr<T>();
-  T* vp = v_cache.data_ptr<T>();
-  const int64_t* sl = slots.data_ptr<int64_t>();
-  const int64_t* pg = pages.data_ptr<int64_t>();
-  const int64_t* len = lengths.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
-  auto span = [&](int64_t b) {  // (first position, keys) of row b
-    const int64_t L = len[b], first = window > 0 ? std::max<int64_t>(0, L - window) : 0;
-    return std::make_pair(first, L - first);
-  };
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+static void decode_into_bf16(const IntoCall<at::BFloat16>& c, float scale, BF16ItemFn fast) {
+  at::parallel_for(0, c.B * c.KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<int64_t> cur, nxt;
     auto prepare = [&](int64_t item, std::vector<int64_t>& item_slots, Ahead& ahead) {
-      const int64_t b = item / KVH, kh = item % KVH;
-      const auto [first, n] = span(b);
+      const int64_t b = item / c.KVH, kh = item % c.KVH, first = c.first(b), n = c.len[b] - first;
       item_slots.resize(n);
-      fill_slots(pg + b * P, page_size, first, n, D, item_slots.data());
-      ahead = Ahead{kp + kh * S * D, vp + kh * S * D, item_slots.data(), n, 0, D * static_cast<int64_t>(sizeof(T))};
+      fill_slots(c.pg + b * c.P, c.page_size, first, n, c.D, item_slots.data());
+      ahead = Ahead{c.kp + kh * c.S * c.D, c.vp + kh * c.S * c.D, item_slots.data(), n, 0,
+                    c.D * static_cast<int64_t>(sizeof(at::BFloat16))};
     };
     Ahead first_item;
     prepare(begin, cur, first_item);
     first_item.step(32);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / KVH, kh = item % KVH;
-      // only this item reads row b's keys and values of head kh: write them first
-      std::memcpy(kp + (kh * S + sl[b]) * D, knp + b * ks + kh * D, D * sizeof(T));
-      std::memcpy(vp + (kh * S + sl[b]) * D, vnp + b * vs + kh * D, D * sizeof(T));
-      const int64_t n = span(b).second;
-      scores.resize(G * n);
+      const int64_t b = item / c.KVH, kh = item % c.KVH;
+      c.write(b, kh);
+      const int64_t n = c.len[b] - c.first(b);
+      scores.resize(c.G * n);
       Ahead ahead;
       if (item + 1 < end) prepare(item + 1, nxt, ahead);
-      fast(qp + b * qs + kh * G * D, kp + kh * S * D, vp + kh * S * D, n, scale, scores.data(), cur.data(),
-           op + b * os + kh * G * D, ahead);
+      fast(c.q_of(b, kh), c.kp + kh * c.S * c.D, c.vp + kh * c.S * c.D, n, scale, scores.data(), cur.data(),
+           c.out_of(b, kh), ahead);
       std::swap(cur, nxt);
     }
   });
@@ -672,19 +644,19 @@ bool paged_decode_into(const torch::Tensor& q,      // [B, H, D]: heads contiguo
   if (dt == torch::kFloat32) {
     const ItemFn<float, float> fast = pick_item<float, float>(G, D);
     if (fast == nullptr) return false;
-    decode_into_t<float>(q, k_new, v_new, k_cache, v_cache, slots, pages, lengths, out, page_size, fscale, window,
+    decode_into_t<float>({q, k_new, v_new, k_cache, v_cache, slots, pages, lengths, out, page_size, window}, fscale,
                          fast);
   } else {
+    using BF = at::BFloat16;
 #if defined(__AVX512BF16__)
     if (const BF16ItemFn fast = pick_bf16(G, D)) {
-      decode_into_bf16(q, k_new, v_new, k_cache, v_cache, slots, pages, lengths, out, page_size, fscale, window, fast);
+      decode_into_bf16({q, k_new, v_new, k_cache, v_cache, slots, pages, lengths, out, page_size, window}, fscale, fast);
       return true;
     }
 #endif
-    const ItemFn<at::BFloat16, at::BFloat16> fast = pick_item<at::BFloat16, at::BFloat16>(G, D);
+    const ItemFn<BF, BF> fast = pick_item<BF, BF>(G, D);
     if (fast == nullptr) return false;
-    decode_into_t<at::BFloat16>(q, k_new, v_new, k_cache, v_cache, slots, pages, lengths, out, page_size, fscale,
-                                window, fast);
+    decode_into_t<BF>({q, k_new, v_new, k_cache, v_cache, slots, pages, lengths, out, page_size, window}, fscale, fast);
   }
   return true;
 #else
