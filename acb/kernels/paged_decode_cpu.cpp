@@ -402,7 +402,8 @@ void paged_decode(const torch::Tensor& q,        // [B, H, D] float32, contiguou
 // new key and value written into its page slot, then its attention, queries read where the
 // projection left them and the output written where the next GEMM reads it, in the model's dtype
 // (float32 or bfloat16: widened as read, rounded once as written, as PyTorch's conversions around
-// paged_decode did; the same float32 arithmetic in between, so the same bits). The separate copies
+// paged_decode did; the same float32 arithmetic in between, so the same bits; bf16 on a CPU with
+// avx512_bf16 takes decode_item_bf16 below: its sums run in another order). The separate copies
 // (two index_copy_, the queries' transpose and widening, the output's rounding) were ~100-250 us a
 // layer of a ~800 us call at SmolLM2's 57-row decode steps. Returns false, having done nothing,
 // where it does not apply (soft-capping, a head layout without a vectorised item, mixed dtypes, no
