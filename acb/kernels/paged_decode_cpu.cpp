@@ -77,15 +77,20 @@ static inline float row_scale(const int8_t* row, int64_t D) {
 
 #if defined(__AVX512F__)
 
+// The cache lines of `bytes` bytes at p, fetched into L1 (T0) or L2 (T1)
+template <int HINT = _MM_HINT_T0>
+static inline void prefetch_lines(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, static_cast<_mm_hint>(HINT));
+  if (bytes % 64 != 0) _mm_prefetch(c + bytes - 1, static_cast<_mm_hint>(HINT));  // an unaligned row's last line
+}
+
 // Pages are scattered, so hardware prefetch stops at each one: fetch a key's (or value's)
 // row ahead of its use.
 template <int D, typename T, int HINT = _MM_HINT_T0>
 static inline void prefetch_row(const T* base, const int64_t* pages, int64_t page_size, int64_t pos) {
   constexpr int64_t STRIDE = D + RowOf<T>::EXTRA;
-  constexpr int BYTES = static_cast<int>(STRIDE * sizeof(T));
-  const char* row = reinterpret_cast<const char*>(base + slot_of(pages, page_size, pos) * STRIDE);
-  for (int c = 0; c < BYTES; c += 64) _mm_prefetch(row + c, static_cast<_mm_hint>(HINT));
-  if (BYTES % 64 != 0) _mm_prefetch(row + BYTES - 1, static_cast<_mm_hint>(HINT));  // an unaligned row's last line
+  prefetch_lines<HINT>(base + slot_of(pages, page_size, pos) * STRIDE, STRIDE * sizeof(T));
 }
 
 // The row at position first + i (of n) of one head's paged keys or values, fetching the
@@ -108,10 +113,8 @@ template <typename T>
 static inline void prefetch_start(const T* base, const int64_t* pages, int64_t page_size, int64_t stride,
                                   int64_t first, int64_t m) {
   const int64_t bytes = stride * static_cast<int64_t>(sizeof(T));
-  for (int64_t pos = first; pos < first + m; ++pos) {
-    const char* row = reinterpret_cast<const char*>(base + slot_of(pages, page_size, pos) * stride);
-    for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(row + c, _MM_HINT_T1);
-  }
+  for (int64_t pos = first; pos < first + m; ++pos)
+    prefetch_lines<_MM_HINT_T1>(base + slot_of(pages, page_size, pos) * stride, bytes);
 }
 
 // prefetch_start for item `item` (= row * KVH + kv head) of a decode call: its first keys and
@@ -467,10 +470,6 @@ static void decode_into_t(const IntoCall<T>& c, float scale, ItemFn<T, T> fast) 
 static inline __m512 dotbf(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
 }
-template <int D>
-static inline void prefetch_bf16_row(const at::BFloat16* row) {
-  for (int c = 0; c < D * 2; c += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + c, _MM_HINT_T0);
-}
 // The next item's rows, fetched into L2 a few at a time while this item computes (keys, then values)
 struct Ahead {
   const at::BFloat16* k = nullptr;
@@ -478,22 +477,13 @@ struct Ahead {
   const int64_t* slots = nullptr;
   int64_t n = 0, done = 0, row_bytes = 0;
   inline void step(int64_t rows) {
-    for (const int64_t end = std::min(done + rows, 2 * n); done < end; ++done) {
-      const char* row = reinterpret_cast<const char*>((done < n ? k : v) + slots[done < n ? done : done - n]);
-      for (int64_t c = 0; c < row_bytes; c += 64) _mm_prefetch(row + c, _MM_HINT_T1);
-    }
+    for (const int64_t end = std::min(done + rows, 2 * n); done < end; ++done)
+      prefetch_lines<_MM_HINT_T1>(done < n ? k + slots[done] : v + slots[done - n], row_bytes);
   }
 };
+// slots[i]: where the row of position first + i starts (elements from the head's base)
 static void fill_slots(const int64_t* pages, int64_t page_size, int64_t first, int64_t n, int64_t stride, int64_t* slots) {
-  int64_t pos = first, i = 0;
-  while (i < n) {
-    const int64_t pi = pos / page_size, off = pos % page_size;
-    const int64_t base = pages[pi] * page_size;
-    const int64_t m = std::min<int64_t>(page_size - off, n - i);
-    for (int64_t j = 0; j < m; ++j) slots[i + j] = (base + off + j) * stride;
-    i += m;
-    pos += m;
-  }
+  for (int64_t i = 0; i < n; ++i) slots[i] = slot_of(pages, page_size, first + i) * stride;
 }
 template <int G, int W>  // W: 32-dim words per row (D = 32 W)
 static void decode_item_bf16(const at::BFloat16* qrow, const at::BFloat16* kbase, const at::BFloat16* vbase,
@@ -513,7 +503,7 @@ static void decode_item_bf16(const at::BFloat16* qrow, const at::BFloat16* kbase
     for (int j = 0; j < 16; ++j) {
       const int64_t i = i0 + j;
       rows[j] = j < nk ? kbase + slots[i] : zero_row;
-      if (i + AHEAD < n) prefetch_bf16_row<D>(kbase + slots[i + AHEAD]);
+      if (i + AHEAD < n) prefetch_lines(kbase + slots[i + AHEAD], D * 2);
     }
     const __mmask16 keep = nk == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nk) - 1);
     const __m512 s16 = _mm512_set1_ps(scale);
@@ -535,7 +525,7 @@ static void decode_item_bf16(const at::BFloat16* qrow, const at::BFloat16* kbase
   const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t i = 0; i < n; ++i) {
     const at::BFloat16* vp = vbase + slots[i];
-    if (i + AHEAD < n) prefetch_bf16_row<D>(vbase + slots[i + AHEAD]);
+    if (i + AHEAD < n) prefetch_lines(vbase + slots[i + AHEAD], D * 2);
     __m512 v[2 * W];
     for (int w = 0; w < W; ++w) {
       const __m512i x = _mm512_loadu_si512(vp + w * 32);
