@@ -1,9 +1,10 @@
 """Where an acb step's time goes: each native call of the fused forward timed, prefill and decode apart.
 
     python benchmarks/kernel_profile.py int8_bf16 48 96   # variant (int8_bf16 | bf16 | fp32), prompts, new tokens
+    python benchmarks/kernel_profile.py bf16 48 96 realtext  # bench.py's real-text prompts (prefill-heavy)
     PYTHONPATH=. python benchmarks/kernel_profile.py bf16  # from a worktree: its acb, not the installed one
 
-Runs SmolLM2 through an Engine on the first N standard-workload prompts (one generate_batch, after a
+Runs SmolLM2 through an Engine on the first N prompts of a workload (standard unless named) (one generate_batch, after a
 warm-up pass), with the fused forward's kernel modules wrapped so every call into them (int8 GEMMs,
 quantization, RMSNorm, RoPE) and ``attention.paged_attention`` is timed; the bf16/fp32 GEMMs (oneDNN,
 called directly) fall in "(rest of forward)". Prints the wall time, the forward's share of it (the
@@ -96,7 +97,7 @@ def main() -> None:
     variant = sys.argv[1] if len(sys.argv) > 1 else "int8_bf16"  # int8_bf16 | int8 | bf16 | fp32
     n_prompts = int(sys.argv[2]) if len(sys.argv) > 2 else 48
     new = int(sys.argv[3]) if len(sys.argv) > 3 else 96
-    w = workloads.build("standard", None, n_prompts, 2.0)
+    w = workloads.build(sys.argv[4] if len(sys.argv) > 4 else "standard", None, n_prompts, 2.0)
     dtype = "bfloat16" if variant in ("bf16", "int8_bf16") else "float32"
     quant = "int8" if variant.startswith("int8") else None
     model, tok = load(*smollm2(), dtype=dtype, quantization=quant)
