@@ -52,7 +52,10 @@ class Proxy:
 
     def __getattr__(self, n):
         v = getattr(self._m, n)
-        return timed(self._p + n, v) if callable(v) else v
+        if callable(v):
+            v = timed(self._p + n, v)
+        setattr(self, n, v)  # wrapped once: later lookups find it without __getattr__
+        return v
 
 
 def instrument(decode_rows: int) -> None:
