@@ -183,7 +183,8 @@ void gemm(const torch::Tensor& xq, const torch::Tensor& xscale, const Weight& w,
   const int64_t m = xq.size(0), k = xq.size(1), blocks = n / 16, ng = xscale.numel() / std::max<int64_t>(m, 1);
   constexpr int64_t kMR = 6;
   // column tiles of 2 blocks (32 columns: 12 accumulators; tiles of 64 columns, 24 accumulators,
-  // spilled registers and ran at about half the rate: 731 against 1320 GOPS at 1024 x 576 x 1536);
+  // spilled registers and ran at about half the rate: 731 against 1320 GOPS at 1024 x 576 x 1536;
+  // with dpbusd's register copies gone, no faster than 2 blocks either);
   // row chunks of 96 rows, so a tile's weight panel is reused from L2 across 16 row tiles
   constexpr int64_t nb = 2;
   const int64_t col_tiles = (blocks + nb - 1) / nb, chunk = 96, row_chunks = (m + chunk - 1) / chunk;
