@@ -181,6 +181,11 @@ def build_runner(model: torch.nn.Module, layout, config: EngineConfig, attn_back
     else:
         from .runner import ModelRunner
 
+        if attn_backend == "native" and config.cpu_fused_forward:
+            from .kernels import cpu
+
+            # the fused forward's kernels compile while the runner builds the attention kernel
+            cpu.start_building(cpu.fused_kernels)
         runner = ModelRunner(model, layout.num_pages, layout.page_size, attn_backend, host_pages=layout.host_pages,
                              swa_pages=layout.swa_pages, swa_layers=layout.swa_layers,
                              kv_cache_dtype=config.kv_cache_dtype)

@@ -207,3 +207,42 @@ def test_a_kernel_build_killed_midway_does_not_hang_later_loads(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr
     assert "loaded" in done.stdout and "did not finish" in done.stderr
+
+
+def test_two_kernels_build_side_by_side_and_one_kernel_builds_once(tmp_path, monkeypatch):
+    """Builds take one lock per kernel: two kernels compile at once (an engine's first start
+    builds the fused forward's kernels while the runner builds the attention kernel:
+    ``start_building``), while two callers of one kernel share a single build. torch's compiler
+    is replaced by a fake that records how many builds run at once."""
+    import threading
+    import time
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    from acb.kernels import cpu
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu, "_modules", {})
+    monkeypatch.setattr(cpu, "_failed", set())
+    monkeypatch.setattr(cpu, "_locks", {})
+    running, most, built = [0], [0], []
+    guard = threading.Lock()
+
+    def fake_load(name, **kwargs):
+        with guard:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            built.append(name)
+        time.sleep(0.3)
+        with guard:
+            running[0] -= 1
+        return object()
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    cpu.start_building(cpu.fused_kernels, cpu.int8_kernels, cpu.fused_kernels)
+    deadline = time.monotonic() + 10
+    while (cpu._modules.keys() != {"acb_fused_cpu", "acb_int8_cpu"} or running[0]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cpu.fused_kernels() is cpu._modules["acb_fused_cpu"] is not None  # a later caller gets the build
+    assert most[0] == 2, "the two kernels were built one after the other"
+    assert sorted(n.rsplit("_", 1)[0] for n in built) == ["acb_fused_cpu", "acb_int8_cpu"], built  # fused once

@@ -453,3 +453,20 @@ async def test_stats_name_the_forward_path_and_why_not_fused(monkeypatch):
     async with tiny_engine("gemma3") as engine:
         stats = engine.stats()
     assert (stats.forward_path, stats.forward_reason) == ("fused", "")
+
+
+@pytest.mark.parametrize("fused", [True, False])
+async def test_an_engine_builds_the_fused_kernels_beside_the_attention_kernel(fused, monkeypatch):
+    """An engine that will want the fused forward starts building its kernels before its runner
+    builds the attention kernel (the two compile side by side in a fresh cache); one with
+    ``cpu_fused_forward=False`` builds none for it."""
+    from acb.kernels import cpu
+
+    _kernels_or_skip()
+    started = []
+    real = cpu.start_building
+    monkeypatch.setattr(cpu, "start_building", lambda *k: (started.extend(k), real(*k)))
+    async with tiny_engine("llama", cpu_fused_forward=fused) as engine:
+        assert runner_of(engine).attn_backend == "native"
+        assert (runner_of(engine).fast_paths.fused is not None) == fused
+    assert started == ([cpu.fused_kernels] if fused else [])
