@@ -435,6 +435,8 @@ struct IntoCall {
   }
   int64_t first(int64_t b) const { return window > 0 ? std::max<int64_t>(0, len[b] - window) : 0; }
   const T* q_of(int64_t b, int64_t kh) const { return qp + b * qs + kh * G * D; }
+  const T* k_of(int64_t kh) const { return kp + kh * S * D; }  // head kh's cached keys
+  const T* v_of(int64_t kh) const { return vp + kh * S * D; }
   T* out_of(int64_t b, int64_t kh) const { return op + b * os + kh * G * D; }
 };
 
@@ -449,8 +451,8 @@ static void decode_into_t(const IntoCall<T>& c, float scale, ItemFn<T, T> fast) 
       scores.resize(c.G * n);
       if (item + 1 < end)
         prefetch_item(c.kp, c.vp, c.pg, c.len, item + 1, c.KVH, c.S, c.D, c.P, c.page_size, c.window);
-      fast(c.q_of(b, kh), c.kp + kh * c.S * c.D, c.vp + kh * c.S * c.D, c.pg + b * c.P, c.page_size, first, n, scale,
-           scores.data(), c.out_of(b, kh));
+      fast(c.q_of(b, kh), c.k_of(kh), c.v_of(kh), c.pg + b * c.P, c.page_size, first, n, scale, scores.data(),
+           c.out_of(b, kh));
     }
   });
 }
@@ -586,8 +588,7 @@ static void decode_into_bf16(const IntoCall<at::BFloat16>& c, float scale, BF16I
       const int64_t b = item / c.KVH, kh = item % c.KVH, first = c.first(b), n = c.len[b] - first;
       item_slots.resize(n);
       fill_slots(c.pg + b * c.P, c.page_size, first, n, c.D, item_slots.data());
-      ahead = Ahead{c.kp + kh * c.S * c.D, c.vp + kh * c.S * c.D, item_slots.data(), n, 0,
-                    c.D * static_cast<int64_t>(sizeof(at::BFloat16))};
+      ahead = Ahead{c.k_of(kh), c.v_of(kh), item_slots.data(), n, 0, c.D * static_cast<int64_t>(sizeof(at::BFloat16))};
     };
     Ahead first_item;
     prepare(begin, cur, first_item);
@@ -599,8 +600,7 @@ static void decode_into_bf16(const IntoCall<at::BFloat16>& c, float scale, BF16I
       scores.resize(c.G * n);
       Ahead ahead;
       if (item + 1 < end) prepare(item + 1, nxt, ahead);
-      fast(c.q_of(b, kh), c.kp + kh * c.S * c.D, c.vp + kh * c.S * c.D, n, scale, scores.data(), cur.data(),
-           c.out_of(b, kh), ahead);
+      fast(c.q_of(b, kh), c.k_of(kh), c.v_of(kh), n, scale, scores.data(), cur.data(), c.out_of(b, kh), ahead);
       std::swap(cur, nxt);
     }
   });
