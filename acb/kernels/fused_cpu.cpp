@@ -10,8 +10,7 @@
 // even, as PyTorch rounds) at exactly the points where transformers' modules round
 // when the model is bf16: RMSNorm rounds the normalised row, then the product with its
 // weight; RoPE rounds each of its two products and their sum.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_min.h"
 #include <cmath>
 #include <cstdint>
 #include <cstring>

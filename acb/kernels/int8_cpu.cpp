@@ -16,8 +16,7 @@
 //
 // Tiles: 6 rows x 32 columns (12 zmm accumulators); the threads split (column tile, row
 // chunk) pairs, column tiles outermost so each thread keeps its weight panels in its L2.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_min.h"
 #include <immintrin.h>
 #include "vec_math.h"
 #include <algorithm>

@@ -12,8 +12,7 @@
 //
 // glu_add: m = act(g + gate delta) * (u + up delta) over rows (SiLU or GELU-tanh) in one pass, for
 // the MLP whose gate/up take a delta (the GEMM's fused epilogue cannot take it before the activation).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_min.h"
 #include <immintrin.h>
 #include "vec_math.h"
 #include <algorithm>

@@ -14,9 +14,8 @@
 // int8 pages (EngineConfig.kv_cache_dtype="int8", acb/kv_quant.py): each cached row is
 // D int8 values followed by its float32 scale (D + 4 bytes; value = q * scale), written by
 // write_kv_int8 below; the kernels widen q * scale to float32 and compute as above.
-#include <torch/extension.h>
+#include "torch_min.h"
 #include <cstring>
-#include <ATen/Parallel.h>
 #include <algorithm>
 #include <climits>
 #include <cmath>
