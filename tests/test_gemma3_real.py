@@ -8,7 +8,9 @@ import pytest
 import acb
 from acb.testing import reference_greedy
 
-pytestmark = pytest.mark.slow
+# ~100 s in a fresh HOME (the GGUF's conversion, then transformers' own generate as the reference):
+# CI's second step, scripts/test-extras.sh (the default suite is to stay under ~12 minutes on 2 cores)
+pytestmark = [pytest.mark.slow, pytest.mark.extras]
 
 
 @pytest.fixture(scope="module")
