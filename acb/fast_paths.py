@@ -136,6 +136,8 @@ class FastPaths:
             self.decode_forward = compiling.compiled_forward(self.model, decode)
             log.info("acb: torch.compile on: varlen path level %d %s, decode path level %d %s", varlen,
                      compiling.compile_kwargs(varlen), decode, compiling.compile_kwargs(decode))
+        if self.packed is not None and self.fused is None:  # transformers' forward over the packed linears:
+            self.packed.pack_all()  # packed now, not in the first step (the fused forward packs what it reads)
 
     def _configure_graphs(self, config, max_rows: int, pad_on_cpu: bool) -> None:
         """Decode padding, and the CUDA graphs replayed for its buckets (on CUDA)."""

@@ -168,8 +168,11 @@ class FusedForward(LoraLayers):
         if reason:
             log.info("acb: fused CPU forward not used (%s); transformers' forward runs", reason)
             return None
-        layers = describe(model, lambda m: (packed.layers[m].packed, m.bias))
-        packed.drop(side_by_side(model, layers))  # their own copies: the side-by-side ones serve
+        joined = set(side_by_side_linears(model))  # packed side by side below, never on their own
+        layers = describe(model, lambda m: (None if m in joined else packed.layers[m].weight(), m.bias))
+        packed.drop(side_by_side(model, layers))  # their own copies (if any ran): the side-by-side ones serve
+        if model.lm_head in packed.layers:  # packed before the first step, not during it
+            packed.layers[model.lm_head].weight()
         log.info("acb: fused CPU forward over %d %s layers (%s)", len(layers), type(model.model.layers[0]).__name__,
                  str(next(model.parameters()).dtype).removeprefix("torch."))
         return cls(model, layers, kernels, row_reduce)
@@ -263,6 +266,13 @@ class FusedForward(LoraLayers):
         if reduce is not None:
             reduce(out)
         return out
+
+
+def side_by_side_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The linears :func:`side_by_side` packs together: each layer's q/k/v and gate/up."""
+    return [m for layer in model.model.layers[: model.config.num_hidden_layers]
+            for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp.gate_proj,
+                      layer.mlp.up_proj)]
 
 
 def side_by_side(model: torch.nn.Module, layers: list[_Layer]) -> list[torch.nn.Linear]:

@@ -101,6 +101,30 @@ def test_the_fused_forward_frees_the_packs_it_replaces_and_a_module_packs_again_
         runner.release()
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "transformers"])
+@torch.inference_mode()
+def test_a_runner_packs_each_weight_it_reads_once_at_start(monkeypatch, fused):
+    """Packing is lazy: with the fused forward, only what it reads is packed (q/k/v and gate/up
+    side by side, o, down, lm_head: 4 per layer and one), never q/k/v/gate/up on their own; with
+    transformers' forward, every linear is packed before the first step (7 per layer and one)."""
+    _kernels_or_skip()
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    packed = []
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight",
+                        lambda w, *a: packed.append(tuple(w.shape)) or reorder(w, *a))
+    model = tiny_model("llama", seed=3)
+    runner = ModelRunner(model, 64, 8)
+    runner.configure_fast_paths(EngineConfig(cpu_fused_forward=fused), 16)
+    try:
+        layers = model.config.num_hidden_layers
+        assert (runner.fast_paths.fused is not None) == fused
+        assert len(packed) == (4 * layers + 1 if fused else 7 * layers + 1), packed
+        entries = runner.fast_paths.packed.layers.values()
+        assert sum(e.packed is not None for e in entries) == (2 * layers + 1 if fused else 7 * layers + 1)
+    finally:
+        runner.release()
+
+
 def test_a_layer_it_does_not_reproduce_keeps_transformers_forward(caplog):
     _kernels_or_skip()
     caplog.set_level("INFO", logger="acb")
