@@ -30,7 +30,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import plots  # noqa: E402
 import workloads  # noqa: E402
 
 # acb: its default dtype here (Engine.from_pretrained's); vllm: its default (dtype="auto": bf16 on x86);
@@ -192,6 +191,11 @@ def main() -> None:
     out.write_text(json.dumps(data, indent=2))
     print(f"wrote {out}")
     if results:
+        try:  # here, in the parent only: matplotlib in a measured child added ~25 MB to its peak RSS
+            import plots
+        except ImportError as e:  # an environment without matplotlib (a user's install): numbers only
+            print(f"no plots ({e})")
+            return
         for path in plots.render_run(data, out.parent / "img" / args.workload):
             print(f"wrote {path}")
 
