@@ -70,7 +70,7 @@ def load(folder: str, gguf_file: str, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from . import quantization
-    from .loading import _name_added_tokens, cache_dir
+    from .loading import cache_dir, name_added_tokens
 
     path = os.path.join(folder, gguf_file)
     if not os.path.isfile(path):
@@ -80,7 +80,7 @@ def load(folder: str, gguf_file: str, dtype: torch.dtype):
     cached = cache_dir() / "int8" / f"{os.path.splitext(gguf_file)[0]}-{key}"
     hit = (cached / "weights.pt").is_file()
     if hit:
-        _name_added_tokens(cached)  # a cache written before its tokenizer config named them (acb.loading)
+        name_added_tokens(cached)  # a cache written before its tokenizer config named them (acb.loading)
     # the config and the tokenizer are cached too: building them from GGUF metadata takes seconds
     config = AutoConfig.from_pretrained(cached) if hit else AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
     tokenizer = AutoTokenizer.from_pretrained(cached) if hit else \
@@ -110,12 +110,12 @@ def load(folder: str, gguf_file: str, dtype: torch.dtype):
 
 def _save(target, config, tokenizer, weights) -> None:
     """Cache the converted checkpoint at ``target``, atomically (a folder renamed into place)."""
-    from .loading import _name_added_tokens, save_atomically
+    from .loading import name_added_tokens, save_atomically
 
     def write(folder):
         config.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-        _name_added_tokens(folder)
+        name_added_tokens(folder)
         torch.save(weights, folder / "weights.pt")
 
     save_atomically(target, write)

@@ -165,7 +165,7 @@ def _converted_gguf(folder: str, gguf_file: str) -> Path:
     key = hashlib.sha1(f"{src.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
     target = cache_dir() / "converted" / f"{src.stem}-{key}"
     if (target / "config.json").is_file():
-        _name_added_tokens(target)  # a folder converted before the tokenizer's config named them
+        name_added_tokens(target)  # a folder converted before the tokenizer's config named them
         return target
     log.info("converting %s (first load only; cached in %s)", src, target)
     # The stages of a conversion on one bar (transformers draws the per-tensor one under it)
@@ -192,12 +192,12 @@ def _save_converted(model, tokenizer, target: Path) -> None:
     def write(folder: Path) -> None:
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-        _name_added_tokens(folder)
+        name_added_tokens(folder)
 
     save_atomically(target, write)
 
 
-def _name_added_tokens(folder: Path) -> None:
+def name_added_tokens(folder: Path) -> None:
     """Write the added tokens (``tokenizer.json``'s ``added_tokens``) into the folder's
     ``tokenizer_config.json`` as ``added_tokens_decoder``, as transformers 4 saved them. Without
     it, transformers 5 parses the whole ``tokenizer.json`` in Python at every load to find them

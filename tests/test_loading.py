@@ -7,7 +7,7 @@ import shutil
 
 from transformers import AutoTokenizer
 
-from acb.loading import _name_added_tokens
+from acb.loading import name_added_tokens
 from acb.testing import tiny_tokenizer
 
 
@@ -21,13 +21,13 @@ def test_a_converted_tokenizer_names_its_added_tokens_and_loads_the_same(tmp_pat
     plain, named = tmp_path / "plain", tmp_path / "named"
     tok.save_pretrained(plain)
     shutil.copytree(plain, named)
-    _name_added_tokens(named)
+    name_added_tokens(named)
     config = json.loads((named / "tokenizer_config.json").read_text())
     added = json.loads((named / "tokenizer.json").read_text())["added_tokens"]
     assert {int(i): t["content"] for i, t in config["added_tokens_decoder"].items()} == \
         {t["id"]: t["content"] for t in added}
     before = (named / "tokenizer_config.json").read_bytes()
-    _name_added_tokens(named)  # a second time: nothing to do
+    name_added_tokens(named)  # a second time: nothing to do
     assert (named / "tokenizer_config.json").read_bytes() == before
 
     parsed = []
@@ -54,9 +54,9 @@ def test_a_converted_tokenizer_names_its_added_tokens_and_loads_the_same(tmp_pat
 
 def test_naming_added_tokens_leaves_a_folder_without_a_fast_tokenizer_alone(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text("{}")
-    _name_added_tokens(tmp_path)
+    name_added_tokens(tmp_path)
     assert (tmp_path / "tokenizer_config.json").read_text() == "{}"
-    _name_added_tokens(tmp_path / "missing")  # no folder at all: nothing raised
+    name_added_tokens(tmp_path / "missing")  # no folder at all: nothing raised
 
 
 def test_loaded_weights_are_the_processs_own_not_views_of_the_file(tmp_path):
