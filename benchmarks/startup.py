@@ -84,7 +84,9 @@ def main() -> None:
     from pathlib import Path
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "results": results}, indent=1))
+    Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "results": results,
+                                          "source": "python benchmarks/startup.py " + " ".join(sys.argv[1:]),
+                                          "python": sys.executable}, indent=1))
 
 
 if __name__ == "__main__":
