@@ -284,15 +284,13 @@ def side_by_side(model: torch.nn.Module, layers: list[_Layer]) -> list[torch.nn.
     the per-projection packs, which :meth:`FusedForward.build` then frees (a module's own forward,
     if transformers' ever runs, packs its weight again); rebuilt with the fused forward when
     weights change. Returns the linears it packed together."""
-    joined = []
     for layer, module in zip(layers, model.model.layers, strict=False):
         attn, mlp = module.self_attn, module.mlp
         layer.qkv = _packed_side_by_side((attn.q_proj, attn.k_proj, attn.v_proj))
         layer.qkv_split = (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
         layer.gate_up = _packed_side_by_side((mlp.gate_proj, mlp.up_proj))
         layer.q = layer.k = layer.v = layer.gate = layer.up = None  # read through qkv / gate_up only
-        joined += [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj]
-    return joined
+    return side_by_side_linears(model)
 
 
 def _packed_side_by_side(linears: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
