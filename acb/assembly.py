@@ -185,7 +185,8 @@ def build_runner(model: torch.nn.Module, layout, config: EngineConfig, attn_back
             from .kernels import cpu
 
             # the fused forward's kernels compile while the runner builds the attention kernel
-            cpu.start_building(cpu.fused_kernels)
+            bf16 = next(model.parameters()).dtype == torch.bfloat16
+            cpu.start_building(cpu.fused_kernels, *([cpu.bf16_kernels] if bf16 else []))
         runner = ModelRunner(model, layout.num_pages, layout.page_size, attn_backend, host_pages=layout.host_pages,
                              swa_pages=layout.swa_pages, swa_layers=layout.swa_layers,
                              kv_cache_dtype=config.kv_cache_dtype)

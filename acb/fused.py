@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -158,6 +159,8 @@ class FusedForward(LoraLayers):
         self.layers = layers
         self.k = kernels
         self.row_reduce = row_reduce
+        self.bf16 = None  # the native bf16 GEMMs (``native_bf16``), when they compute this forward
+        self.head = None  # the lm_head packed for them: (weight, columns, bias)
 
     @classmethod
     def build(cls, model: torch.nn.Module, packed, kernels, row_reduce=None) -> FusedForward | None:
@@ -169,47 +172,75 @@ class FusedForward(LoraLayers):
             log.info("acb: fused CPU forward not used (%s); transformers' forward runs", reason)
             return None
         joined = set(side_by_side_linears(model))  # packed side by side below, never on their own
-        layers = describe(model, lambda m: (None if m in joined else packed.layers[m].weight(), m.bias))
-        packed.drop(side_by_side(model, layers))  # their own copies (if any ran): the side-by-side ones serve
-        if model.lm_head in packed.layers:  # packed before the first step, not during it
-            packed.layers[model.lm_head].weight()
-        log.info("acb: fused CPU forward over %d %s layers (%s)", len(layers), type(model.model.layers[0]).__name__,
-                 str(next(model.parameters()).dtype).removeprefix("torch."))
-        return cls(model, layers, kernels, row_reduce)
+        dtype = next(model.parameters()).dtype
+        native = native_bf16() if dtype == torch.bfloat16 and cls is FusedForward else None
+        if native is not None:  # every GEMM in acb's own bf16 kernel, packed in its layout
+            layers = describe(model, lambda m: None if m in joined else _pack((m,), native))
+            side_by_side(model, layers, native)
+            packed.drop(list(packed.layers))  # oneDNN's copies (if transformers' forward ran): not read
+        else:
+            layers = describe(model, lambda m: (None if m in joined else packed.layers[m].weight(), m.bias))
+            packed.drop(side_by_side(model, layers))  # their own copies (if any ran): the side-by-side ones serve
+            if model.lm_head in packed.layers:  # packed before the first step, not during it
+                packed.layers[model.lm_head].weight()
+        log.info("acb: fused CPU forward over %d %s layers (%s%s)", len(layers), type(model.model.layers[0]).__name__,
+                 str(dtype).removeprefix("torch."), ", acb's bf16 GEMMs, float32 residual stream and logits"
+                 if native is not None else "")
+        forward = cls(model, layers, kernels, row_reduce)
+        if native is not None:
+            forward.bf16, forward.head = native, _pack((model.lm_head,), native)
+        return forward
 
     def _rms(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
         weight, eps, gemma = norm
+        if x.dtype == torch.float32 and self.bf16 is not None:  # the float32 residual stream, normed into bf16
+            return self.bf16.rms_norm(x, weight, eps, gemma)
         return self.k.rms_norm_f32w(x, weight, eps) if gemma else self.k.rms_norm(x, weight, eps)
+
+    def _linear(self, h: torch.Tensor, weight: tuple, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """``h @ W`` (+ bias) in the model's dtype (acb's bf16 GEMMs: in ``dtype``), ``weight`` as
+        :func:`describe` packed it."""
+        if self.bf16 is not None:
+            return self.bf16.linear(h, *weight, dtype=dtype)
+        return torch.ops.mkldnn._linear_pointwise(h, *weight, "none", [], "")
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
                  use_cache: bool = False, logits_to_keep: torch.Tensor | int | None = None) -> _Logits:
-        linear = torch.ops.mkldnn._linear_pointwise
         x = self.embed(input_ids[0])  # [T, hidden]
         total = x.shape[0]
-        rows = padded_rows(total)  # the GEMMs run on zero-padded rows (see acb.kernels.cpu_linear)
-        x = pad_rows(x, rows)
-        ropes = self._ropes(x[:total], position_ids)
         adapters = lora.current()  # the step's LoRA rows (acb.lora), or None
+        if self.bf16 is None:
+            ropes = self._ropes(x, position_ids)
+            rows = padded_rows(total)  # oneDNN's GEMMs run on zero-padded rows (see acb.kernels.cpu_linear)
+            x = pad_rows(x, rows)
+        elif adapters is None:  # acb's bf16 GEMMs take any row count: a float32 residual stream, RoPE in float32
+            rows, x = total, x.float()
+            ropes = self._ropes(x, position_ids)
+        else:  # a step with LoRA rows: their deltas are bf16, so is everything between the GEMMs
+            rows = total
+            ropes = self._ropes(x, position_ids)
         for i, layer in enumerate(self.layers):
             cos, sin = ropes[layer.rope]
             if adapters is not None:  # the layer without the epilogues the LoRA deltas land inside
                 x = self._lora_layer(layer, i, x, rows, total, cos, sin, adapters)
                 continue
             h = self._rms(x, layer.ln1)
-            q, kk, v = linear(h, *layer.qkv, "none", [], "").split(layer.qkv_split, dim=1)  # column views
+            q, kk, v = self._linear(h, layer.qkv, x.dtype).split(layer.qkv_split, dim=1)  # column views
             a = self._attend(layer, q, kk, v, total, cos, sin, rows)
             if layer.post_attn is None:
                 x = self._add_projection(a, x, layer.o)
             else:  # Gemma: normed before the residual add, which then cannot be fused into the GEMM
                 x = x + self._rms(self._projection(a, layer.o), layer.post_attn)
             h = self._rms(x, layer.ln2)
-            m = self.k.glu(linear(h, *layer.gate_up, "none", [], ""), layer.act_code)
+            m = self.k.glu(self._linear(h, layer.gate_up), layer.act_code)
             if layer.post_mlp is None:
                 x = self._add_projection(m, x, layer.down)
             else:
                 x = x + self._rms(self._projection(m, layer.down), layer.post_mlp)
-        logits = self.lm_head(self._rms(kept_rows(x[:total], logits_to_keep), self.norm))
-        if self.final_softcap is not None:  # Gemma 2/3, in the model's dtype as transformers does
+        h = self._rms(kept_rows(x[:total], logits_to_keep), self.norm)
+        # float32 logits from bf16 (the lm_head's bf16 output rounded them to steps of 0.125 at 16-32)
+        logits = self.lm_head(h) if self.head is None else self.bf16.linear(h, *self.head, dtype=torch.float32)
+        if self.final_softcap is not None:  # Gemma 2/3, in the logits' dtype
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return _Logits(logits.float().unsqueeze(0))
 
@@ -232,8 +263,14 @@ class FusedForward(LoraLayers):
             q = self._rms(q.reshape(-1, d), layer.q_norm).view(q.shape[0], -1)
             kk = self._rms(kk.reshape(-1, d), layer.k_norm).view(kk.shape[0], -1)
         q, kk, v = q[:total], kk[:total], v[:total]  # views: the padding stays out of the cache
+        if cos.dtype != q.dtype:  # acb's bf16 GEMMs: q/k/v came out float32, q/k normed (if so) into bf16
+            q, kk = q.float(), kk.float()
         self.k.rope_(q, cos, sin, d)
         self.k.rope_(kk, cos, sin, d)
+        if self.bf16 is not None and q.dtype == torch.float32:
+            # rotated in float32 (float32 cos/sin), each rounded once for the bf16 attention and pages: RoPE
+            # on bf16 with bf16 cos/sin moved 0.6 % of SmolLM2's next tokens (benchmarks/bf16_sensitivity.py)
+            q, kk, v = q.to(torch.bfloat16), kk.to(torch.bfloat16), v.to(torch.bfloat16)
         rows = total if rows is None else rows
         out = q.new_empty(rows, layer.heads * d)
         if rows > total:
@@ -250,7 +287,7 @@ class FusedForward(LoraLayers):
 
     def _projection(self, h: torch.Tensor, weight: tuple) -> torch.Tensor:
         """``h @ W``; sharded, summed over the ranks."""
-        out = torch.ops.mkldnn._linear_pointwise(h, *weight, "none", [], "")
+        out = self._linear(h, weight)
         if self.row_reduce is not None:
             self.row_reduce(out)
         return out
@@ -259,7 +296,10 @@ class FusedForward(LoraLayers):
         """``x + h @ W`` (one GEMM, the add fused); sharded, summed over the ranks, of
         which only rank 0 adds ``x``."""
         reduce = self.row_reduce
-        if reduce is None or reduce.rank == 0:
+        first = reduce is None or reduce.rank == 0
+        if self.bf16 is not None:  # in x's dtype: float32 (the residual stream), bf16 in LoRA steps
+            out = self.bf16.linear(h, *weight, other=x if first else None, dtype=x.dtype)
+        elif first:
             out = torch.ops.mkldnn._linear_pointwise.binary(h, x, *weight, "add")
         else:
             out = torch.ops.mkldnn._linear_pointwise(h, *weight, "none", [], "")
@@ -275,7 +315,7 @@ def side_by_side_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
                       layer.mlp.up_proj)]
 
 
-def side_by_side(model: torch.nn.Module, layers: list[_Layer]) -> list[torch.nn.Linear]:
+def side_by_side(model: torch.nn.Module, layers: list[_Layer], native=None) -> list[torch.nn.Linear]:
     """Pack each layer's q/k/v weights side by side, and its gate/up weights, so the fused
     forward runs one GEMM where the model has three (or two): fewer, wider GEMMs, each
     reading its input once (on SmolLM2's shapes in bf16, 64 rows: q/k/v 285 -> 219 us a layer,
@@ -286,23 +326,40 @@ def side_by_side(model: torch.nn.Module, layers: list[_Layer]) -> list[torch.nn.
     weights change. Returns the linears it packed together."""
     for layer, module in zip(layers, model.model.layers, strict=False):
         attn, mlp = module.self_attn, module.mlp
-        layer.qkv = _packed_side_by_side((attn.q_proj, attn.k_proj, attn.v_proj))
+        layer.qkv = _pack((attn.q_proj, attn.k_proj, attn.v_proj), native)
         layer.qkv_split = (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
-        layer.gate_up = _packed_side_by_side((mlp.gate_proj, mlp.up_proj))
+        layer.gate_up = _pack((mlp.gate_proj, mlp.up_proj), native)
         layer.q = layer.k = layer.v = layer.gate = layer.up = None  # read through qkv / gate_up only
     return side_by_side_linears(model)
 
 
-def _packed_side_by_side(linears: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One prepacked weight (and bias) whose output columns are each linear's, in order."""
-    weight = torch.cat([m.weight.detach() for m in linears]).contiguous()
+def _pack(linears: tuple[torch.nn.Linear, ...], native=None) -> tuple:
+    """One prepacked weight (and bias) whose output columns are each linear's, in order:
+    oneDNN's ``(weight, bias)``, or with ``native`` (``native_bf16()``) its
+    ``(weight, columns, float32 bias)``."""
+    weight = torch.cat([m.weight.detach() for m in linears]) if len(linears) > 1 else linears[0].weight.detach()
+    weight = weight.contiguous()
     biases = [m.bias for m in linears]
     if all(b is None for b in biases):
         bias = None
     else:  # Qwen2's q/k/v: a missing bias counts as zeros
         bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
                           for m in linears]).contiguous()
+    if native is not None:
+        return native.pack(weight), weight.shape[0], None if bias is None else bias.float().contiguous()
     return torch.ops.mkldnn._reorder_linear_weight(weight, None), bias
+
+
+def native_bf16():
+    """acb's bf16 GEMM module (``acb/kernels/bf16_cpu.cpp``) where it is built with AVX-512 BF16,
+    else None (oneDNN's prepacked bf16 linears compute, with their bf16 outputs);
+    ``ACB_CPU_BF16_GEMM=0`` keeps to oneDNN's."""
+    if os.environ.get("ACB_CPU_BF16_GEMM", "1") == "0":
+        return None
+    from .kernels.cpu import bf16_kernels
+
+    module = bf16_kernels()
+    return module if module is not None and module.available() else None
 
 
 def kept_rows(x: torch.Tensor, logits_to_keep: torch.Tensor | int | None) -> torch.Tensor:

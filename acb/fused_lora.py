@@ -33,10 +33,9 @@ class LoraLayers:
     def _lora_layer(self: FusedForward, layer: _Layer, i: int, x: torch.Tensor, rows: int, total: int,
                     cos: torch.Tensor, sin: torch.Tensor, adapters: StepLora) -> torch.Tensor:
         """One decoder layer with the step's LoRA deltas; ``x`` [rows, hidden] padded."""
-        linear = torch.ops.mkldnn._linear_pointwise
         native = adapters.native is not None
         h = self._rms(x, layer.ln1)
-        q, kk, v = linear(h, *layer.qkv, "none", [], "").split(layer.qkv_split, dim=1)  # column views
+        q, kk, v = self._linear(h, layer.qkv).split(layer.qkv_split, dim=1)  # column views
         if native:
             adapters.add_group([q, kk, v], h, i, "qkv")
         else:
@@ -51,7 +50,7 @@ class LoraLayers:
             _add(adapters, native, o, a, i, "o")
             x = x + self._rms(o, layer.post_attn)
         h = self._rms(x, layer.ln2)
-        m = _mlp(layer, i, h, adapters, native, self.k)
+        m = _mlp(self, layer, i, h, adapters, native)
         if layer.post_mlp is None:
             x = self._add_projection(m, x, layer.down)
             _add(adapters, native, x, m, i, "down")
@@ -69,13 +68,13 @@ def _add(adapters: StepLora, native: bool, y: torch.Tensor, x: torch.Tensor, i: 
         adapters.add(y, x, i, f"{group}_proj")
 
 
-def _mlp(layer: _Layer, i: int, h: torch.Tensor, adapters: StepLora, native: bool, kernels) -> torch.Tensor:
+def _mlp(forward: FusedForward, layer: _Layer, i: int, h: torch.Tensor, adapters: StepLora,
+         native: bool) -> torch.Tensor:
     """act(gate) * up, with the deltas of gate and up added before the activation and the product."""
-    linear = torch.ops.mkldnn._linear_pointwise
-    gu = linear(h, *layer.gate_up, "none", [], "")  # gate | up, one GEMM (acb.fused.side_by_side)
+    gu = forward._linear(h, layer.gate_up)  # gate | up, one GEMM (acb.fused.side_by_side)
     if not (adapters.touches(i, "gate_proj") or adapters.touches(i, "up_proj")):
         # no delta inside the MLP (PEFT's default targets q/v only): the base model's one pass
-        return kernels.glu(gu, layer.act_code)
+        return forward.k.glu(gu, layer.act_code)
     g, u = gu.split(gu.shape[1] // 2, dim=1)
     if native:  # the deltas, the activation and the product in one pass over g and u
         return adapters.glu_add(g, u, h, i, layer.act_code)

@@ -4,13 +4,13 @@
     python benchmarks/kernel_profile.py bf16 48 96 realtext  # bench.py's real-text prompts (prefill-heavy)
     PYTHONPATH=. python benchmarks/kernel_profile.py bf16  # from a worktree: its acb, not the installed one
 
-Runs SmolLM2 through an Engine on the first N prompts of a workload (standard unless named) (one generate_batch, after a
-warm-up pass), with the fused forward's kernel modules wrapped so every call into them (int8 GEMMs,
-quantization, RMSNorm, RoPE) and ``attention.paged_attention`` is timed; the bf16/fp32 GEMMs (oneDNN,
-called directly) fall in "(rest of forward)". Prints the wall time, the forward's share of it (the
-rest is scheduling, sampling and host work), and per step kind the time of each call. The wrappers
-cost ~1 us a call: compare shares, not absolute figures, with bench.py's. Run it under the exclusive
-lock on a quiet machine (results recorded in docs/performance.md, int8 section).
+Runs SmolLM2 through an Engine on the first N prompts of a workload (standard unless named) (one generate_batch,
+after a warm-up pass), with the fused forward's kernel modules wrapped so every call into them (int8 GEMMs,
+quantization, RMSNorm, RoPE, acb's bf16 GEMMs) and ``attention.paged_attention`` is timed; oneDNN's GEMMs
+(fp32, and bf16 with ``ACB_CPU_BF16_GEMM=0``; called directly) fall in "(rest of forward)". Prints the wall
+time, the forward's share of it (the rest is scheduling, sampling and host work), and per step kind the time
+of each call. The wrappers cost ~1 us a call: compare shares, not absolute figures, with bench.py's. Run it
+under the exclusive lock on a quiet machine (results recorded in docs/performance.md, int8 section).
 """
 # ruff: noqa: E402
 import asyncio
@@ -65,6 +65,8 @@ def instrument(decode_rows: int) -> None:
                 self.k = Proxy(self.k, "k.")
                 if hasattr(self, "q8"):
                     self.q8 = Proxy(self.q8, "q8.")
+                if getattr(self, "bf16", None) is not None:  # acb's bf16 GEMMs (acb/kernels/bf16_cpu.cpp)
+                    self.bf16 = Proxy(self.bf16, "bf16.")
             rows = input_ids.shape[-1]
             kind[0] = "decode" if rows <= decode_rows else "prefill"
             t0 = time.perf_counter()

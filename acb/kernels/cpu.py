@@ -102,6 +102,12 @@ def int8_kernels():
     return _build("acb_int8_cpu", "int8_cpu.cpp", ["-O3", "-march=native", "-fopenmp"])
 
 
+def bf16_kernels():
+    """The compiled bf16 GEMM module (``bf16_cpu.cpp``: bf16 x bf16 -> float32 or bf16 on AVX-512
+    BF16), or None; ``available()`` says whether it was built with AVX-512 BF16."""
+    return _build("acb_bf16_cpu", "bf16_cpu.cpp", ["-O3", "-march=native", "-fopenmp"])
+
+
 def lora_kernels():
     """The compiled LoRA module (``lora_cpu.cpp``: the deltas of a projection group per row
     group, and act(g) * u), or None. Float32 on AVX-512; ``available()`` says whether it

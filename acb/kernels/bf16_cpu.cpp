@@ -1,0 +1,256 @@
+// bfloat16 GEMMs for acb's fused CPU forward (acb/fused.py) on AVX-512 BF16 (vdpbf16ps):
+// bf16 inputs and weights, float32 accumulation, and a float32 *or* bf16 output.
+//
+// Why not oneDNN's prepacked bf16 linear (what the bf16 forward ran before): it writes its output
+// in bf16 only. Rounding the logits to bf16 (steps of 0.125 at 16-32) and the residual stream's
+// updates changed 2.7 % of SmolLM2's greedy next tokens against float32; with float32 logits and a
+// float32 residual stream 1 % (benchmarks/bf16_sensitivity.py). And on decode-sized GEMMs (48
+// rows x 576-1536) this kernel runs 1.4-2x oneDNN's there (docs/performance.md).
+//
+// Weights: packed once into [ceil(N/16)][K/2][16][2]: a 64-byte load holds 2 consecutive k of 16
+//   output channels, vdpbf16ps's operand order; columns past N are zero. K must be even.
+// out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) (+ other[m, n]), summed in float32 (pairs of
+//   products, then the accumulator), stored as float32 or rounded to bf16 (nearest even).
+// Tiles: 6 rows x 32 columns (12 zmm accumulators), as acb/kernels/int8_cpu.cpp; the threads
+//   split (column tile, row chunk) pairs, column tiles outermost, so each keeps its weight
+//   panels in its L2 across a chunk's rows.
+#include "torch_min.h"
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+constexpr bool kBf16 = true;
+
+// acc + a . b over bf16 pairs, written as one instruction (as int8_cpu.cpp's dpbusd: no register
+// copies per accumulator and k step)
+inline __m512 dpbf16(__m512 acc, __m512 a, __m512 b) {
+  __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
+inline __m512 load_masked(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load_masked(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+inline void store_masked(float* p, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
+inline __m256i round_bf16(__m512 v) {  // round to nearest even, as PyTorch rounds (finite values)
+  __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+}
+inline void store_masked(uint16_t* p, __mmask16 m, __m512 v) { _mm256_mask_storeu_epi16(p, m, round_bf16(v)); }
+inline __mmask16 tail(int64_t left) { return left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1); }
+
+template <int MR, int NB>
+inline void dot_tile(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t panel, int64_t k2,
+                     __m512 (&acc)[MR][NB]) {
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k2; ++k) {
+    __m512 b[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) b[j] = _mm512_castsi512_ps(_mm512_loadu_si512(w + j * panel + k * 32));
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      int32_t a32;
+      std::memcpy(&a32, x + r * xs + 2 * k, 4);
+      const __m512 a = _mm512_castsi512_ps(_mm512_set1_epi32(a32));
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[r][j] = dpbf16(acc[r][j], a, b[j]);
+    }
+  }
+}
+
+struct Gemm {
+  const uint16_t* x;
+  int64_t xs, k;
+  const uint16_t* w;  // packed
+  const float* bias;  // or null
+  const void* other;  // or null: [M, n] of the output's type, row stride os
+  int64_t os;
+  void* out;  // [M, n], row stride ostride
+  int64_t ostride, n;
+};
+
+template <typename T, int MR, int NB>
+void tile(const Gemm& g, int64_t m0, int64_t b0) {
+  const int64_t k2 = g.k / 2, panel = k2 * 32;
+  __m512 acc[MR][NB];
+  dot_tile<MR, NB>(g.x + m0 * g.xs, g.xs, g.w + b0 * panel, panel, k2, acc);
+  const T* other = static_cast<const T*>(g.other);
+  T* out = static_cast<T*>(g.out);
+  for (int j = 0; j < NB; ++j) {
+    const int64_t c = (b0 + j) * 16;
+    const __mmask16 m = tail(g.n - c);
+    const __m512 bias = g.bias ? _mm512_maskz_loadu_ps(m, g.bias + c) : _mm512_setzero_ps();
+    for (int r = 0; r < MR; ++r) {
+      __m512 o = _mm512_add_ps(acc[r][j], bias);
+      if (other) o = _mm512_add_ps(o, load_masked(other + (m0 + r) * g.os + c, m));
+      store_masked(out + (m0 + r) * g.ostride + c, m, o);
+    }
+  }
+}
+
+template <typename T, int NB>
+void tile_rows(int64_t rows, const Gemm& g, int64_t m0, int64_t b0) {
+  switch (rows) {
+    case 6: tile<T, 6, NB>(g, m0, b0); break;
+    case 5: tile<T, 5, NB>(g, m0, b0); break;
+    case 4: tile<T, 4, NB>(g, m0, b0); break;
+    case 3: tile<T, 3, NB>(g, m0, b0); break;
+    case 2: tile<T, 2, NB>(g, m0, b0); break;
+    default: tile<T, 1, NB>(g, m0, b0); break;
+  }
+}
+
+template <typename T>
+void gemm(const Gemm& g, int64_t m, int64_t blocks) {
+  constexpr int64_t kMR = 6, nb = 2, chunk = 96;
+  const int64_t col_tiles = (blocks + nb - 1) / nb, row_chunks = (m + chunk - 1) / chunk;
+  at::parallel_for(0, col_tiles * row_chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t ct = item / row_chunks, rc = item % row_chunks;
+      const int64_t b0 = ct * nb, nbs = std::min(nb, blocks - b0);
+      for (int64_t m0 = rc * chunk; m0 < std::min(m, (rc + 1) * chunk); m0 += kMR) {
+        const int64_t rows = std::min(kMR, m - m0);
+        if (nbs == 2) tile_rows<T, 2>(rows, g, m0, b0);
+        else tile_rows<T, 1>(rows, g, m0, b0);
+      }
+    }
+  });
+}
+#else
+constexpr bool kBf16 = false;
+#endif
+
+inline float widen(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+}  // namespace
+
+bool available() { return kBf16; }
+
+// w: bf16 [N, K] (K even) -> packed [ceil(N/16), K/2, 16, 2], zero past N
+torch::Tensor pack(const torch::Tensor& w) {
+  TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 2, "w must be a bfloat16 [N, K]");
+  const int64_t n = w.size(0), k = w.size(1), nb = (n + 15) / 16;
+  TORCH_CHECK(k % 2 == 0, "K (", k, ") must be even");
+  const auto wc = w.contiguous();
+  auto out = torch::empty({nb, k / 2, 16, 2}, w.options());
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(wc.data_ptr());  // pairs of k
+  uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr());
+  const int64_t k2 = k / 2;
+  at::parallel_for(0, nb, 1, [&](int64_t b, int64_t e) {
+    for (int64_t blk = b; blk < e; ++blk) {
+      uint32_t* d = dst + blk * k2 * 16;
+      for (int64_t c = 0; c < 16; ++c) {
+        const int64_t row = blk * 16 + c;
+        if (row < n) {
+          const uint32_t* s = src + row * k2;
+          for (int64_t kk = 0; kk < k2; ++kk) d[kk * 16 + c] = s[kk];
+        } else {
+          for (int64_t kk = 0; kk < k2; ++kk) d[kk * 16 + c] = 0;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// out [M, n] (float32 or bfloat16, `dtype`) = x (bf16 [M, K], rows contiguous) @ W^T (+ bias, float32 [n])
+// (+ other, [M, n] of `dtype` with contiguous rows); w packed by pack() from an [n, K] weight
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n, const c10::optional<torch::Tensor>& bias,
+                     const c10::optional<torch::Tensor>& other, torch::ScalarType dtype) {
+  TORCH_CHECK(kBf16, "acb's bf16 GEMMs were built without AVX-512 BF16");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
+              "x must be a bfloat16 [M, K] with contiguous rows");
+  TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 4 && w.size(2) == 16 && w.size(3) == 2 &&
+                  w.is_contiguous(),
+              "w must be a packed bfloat16 [N/16, K/2, 16, 2] (pack())");
+  const int64_t m = x.size(0), k = x.size(1), blocks = w.size(0);
+  TORCH_CHECK(w.size(1) * 2 == k, "the weight's K (", w.size(1) * 2, ") is not the input's (", k, ")");
+  TORCH_CHECK(n > (blocks - 1) * 16 && n <= blocks * 16, "n (", n, ") does not match the packed weight");
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "the output must be float32 or bfloat16");
+  if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n,
+                        "bias must be a contiguous float32 [n]");
+  if (other) TORCH_CHECK(other->scalar_type() == dtype && other->dim() == 2 && other->size(0) == m &&
+                             other->size(1) == n && other->stride(1) == 1,
+                         "other must be [M, n] of the output's dtype with contiguous rows");
+  auto out = torch::empty({m, n}, x.options().dtype(dtype));
+#if defined(__AVX512BF16__)
+  if (m > 0) {
+    const Gemm g{reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), k,
+                 reinterpret_cast<const uint16_t*>(w.data_ptr()), bias ? bias->data_ptr<float>() : nullptr,
+                 other ? other->data_ptr() : nullptr, other ? other->stride(0) : 0, out.data_ptr(), n, n};
+    if (dtype == torch::kFloat32) gemm<float>(g, m, blocks);
+    else gemm<uint16_t>(g, m, blocks);
+  }
+#endif
+  return out;
+}
+
+// RMSNorm of float32 rows into bfloat16, as a bf16 model's norm computes on its (bf16) input:
+// Llama's: the normalised row rounded to bf16, times the bf16 weight, rounded; Gemma's (gemma):
+// (x * r) * w with w the float32 1 + weight, rounded once. r = 1 / sqrt(mean(x^2) + eps).
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps, bool gemma) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
+              "x must be a float32 [T, D] with contiguous rows");
+  const int64_t t_ = x.size(0), d = x.size(1), xs = x.stride(0);
+  TORCH_CHECK(w.is_contiguous() && w.numel() == d &&
+                  w.scalar_type() == (gemma ? torch::kFloat32 : torch::kBFloat16),
+              gemma ? "w must be a contiguous float32 [D]" : "w must be a contiguous bfloat16 [D]");
+  auto out = torch::empty({t_, d}, x.options().dtype(torch::kBFloat16));
+  const float* xp = x.data_ptr<float>();
+  const void* wp = w.data_ptr();
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const float feps = static_cast<float>(eps), fd = static_cast<float>(d);
+  at::parallel_for(0, t_, std::max<int64_t>(1, 32768 / std::max<int64_t>(d, 1)), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float* xr = xp + t * xs;
+      uint16_t* orow = op + t * d;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < d; ++i) ss += xr[i] * xr[i];
+      const float inv = 1.f / std::sqrt(ss / fd + feps);
+      if (gemma) {
+        const float* wf = static_cast<const float*>(wp);
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) orow[i] = to_bf16((xr[i] * inv) * wf[i]);
+      } else {
+        const uint16_t* wb = static_cast<const uint16_t*>(wp);
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) orow[i] = to_bf16(widen(wb[i]) * widen(to_bf16(xr[i] * inv)));
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("available", &available, "whether the GEMMs were built with AVX-512 BF16");
+  m.def("pack", &pack, "a bf16 [N, K] weight in the GEMMs' layout", py::call_guard<py::gil_scoped_release>());
+  m.def("linear", &linear, "bf16 linear, float32 accumulation, float32 or bf16 output (+ residual)", py::arg("x"),
+        py::arg("w"), py::arg("n"), py::arg("bias") = py::none(), py::arg("other") = py::none(),
+        py::arg("dtype") = torch::kFloat32, py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows into bfloat16", py::arg("x"), py::arg("w"), py::arg("eps"),
+        py::arg("gemma") = false, py::call_guard<py::gil_scoped_release>());
+}
