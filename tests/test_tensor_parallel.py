@@ -242,3 +242,23 @@ def test_step_input_packs_into_one_int32_tensor_and_back_with_carried_tokens_wri
     sampled = torch.tensor([41, 42])
     packed[positions] = sampled[sources].to(torch.int32)
     assert protocol.unpack_step(packed).token_ids == [5, 6, 7, 9, 42, 41]
+
+
+async def test_tp2_in_bf16_computes_what_one_rank_does():
+    """A bf16 model over two ranks. Its rotary ``inv_freq`` buffers are bf16 (``model.to``) where a
+    skeleton built in bf16 makes them float32: sent as they were, rank 1 received half the bytes it
+    read, rotated with garbage, and no first token matched one rank's. On acb's bf16 GEMMs the
+    partial sums are float32, so the two layouts agree (oneDNN's sum bf16 partials: near-ties differ)."""
+    from acb.fused import native_bf16
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    prompts = random_prompts(6, 4, 40, seed=3)
+    base = dict(page_size=8, num_blocks=64, max_batch_tokens=48, dtype="bfloat16")
+    async with acb.Engine(model, tokenizer=tiny_tokenizer(), config=tp_config(tensor_parallel_size=1, **base)) as one:
+        want = [r.token_ids for r in await one.generate_batch(prompts, max_new_tokens=12, ignore_eos=True)]
+        async with acb.Engine(model, tokenizer=tiny_tokenizer(), config=tp_config(**base)) as engine:
+            got = [r.token_ids for r in await engine.generate_batch(prompts, max_new_tokens=12, ignore_eos=True)]
+            assert engine.stats().dtype == "bfloat16"
+    assert [g[0] for g in got] == [w[0] for w in want]
+    agreement = sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g, w)) / (12 * len(prompts))
+    assert agreement >= (0.9 if native_bf16() is not None else 0.5), agreement

@@ -220,9 +220,11 @@ class TensorParallel:
         splitter = sharding.Splitter(model.config, model.base_model_prefix, self.size)
         full = sharding.full_tensors(model)
         with torch.no_grad():
-            for name, _ in sharding.tensors(self.model):
+            for name, target in sharding.tensors(self.model):
                 for rank in range(1, self.size):
-                    piece = splitter.piece(name, full[name], rank).to("cpu").contiguous()
+                    # the receiving rank's skeleton has rank 0's dtypes (sharding.build_local): sent as
+                    # another dtype, the bytes would not fill it (a bf16 model's inv_freq: 2 bytes of 4)
+                    piece = splitter.piece(name, full[name], rank).to("cpu", target.dtype).contiguous()
                     self.ctrl.send([piece], rank, 0).wait()
 
     # ------------------------------------------------------------------ steps

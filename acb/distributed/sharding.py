@@ -134,7 +134,9 @@ def build_local(model: torch.nn.Module, size: int, rank: int, device: torch.devi
     full = full_tensors(model)
     with torch.no_grad():
         for name, target in tensors(local):
-            piece = splitter.piece(name, full[name], rank).to(device)
+            # in the skeleton's dtype: a bf16 model's rotary inv_freq buffers are bf16 (model.to(bfloat16)),
+            # a skeleton built in bf16 makes them float32; every rank must hold the same values and size
+            piece = splitter.piece(name, full[name], rank).to(device=device, dtype=target.dtype)
             if piece.shape != target.shape:
                 raise ValueError(f"tensor_parallel_size={size}: cannot shard {name} {tuple(full[name].shape)} "
                                  f"into {tuple(target.shape)}")
