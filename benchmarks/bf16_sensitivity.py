@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quality import held_out_text  # noqa: E402
+from quality import fp32_probe  # noqa: E402
 
 _ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 # (label, options): weights / inputs: round every linear's weight / input; outputs: the linears whose
@@ -55,21 +55,10 @@ def main() -> None:
 
     import transformers.models.llama.modeling_llama as llama
 
-    from acb.loading import load, smollm2
-
-    folder, gguf = smollm2()
-    model, tok = load(folder, gguf_file=gguf, dtype=torch.float32)
-    model.eval()
-    ids = tok(held_out_text())["input_ids"][: args.tokens]
-    windows = torch.tensor([ids[i: i + args.window] for i in range(0, len(ids) - args.window + 1, args.window)])
-    linears = {n: (m, m.weight.data.clone()) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    model, linears, top1 = fp32_probe(args.tokens, args.window)
 
     def r(t: torch.Tensor) -> torch.Tensor:
         return t.to(torch.bfloat16).float()
-
-    @torch.no_grad()
-    def top1() -> torch.Tensor:
-        return torch.cat([model(windows[i: i + 4]).logits.argmax(-1) for i in range(0, len(windows), 4)])
 
     exact = top1()
     rope = llama.apply_rotary_pos_emb

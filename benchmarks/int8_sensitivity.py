@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quality import held_out_text  # noqa: E402
+from quality import fp32_probe  # noqa: E402
 
 # (label, options): skip: parts left exact; skip_act: parts whose inputs stay exact; act/weights:
 # quantize those at all; group: activation channels per scale; wgroup: weight input channels per scale
@@ -66,18 +66,7 @@ def main() -> None:
     p.add_argument("--out", default="bench-results/int8_sensitivity.json")
     args = p.parse_args()
 
-    from acb.loading import load, smollm2
-
-    folder, gguf = smollm2()
-    model, tok = load(folder, gguf_file=gguf, dtype=torch.float32)
-    model.eval()
-    ids = tok(held_out_text())["input_ids"][: args.tokens]
-    windows = torch.tensor([ids[i: i + args.window] for i in range(0, len(ids) - args.window + 1, args.window)])
-    linears = {n: (m, m.weight.data.clone()) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-
-    @torch.no_grad()
-    def top1() -> torch.Tensor:
-        return torch.cat([model(windows[i: i + 4]).logits.argmax(-1) for i in range(0, len(windows), 4)])
+    model, linears, top1 = fp32_probe(args.tokens, args.window)
 
     exact = top1()
     rows = []

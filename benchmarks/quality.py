@@ -64,6 +64,26 @@ def held_out_text() -> str:
     return "\n\n".join(texts)
 
 
+def fp32_probe(tokens: int, window: int):
+    """For the sensitivity scripts: SmolLM2 in float32, its linear layers {name: (module, weight
+    copy)}, and ``top1()``: the argmax at every position of the first ``tokens`` held-out tokens in
+    windows of ``window`` (whatever the model's modules and hooks compute then)."""
+    from acb.loading import load, smollm2
+
+    folder, gguf = smollm2()
+    model, tok = load(folder, gguf_file=gguf, dtype=torch.float32)
+    model.eval()
+    ids = tok(held_out_text())["input_ids"][:tokens]
+    windows = torch.tensor([ids[i: i + window] for i in range(0, len(ids) - window + 1, window)])
+    linears = {n: (m, m.weight.data.clone()) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+    @torch.no_grad()
+    def top1() -> torch.Tensor:
+        return torch.cat([model(windows[i: i + 4]).logits.argmax(-1) for i in range(0, len(windows), 4)])
+
+    return model, linears, top1
+
+
 def window_logits(runner, tokens: list[int], pages: list[int]) -> torch.Tensor:
     """float32 logits at every position of ``tokens``, one fresh prefill through the
     runner's forward (the fused one where it serves) and acb's attention."""

@@ -15,6 +15,7 @@
 //   split (column tile, row chunk) pairs, column tiles outermost, so each keeps its weight
 //   panels in its L2 across a chunk's rows.
 #include "torch_min.h"
+#include "bf16_scalar.h"
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
@@ -131,19 +132,8 @@ void gemm(const Gemm& g, int64_t m, int64_t blocks) {
 constexpr bool kBf16 = false;
 #endif
 
-inline float widen(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
+using acb_bf16::to_bf16;  // bf16 <-> float32 by bits (acb/kernels/bf16_scalar.h)
+using acb_bf16::widen;
 
 }  // namespace
 

@@ -11,6 +11,7 @@
 // when the model is bf16: RMSNorm rounds the normalised row, then the product with its
 // weight; RoPE rounds each of its two products and their sum.
 #include "torch_min.h"
+#include "bf16_scalar.h"
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -25,21 +26,11 @@ void check_rows(const torch::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " must be a 2-D tensor with contiguous rows");
 }
 
-// bfloat16 <-> float32 by bits (vectorises under omp simd, unlike c10::BFloat16's class)
+// bfloat16 <-> float32 by bits (acb/kernels/bf16_scalar.h; vectorises under omp simd, unlike
+// c10::BFloat16's class); widen(float) is the identity, so one template reads either dtype
 inline float widen(float v) { return v; }
-inline float widen(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN stays NaN
-  u += 0x7fffu + ((u >> 16) & 1u);                       // round to nearest, ties to even
-  return static_cast<uint16_t>(u >> 16);
-}
+using acb_bf16::to_bf16;
+using acb_bf16::widen;
 // the value as the tensor's dtype holds it: identity for float32, rounded for bfloat16
 template <typename T> inline float held(float f);
 template <> inline float held<float>(float f) { return f; }

@@ -17,6 +17,7 @@
 // Tiles: 6 rows x 32 columns (12 zmm accumulators); the threads split (column tile, row
 // chunk) pairs, column tiles outermost so each thread keeps its weight panels in its L2.
 #include "torch_min.h"
+#include "bf16_scalar.h"
 #include <immintrin.h>
 #include "vec_math.h"
 #include <algorithm>
@@ -32,19 +33,8 @@ constexpr bool kVnni = true;
 constexpr bool kVnni = false;
 #endif
 
-inline float widen(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
+using acb_bf16::to_bf16;  // bf16 <-> float32 by bits (acb/kernels/bf16_scalar.h)
+using acb_bf16::widen;
 
 enum Epilogue : int64_t { kNone = 0, kAdd = 1 };
 enum Act : int64_t { kSilu = 0, kGeluTanh = 1 };
