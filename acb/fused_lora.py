@@ -50,7 +50,7 @@ class LoraLayers:
             _add(adapters, native, o, a, i, "o")
             x = x + self._rms(o, layer.post_attn)
         h = self._rms(x, layer.ln2)
-        m = _mlp(self, layer, i, h, adapters, native)
+        m = self._lora_mlp(layer, i, h, adapters, native)
         if layer.post_mlp is None:
             x = self._add_projection(m, x, layer.down)
             _add(adapters, native, x, m, i, "down")
@@ -58,6 +58,20 @@ class LoraLayers:
         d = self._projection(m, layer.down)
         _add(adapters, native, d, m, i, "down")
         return x + self._rms(d, layer.post_mlp)
+
+    def _lora_mlp(self: FusedForward, layer: _Layer, i: int, h: torch.Tensor, adapters: StepLora,
+                  native: bool) -> torch.Tensor:
+        """act(gate) * up, with the deltas of gate and up added before the activation and the product."""
+        gu = self._linear(h, layer.gate_up)  # gate | up, one GEMM (acb.fused.side_by_side)
+        if not (adapters.touches(i, "gate_proj") or adapters.touches(i, "up_proj")):
+            # no delta inside the MLP (PEFT's default targets q/v only): the base model's one pass
+            return self.k.glu(gu, layer.act_code)
+        g, u = gu.split(gu.shape[1] // 2, dim=1)
+        if native:  # the deltas, the activation and the product in one pass over g and u
+            return adapters.glu_add(g, u, h, i, layer.act_code)
+        adapters.add(g, h, i, "gate_proj")
+        adapters.add(u, h, i, "up_proj")
+        return _ACTIVATION_FNS[layer.act[0]](g) * u
 
 
 def _add(adapters: StepLora, native: bool, y: torch.Tensor, x: torch.Tensor, i: int, group: str) -> None:
@@ -68,16 +82,3 @@ def _add(adapters: StepLora, native: bool, y: torch.Tensor, x: torch.Tensor, i: 
         adapters.add(y, x, i, f"{group}_proj")
 
 
-def _mlp(forward: FusedForward, layer: _Layer, i: int, h: torch.Tensor, adapters: StepLora,
-         native: bool) -> torch.Tensor:
-    """act(gate) * up, with the deltas of gate and up added before the activation and the product."""
-    gu = forward._linear(h, layer.gate_up)  # gate | up, one GEMM (acb.fused.side_by_side)
-    if not (adapters.touches(i, "gate_proj") or adapters.touches(i, "up_proj")):
-        # no delta inside the MLP (PEFT's default targets q/v only): the base model's one pass
-        return forward.k.glu(gu, layer.act_code)
-    g, u = gu.split(gu.shape[1] // 2, dim=1)
-    if native:  # the deltas, the activation and the product in one pass over g and u
-        return adapters.glu_add(g, u, h, i, layer.act_code)
-    adapters.add(g, h, i, "gate_proj")
-    adapters.add(u, h, i, "up_proj")
-    return _ACTIVATION_FNS[layer.act[0]](g) * u
