@@ -204,6 +204,15 @@ class FusedForward(LoraLayers):
             return self.bf16.linear(h, *weight, dtype=dtype)
         return torch.ops.mkldnn._linear_pointwise(h, *weight, "none", [], "")
 
+    def _glu(self, h: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        """act(gate) * up, the MLP's input to ``down``. acb's bf16 GEMMs compute it in one pass, gate
+        and up float32 until the product is rounded (rounding them first cost SmolLM2 0.2 points of
+        top-1 agreement with float32: benchmarks/bf16_sensitivity.py); else the GEMM, then ``glu``."""
+        if self.bf16 is not None and layer.gate_up[1] % 32 == 0:
+            packed, columns, bias = layer.gate_up
+            return self.bf16.glu(h, packed, columns // 2, bias, layer.act_code, dtype=h.dtype)
+        return self.k.glu(self._linear(h, layer.gate_up), layer.act_code)
+
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
                  use_cache: bool = False, logits_to_keep: torch.Tensor | int | None = None) -> _Logits:
         x = self.embed(input_ids[0])  # [T, hidden]
@@ -232,7 +241,7 @@ class FusedForward(LoraLayers):
             else:  # Gemma: normed before the residual add, which then cannot be fused into the GEMM
                 x = x + self._rms(self._projection(a, layer.o), layer.post_attn)
             h = self._rms(x, layer.ln2)
-            m = self.k.glu(self._linear(h, layer.gate_up), layer.act_code)
+            m = self._glu(h, layer)
             if layer.post_mlp is None:
                 x = self._add_projection(m, x, layer.down)
             else:

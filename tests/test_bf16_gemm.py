@@ -82,6 +82,47 @@ def test_linear_reads_strided_rows_and_refuses_what_does_not_fit():
         bf16.pack(torch.randn(16, 63).bfloat16())
 
 
+def _act(t, act):
+    return torch.nn.functional.silu(t) if act == 0 else torch.nn.functional.gelu(t, approximate="tanh")
+
+
+@pytest.mark.parametrize("m", [1, 6, 7, 97])
+@pytest.mark.parametrize("act", [0, 1])
+@pytest.mark.parametrize("bias", [False, True])
+def test_glu_keeps_gate_and_up_float32_until_the_product(m, act, bias):
+    bf16 = _native_or_skip()
+    g = torch.Generator().manual_seed(m * 10 + act)
+    n, k = 48, 192  # 3 blocks of 16 per projection: a 2-block tile and the 1 block left
+    x = torch.randn(m, k, generator=g).bfloat16()
+    wg, wu = ((torch.randn(n, k, generator=g) * 0.1).bfloat16() for _ in range(2))
+    b = torch.randn(2 * n, generator=g) if bias else None
+    gate, up = _reference(x, wg), _reference(x, wu)
+    if bias:
+        gate, up = gate + b[:n].double(), up + b[n:].double()
+    want = _act(gate, act) * up
+    packed = bf16.pack(torch.cat([wg, wu]))
+    got = bf16.glu(x, packed, n, b, act, dtype=torch.float32)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    # float32 sums and activation: far closer than gate and up rounded to bf16 first would be
+    torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-5)
+    rounded_first = _act(gate.bfloat16().double(), act) * up.bfloat16().double()
+    assert (got.double() - want).abs().max() < (rounded_first - want).abs().max() / 10
+    out = bf16.glu(x, packed, n, b, act)  # bf16 by default: the product rounded once
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, got.bfloat16())
+
+
+def test_glu_refuses_what_it_cannot_split():
+    bf16 = _native_or_skip()
+    x = torch.randn(4, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        bf16.glu(x, bf16.pack(torch.randn(40, 64).bfloat16()), 20)
+    with pytest.raises(RuntimeError, match="act"):
+        bf16.glu(x, bf16.pack(torch.randn(64, 64).bfloat16()), 32, None, 2)
+    with pytest.raises(RuntimeError, match="bias"):
+        bf16.glu(x, bf16.pack(torch.randn(64, 64).bfloat16()), 32, torch.zeros(32))
+
+
 @pytest.mark.parametrize("gemma", [False, True])
 def test_rms_norm_of_float32_rows_rounds_where_a_bf16_model_rounds(gemma):
     bf16 = _native_or_skip()
@@ -105,14 +146,14 @@ def test_rms_norm_of_float32_rows_rounds_where_a_bf16_model_rounds(gemma):
 class _Spy:
     """A kernel module whose calls are recorded: (name, args, kwargs)."""
 
-    def __init__(self, module, calls):
-        self._m, self._calls = module, calls
+    def __init__(self, module, calls, prefix=""):
+        self._m, self._calls, self._prefix = module, calls, prefix
 
     def __getattr__(self, name):
         fn = getattr(self._m, name)
 
         def call(*args, **kwargs):
-            self._calls.append((name, args, kwargs))
+            self._calls.append((self._prefix + name, args, kwargs))
             return fn(*args, **kwargs)
         return call
 
@@ -122,7 +163,8 @@ def test_the_bf16_fused_forward_keeps_float32_between_its_bf16_gemms(arch):
     """On acb's GEMMs the bf16 forward rounds only the GEMMs' inputs and what the bf16 pages hold:
     the residual stream and the logits stay float32, RoPE runs in float32 (its cos/sin too). Each
     rounding it drops moved SmolLM2's top-1 next token against float32 (benchmarks/bf16_sensitivity.py:
-    the logits' 1.5 %, RoPE's 0.5 %); the engine's top-1 agreement went 97.27 -> 98.79 %."""
+    the logits' 1.5 %, RoPE's 0.5 %, gate's and up's 0.2 %); the engine's top-1 agreement went
+    97.27 -> 98.79 %."""
     from test_fused_forward import _logits
 
     _native_or_skip()
@@ -136,7 +178,7 @@ def test_the_bf16_fused_forward_keeps_float32_between_its_bf16_gemms(arch):
     try:
         fused = runner.fast_paths.fused
         assert fused is not None and fused.bf16 is not None, arch
-        fused.bf16, fused.k = _Spy(fused.bf16, calls), _Spy(fused.k, calls)
+        fused.bf16, fused.k = _Spy(fused.bf16, calls, "bf16."), _Spy(fused.k, calls)
         rows, next_page = [], 0
         for p in prompts:
             need = (len(p) + 1 + 7) // 8
@@ -146,7 +188,7 @@ def test_the_bf16_fused_forward_keeps_float32_between_its_bf16_gemms(arch):
     finally:
         runner.release()
     layers = model.config.num_hidden_layers
-    gemms = [(a, k) for name, a, k in calls if name == "linear"]
+    gemms = [(a, k) for name, a, k in calls if name == "bf16.linear"]
     assert all(a[0].dtype == torch.bfloat16 for a, _ in gemms)  # bf16 in
     residual = [k["other"] for _, k in gemms if k.get("other") is not None]
     if arch == "gemma3":  # its post-norms come between the projection and the add: a float32 add there
@@ -154,6 +196,9 @@ def test_the_bf16_fused_forward_keeps_float32_between_its_bf16_gemms(arch):
     else:  # o's and down's outputs summed into the float32 stream in the GEMMs' epilogue
         assert len(residual) == 2 * layers and all(r.dtype == torch.float32 for r in residual)
     assert gemms[-1][1]["dtype"] == torch.float32  # the lm_head's, float32 out
+    # the MLP's gate and up in one pass, float32 until their product (rounded once, down's input)
+    glus = [a for name, a, _ in calls if name == "bf16.glu"]
+    assert len(glus) == layers and not any(name == "glu" for name, _, _ in calls)
     assert ours.dtype == torch.float32 and (ours != ours.bfloat16().float()).any()  # not bf16 steps
     ropes = [a for name, a, _ in calls if name == "rope_"]
     assert len(ropes) == 2 * layers and all(t.dtype == torch.float32 for a in ropes for t in a[:3])

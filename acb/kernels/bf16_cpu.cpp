@@ -16,6 +16,7 @@
 //   panels in its L2 across a chunk's rows.
 #include "torch_min.h"
 #include "bf16_scalar.h"
+#include "vec_math.h"
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
@@ -26,6 +27,7 @@ namespace {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 constexpr bool kBf16 = true;
+using acb_vec::act512;  // SiLU (0) / GELU-tanh (1), acb/kernels/vec_math.h
 
 // acc + a . b over bf16 pairs, written as one instruction (as int8_cpu.cpp's dpbusd: no register
 // copies per accumulator and k step)
@@ -100,20 +102,51 @@ void tile(const Gemm& g, int64_t m0, int64_t b0) {
   }
 }
 
-template <typename T, int NB>
-void tile_rows(int64_t rows, const Gemm& g, int64_t m0, int64_t b0) {
-  switch (rows) {
-    case 6: tile<T, 6, NB>(g, m0, b0); break;
-    case 5: tile<T, 5, NB>(g, m0, b0); break;
-    case 4: tile<T, 4, NB>(g, m0, b0); break;
-    case 3: tile<T, 3, NB>(g, m0, b0); break;
-    case 2: tile<T, 2, NB>(g, m0, b0); break;
-    default: tile<T, 1, NB>(g, m0, b0); break;
+// The MLP's act(gate) * up for one tile: the gate's blocks are [b0, b0 + NB) of g.w, the up's the
+// same blocks `up` blocks further on (gate and up packed side by side); both stay float32 until
+// the product is stored (rounding them to bf16 first cost SmolLM2 0.2 points of top-1 agreement
+// with float32, benchmarks/bf16_sensitivity.py).
+template <typename T, int MR, int NB>
+void glu_tile(const Gemm& g, int64_t up, int64_t act, int64_t m0, int64_t b0) {
+  const int64_t k2 = g.k / 2, panel = k2 * 32;
+  __m512 acc[MR][NB], v[MR][NB];
+  dot_tile<MR, NB>(g.x + m0 * g.xs, g.xs, g.w + b0 * panel, panel, k2, acc);
+  for (int j = 0; j < NB; ++j) {
+    const __m512 bias = g.bias ? _mm512_loadu_ps(g.bias + (b0 + j) * 16) : _mm512_setzero_ps();
+    for (int r = 0; r < MR; ++r) v[r][j] = act512(_mm512_add_ps(acc[r][j], bias), act);
+  }
+  dot_tile<MR, NB>(g.x + m0 * g.xs, g.xs, g.w + (b0 + up) * panel, panel, k2, acc);
+  T* out = static_cast<T*>(g.out);
+  for (int j = 0; j < NB; ++j) {
+    const int64_t c = (b0 + j) * 16;
+    const __m512 bias = g.bias ? _mm512_loadu_ps(g.bias + up * 16 + c) : _mm512_setzero_ps();
+    for (int r = 0; r < MR; ++r)
+      store_masked(out + (m0 + r) * g.ostride + c, 0xffff, _mm512_mul_ps(v[r][j], _mm512_add_ps(acc[r][j], bias)));
   }
 }
 
+// up < 0: the plain GEMM (tile); else the MLP's act(gate) * up (glu_tile), up blocks apart
+template <typename T, int MR, int NB>
+inline void any_tile(const Gemm& g, int64_t up, int64_t act, int64_t m0, int64_t b0) {
+  if (up < 0) tile<T, MR, NB>(g, m0, b0);
+  else glu_tile<T, MR, NB>(g, up, act, m0, b0);
+}
+
+template <typename T, int NB>
+void tile_rows(int64_t rows, const Gemm& g, int64_t up, int64_t act, int64_t m0, int64_t b0) {
+  switch (rows) {
+    case 6: any_tile<T, 6, NB>(g, up, act, m0, b0); break;
+    case 5: any_tile<T, 5, NB>(g, up, act, m0, b0); break;
+    case 4: any_tile<T, 4, NB>(g, up, act, m0, b0); break;
+    case 3: any_tile<T, 3, NB>(g, up, act, m0, b0); break;
+    case 2: any_tile<T, 2, NB>(g, up, act, m0, b0); break;
+    default: any_tile<T, 1, NB>(g, up, act, m0, b0); break;
+  }
+}
+
+// blocks: the output's 16-column blocks; up >= 0: the GLU (act, the up's offset in blocks)
 template <typename T>
-void gemm(const Gemm& g, int64_t m, int64_t blocks) {
+void gemm(const Gemm& g, int64_t m, int64_t blocks, int64_t up = -1, int64_t act = 0) {
   constexpr int64_t kMR = 6, nb = 2, chunk = 96;
   const int64_t col_tiles = (blocks + nb - 1) / nb, row_chunks = (m + chunk - 1) / chunk;
   at::parallel_for(0, col_tiles * row_chunks, 1, [&](int64_t begin, int64_t end) {
@@ -122,8 +155,8 @@ void gemm(const Gemm& g, int64_t m, int64_t blocks) {
       const int64_t b0 = ct * nb, nbs = std::min(nb, blocks - b0);
       for (int64_t m0 = rc * chunk; m0 < std::min(m, (rc + 1) * chunk); m0 += kMR) {
         const int64_t rows = std::min(kMR, m - m0);
-        if (nbs == 2) tile_rows<T, 2>(rows, g, m0, b0);
-        else tile_rows<T, 1>(rows, g, m0, b0);
+        if (nbs == 2) tile_rows<T, 2>(rows, g, up, act, m0, b0);
+        else tile_rows<T, 1>(rows, g, up, act, m0, b0);
       }
     }
   });
@@ -198,6 +231,38 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n, 
   return out;
 }
 
+// out [M, n] (float32 or bfloat16) = act(x @ Wg^T (+ bg)) * (x @ Wu^T (+ bu)), summed and multiplied in
+// float32, rounded once; w packs gate and up side by side ([2n, K] -> [2n/16, K/2, 16, 2]: n must be a
+// multiple of 16), bias the float32 [2n] of both or none; act 0: SiLU, 1: GELU-tanh
+torch::Tensor glu(const torch::Tensor& x, const torch::Tensor& w, int64_t n, const c10::optional<torch::Tensor>& bias,
+                  int64_t act, torch::ScalarType dtype) {
+  TORCH_CHECK(kBf16, "acb's bf16 GEMMs were built without AVX-512 BF16");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
+              "x must be a bfloat16 [M, K] with contiguous rows");
+  TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 4 && w.size(2) == 16 && w.size(3) == 2 &&
+                  w.is_contiguous(),
+              "w must be a packed bfloat16 [N/16, K/2, 16, 2] (pack())");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(w.size(1) * 2 == k, "the weight's K (", w.size(1) * 2, ") is not the input's (", k, ")");
+  TORCH_CHECK(n > 0 && n % 16 == 0 && w.size(0) * 16 == 2 * n,
+              "w must pack gate and up ([2n, K]) side by side with n (", n, ") a multiple of 16");
+  TORCH_CHECK(act == 0 || act == 1, "act must be 0 (SiLU) or 1 (GELU-tanh)");
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "the output must be float32 or bfloat16");
+  if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == 2 * n,
+                        "bias must be a contiguous float32 [2n] (gate's, then up's)");
+  auto out = torch::empty({m, n}, x.options().dtype(dtype));
+#if defined(__AVX512BF16__)
+  if (m > 0) {
+    const Gemm g{reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), k,
+                 reinterpret_cast<const uint16_t*>(w.data_ptr()), bias ? bias->data_ptr<float>() : nullptr,
+                 nullptr, 0, out.data_ptr(), n, n};
+    if (dtype == torch::kFloat32) gemm<float>(g, m, n / 16, n / 16, act);
+    else gemm<uint16_t>(g, m, n / 16, n / 16, act);
+  }
+#endif
+  return out;
+}
+
 // RMSNorm of float32 rows into bfloat16, as a bf16 model's norm computes on its (bf16) input:
 // Llama's: the normalised row rounded to bf16, times the bf16 weight, rounded; Gemma's (gemma):
 // (x * r) * w with w the float32 1 + weight, rounded once. r = 1 / sqrt(mean(x^2) + eps).
@@ -241,6 +306,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "bf16 linear, float32 accumulation, float32 or bf16 output (+ residual)", py::arg("x"),
         py::arg("w"), py::arg("n"), py::arg("bias") = py::none(), py::arg("other") = py::none(),
         py::arg("dtype") = torch::kFloat32, py::call_guard<py::gil_scoped_release>());
+  m.def("glu", &glu, "act(x Wg) * (x Wu) in one pass, float32 until the product is stored", py::arg("x"),
+        py::arg("w"), py::arg("n"), py::arg("bias") = py::none(), py::arg("act") = 0,
+        py::arg("dtype") = torch::kBFloat16, py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows into bfloat16", py::arg("x"), py::arg("w"), py::arg("eps"),
         py::arg("gemma") = false, py::call_guard<py::gil_scoped_release>());
 }
