@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from int8_sensitivity import fake_act, fake_weight  # noqa: E402
 from quality import fp32_probe  # noqa: E402
 
 # (label, weight group (0: per output channel), activation group (None: bf16 input), smoothing a, bf16 parts)
@@ -44,20 +45,6 @@ CONFIGS = [
     ("W per 32, A per 32, smoothed 0.7, lm_head bf16", 32, 32, 0.7, ("lm_head",)),
     ("W per 32, A per 32, smoothed 0.7, lm_head int8", 32, 32, 0.7, ()),
 ]
-
-
-def fake_weight(w: torch.Tensor, group: int) -> torch.Tensor:
-    n, k = w.shape
-    wg = w.reshape(n, k // (group or k), group or k)
-    s = wg.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127
-    return (torch.round(wg / s).clamp(-127, 127) * s).reshape(n, k)
-
-
-def fake_act(x: torch.Tensor, group: int) -> torch.Tensor:
-    shape = x.shape
-    xg = x.reshape(*shape[:-1], shape[-1] // group, group)
-    s = xg.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127
-    return (torch.round(xg / s).clamp(-127, 127) * s).reshape(shape)
 
 
 def calibration_ids(tokenizer, tokens: int) -> list[int]:
