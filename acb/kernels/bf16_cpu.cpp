@@ -199,18 +199,24 @@ torch::Tensor pack(const torch::Tensor& w) {
   return out;
 }
 
-// out [M, n] (float32 or bfloat16, `dtype`) = x (bf16 [M, K], rows contiguous) @ W^T (+ bias, float32 [n])
-// (+ other, [M, n] of `dtype` with contiguous rows); w packed by pack() from an [n, K] weight
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n, const c10::optional<torch::Tensor>& bias,
-                     const c10::optional<torch::Tensor>& other, torch::ScalarType dtype) {
+// The checks linear() and glu() share: x a bf16 [M, K] with contiguous rows, w packed by pack() for K
+void check_operands(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(kBf16, "acb's bf16 GEMMs were built without AVX-512 BF16");
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
               "x must be a bfloat16 [M, K] with contiguous rows");
   TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 4 && w.size(2) == 16 && w.size(3) == 2 &&
                   w.is_contiguous(),
               "w must be a packed bfloat16 [N/16, K/2, 16, 2] (pack())");
+  TORCH_CHECK(w.size(1) * 2 == x.size(1), "the weight's K (", w.size(1) * 2, ") is not the input's (", x.size(1),
+              ")");
+}
+
+// out [M, n] (float32 or bfloat16, `dtype`) = x (bf16 [M, K], rows contiguous) @ W^T (+ bias, float32 [n])
+// (+ other, [M, n] of `dtype` with contiguous rows); w packed by pack() from an [n, K] weight
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n, const c10::optional<torch::Tensor>& bias,
+                     const c10::optional<torch::Tensor>& other, torch::ScalarType dtype) {
+  check_operands(x, w);
   const int64_t m = x.size(0), k = x.size(1), blocks = w.size(0);
-  TORCH_CHECK(w.size(1) * 2 == k, "the weight's K (", w.size(1) * 2, ") is not the input's (", k, ")");
   TORCH_CHECK(n > (blocks - 1) * 16 && n <= blocks * 16, "n (", n, ") does not match the packed weight");
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "the output must be float32 or bfloat16");
   if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n,
@@ -236,14 +242,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n, 
 // multiple of 16), bias the float32 [2n] of both or none; act 0: SiLU, 1: GELU-tanh
 torch::Tensor glu(const torch::Tensor& x, const torch::Tensor& w, int64_t n, const c10::optional<torch::Tensor>& bias,
                   int64_t act, torch::ScalarType dtype) {
-  TORCH_CHECK(kBf16, "acb's bf16 GEMMs were built without AVX-512 BF16");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
-              "x must be a bfloat16 [M, K] with contiguous rows");
-  TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 4 && w.size(2) == 16 && w.size(3) == 2 &&
-                  w.is_contiguous(),
-              "w must be a packed bfloat16 [N/16, K/2, 16, 2] (pack())");
+  check_operands(x, w);
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(w.size(1) * 2 == k, "the weight's K (", w.size(1) * 2, ") is not the input's (", k, ")");
   TORCH_CHECK(n > 0 && n % 16 == 0 && w.size(0) * 16 == 2 * n,
               "w must pack gate and up ([2n, K]) side by side with n (", n, ") a multiple of 16");
   TORCH_CHECK(act == 0 || act == 1, "act must be 0 (SiLU) or 1 (GELU-tanh)");
