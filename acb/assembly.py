@@ -61,10 +61,11 @@ def resolve_load(config: EngineConfig, checkpoint: str | None = None) -> tuple[E
     return config, config.dtype, device
 
 
-def place(model: torch.nn.Module, config: EngineConfig) -> EngineConfig:
+def place(model: torch.nn.Module, config: EngineConfig, tokenizer=None) -> EngineConfig:
     """Move / cast the model object to ``config.device`` / ``config.dtype`` where they are
     set and differ ("auto" keeps the model's dtype), quantize it (``EngineConfig.quantization``),
-    then warn naming each setting that has no effect on the device and dtype it ends on.
+    then warn naming each setting that has no effect on the device and dtype it ends on
+    (``tokenizer`` reads int8's calibration text).
     The config with the device and dtype the model ended on."""
     param = next(model.parameters())
     if config.device is not None:
@@ -85,7 +86,7 @@ def place(model: torch.nn.Module, config: EngineConfig) -> EngineConfig:
         model.to(getattr(torch, config.dtype))
     from . import quantization
 
-    quantization.prepare(model, config)  # int8: quantized in place, once
+    quantization.prepare(model, config, tokenizer)  # int8: quantized in place, once
     param = next(model.parameters())
     for name in config.inactive_settings(param.device, param.dtype):
         log.warning("acb: EngineConfig.%s=%r has no effect on %s with %s weights; it is ignored", name,

@@ -40,7 +40,7 @@ class Engine:
                  sampling: SamplingParams | None = None) -> None:
         config, self.sampling = assembly.checked_settings(config, sampling)  # every None decided: acb.defaults
         self.model, self.tokenizer = model, tokenizer
-        config = assembly.place(model, config)  # and warns naming the settings that cannot act on it
+        config = assembly.place(model, config, tokenizer)  # and warns naming the settings that cannot act on it
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.eos_token_ids = sizing.eos_ids(model, tokenizer)
         self._draft = assembly.build_draft(model, config)  # speculative_method="draft" (acb.draft), else None

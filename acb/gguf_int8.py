@@ -3,18 +3,23 @@
 ``acb.loading`` otherwise dequantizes a GGUF file into a float32 model (and caches it
 as a float32 folder). Here the model's skeleton is built with its parameters on the
 ``meta`` device (no memory), and each GGUF tensor is read, dequantized to float32 on
-its own, and either quantized at once to int8 per output channel (the linear layers,
-the embedding) or kept in the model's dtype (norms, biases); the largest float32 array
-alive at any time is one tensor (SmolLM2's embedding: 113 MB), never the model.
+its own, and either quantized at once to int8 per output channel and group of 32 input
+channels (the decoder's projections), rounded to bf16 (the embedding / lm_head, in slices
+of rows) or kept in the model's dtype (norms, biases); the largest float32 array alive at
+any time is one tensor or slice (SmolLM2: an MLP projection, 3.5 MB), never the model.
+
+The file is read twice on the first load: the first pass builds an unsmoothed int8 model
+that reads :data:`acb.quantization.CALIBRATION` to measure each projection's input
+maxima, the second quantizes each weight times its smoothing factors
+(:func:`acb.quantization.smoothing_factors`). The result is cached under
+``acb.loading.cache_dir()`` (later loads skip the GGUF decoding and the calibration).
 
 Every GGUF quantization type the ``gguf`` package dequantizes is read (F32, F16, BF16,
 Q8_0, Q4_0, Q4_1, Q5_x, the K-quants, ...): SmolLM2-135M's file holds Q4_1 (210
 tensors), Q8_0 (the embedding) and F32 (the norms); Gemma 3 270M's holds Q4_K/Q6_K/Q8_0
-(run ``python -m acb.gguf_int8 FILE`` to list a file's types). A block-quantized
-tensor (Q8_0: a scale per 32 weights; Q4_x: 4-bit values) is requantized to one scale
-per output row: acb's GEMM takes per-channel int8, so a Q4 file is not made more
-accurate, and a Q8_0 one loses a little (one scale per row instead of per 32 weights;
-``tests/test_gguf_int8.py`` measures it).
+(run ``python -m acb.gguf_int8 FILE`` to list a file's types). A block-quantized tensor is
+requantized in acb's groups of 32 (Q8_0's own blocks: an unsmoothed Q8_0 tensor comes back
+exactly; ``tests/test_gguf_int8.py`` checks it).
 """
 
 from __future__ import annotations
@@ -76,7 +81,8 @@ def load(folder: str, gguf_file: str, dtype: torch.dtype):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
     st = os.stat(path)
-    key = hashlib.sha1(f"{os.path.realpath(path)}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    method = f"w{quantization.GROUP}a{quantization.GROUP}-smooth{quantization.SMOOTHING}-bf16head"  # the cache's format
+    key = hashlib.sha1(f"{os.path.realpath(path)}|{st.st_size}|{int(st.st_mtime)}|{method}".encode()).hexdigest()[:16]
     cached = cache_dir() / "int8" / f"{os.path.splitext(gguf_file)[0]}-{key}"
     hit = (cached / "weights.pt").is_file()
     if hit:
@@ -85,25 +91,38 @@ def load(folder: str, gguf_file: str, dtype: torch.dtype):
     config = AutoConfig.from_pretrained(cached) if hit else AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
     tokenizer = AutoTokenizer.from_pretrained(cached) if hit else \
         AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-    with _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.eval()
-    quantization.check_dense(model)  # refuse before reading anything
+    def skeleton():
+        with _parameters_on_meta():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return model.eval()
+
+    def build(dense: dict, int8: dict):
+        model = skeleton()
+        with torch.no_grad():
+            for name, value in dense.items():
+                _set(model, name, value.to(dtype))
+        weights = {name: quantization.Bf16Linear(*value[1:]) if value[0] == "bf16" else value
+                   for name, value in int8.items()}
+        if "lm_head.weight" not in weights and getattr(config, "tie_word_embeddings", False):
+            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # tied: one matrix serves both
+        quantization.quantize_(model, weights)
+        missing = [n for n, p in model.named_parameters() if p.is_meta]
+        if missing:
+            raise ValueError(f"{gguf_file} lacks tensors the model needs: {missing[:5]}")
+        return model
+
+    quantization.check_dense(skeleton())  # refuse before reading anything
     if hit:
         dense, int8 = torch.load(cached / "weights.pt", weights_only=True)
     else:
         log.info("acb: reading %s into int8 (first load only; cached in %s)", gguf_file, cached)
-        dense, int8 = _read(path, model, config)
+        plain = build(*_read(path, skeleton(), config))  # unsmoothed: what the calibration reads
+        ids = quantization.calibration_ids(tokenizer, config.vocab_size)
+        factors = quantization.smoothing_factors(plain, quantization.input_maxima(plain, ids))
+        del plain
+        dense, int8 = _read(path, skeleton(), config, factors)
         _save(cached, config, tokenizer, (dense, int8))
-    with torch.no_grad():
-        for name, value in dense.items():
-            _set(model, name, value.to(dtype))
-    if "lm_head.weight" not in int8 and getattr(config, "tie_word_embeddings", False):
-        int8["lm_head.weight"] = int8["model.embed_tokens.weight"]  # tied: one matrix serves both
-    quantization.quantize_(model, int8)
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
-    if missing:
-        raise ValueError(f"{gguf_file} lacks tensors the model needs: {missing[:5]}")
+    model = build(dense, int8)
     log.info("acb: %s loaded into int8 (%s)", gguf_file, quantization.weight_summary(model))
     return model, tokenizer
 
@@ -121,9 +140,11 @@ def _save(target, config, tokenizer, weights) -> None:
     save_atomically(target, write)
 
 
-def _read(path: str, model: torch.nn.Module, config) -> tuple[dict, dict]:
-    """({name: float32 tensor} of the weights kept dense, {name: ``Int8Linear.packed``}
-    of the others), decoding one GGUF tensor at a time (the large ones in slices of rows)."""
+def _read(path: str, model: torch.nn.Module, config, factors: dict | None = None) -> tuple[dict, dict]:
+    """({name: float32 tensor} of the weights kept dense, {name: ``Int8Linear.packed``, or
+    ("bf16", packed, rows) for the embedding / lm_head} of the others), decoding one GGUF
+    tensor at a time (the large ones in slices of rows); ``factors``: {name: smoothing s} the
+    projections' columns are multiplied by before they are quantized."""
     import numpy as np
     from gguf import GGUFReader, dequantize
     from transformers.modeling_gguf_pytorch_utils import (
@@ -134,10 +155,16 @@ def _read(path: str, model: torch.nn.Module, config) -> tuple[dict, dict]:
     )
 
     from .kernels.cpu_linear import trim_heap
-    from .quantization import Int8Linear, quantize_weight
+    from . import quantization
+    from .quantization import Bf16Linear, Int8Linear
 
-    def packed(q: torch.Tensor, scale: torch.Tensor) -> tuple:
-        return Int8Linear.from_int8(q, scale).packed
+    factors = factors or {}
+
+    def packed(name: str, value: torch.Tensor) -> tuple:
+        s = factors.get(name)
+        if s is None:
+            return Int8Linear.from_int8(*quantization.quantize_weight(value)).packed
+        return Int8Linear.from_int8(*quantization.quantize_weight(value * s), input_scale=1 / s).packed
 
     reader = GGUFReader(path)
     arch = read_field(reader, "general.architecture")[0]
@@ -152,11 +179,12 @@ def _read(path: str, model: torch.nn.Module, config) -> tuple[dict, dict]:
         hf_name = names.get(tensor.name)
         if hf_name in targets and tensor.data.ndim == 2 and tensor.data.shape[0] > 4096 and \
                 ".attn_q." not in tensor.name and ".attn_k." not in tensor.name:
-            # an embedding or lm_head: rows decoded and quantized in slices (no processor
+            # an embedding or lm_head: rows decoded and rounded to bf16 in slices (no processor
             # rewrites these: only Llama's q/k are permuted, Gemma's norms shifted)
-            parts = [quantize_weight(torch.from_numpy(dequantize(tensor.data[i: i + 4096], tensor.tensor_type)))
-                     for i in range(0, tensor.data.shape[0], 4096)]
-            int8[hf_name] = packed(torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]))
+            rows = torch.cat([torch.from_numpy(dequantize(tensor.data[i: i + 4096], tensor.tensor_type)).bfloat16()
+                              for i in range(0, tensor.data.shape[0], 4096)])
+            table = Bf16Linear.from_dense(rows)
+            int8[hf_name] = ("bf16", table.weight, table.out_features)
             continue
         weights = dequantize(tensor.data, tensor.tensor_type)
         result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names,
@@ -166,7 +194,7 @@ def _read(path: str, model: torch.nn.Module, config) -> tuple[dict, dict]:
             continue
         value = torch.from_numpy(np.ascontiguousarray(result.weights, dtype=np.float32))
         if hf_name in targets:
-            int8[hf_name] = packed(*quantize_weight(value))
+            int8[hf_name] = packed(hf_name, value)
         else:
             dense[hf_name] = value
     return dense, int8

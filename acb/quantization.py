@@ -1,20 +1,37 @@
 """int8 weights on the CPU (``EngineConfig(quantization="int8")``): W8A8 on AVX-512 VNNI.
 
-Every linear layer of the decoder (the attention's and the MLP's projections) and the
-``lm_head`` keep their weights as int8, one scale per output channel (symmetric,
-``scale = max|w| / 127``); the embedding reads its rows from the same int8 matrix when
-it is tied to the ``lm_head`` (SmolLM2, Gemma), else from its own. The activations going
-into each GEMM are quantized at run time per token and per group of 64 input channels
-(``max|x| / 127`` over the group; :data:`GROUP`), and the GEMM runs
-in acb's own kernel (``acb/kernels/int8_cpu.cpp``): unsigned-by-signed byte dot products
-(``vpdpbusd``) accumulated in int32, rescaled in float32 with the epilogues fused (the
-residual add, SiLU / GELU-tanh times the up projection). Norms, RoPE, attention and the
-KV pages run in the model's dtype (float32 or bfloat16) as in acb's fused forward; the
-logits are float32.
+Every linear layer of the decoder (the attention's and the MLP's projections) keeps its
+weights as int8, symmetric, one scale per output channel and group of 32 input channels
+(:data:`GROUP`: GGUF Q8_0's layout); the ``lm_head`` and the embedding (one table when tied:
+SmolLM2, Gemma) stay bfloat16 and run on acb's bf16 GEMM (:class:`Bf16Linear`). The
+activations going into each int8 GEMM are quantized at run time per token and per the same
+groups of 32 channels (``max|x| / 127`` over the group), and the GEMM runs in acb's own kernel
+(``acb/kernels/int8_cpu.cpp``): byte dot products (``vpdpbusd``) accumulated in int32 within a
+group, rescaled in float32 across groups, with the epilogues fused (the residual add, SiLU /
+GELU-tanh times the up projection). Norms, RoPE, attention and the KV pages run in the model's
+dtype (float32 or bfloat16) as in acb's fused forward; the logits are float32.
+
+Smoothing (SmoothQuant, Xiao et al. 2022): a few input channels of each projection carry
+activations 10-100x the others', and int8 activations lose the most there. Each projection
+group (q/k/v, gate/up, o, down) gets per-input-channel factors s_j = max|x_j|^a /
+max|w_j|^(1-a) (a = :data:`SMOOTHING`): the weight's column j is multiplied by s_j before it is
+quantized and the input channel divided by it at run time (one multiply in the pass that
+norms and quantizes the input) - exact in real arithmetic,
+it moves the outliers into the weights, whose groups absorb them. max|x_j| is calibrated once,
+at quantization time, on ``acb/data/calibration.txt`` (4,096 SmolLM2 tokens of docstrings from
+Python's standard library, PSF-licensed text; never the held-out text quality is measured on).
+
+What each part buys, measured on SmolLM2-135M (``benchmarks/int8_smoothing.py``: fake
+quantization, 8,192 held-out tokens, top-1 next-token agreement with float32): per channel
+weights and per-64 activations with an int8 lm_head 93.6 %; weights and activations per 32 with
+a bf16 lm_head 95.9 %; + smoothing a=0.5 97.4 % (the engine's own numbers: docs/performance.md,
+``benchmarks/quality.py``). The lm_head in bf16 is worth ~0.7 points of that: its input is the
+whole vocabulary's decision, and it stays within issue 28's memory budget for SmolLM2 (weights
+~33 % of float32's).
 
 Why W8A8 and this kernel (measured 2026-12-01 on this project's 2-core AVX-512 VNNI
-machine, best of 5 x 20 calls, load 1.9; ``benchmarks/int8_gemm.py`` runs the comparison),
-in GOPS on SmolLM2's shapes (rows x K x N):
+machine, best of 5 x 20 calls, load 1.9, per-64 groups; ``benchmarks/int8_gemm.py`` runs the
+comparison), in GOPS on SmolLM2's shapes (rows x K x N):
 
     shape            acb int8   oneDNN int8   oneDNN int8 + row rescale   oneDNN bf16
     16 x 576 x 960      898         545               443                    511
@@ -26,29 +43,26 @@ in GOPS on SmolLM2's shapes (rows x K x N):
   slower than oneDNN's prepacked bf16 at every row count: the weights are widened on
   every call and the arithmetic stays bf16's;
 - oneDNN's int8 matmul through PyTorch (``onednn.qlinear_pointwise``) takes one scale for
-  the whole activation tensor: per-token scales need a rescale pass after it (column 3),
-  and its epilogues (SiLU times up, the residual add) then cannot be fused. It is faster
-  than this kernel at prefill shapes and slower at decode shapes; this kernel, with the
-  epilogues fused, is what the engine runs (a hybrid is left for later);
+  the whole activation tensor and one per output channel for the weight: per-token,
+  per-group scales cannot be expressed, and its epilogues (SiLU times up, the residual add)
+  then cannot be fused;
 - per-token (not per-tensor) activation scales because one scale per step lets one
-  outlier token flatten every other token's precision; and per group of 64 channels within
-  a token because one outlier channel does the same to the rest of its token (SmolLM2:
-  perplexity +4.9 % with a scale per token, +1 % per group of 64: measured in :data:`GROUP`'s
-  comment and docs/performance.md). The groups cost the kernel a float flush per group.
-
-What int8 costs in accuracy is measured in docs/performance.md (Dtypes): on SmolLM2-135M
-int8 activations cost more than the int8 weights do, and their groups win most of it back.
+  outlier token flatten every other token's precision; and per group of channels within
+  a token because one outlier channel does the same to the rest of its token. The groups
+  cost the kernel a float flush per group (a fused multiply-subtract and a multiply-add
+  per 8 dot-product steps).
 
 The model is quantized in place (the dense weights are freed: that is the memory
-saving); :class:`Int8Linear` and :class:`Int8Embedding` stand in for the modules, so the
-model's own (transformers') forward also computes with the int8 weights, and
-``state_dict`` holds the packed int8 tensors. ``Engine.reload_weights`` and the
+saving); :class:`Int8Linear`, :class:`Bf16Linear` and :class:`Bf16Embedding` stand in for
+the modules, so the model's own (transformers') forward also computes with the quantized
+weights, and ``state_dict`` holds the packed tensors. ``Engine.reload_weights`` and the
 weight-change detection keep working: acb's forward reads the modules' own tensors.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
@@ -59,12 +73,19 @@ log = logging.getLogger("acb")
 
 METHODS = ("int8",)
 
-# Channels per activation scale (each token's row is quantized in groups of this many
-# channels, see activation_group). Measured on SmolLM2-135M, 4096 held-out tokens, fake
-# quantization in transformers' forward (weights per channel): one scale per token +4.94 %
-# perplexity / top-1 87.4 %; per 192 channels +1.26 % / 91.3 %; per 64 +0.95 % / 93.1 %; per 32
-# +0.67 % / 94.2 %. 64 keeps the kernel's int32 runs 16 VNNI steps long between float flushes.
-GROUP = 64
+# Input channels per weight scale and per activation scale (the two must match: the kernel
+# flushes its int32 sums once per group). SmolLM2-135M, 8,192 held-out tokens, lm_head bf16
+# (benchmarks/int8_smoothing.py): weights per channel / activations per 64 94.7 %; weights and
+# activations per 32 95.9 %; with smoothing 97.4 %. Groups of 32 cost the GEMM ~15 % of its
+# rate against 64 (one flush per 8 dot-product steps instead of 16).
+GROUP = 32
+
+# SmoothQuant's migration strength a: s_j = max|x_j|^a / max|w_j|^(1-a). On SmolLM2 (weights and
+# activations per 32, lm_head bf16) a = 0.5: 97.4 % top-1, 0.7: 97.0 %, none: 95.9 %.
+SMOOTHING = 0.5
+
+CALIBRATION = Path(__file__).parent / "data" / "calibration.txt"
+CALIBRATION_WINDOW = 512  # tokens per calibration forward
 
 
 def _kernels():
@@ -74,50 +95,61 @@ def _kernels():
     return k if k is not None and k.has_vnni() else None
 
 
-def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 [N, K], float32 scales [N]): symmetric, one scale per output channel (row)."""
+def activation_group(k: int) -> int:
+    """Input channels per weight and activation scale for a GEMM input of width ``k``:
+    :data:`GROUP` where it divides ``k``, else the largest of 16, 8, 4 that does (``k`` is a
+    multiple of 4)."""
+    return next((g for g in (GROUP, 16, 8, 4) if k % g == 0), k)
+
+
+def quantize_weight(w: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [N, K], float32 scales [N, K / group]): symmetric, one scale per output channel
+    (row) and group of ``group`` input channels (default :func:`activation_group` of K)."""
+    n, k = w.shape
+    group = group or activation_group(k)
     q = torch.empty(w.shape, dtype=torch.int8)
-    scale = torch.empty(w.shape[0], dtype=torch.float32)
-    for i in range(0, w.shape[0], 4096):  # in slices: never a float32 copy of a whole vocabulary
-        rows = w[i: i + 4096].float()
-        s = rows.abs().amax(1) / 127
+    scale = torch.empty(n, k // group, dtype=torch.float32)
+    for i in range(0, n, 4096):  # in slices: never a float32 copy of a whole vocabulary
+        rows = w[i: i + 4096].float().view(-1, k // group, group)
+        s = rows.abs().amax(2) / 127
         scale[i: i + 4096] = s
-        q[i: i + 4096] = torch.round(rows / s.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).clamp_(-127, 127)
+        q[i: i + 4096] = torch.round(rows / s.clamp_min(torch.finfo(torch.float32).tiny)[:, :, None]) \
+            .clamp_(-127, 127).view(-1, k)
     return q, scale
 
 
-def activation_group(k: int) -> int:
-    """Channels per activation scale for a GEMM input of width ``k``: :data:`GROUP` where it
-    divides ``k``, else 32 or 16 where one does, else ``k`` (one scale per token: finer
-    groups would flush the int32 sums too often)."""
-    return next((g for g in (GROUP, 32, 16) if k % g == 0), k)
-
-
-def group_sums(packed: torch.Tensor, group: int) -> torch.Tensor:
-    """int32 [N/16, K/group, 16]: each output column's sum of weights over each group of
-    ``group`` input channels, from a packed weight (the kernel takes the activations' +128
-    offset back out with them)."""
-    nb, k4 = packed.shape[:2]
-    return packed.view(nb, k4 * 4 // group, group // 4, 16, 4).sum((2, 4), dtype=torch.int32).contiguous()
-
-
 def pack(q: torch.Tensor) -> torch.Tensor:
-    """int8 [N, K] -> VNNI's layout [N/16, K/4, 16, 4] (the kernel's operand order)."""
+    """int8 [N, K] -> VNNI's layout [N/16, K/4, 16, 4] as unsigned bytes q + 128 (the kernel's
+    operand order: vpdpbusd multiplies unsigned bytes, the weights, by signed ones, the activations)."""
     n, k = q.shape
-    return q.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return (q.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).to(torch.int16) + 128).to(torch.uint8).contiguous()
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of :func:`pack`: int8 [N, K]."""
     nb, k4 = packed.shape[:2]
-    return packed.permute(0, 2, 1, 3).reshape(nb * 16, k4 * 4)
+    return (packed.permute(0, 2, 1, 3).reshape(nb * 16, k4 * 4).to(torch.int16) - 128).to(torch.int8)
+
+
+def pack_scales(scale: torch.Tensor) -> torch.Tensor:
+    """float32 [N, groups] -> the kernel's [N/16, groups, 16]."""
+    n, groups = scale.shape
+    return scale.float().view(n // 16, 16, groups).permute(0, 2, 1).contiguous()
+
+
+def unpack_scales(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_scales`: float32 [N, groups]."""
+    nb, groups, _ = packed.shape
+    return packed.permute(0, 2, 1).reshape(nb * 16, groups)
 
 
 class Int8Linear(torch.nn.Module):
-    """A linear layer with int8 weights (per output channel) and int8 activations (per
-    token and group of ``group`` input channels), computed by acb's VNNI kernel. ``weight``:
-    packed int8 [N/16, K/4, 16, 4]; ``weight_colsum``: int32 [N/16, K/group, 16] (the weight's
-    sums per group, :func:`group_sums`); ``weight_scale``: float32 [N]; ``bias``: float32 [N] or None.
+    """A linear layer with int8 weights (per output channel and group of ``group`` input
+    channels) and int8 activations (per token and the same groups), computed by acb's VNNI
+    kernel. ``weight``: packed uint8 (int8 + 128) [N/16, K/4, 16, 4]; ``weight_scale``: float32
+    [N/16, K/group, 16]; ``bias``: float32 [N] or None; ``input_scale``: float32 [K] or None,
+    the smoothing 1/s each input channel is multiplied by before it is quantized (the weight's
+    columns were multiplied by s).
 
     Example::
 
@@ -125,117 +157,189 @@ class Int8Linear(torch.nn.Module):
         y = layer(torch.randn(4, 64))  # float32 in, float32 out
     """
 
-    def __init__(self, packed: torch.Tensor, colsum: torch.Tensor, scale: torch.Tensor,
-                 bias: torch.Tensor | None, out_features: int | None = None) -> None:
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 out_features: int | None = None, input_scale: torch.Tensor | None = None) -> None:
         super().__init__()
         self.in_features = packed.shape[1] * 4
         # the packed rows beyond out_features (a vocabulary not a multiple of 16) are zeros
         self.out_features = out_features or packed.shape[0] * 16
         self.register_buffer("weight", packed)
-        self.register_buffer("weight_colsum", colsum)
         self.register_buffer("weight_scale", scale)
         self.register_buffer("bias", bias)
+        self.register_buffer("input_scale", input_scale)
 
     @classmethod
     def from_int8(cls, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                  group: int | None = None) -> Int8Linear:
-        """From an int8 [N, K] and its float32 scales [N]; N is padded to a multiple of 16
-        with zero rows (their outputs are dropped), K must be a multiple of 4. ``group``:
-        input channels per activation scale (default :func:`activation_group` of K)."""
+                  group: int | None = None, input_scale: torch.Tensor | None = None) -> Int8Linear:
+        """From an int8 [N, K] and its float32 scales ([N, K / group], or [N]: one per channel);
+        N is padded to a multiple of 16 with zero rows (their outputs are dropped), K must be a
+        multiple of 4. ``group``: input channels per scale (default: as ``scale`` has them, else
+        :func:`activation_group` of K)."""
         n, k = q.shape
         if k % 4:
             raise ValueError(f"EngineConfig.quantization='int8' needs linear layers whose input width is a multiple "
                              f"of 4, got [N, K] = {[n, k]}")
-        pad = -n % 16
+        if scale.dim() == 2 and group is None:
+            group = k // scale.shape[1]
+        group = group or activation_group(k)
+        if k % group or group % 4:
+            raise ValueError(f"an int8 group of {group} channels does not divide K = {k} in multiples of 4")
         scale = scale.float()
+        if scale.dim() == 1:
+            scale = scale[:, None].expand(n, k // group)
+        if scale.shape != (n, k // group):
+            raise ValueError(f"int8 scales of shape {list(scale.shape)} for a weight {[n, k]} in groups of {group}")
+        pad = -n % 16
         if pad:
             q = torch.cat([q, q.new_zeros(pad, k)])
-            scale = torch.cat([scale, scale.new_zeros(pad)])
+            scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
             if bias is not None:
                 bias = torch.cat([bias.detach().float(), bias.new_zeros(pad, dtype=torch.float32)])
-        packed = pack(q)
-        return cls(packed, group_sums(packed, group or activation_group(k)), scale.contiguous(),
-                   None if bias is None else bias.detach().float().contiguous(), n)
+        return cls(pack(q), pack_scales(scale), None if bias is None else bias.detach().float().contiguous(), n,
+                   None if input_scale is None else input_scale.float().contiguous())
 
     @property
-    def packed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """(packed, colsum, scale, out_features): what :meth:`from_packed` takes back
+    def packed(self) -> tuple:
+        """(packed, scales, input_scale, out_features): what :meth:`from_packed` takes back
         (acb.gguf_int8 caches it)."""
-        return self.weight, self.weight_colsum, self.weight_scale, self.out_features
+        return self.weight, self.weight_scale, self.input_scale, self.out_features
 
     @classmethod
     def from_packed(cls, packed: tuple, bias: torch.Tensor | None = None) -> Int8Linear:
-        weight, _, scale, n = packed  # the sums are recomputed: a cache written with other groups stays valid
+        weight, scale, input_scale, n = packed
         if bias is not None:
-            bias = torch.cat([bias.detach().float(), bias.new_zeros(scale.numel() - n, dtype=torch.float32)])
-        return cls(weight, group_sums(weight, activation_group(weight.shape[1] * 4)), scale, bias, n)
+            bias = torch.cat([bias.detach().float(), bias.new_zeros(weight.shape[0] * 16 - n, dtype=torch.float32)])
+        return cls(weight, scale, bias, n, input_scale)
 
     @classmethod
-    def from_dense(cls, linear: torch.nn.Linear) -> Int8Linear:
-        q, scale = quantize_weight(linear.weight.detach())
-        return cls.from_int8(q, scale, linear.bias)
+    def from_dense(cls, linear: torch.nn.Linear, smoothing: torch.Tensor | None = None) -> Int8Linear:
+        """``linear`` quantized; with ``smoothing`` (s, float32 [K]) its columns are multiplied by s
+        first and its inputs will be divided by it."""
+        w = linear.weight.detach()
+        if smoothing is None:
+            return cls.from_int8(*quantize_weight(w), linear.bias)
+        return cls.from_int8(*quantize_weight(w.float() * smoothing), linear.bias, input_scale=1 / smoothing)
 
     @property
     def group(self) -> int:
-        """Input channels per activation scale (what ``quantize_rows`` must be given)."""
+        """Input channels per weight and activation scale (what ``quantize_rows`` must be given)."""
         return group_of(self.args)
 
     @property
     def args(self) -> tuple:
-        """The kernel's weight arguments: (packed, colsum, scale, bias)."""
-        return self.weight, self.weight_colsum, self.weight_scale, self.bias
+        """The kernel's weight arguments: (packed, scales, bias)."""
+        return self.weight, self.weight_scale, self.bias
 
     def dequantize(self) -> torch.Tensor:
-        """The weight the GEMM computes with, as float32 [N, K]."""
-        n = self.out_features
-        return unpack(self.weight)[:n].float() * self.weight_scale[:n, None]
+        """The weight the GEMM computes with, as float32 [N, K] (on inputs already multiplied by
+        ``input_scale``; the layer's weight on its own inputs is this times ``input_scale``)."""
+        n, group = self.out_features, self.group
+        return unpack(self.weight)[:n].float() * unpack_scales(self.weight_scale)[:n].repeat_interleave(group, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = _kernels()
         dtype = x.dtype if x.dtype in fused.DTYPES else torch.float32
         rows = x.reshape(-1, x.shape[-1]).to(dtype).contiguous()
-        xq, xs = k.quantize_rows(rows, None, False, 1e-6, self.group)
-        out = k.linear(xq, xs, *self.args, None, dtype)[:, : self.out_features]
+        xq = k.quantize_rows(rows, None, False, 1e-6, self.group, self.input_scale)
+        out = k.linear(*xq, *self.args, None, dtype)[:, : self.out_features]
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+        smoothed = ", smoothed" if self.input_scale is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per {self.group}{smoothed}"
 
 
 def group_of(args: tuple) -> int:
-    """Input channels per activation scale of a kernel weight tuple (packed, colsum, scale, bias)."""
-    packed, colsum = args[0], args[1]
-    return packed.shape[1] * 4 // colsum.shape[1]
+    """Input channels per scale of a kernel weight tuple (packed, scales, bias)."""
+    packed, scale = args[0], args[1]
+    return packed.shape[1] * 4 // scale.shape[1]
 
 
-class Int8Embedding(torch.nn.Module):
-    """An embedding whose rows are read from an :class:`Int8Linear`'s int8 weight (the
-    tied ``lm_head``'s, or its own), times ``scale`` (Gemma's ``sqrt(hidden)``, rounded
-    to the model's dtype as its module rounds it), in ``dtype``."""
+class Bf16Linear(torch.nn.Module):
+    """A bias-free linear layer (the ``lm_head``) with bfloat16 weights packed for acb's bf16 GEMM
+    (``acb/kernels/bf16_cpu.cpp``: [ceil(N/16), K/2, 16, 2]), float32 logits out. Where the CPU
+    lacks AVX-512 BF16 it computes through PyTorch's bf16 matmul (correct, slower)."""
 
-    def __init__(self, linear: Int8Linear, dtype: torch.dtype, scale: float = 1.0) -> None:
+    def __init__(self, packed: torch.Tensor, out_features: int) -> None:
         super().__init__()
-        self.linear = linear  # a submodule: shared with lm_head when tied (one copy of the bytes)
-        self.num_embeddings = linear.out_features
-        self.embedding_dim = linear.in_features
+        self.in_features = packed.shape[1] * 2
+        self.out_features = out_features
+        self.register_buffer("weight", packed)
+        self.bias = None
+
+    @classmethod
+    def from_dense(cls, w: torch.Tensor) -> Bf16Linear:
+        """From a [N, K] weight of any float dtype (rounded to bf16 in slices of rows)."""
+        n, k = w.shape
+        if k % 2:
+            raise ValueError(f"a bf16 lm_head needs an even input width, got {k}")
+        nb = -(-n // 16)
+        packed = torch.zeros(nb * 16, k, dtype=torch.bfloat16)
+        for i in range(0, n, 4096):
+            packed[i: min(i + 4096, n)] = w[i: i + 4096].to(torch.bfloat16)
+        return cls(packed.view(nb, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous(), n)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """bf16 [T, K]: the weight's rows ``ids`` (the tied embedding's lookup)."""
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out_features):
+            raise IndexError(f"token id out of range [0, {self.out_features})")
+        return self.weight[ids // 16, :, ids % 16, :].reshape(ids.shape[0], self.in_features)
+
+    def dense(self) -> torch.Tensor:
+        """bf16 [N, K]: the weight unpacked."""
+        nb = self.weight.shape[0]
+        return self.weight.permute(0, 2, 1, 3).reshape(nb * 16, self.in_features)[: self.out_features]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+        bf16 = fused.native_bf16()
+        if bf16 is not None:
+            out = bf16.linear(rows, self.weight, self.out_features, None, None, torch.float32)
+        else:
+            out = torch.nn.functional.linear(rows, self.dense()).float()
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bfloat16"
+
+
+class Bf16Embedding(torch.nn.Module):
+    """An embedding whose rows are read from a :class:`Bf16Linear`'s weight (the tied
+    ``lm_head``'s, or its own), times ``scale`` (Gemma's ``sqrt(hidden)``, rounded to the
+    model's dtype as its module rounds it), in ``dtype``."""
+
+    def __init__(self, table: Bf16Linear, dtype: torch.dtype, scale: float = 1.0) -> None:
+        super().__init__()
+        self.table = table  # a submodule: shared with lm_head when tied (one copy of the bytes)
+        self.num_embeddings = table.out_features
+        self.embedding_dim = table.in_features
         self.scale = scale
         self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out = _kernels().embed(self.linear.weight, self.linear.weight_scale, ids.reshape(-1).contiguous(),
-                               self.scale, self.dtype)
+        out = self.table.rows(ids.reshape(-1)).to(self.dtype)
+        if self.scale != 1.0:
+            out = out * torch.tensor(self.scale, dtype=self.dtype)
         return out.view(*ids.shape, self.embedding_dim)
 
 
 def is_quantized(model: torch.nn.Module) -> bool:
-    lm_head = getattr(model, "lm_head", None)
-    return isinstance(lm_head, Int8Linear)
+    """Whether ``model`` holds acb's int8 layers (:func:`quantize_` ran on it)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not layers:
+        return False
+    return isinstance(getattr(getattr(layers[0], "self_attn", None), "q_proj", None), Int8Linear)
 
 
 def _projections(layer: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
     attn, mlp = layer.self_attn, layer.mlp
     return [(attn, "q_proj"), (attn, "k_proj"), (attn, "v_proj"), (attn, "o_proj"),
             (mlp, "gate_proj"), (mlp, "up_proj"), (mlp, "down_proj")]
+
+
+# The projections that share one input (and so one smoothing): the first of each names the group
+_SHARED = {"q_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",), "gate_proj": ("gate_proj", "up_proj"),
+           "down_proj": ("down_proj",)}
 
 
 def why_not(model: torch.nn.Module) -> str | None:
@@ -256,6 +360,8 @@ def why_not(model: torch.nn.Module) -> str | None:
             return f"a projection is a {type(m).__name__}, not a plain torch.nn.Linear"
         if m.weight.shape[1] % 4 or (m is not model.lm_head and m.weight.shape[0] % 16):
             return f"a linear layer of shape {list(m.weight.shape)} (int8 needs [N, K] with N % 16 == 0, K % 4 == 0)"
+    if model.lm_head.bias is not None:
+        return "the lm_head has a bias"
     return None
 
 
@@ -267,54 +373,117 @@ def check_dense(model: torch.nn.Module) -> None:
         raise ValueError(f"EngineConfig.quantization='int8' cannot run on this model here: {reason}")
 
 
-def _joined(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """One tensor over ``tensors`` when they lie end to end in one storage (the q, k, v
-    projections :func:`quantize_` packs together), so one GEMM computes all three."""
-    first = tensors[0]
-    if any(t is None or not t.is_contiguous() or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-           for t in tensors):
-        return None
-    offset = first.storage_offset()
-    for t in tensors:
-        if t.storage_offset() != offset:
-            return None
-        offset += t.numel()
-    shape = (sum(t.shape[0] for t in tensors), *first.shape[1:])
-    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape)
+def calibration_ids(tokenizer, vocab_size: int, tokens: int = 4096) -> list[int]:
+    """The token ids the smoothing is calibrated on: :data:`CALIBRATION` tokenized, or (no
+    tokenizer) a fixed pseudo-random draw from the vocabulary, said in the log."""
+    if tokenizer is not None:
+        ids = tokenizer(CALIBRATION.read_text())["input_ids"]
+        if isinstance(ids[0], list):
+            ids = ids[0]
+        ids = [i for i in ids if 0 <= i < vocab_size]
+        if len(ids) >= CALIBRATION_WINDOW:
+            return ids[:tokens]
+    log.info("acb: int8 smoothing calibrated on random token ids (no tokenizer to read %s with)", CALIBRATION.name)
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab_size, (min(tokens, 2048),), generator=g).tolist()
+
+
+def input_maxima(model: torch.nn.Module, ids: list[int]) -> dict[str, torch.Tensor]:
+    """{projection group's first weight name: max |input| per channel (float32 [K])} over the
+    model's own forward on ``ids`` in windows of :data:`CALIBRATION_WINDOW` tokens."""
+    maxima: dict[str, torch.Tensor] = {}
+    hooks = []
+
+    def record(name):
+        def hook(module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(0).float()
+            maxima[name] = torch.maximum(maxima[name], x) if name in maxima else x
+        return hook
+
+    for i, layer in enumerate(model.model.layers[: model.config.num_hidden_layers]):
+        for owner, name in _projections(layer):
+            if name in _SHARED:
+                prefix = "self_attn" if owner is layer.self_attn else "mlp"
+                hooks.append(getattr(owner, name).register_forward_pre_hook(
+                    record(f"model.layers.{i}.{prefix}.{name}.weight")))
+    try:
+        with torch.inference_mode():
+            for start in range(0, max(len(ids) - CALIBRATION_WINDOW, 0) + 1, CALIBRATION_WINDOW):
+                model(torch.tensor([ids[start: start + CALIBRATION_WINDOW]]), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return maxima
+
+
+def _weight_of(module: torch.nn.Module) -> torch.Tensor:
+    """A projection's float32 weight on its own inputs (an Int8Linear's dequantized)."""
+    if isinstance(module, Int8Linear):
+        w = module.dequantize()
+        return w if module.input_scale is None else w * module.input_scale
+    return module.weight.detach().float()
+
+
+def smoothing_factors(model: torch.nn.Module, maxima: dict[str, torch.Tensor],
+                      alpha: float = SMOOTHING) -> dict[str, torch.Tensor]:
+    """{weight name: s (float32 [K])} for every projection: s_j = max|x_j|^a / max|w_j|^(1-a)
+    over the group sharing the input (see the module's docstring); the group's projections
+    share one tensor."""
+    factors: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(model.model.layers[: model.config.num_hidden_layers]):
+        for first, group in _SHARED.items():
+            owner = layer.mlp if first in ("gate_proj", "down_proj") else layer.self_attn
+            prefix = "mlp" if owner is layer.mlp else "self_attn"
+            key = f"model.layers.{i}.{prefix}.{first}.weight"
+            if key not in maxima:
+                continue
+            wmax = torch.stack([_weight_of(getattr(owner, n)).abs().amax(0) for n in group]).amax(0)
+            s = (maxima[key].clamp_min(1e-5) ** alpha / wmax.clamp_min(1e-5) ** (1 - alpha)).clamp_min(1e-5)
+            for n in group:
+                factors[f"model.layers.{i}.{prefix}.{n}.weight"] = s
+    return factors
 
 
 def _group(parts: list[Int8Linear]) -> list[Int8Linear]:
-    """``parts`` (same input: q, k, v) moved into one buffer each for weights, sums,
-    scales and biases, each module holding its slice: one GEMM can compute them all."""
+    """``parts`` (same input: q, k, v) moved into one buffer each for weights, scales and
+    biases, each module holding its slice: one GEMM can compute them all."""
     biased = [p.bias is not None for p in parts]
     if any(biased) and not all(biased) or any(p.out_features % 16 for p in parts):
         return parts
-    joined = [torch.cat([getattr(p, name) for p in parts]) for name in ("weight", "weight_colsum", "weight_scale")]
+    joined = [torch.cat([getattr(p, name) for p in parts]) for name in ("weight", "weight_scale")]
     joined.append(torch.cat([p.bias for p in parts]) if all(biased) else None)
     out, start = [], 0
     for p in parts:
         n = p.out_features
         out.append(Int8Linear(joined[0][start // 16: (start + n) // 16], joined[1][start // 16: (start + n) // 16],
-                              joined[2][start: start + n], None if joined[3] is None else joined[3][start: start + n]))
+                              None if joined[2] is None else joined[2][start: start + n], n,
+                              parts[0].input_scale))  # one input: one smoothing
         start += n
     return out
 
 
-def quantize_(model: torch.nn.Module, weights: dict[str, tuple] | None = None) -> None:
-    """Replace ``model``'s decoder projections, ``lm_head`` and embedding by their int8
-    forms, in place; the dense weights are freed. ``weights``: {parameter name:
-    ``Int8Linear.packed``} already quantized (a GGUF file's, :mod:`acb.gguf_int8`), the
-    modules' own weights being quantized otherwise. ValueError (naming ``EngineConfig.quantization``)
-    where :func:`why_not` says it cannot run."""
+def quantize_(model: torch.nn.Module, weights: dict[str, tuple] | None = None, tokenizer=None,
+              smoothing: float | None = SMOOTHING) -> None:
+    """Replace ``model``'s decoder projections by int8 ones and its ``lm_head`` and embedding by
+    bf16 ones, in place; the dense weights are freed. ``weights``: {parameter name:
+    ``Int8Linear.packed``, or a bf16 ``Bf16Linear`` for the lm_head and embedding} already
+    quantized (a GGUF file's, :mod:`acb.gguf_int8`, smoothed there); otherwise the modules' own
+    weights are quantized, smoothed (``smoothing``: SmoothQuant's a, None for none) with input
+    maxima calibrated on ``tokenizer``'s reading of :data:`CALIBRATION`. ValueError (naming
+    ``EngineConfig.quantization``) where :func:`why_not` says it cannot run."""
     check_dense(model)
     weights = weights or {}
     base = model.model
     dtype = next(base.norm.parameters()).dtype
+    factors = {}
+    if not weights and smoothing is not None:
+        ids = calibration_ids(tokenizer, model.config.vocab_size)
+        factors = smoothing_factors(model, input_maxima(model, ids), smoothing)
 
     def int8(name: str, linear: torch.nn.Linear) -> Int8Linear:
         if name in weights:
             return Int8Linear.from_packed(weights[name], linear.bias)
-        return Int8Linear.from_dense(linear)
+        return Int8Linear.from_dense(linear, factors.get(name))
 
     with torch.no_grad():
         for i, layer in enumerate(base.layers[: model.config.num_hidden_layers]):
@@ -326,26 +495,24 @@ def quantize_(model: torch.nn.Module, weights: dict[str, tuple] | None = None) -
             attn.o_proj = int8(a + "o_proj.weight", attn.o_proj)
             mlp.gate_proj = int8(m + "gate_proj.weight", mlp.gate_proj)
             mlp.up_proj = int8(m + "up_proj.weight", mlp.up_proj)
+            mlp.up_proj.input_scale = mlp.gate_proj.input_scale  # one input: one smoothing, one tensor
             mlp.down_proj = int8(m + "down_proj.weight", mlp.down_proj)
         if weights:
-            tied = weights.get("lm_head.weight") is weights.get("model.embed_tokens.weight")
+            lm_head = weights["lm_head.weight"]
+            table = weights.get("model.embed_tokens.weight", lm_head)
         else:
+            lm_head = Bf16Linear.from_dense(model.lm_head.weight.detach())
             tied = model.lm_head.weight is base.embed_tokens.weight
-        lm_head = int8("lm_head.weight", model.lm_head)
-        if tied:
-            table = lm_head
-        elif "model.embed_tokens.weight" in weights:
-            table = Int8Linear.from_packed(weights["model.embed_tokens.weight"])
-        else:
-            table = Int8Linear.from_int8(*quantize_weight(base.embed_tokens.weight.detach()))
+            table = lm_head if tied else Bf16Linear.from_dense(base.embed_tokens.weight.detach())
         scale = _embed_scale(base.embed_tokens, dtype)
         model.lm_head = lm_head
-        base.embed_tokens = Int8Embedding(table, dtype, scale)
+        base.embed_tokens = Bf16Embedding(table, dtype, scale)
     from .kernels.cpu_linear import trim_heap
 
     trim_heap()
-    log.info("acb: int8 weights (per output channel) and activations (per token and %d channels): %s",
-             GROUP, weight_summary(model))
+    smoothed = any(p.input_scale is not None for p in model.modules() if isinstance(p, Int8Linear))
+    log.info("acb: int8 weights and activations (per token and %d channels%s), bf16 lm_head and embedding: %s",
+             GROUP, ", smoothed" if smoothed else "", weight_summary(model))
 
 
 def _embed_scale(embed: torch.nn.Module, dtype: torch.dtype) -> float:
@@ -375,8 +542,8 @@ def why_not_forward(model: torch.nn.Module, packed, kernels) -> str | None:
     """Why :class:`Int8Forward` cannot run ``model`` (already quantized) now, or None."""
     if kernels is None or _kernels() is None:
         return "the native CPU kernels are not built"
-    if not isinstance(model.model.embed_tokens, Int8Embedding):
-        return "the embedding is not acb's int8 one"
+    if not isinstance(model.model.embed_tokens, Bf16Embedding) or not isinstance(model.lm_head, Bf16Linear):
+        return "the embedding or the lm_head is not acb's bf16 one"
     for layer in model.model.layers[: model.config.num_hidden_layers]:
         if any(not isinstance(getattr(owner, name), Int8Linear) for owner, name in _projections(layer)):
             return "a projection is not an Int8Linear (replaced since it was quantized)"
@@ -387,11 +554,13 @@ class Int8Forward(FusedForward):
     """acb's fused forward with int8 GEMMs (see the module's docstring); callable like the
     model for the runner."""
 
-    def __init__(self, model: torch.nn.Module, layers: list[_Layer], kernels, qkv: list) -> None:
+    def __init__(self, model: torch.nn.Module, layers: list[_Layer], kernels, qkv: list, smooth: list) -> None:
         super().__init__(model, layers, kernels)
         self.q8 = _kernels()
-        self.qkv = qkv  # per layer: the joined (packed, colsum, scale, bias) of q, k, v, or None
+        self.qkv = qkv  # per layer: the joined (packed, scales, bias) of q, k, v, or None
+        self.smooth = smooth  # per layer: the input_scale of (q/k/v, o, gate/up, down), each or None
         self.dtype = next(model.parameters()).dtype
+        self.native = fused.native_bf16()  # the lm_head's GEMM
 
     @classmethod
     def build(cls, model: torch.nn.Module, packed, kernels, row_reduce=None) -> Int8Forward | None:
@@ -400,25 +569,41 @@ class Int8Forward(FusedForward):
             log.info("acb: int8 fused CPU forward not used (%s); transformers' forward runs", reason)
             return None
         layers = fused.describe(model, lambda m: m.args)
-        qkv = []
+        qkv, smooth = [], []
         for layer in model.model.layers[: model.config.num_hidden_layers]:
-            parts = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
-            names = ("weight", "weight_colsum", "weight_scale")
-            joined = [_joined([getattr(p, name) for p in parts]) for name in names]
+            attn, mlp = layer.self_attn, layer.mlp
+            parts = [attn.q_proj, attn.k_proj, attn.v_proj]
+            joined = [_joined([getattr(p, name) for p in parts]) for name in ("weight", "weight_scale")]
             biases = [p.bias for p in parts]
             bias = None if all(b is None for b in biases) else _joined(biases)
+            same_input = all(_same(p.input_scale, parts[0].input_scale) for p in parts)
             ok = all(j is not None for j in joined) and (bias is not None or all(b is None for b in biases))
-            qkv.append((*joined, bias) if ok else None)
+            qkv.append((*joined, bias) if ok and same_input else None)
+            smooth.append((attn.q_proj.input_scale, attn.o_proj.input_scale, mlp.gate_proj.input_scale,
+                           mlp.down_proj.input_scale))
+            if not _same(mlp.up_proj.input_scale, mlp.gate_proj.input_scale):
+                log.info("acb: int8 fused CPU forward not used (gate and up smoothed apart); transformers' forward runs")
+                return None
         log.info("acb: int8 fused CPU forward over %d %s layers (%s activations between the GEMMs)", len(layers),
                  type(model.model.layers[0]).__name__, str(next(model.parameters()).dtype).removeprefix("torch."))
-        return cls(model, layers, kernels, qkv)
+        return cls(model, layers, kernels, qkv, smooth)
 
-    def _quantized(self, x: torch.Tensor, w: tuple, norm: fused.Norm | None = None) -> tuple[torch.Tensor, ...]:
-        """x's rows quantized (RMS-normed first with ``norm``) in the groups weight ``w`` takes."""
+    def _quantized(self, x: torch.Tensor, w: tuple, norm: fused.Norm | None = None,
+                   mult: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """x's rows quantized in the groups weight ``w`` takes: RMS-normed first with ``norm``,
+        then multiplied by ``mult`` (the smoothing), in one pass."""
         if norm is None:
-            return self.q8.quantize_rows(x, None, False, 1e-6, group_of(w))
+            return self.q8.quantize_rows(x, None, False, 1e-6, group_of(w), mult)
         weight, eps, gemma = norm
-        return self.q8.quantize_rows(x, weight, gemma, eps, group_of(w))
+        return self.q8.quantize_rows(x, weight, gemma, eps, group_of(w), mult)
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 logits of the kept rows ``x``: the final norm into bf16, the bf16 lm_head."""
+        weight, eps, gemma = self.norm  # the model's dtype, then rounded once (only the kept rows)
+        h = (self.k.rms_norm_f32w(x, weight, eps) if gemma else self.k.rms_norm(x, weight, eps)).bfloat16()
+        if self.native is not None:
+            return self.native.linear(h, self.lm_head.weight, self.lm_head.out_features, None, None, torch.float32)
+        return self.lm_head(h)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
                  use_cache: bool = False, logits_to_keep: torch.Tensor | int | None = None) -> _Logits:
@@ -427,38 +612,57 @@ class Int8Forward(FusedForward):
         x = self.embed(input_ids[0])  # [T, hidden]; the int8 kernels take any row count (no padding)
         total = x.shape[0]
         ropes = self._ropes(x, position_ids)
-        for layer, qkv in zip(self.layers, self.qkv, strict=True):
+        for layer, qkv, (s_qkv, s_o, s_mlp, s_down) in zip(self.layers, self.qkv, self.smooth, strict=True):
             cos, sin = ropes[layer.rope]
-            h = self._quantized(x, layer.q, layer.ln1)  # RMSNorm and quantization in one pass
+            h = self._quantized(x, layer.q, layer.ln1, s_qkv)  # RMSNorm, smoothing and quantization in one pass
             if qkv is not None:
                 out = linear(*h, *qkv, None, dtype)
                 nq, nk = layer.q[0].shape[0] * 16, layer.k[0].shape[0] * 16
                 q, kk, v = out[:, :nq], out[:, nq: nq + nk], out[:, nq + nk:]
             else:
                 q, kk, v = (linear(*h, *w, None, dtype) for w in (layer.q, layer.k, layer.v))
-            a = self._quantized(self._attend(layer, q, kk, v, total, cos, sin), layer.o)
+            a = self._quantized(self._attend(layer, q, kk, v, total, cos, sin), layer.o, None, s_o)
             if layer.post_attn is None:
                 x = linear(*a, *layer.o, x, dtype)  # the residual add fused
             else:  # Gemma: normed before the residual add
                 x = x + self._rms(linear(*a, *layer.o, None, dtype), layer.post_attn)
-            h = self._quantized(x, layer.gate, layer.ln2)
-            m = self._quantized(q8.glu(*h, *layer.gate, *layer.up, layer.act_code, dtype),
-                                layer.down)
+            h = self._quantized(x, layer.gate, layer.ln2, s_mlp)
+            m = self._quantized(q8.glu(*h, *layer.gate, *layer.up, layer.act_code, dtype), layer.down, None, s_down)
             if layer.post_mlp is None:
                 x = linear(*m, *layer.down, x, dtype)
             else:
                 x = x + self._rms(linear(*m, *layer.down, None, dtype), layer.post_mlp)
-        h = self._quantized(kept_rows(x, logits_to_keep), self.lm_head.args, self.norm)
-        logits = linear(*h, *self.lm_head.args, None, torch.float32)[:, : self.lm_head.out_features]
+        logits = self._head(kept_rows(x, logits_to_keep))
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return _Logits(logits.unsqueeze(0))
 
 
-def prepare(model: torch.nn.Module, config) -> None:
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is b or (a is not None and b is not None and torch.equal(a, b))
+
+
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One tensor over ``tensors`` when they lie end to end in one storage (the q, k, v
+    projections :func:`quantize_` packs together), so one GEMM computes all three."""
+    first = tensors[0]
+    if any(t is None or not t.is_contiguous() or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+           for t in tensors):
+        return None
+    offset = first.storage_offset()
+    for t in tensors:
+        if t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    shape = (sum(t.shape[0] for t in tensors), *first.shape[1:])
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape)
+
+
+def prepare(model: torch.nn.Module, config, tokenizer=None) -> None:
     """The engine's hook: check that ``config.quantization`` can run where ``model`` is,
-    and quantize the model in place (once: a model already quantized is taken as it is).
-    ValueError naming ``EngineConfig.quantization`` otherwise."""
+    and quantize the model in place (once: a model already quantized is taken as it is;
+    ``tokenizer`` reads the smoothing's calibration text). ValueError naming
+    ``EngineConfig.quantization`` otherwise."""
     if config.quantization is None:
         return
     param = next(model.parameters())
@@ -473,4 +677,4 @@ def prepare(model: torch.nn.Module, config) -> None:
         if reason:
             raise ValueError(f"EngineConfig.quantization='int8' cannot run this model: {reason}")
         return
-    quantize_(model)
+    quantize_(model, tokenizer=tokenizer)

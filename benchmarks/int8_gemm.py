@@ -58,15 +58,17 @@ def main() -> None:
     q8 = int8_kernels()
     torch.manual_seed(0)
     rows = []
-    names = ["fp32", "bf16", "acb_int8", "acb_int8+q", "acb_int8_tok", "onednn_int8", "w8_bf16"]
+    names = ["fp32", "bf16", "acb_int8", "acb_int8+q", "acb_int8_g64", "acb_int8_tok", "onednn_int8", "w8_bf16"]
     print(f"load {os.getloadavg()[0]:.2f}; GOPS (2*M*K*N / s), torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
     print(f"{'M':>5}{'K':>6}{'N':>7}" + "".join(f"{n:>12}" for n in names))
     with torch.inference_mode():
         for k, n in SHAPES:
             w = torch.randn(n, k) * 0.05
-            wq, ws = quantize_weight(w)
-            layer = Int8Linear.from_int8(wq, ws)  # groups of activation_group(k) channels
+            layer = Int8Linear.from_int8(*quantize_weight(w))  # groups of activation_group(k) channels (32)
+            g64 = Int8Linear.from_int8(*quantize_weight(w, 64))  # the groups before 2026-12-04
+            wq, ws = quantize_weight(w, k)  # one scale per output channel: oneDNN's and w8_bf16's layout
+            ws = ws[:, 0].contiguous()
             per_token = Int8Linear.from_int8(wq, ws, group=k)
             pf = torch.ops.mkldnn._reorder_linear_weight(w, None)
             pb = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None)
@@ -77,17 +79,20 @@ def main() -> None:
                     continue
                 x = torch.randn(m, k)
                 xb = x.bfloat16()
-                xq, xs = q8.quantize_rows(x, None, False, 1e-6, layer.group)
-                tq, ts = q8.quantize_rows(x)  # one scale per token
+                h = q8.quantize_rows(x, None, False, 1e-6, layer.group)
+                h64 = q8.quantize_rows(x, None, False, 1e-6, 64)
+                t = q8.quantize_rows(x)  # one scale per token
+                tu = (t[0].to(torch.int16) + 128).to(torch.uint8)  # oneDNN's: unsigned, zero point 128
                 cands = {
                     "fp32": lambda: torch.ops.mkldnn._linear_pointwise(x, pf, None, "none", [], ""),
                     "bf16": lambda: torch.ops.mkldnn._linear_pointwise(xb, pb, None, "none", [], ""),
-                    "acb_int8": lambda: q8.linear(xq, xs, *layer.args, None, torch.float32),
+                    "acb_int8": lambda: q8.linear(*h, *layer.args, None, torch.float32),
                     "acb_int8+q": lambda: q8.linear(*q8.quantize_rows(x, None, False, 1e-6, layer.group),
                                                     *layer.args, None, torch.float32),
-                    "acb_int8_tok": lambda: q8.linear(tq, ts, *per_token.args, None, torch.float32),
+                    "acb_int8_g64": lambda: q8.linear(*h64, *g64.args, None, torch.float32),
+                    "acb_int8_tok": lambda: q8.linear(*t, *per_token.args, None, torch.float32),
                     "onednn_int8": lambda: torch.ops.onednn.qlinear_pointwise(
-                        tq, 1.0, 128, qw, ws, zeros, None, 1.0, 0, torch.float32, "none", [], ""),
+                        tu, 1.0, 128, qw, ws, zeros, None, 1.0, 0, torch.float32, "none", [], ""),
                     "w8_bf16": lambda: torch._weight_int8pack_mm(xb, wq, ws.bfloat16()),
                 }
                 gops = {name: 2 * m * k * n / timed(fn, args.seconds) / 1e9 for name, fn in cands.items()}

@@ -39,9 +39,9 @@ def smollm2_int8(tmp_path_factory):
     largest = []
     quantize = quantization.quantize_weight
 
-    def spy(w):
+    def spy(w, group=None):
         largest.append(w.numel() if w.dtype == torch.float32 else 0)
-        return quantize(w)
+        return quantize(w, group)
 
     mp = pytest.MonkeyPatch()
     mp.setenv("ACB_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
@@ -55,40 +55,41 @@ def smollm2_int8(tmp_path_factory):
 
 def test_the_gguf_is_read_one_tensor_at_a_time_never_a_float32_model(smollm2_int8):
     model, _, largest, _ = smollm2_int8
-    assert isinstance(model.lm_head, quantization.Int8Linear)
-    assert model.model.embed_tokens.linear is model.lm_head  # tied: one int8 matrix
-    # the largest float32 array quantized at once: an MLP projection or a 4096-row slice of the embedding
-    assert largest <= 4096 * 576  # against 49152 * 576 for the whole embedding, 134.5M for the model
+    assert isinstance(model.lm_head, quantization.Bf16Linear)
+    assert model.model.embed_tokens.table is model.lm_head  # tied: one bf16 matrix
+    assert isinstance(model.model.layers[0].mlp.down_proj, quantization.Int8Linear)
+    assert model.model.layers[0].mlp.down_proj.input_scale is not None  # smoothed
+    # the largest float32 array quantized at once: an MLP projection (the embedding is rounded to bf16
+    # in slices of 4096 rows)
+    assert largest <= 1536 * 576  # against 49152 * 576 for the whole embedding, 134.5M for the model
     dense = [n for n, p in model.named_parameters() if p.dim() > 1]
     assert dense == [], f"2-D weights left dense: {dense}"
 
 
 def test_the_int8_weights_take_at_most_35_percent_of_float32(smollm2_int8):
     model, *_ = smollm2_int8
-    fp32 = 4 * (sum(p.numel() for p in model.parameters()) + sum(
-        m.out_features * m.in_features for m in model.modules() if isinstance(m, quantization.Int8Linear)
-        and m is not model.model.embed_tokens.linear))
+    fp32 = 4 * (sum(p.numel() for p in model.parameters()) + model.lm_head.out_features * model.lm_head.in_features
+                + sum(m.out_features * m.in_features for m in model.modules() if isinstance(m, quantization.Int8Linear)))
+    print(f"int8 weights: {quantization.weight_bytes(model) / fp32:.1%} of float32's")
     assert quantization.weight_bytes(model) <= 0.35 * fp32
 
 
-def test_a_q8_0_tensor_is_requantized_per_row_within_half_a_step(smollm2_int8):
-    """token_embd is Q8_0 (a scale per 32 weights); int8 keeps one scale per row."""
+def test_the_q8_0_embedding_is_kept_in_bf16(smollm2_int8):
+    """token_embd is Q8_0, tied to the lm_head: both read it as bf16 (the rows rounded once)."""
     from gguf import GGUFReader, dequantize
 
     model, _, _, path = smollm2_int8
     tensor = next(t for t in GGUFReader(path).tensors if t.name == "token_embd.weight")
     assert tensor.tensor_type.name == "Q8_0"
     rows = torch.from_numpy(dequantize(tensor.data[:512], tensor.tensor_type))
-    got = model.lm_head.dequantize()[:512]
-    step = model.lm_head.weight_scale[:512, None]
-    assert ((got - rows).abs() <= step / 2 + 1e-7).all()
+    assert torch.equal(model.lm_head.dense()[:512], rows.bfloat16())
 
 
 async def test_int8_greedy_against_float32_on_smollm2(smollm2_int8):
     """The int8 engine against the float32 one on chat prompts (32 tokens each): reported,
-    not pretended equal. Measured 2026-12-01: 36/128 tokens equal position by position,
-    first divergences at tokens 0, 17, 5, 11 (per-token int8 activations cost this 135M
-    model more than bf16 does: docs/performance.md, Dtypes); asserted >= 20 %."""
+    not pretended equal. Measured 2026-12-04 (weights and activations per 32, smoothed, bf16
+    lm_head): 109/128 tokens equal position by position, first divergences at tokens -, 28, -, 13
+    (36/128 with per-channel weights and an int8 lm_head); asserted >= 60 %."""
     from acb.loading import load, smollm2
 
     model, tok, *_ = smollm2_int8
@@ -103,13 +104,14 @@ async def test_int8_greedy_against_float32_on_smollm2(smollm2_int8):
     same = sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
     print(f"int8 vs fp32: {same}/{32 * len(chats)} tokens equal; first divergences "
           f"{[next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None) for g, w in zip(got, want)]}")
-    assert same >= 0.2 * 32 * len(chats)
+    assert same >= 0.6 * 32 * len(chats)
 
 
 def test_int8_next_token_agreement_and_perplexity_on_held_out_text(smollm2_int8):
     """Teacher-forced over 1024 tokens of a license text (held out from every prompt) in
-    two 512-token prefills. Measured 2026-12-01 over 4000 tokens (benchmarks/quality.py):
-    top-1 = float32's at 88.0 %, perplexity +4.2 %; asserted >= 85 % and <= +6 %."""
+    two 512-token prefills. Measured 2026-12-04 here: top-1 = float32's at 97.56 %, perplexity
+    +0.15 % (88.0 % and +4.2 % before the groups of 32, the smoothing and the bf16 lm_head;
+    benchmarks/quality.py measures 24,000 tokens); asserted >= 96 % and <= +1 %."""
     from pathlib import Path
 
     from acb.loading import load, smollm2
@@ -141,7 +143,7 @@ def test_int8_next_token_agreement_and_perplexity_on_held_out_text(smollm2_int8)
     agree = sum(a == b for a, b in zip(top8, top32, strict=True)) / len(top32)
     ppl_ratio = float(torch.exp(torch.tensor(nll8 - nll32)))
     print(f"int8: top-1 agreement {agree:.2%}, perplexity {ppl_ratio - 1:+.2%}")
-    assert agree >= 0.85 and ppl_ratio <= 1.06
+    assert agree >= 0.96 and ppl_ratio <= 1.01
 
 
 def _window_logits(runner, tokens: list[int]) -> torch.Tensor:
@@ -169,7 +171,7 @@ async def test_gemma3_k_quant_gguf_loads_into_int8_and_answers(tmp_path, monkeyp
     monkeypatch.setenv("ACB_CACHE_DIR", str(tmp_path))
     engine = acb.Engine.from_pretrained(str(path.parent), gguf_file=path.name,
                                         config=acb.EngineConfig(num_blocks=64, quantization="int8", dtype="float32"))
-    assert isinstance(engine.model.lm_head, quantization.Int8Linear)
+    assert isinstance(engine.model.lm_head, quantization.Bf16Linear)
     prompt = engine.tokenizer("Paris is the capital of")["input_ids"]
     async with engine:
         assert engine.stats().forward_path == "fused"

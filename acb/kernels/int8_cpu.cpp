@@ -1,18 +1,21 @@
 // int8 GEMMs for acb's quantized CPU forward (acb/quantization.py): W8A8 on AVX-512 VNNI.
 //
-// Weights: int8, symmetric, one scale per output channel, packed once into VNNI's layout
+// Weights: int8, symmetric, one scale per output channel and group of G input channels (G = 32:
+//   GGUF Q8_0's blocks), stored as unsigned bytes w + 128 and packed once into VNNI's layout
 //   [N/16][K/4][16][4]: a 64-byte load holds 4 consecutive k of 16 output channels, the
-//   operand order of vpdpbusd. N is a multiple of 16 and K of 4 (acb.quantization checks).
-// Activations: quantized per row (token) and per group of G consecutive channels at run time,
-//   symmetric: q = round(x * 127 / max|x over the group|), stored as unsigned bytes q + 128
-//   (vpdpbusd multiplies unsigned by signed bytes); the +128 is taken back out with each
-//   weight column's sum over the group: sum((q+128) w) - 128 sum(w). G = K is one scale per
-//   token; smaller groups keep one outlier channel from flattening a whole token's precision
-//   (SmolLM2-135M: perplexity +4.9 % per token, +0.95 % per group of 64; docs/performance.md).
-// out[m, n] = wscale[n] * sum over groups g of (acc_g[m, n] - 128 colsum_g[n]) * xscale[m, g]
-//   (+ bias[n]): int32 within a group, float32 across groups; then an epilogue in float32:
-//   none, + other[m, n] (the residual add), or act(gate) * up for the MLP's two projections
-//   (SiLU or GELU-tanh), stored as float32 or bfloat16.
+//   operand order of vpdpbusd (unsigned bytes times signed bytes). N is a multiple of 16 and K
+//   of 4 (acb.quantization checks). Scales: float32 [N/16][K/G][16].
+// Activations: quantized per row (token) and per group of the same G channels at run time,
+//   symmetric: q = round(x * 127 / max|x over the group|) as signed bytes, with each group's
+//   scale and offset 128 * sum(q) * scale (the weights' +128 taken back out: sum((w+128) q) -
+//   128 sum(q) = sum(w q)), so no per-weight column sums are stored. One outlier channel
+//   flattens only its own group's precision (SmolLM2-135M top-1 agreement with float32:
+//   docs/performance.md, benchmarks/int8_smoothing.py).
+// out[m, n] = sum over groups g of wscale[g, n] * (acc_g[m, n] * xscale[m, g] - xoff[m, g])
+//   (+ bias[n]): int32 within a group, float32 across groups (one fused multiply-subtract and
+//   one multiply-add per group); then an epilogue in float32: none, + other[m, n] (the
+//   residual add), or act(gate) * up for the MLP's two projections (SiLU or GELU-tanh), stored
+//   as float32 or bfloat16.
 //
 // Tiles: 6 rows x 32 columns (12 zmm accumulators); the threads split (column tile, row
 // chunk) pairs, column tiles outermost so each thread keeps its weight panels in its L2.
@@ -33,8 +36,7 @@ constexpr bool kVnni = true;
 constexpr bool kVnni = false;
 #endif
 
-using acb_bf16::to_bf16;  // bf16 <-> float32 by bits (acb/kernels/bf16_scalar.h)
-using acb_bf16::widen;
+using acb_bf16::widen;  // bf16 -> float32 by bits (acb/kernels/bf16_scalar.h)
 
 enum Epilogue : int64_t { kNone = 0, kAdd = 1 };
 enum Act : int64_t { kSilu = 0, kGeluTanh = 1 };
@@ -57,7 +59,7 @@ inline void store_row(uint16_t* p, __m512 v) {
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-// acc + a (unsigned bytes) . b (signed bytes), as _mm512_dpbusd_epi32, written as one instruction:
+// acc + a (unsigned bytes: the weights + 128) . b (signed bytes: the activations), as _mm512_dpbusd_epi32, written as one instruction:
 // GCC 12 compiles the intrinsic in dot_tile's loop with two register copies per accumulator and
 // k step (24 vmovdqa beside 12 vpdpbusd in the 6 x 32 tile)
 inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
@@ -65,12 +67,12 @@ inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
   return acc;
 }
 
-// acc[r][j] = sum over the ng groups of (int32 dot of the group - 128 colsum) * xscale[r, g]:
-// MR rows, NB 16-column blocks, g4 = G / 4 steps of 4 channels per group. colsum points at the
-// tile's first block in the [N/16][ng][16] layout; xscale at the tile's first row ([M][ng]).
+// acc[r][j] = sum over the ng groups of wscale_g * (int32 dot of the group * xscale[r, g] - xoff[r, g]):
+// MR rows, NB 16-column blocks, g4 = G / 4 steps of 4 channels per group. wscale points at the
+// tile's first block in the [N/16][ng][16] layout; xscale and xoff at the tile's first row ([M][ng]).
 template <int MR, int NB>
-inline void dot_tile(const uint8_t* x, int64_t xs, const int8_t* w, int64_t panel, int64_t ng, int64_t g4,
-                     const int32_t* colsum, const float* xscale, __m512 (&acc)[MR][NB]) {
+inline void dot_tile(const int8_t* x, int64_t xs, const uint8_t* w, int64_t panel, int64_t ng, int64_t g4,
+                     const float* wscale, const float* xscale, const float* xoff, __m512 (&acc)[MR][NB]) {
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
@@ -91,58 +93,56 @@ inline void dot_tile(const uint8_t* x, int64_t xs, const int8_t* w, int64_t pane
         std::memcpy(&a32, x + r * xs + 4 * k, 4);
         const __m512i a = _mm512_set1_epi32(a32);
 #pragma GCC unroll 4
-        for (int j = 0; j < NB; ++j) iacc[r][j] = dpbusd(iacc[r][j], a, b[j]);
+        for (int j = 0; j < NB; ++j) iacc[r][j] = dpbusd(iacc[r][j], b[j], a);
       }
     }
-#pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) {
-      const __m512i c = _mm512_slli_epi32(_mm512_loadu_si512(colsum + (j * ng + g) * 16), 7);
 #pragma GCC unroll 8
-      for (int r = 0; r < MR; ++r)
-        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(iacc[r][j], c)),
-                                    _mm512_set1_ps(xscale[r * ng + g]), acc[r][j]);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 s = _mm512_set1_ps(xscale[r * ng + g]), z = _mm512_set1_ps(xoff[r * ng + g]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j)
+        acc[r][j] = _mm512_fmadd_ps(_mm512_fmsub_ps(_mm512_cvtepi32_ps(iacc[r][j]), s, z),
+                                    _mm512_loadu_ps(wscale + (j * ng + g) * 16), acc[r][j]);
     }
   }
 }
 
-// The float value of acc[r][j] (already summed over the groups with their activation scales): acc * wscale (+ bias)
-inline __m512 dequant(__m512 acc, const float* ws, const float* bias) {
-  const __m512 v = _mm512_mul_ps(acc, _mm512_loadu_ps(ws));
-  return bias ? _mm512_add_ps(v, _mm512_loadu_ps(bias)) : v;
-}
+inline __m512 biased(__m512 acc, const float* bias) { return bias ? _mm512_add_ps(acc, _mm512_loadu_ps(bias)) : acc; }
 
 struct Weight {
-  const int8_t* w;  // packed [N/16][K/4][16][4]
-  const int32_t* colsum;  // [N/16][ng][16]: each group's column sums
-  const float* scale;
+  const uint8_t* w;  // packed [N/16][K/4][16][4], w + 128
+  const float* scale;  // [N/16][ng][16]: one per output channel and group
   const float* bias;  // or null
 };
 
-// One tile: rows [m0, m0 + MR) x 16-column blocks [b0, b0 + NB) of the output; ng activation groups.
+// The quantized activations (acb_int8.quantize_rows): q [M, K] signed bytes, scale and offset [M, ng]
+struct Rows {
+  const int8_t* q;
+  const float* scale;
+  const float* off;
+  int64_t k, ng;
+};
+
+// One tile: rows [m0, m0 + MR) x 16-column blocks [b0, b0 + NB) of the output.
 template <typename T, int MR, int NB>
-void tile(const uint8_t* xq, int64_t k, int64_t ng, const float* xscale, const Weight& w, const Weight* up,
-          int64_t act, int64_t epi, const T* other, int64_t other_stride, T* out, int64_t out_stride, int64_t m0,
-          int64_t b0) {
-  const int64_t k4 = k / 4, panel = k4 * 64, g4 = k4 / ng;
-  const uint8_t* x = xq + m0 * k;
-  const float* xs = xscale + m0 * ng;
+void tile(const Rows& x, const Weight& w, const Weight* up, int64_t act, int64_t epi, const T* other,
+          int64_t other_stride, T* out, int64_t out_stride, int64_t m0, int64_t b0) {
+  const int64_t k = x.k, ng = x.ng, k4 = k / 4, panel = k4 * 64, g4 = k4 / ng;
+  const int8_t* xq = x.q + m0 * k;
+  const float* xs = x.scale + m0 * ng;
+  const float* xo = x.off + m0 * ng;
   __m512 acc[MR][NB];
-  dot_tile<MR, NB>(x, k, w.w + b0 * panel, panel, ng, g4, w.colsum + b0 * ng * 16, xs, acc);
+  dot_tile<MR, NB>(xq, k, w.w + b0 * panel, panel, ng, g4, w.scale + b0 * ng * 16, xs, xo, acc);
   __m512 v[MR][NB];
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NB; ++j) {
-      const int64_t n = (b0 + j) * 16;
-      v[r][j] = dequant(acc[r][j], w.scale + n, w.bias ? w.bias + n : nullptr);
-    }
+    for (int j = 0; j < NB; ++j) v[r][j] = biased(acc[r][j], w.bias ? w.bias + (b0 + j) * 16 : nullptr);
   if (up != nullptr) {  // v holds the gate: act(gate) * up
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < NB; ++j) v[r][j] = act512(v[r][j], act);
-    dot_tile<MR, NB>(x, k, up->w + b0 * panel, panel, ng, g4, up->colsum + b0 * ng * 16, xs, acc);
+    dot_tile<MR, NB>(xq, k, up->w + b0 * panel, panel, ng, g4, up->scale + b0 * ng * 16, xs, xo, acc);
     for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < NB; ++j) {
-        const int64_t n = (b0 + j) * 16;
-        v[r][j] = _mm512_mul_ps(v[r][j], dequant(acc[r][j], up->scale + n, up->bias ? up->bias + n : nullptr));
-      }
+      for (int j = 0; j < NB; ++j)
+        v[r][j] = _mm512_mul_ps(v[r][j], biased(acc[r][j], up->bias ? up->bias + (b0 + j) * 16 : nullptr));
   }
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NB; ++j) {
@@ -154,22 +154,22 @@ void tile(const uint8_t* xq, int64_t k, int64_t ng, const float* xscale, const W
 }
 
 template <typename T, int NB>
-void tile_rows(int64_t rows, const uint8_t* xq, int64_t k, int64_t ng, const float* xscale, const Weight& w, const Weight* up,
-               int64_t act, int64_t epi, const T* other, int64_t os, T* out, int64_t ostride, int64_t m0, int64_t b0) {
+void tile_rows(int64_t rows, const Rows& x, const Weight& w, const Weight* up, int64_t act, int64_t epi,
+               const T* other, int64_t os, T* out, int64_t ostride, int64_t m0, int64_t b0) {
   switch (rows) {
-    case 6: tile<T, 6, NB>(xq, k, ng, xscale, w, up, act, epi, other, os, out, ostride, m0, b0); break;
-    case 5: tile<T, 5, NB>(xq, k, ng, xscale, w, up, act, epi, other, os, out, ostride, m0, b0); break;
-    case 4: tile<T, 4, NB>(xq, k, ng, xscale, w, up, act, epi, other, os, out, ostride, m0, b0); break;
-    case 3: tile<T, 3, NB>(xq, k, ng, xscale, w, up, act, epi, other, os, out, ostride, m0, b0); break;
-    case 2: tile<T, 2, NB>(xq, k, ng, xscale, w, up, act, epi, other, os, out, ostride, m0, b0); break;
-    default: tile<T, 1, NB>(xq, k, ng, xscale, w, up, act, epi, other, os, out, ostride, m0, b0); break;
+    case 6: tile<T, 6, NB>(x, w, up, act, epi, other, os, out, ostride, m0, b0); break;
+    case 5: tile<T, 5, NB>(x, w, up, act, epi, other, os, out, ostride, m0, b0); break;
+    case 4: tile<T, 4, NB>(x, w, up, act, epi, other, os, out, ostride, m0, b0); break;
+    case 3: tile<T, 3, NB>(x, w, up, act, epi, other, os, out, ostride, m0, b0); break;
+    case 2: tile<T, 2, NB>(x, w, up, act, epi, other, os, out, ostride, m0, b0); break;
+    default: tile<T, 1, NB>(x, w, up, act, epi, other, os, out, ostride, m0, b0); break;
   }
 }
 
 template <typename T>
-void gemm(const torch::Tensor& xq, const torch::Tensor& xscale, const Weight& w, const Weight* up, int64_t act,
-          int64_t epi, const torch::Tensor* other, torch::Tensor& out, int64_t n) {
-  const int64_t m = xq.size(0), k = xq.size(1), blocks = n / 16, ng = xscale.numel() / std::max<int64_t>(m, 1);
+void gemm(const Rows& x, int64_t m, const Weight& w, const Weight* up, int64_t act, int64_t epi,
+          const torch::Tensor* other, torch::Tensor& out, int64_t n) {
+  const int64_t blocks = n / 16;
   constexpr int64_t kMR = 6;
   // column tiles of 2 blocks (32 columns: 12 accumulators; tiles of 64 columns, 24 accumulators,
   // spilled registers and ran at about half the rate: 731 against 1320 GOPS at 1024 x 576 x 1536;
@@ -177,8 +177,6 @@ void gemm(const torch::Tensor& xq, const torch::Tensor& xscale, const Weight& w,
   // row chunks of 96 rows, so a tile's weight panel is reused from L2 across 16 row tiles
   constexpr int64_t nb = 2;
   const int64_t col_tiles = (blocks + nb - 1) / nb, chunk = 96, row_chunks = (m + chunk - 1) / chunk;
-  const uint8_t* xp = xq.data_ptr<uint8_t>();
-  const float* sp = xscale.data_ptr<float>();
   const T* op = other ? reinterpret_cast<const T*>(other->data_ptr()) : nullptr;
   const int64_t os = other ? other->stride(0) : 0;
   T* outp = reinterpret_cast<T*>(out.data_ptr());
@@ -191,8 +189,8 @@ void gemm(const torch::Tensor& xq, const torch::Tensor& xscale, const Weight& w,
         const int64_t rows = std::min(kMR, m - m0);
         for (int64_t b = b0; b < b0 + nbs;) {  // a whole tile, or the one block left at the end
           const int64_t left = b0 + nbs - b;
-          if (left >= 2) { tile_rows<T, 2>(rows, xp, k, ng, sp, w, up, act, epi, op, os, outp, ostride, m0, b); b += 2; }
-          else { tile_rows<T, 1>(rows, xp, k, ng, sp, w, up, act, epi, op, os, outp, ostride, m0, b); b += 1; }
+          if (left >= 2) { tile_rows<T, 2>(rows, x, w, up, act, epi, op, os, outp, ostride, m0, b); b += 2; }
+          else { tile_rows<T, 1>(rows, x, w, up, act, epi, op, os, outp, ostride, m0, b); b += 1; }
         }
       }
     }
@@ -200,39 +198,36 @@ void gemm(const torch::Tensor& xq, const torch::Tensor& xscale, const Weight& w,
 }
 #endif
 
-// ng: the activations' groups per row (xscale [M, ng]); the weight's colsum holds ng sums per column
-void check_weight(const torch::Tensor& w, const torch::Tensor& colsum, const torch::Tensor& scale,
-                  const c10::optional<torch::Tensor>& bias, int64_t k, int64_t ng) {
-  TORCH_CHECK(w.scalar_type() == torch::kInt8 && w.dim() == 4 && w.size(2) == 16 && w.size(3) == 4 && w.is_contiguous(),
-              "the weight must be a contiguous packed int8 [N/16, K/4, 16, 4]");
+// ng: the activations' groups per row; the weight's scales hold ng per output channel
+void check_weight(const torch::Tensor& w, const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias,
+                  int64_t k, int64_t ng) {
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 4 && w.size(2) == 16 && w.size(3) == 4 && w.is_contiguous(),
+              "the weight must be a contiguous packed uint8 (int8 + 128) [N/16, K/4, 16, 4]");
   TORCH_CHECK(w.size(1) * 4 == k, "the weight's K (", w.size(1) * 4, ") is not the input's (", k, ")");
   const int64_t n = w.size(0) * 16;
-  TORCH_CHECK(colsum.scalar_type() == torch::kInt32 && colsum.is_contiguous() && colsum.numel() == n * ng,
-              "colsum must be a contiguous int32 [N/16, groups, 16] with the input's ", ng,
-              " group(s) per row (it has ", colsum.numel() / std::max<int64_t>(n, 1), ")");
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == n,
-              "scale must be a contiguous float32 [N]");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == n * ng,
+              "the weight's scales must be a contiguous float32 [N/16, groups, 16] with the input's ", ng,
+              " group(s) per row (it has ", scale.numel() / std::max<int64_t>(n, 1), ")");
   if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n,
                         "bias must be a contiguous float32 [N]");
 }
 
-// The activations' groups per row: xscale is [M, groups], each group a multiple of 4 channels
-int64_t check_input(const torch::Tensor& xq, const torch::Tensor& xscale) {
-  TORCH_CHECK(xq.scalar_type() == torch::kUInt8 && xq.dim() == 2 && xq.is_contiguous(),
-              "xq must be a contiguous uint8 [M, K] (acb_int8.quantize_rows)");
+// The activations (quantize_rows' three outputs) as the GEMM reads them
+Rows check_input(const torch::Tensor& xq, const torch::Tensor& xscale, const torch::Tensor& xoff) {
+  TORCH_CHECK(xq.scalar_type() == torch::kInt8 && xq.dim() == 2 && xq.is_contiguous(),
+              "xq must be a contiguous int8 [M, K] (acb_int8.quantize_rows)");
   TORCH_CHECK(xq.size(1) % 4 == 0, "K must be a multiple of 4");
-  TORCH_CHECK(xscale.scalar_type() == torch::kFloat32 && xscale.is_contiguous() && xscale.dim() == 2 &&
-                  xscale.size(0) == xq.size(0) && xscale.size(1) >= 1,
-              "xscale must be a contiguous float32 [M, groups]");
+  for (const torch::Tensor* t : {&xscale, &xoff})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->dim() == 2 &&
+                    t->size(0) == xq.size(0) && t->size(1) >= 1 && t->size(1) == xscale.size(1),
+                "xscale and xoff must be contiguous float32 [M, groups]");
   const int64_t ng = xscale.size(1);
   TORCH_CHECK(xq.size(1) % (4 * ng) == 0, "K (", xq.size(1), ") must split into ", ng, " groups of a multiple of 4");
-  return ng;
+  return Rows{xq.data_ptr<int8_t>(), xscale.data_ptr<float>(), xoff.data_ptr<float>(), xq.size(1), ng};
 }
 
-Weight weight_of(const torch::Tensor& w, const torch::Tensor& colsum, const torch::Tensor& scale,
-                 const c10::optional<torch::Tensor>& bias) {
-  return Weight{w.data_ptr<int8_t>(), colsum.data_ptr<int32_t>(), scale.data_ptr<float>(),
-                bias ? bias->data_ptr<float>() : nullptr};
+Weight weight_of(const torch::Tensor& w, const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias) {
+  return Weight{w.data_ptr<uint8_t>(), scale.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr};
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -242,12 +237,15 @@ inline __m512 load_masked(const uint16_t* p, __mmask16 m) {
 }
 
 // One row: optional RMSNorm (w * (x * r), r = 1 / sqrt(mean(x^2) + eps); the product is
-// commutative, so Llama's and Gemma's orders give the same float), then per group of `group`
-// channels q = round(v * 127 / max|v|) + 128 (round to nearest even, as nearbyint) and
-// scale = max|v| / 127 (scales: one per group).
+// commutative, so Llama's and Gemma's orders give the same float), then optionally times the
+// per-channel multiplier m (acb.quantization's smoothing 1/s, applied after the norm's product as
+// the model's own forward applies it to the norm's output), then per group
+// of `group` channels q = round(v * 127 / max|v|) (round to nearest even, as nearbyint), scale =
+// max|v| / 127 and offset = 128 * sum(q) * scale (see the GEMM above).
 template <typename T>
-void quantize_row(const T* x, int64_t k, int64_t group, const float* w, float eps, bool norm, uint8_t* q,
-                  float* scales, float* buf) {
+void quantize_row(const T* x, int64_t k, int64_t group, const float* w, const float* mult, float eps, int8_t* q,
+                  float* scales, float* offs, float* buf) {
+  const bool norm = w != nullptr;
   auto mask = [](int64_t i, int64_t end) {
     return static_cast<__mmask16>(end - i >= 16 ? 0xffff : (1u << (end - i)) - 1);
   };
@@ -267,25 +265,41 @@ void quantize_row(const T* x, int64_t k, int64_t group, const float* w, float ep
       const __mmask16 m = mask(i, end);
       __m512 v = load_masked(x + i, m);
       if (norm) v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + i), _mm512_mul_ps(v, _mm512_set1_ps(inv)));
+      if (mult) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, mult + i));
       _mm512_mask_storeu_ps(buf + i, m, v);
       amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
     }
-    const float top = _mm512_reduce_max_ps(amax);
-    scales[g0 / group] = top / 127.f;
+    const float top = _mm512_reduce_max_ps(amax), scale = top / 127.f;
     const __m512 qs = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
+    __m512i sum = _mm512_setzero_si512();
     for (int64_t i = g0; i < end; i += 16) {
       const __mmask16 m = mask(i, end);
-      const __m512i r = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, buf + i), qs)),
-                                         _mm512_set1_epi32(128));
-      _mm_mask_storeu_epi8(q + i, m, _mm512_cvtusepi32_epi8(r));
+      const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, buf + i), qs));
+      sum = _mm512_add_epi32(sum, r);  // masked lanes hold zeros
+      _mm_mask_storeu_epi8(q + i, m, _mm512_cvtsepi32_epi8(r));
     }
+    scales[g0 / group] = scale;
+    offs[g0 / group] = 128.f * static_cast<float>(_mm512_reduce_add_epi32(sum)) * scale;
   }
 }
 #endif
 
+// A per-channel float32 multiplier as a pointer (widened into `keep` when it is bf16), or null
+const float* channel_weights(const c10::optional<torch::Tensor>& w, int64_t k, const char* what,
+                             std::vector<float>& keep) {
+  if (!w) return nullptr;
+  TORCH_CHECK(w->numel() == k && w->is_contiguous(), what, " must be a contiguous [K]");
+  if (w->scalar_type() == torch::kFloat32) return w->data_ptr<float>();
+  TORCH_CHECK(w->scalar_type() == torch::kBFloat16, what, " must be float32 or bfloat16");
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w->data_ptr());
+  keep.resize(k);
+  for (int64_t i = 0; i < k; ++i) keep[i] = widen(src[i]);
+  return keep.data();
+}
+
 template <typename T>
 std::vector<torch::Tensor> quantize_any(const torch::Tensor& x, const c10::optional<torch::Tensor>& norm_w,
-                                        bool gemma, double eps, int64_t group) {
+                                        double eps, int64_t group, const c10::optional<torch::Tensor>& mult) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be a 2-D tensor with contiguous rows");
   const int64_t m = x.size(0), k = x.size(1), xs = x.stride(0);
   TORCH_CHECK(k % 4 == 0, "the row width must be a multiple of 4");
@@ -293,39 +307,26 @@ std::vector<torch::Tensor> quantize_any(const torch::Tensor& x, const c10::optio
   TORCH_CHECK(k % group == 0 && group % 4 == 0, "the group (", group, ") must be a multiple of 4 dividing the row width (",
               k, ")");
   const int64_t ng = k / group;
-  auto q = torch::empty({m, k}, x.options().dtype(torch::kUInt8));
+  auto q = torch::empty({m, k}, x.options().dtype(torch::kInt8));
   auto s = torch::empty({m, ng}, x.options().dtype(torch::kFloat32));
+  auto o = torch::empty({m, ng}, x.options().dtype(torch::kFloat32));
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
-  (void)gemma;  // the norm's two orders of the product are one float (see quantize_row)
-  uint8_t* qp = q.data_ptr<uint8_t>();
+  int8_t* qp = q.data_ptr<int8_t>();
   float* sp = s.data_ptr<float>();
-  // the norm's weight as float32: read in place when it is, else (bf16) widened once per call through one
-  // pointer (it was read through data_ptr() with a dtype check per element)
-  std::vector<float> widened;
-  const float* w = nullptr;
-  const bool norm = norm_w.has_value();
-  if (norm) {
-    TORCH_CHECK(norm_w->numel() == k && norm_w->is_contiguous(), "the norm weight must be a contiguous [K]");
-    if (norm_w->scalar_type() == torch::kFloat32) {
-      w = norm_w->data_ptr<float>();
-    } else {
-      TORCH_CHECK(norm_w->scalar_type() == torch::kBFloat16, "the norm weight must be float32 or bfloat16");
-      const uint16_t* src = reinterpret_cast<const uint16_t*>(norm_w->data_ptr());
-      widened.resize(k);
-      for (int64_t i = 0; i < k; ++i) widened[i] = widen(src[i]);
-      w = widened.data();
-    }
-  }
+  float* op = o.data_ptr<float>();
+  std::vector<float> widened, widened_mult;  // bf16 ones widened once per call
+  const float* w = channel_weights(norm_w, k, "the norm weight", widened);
+  const float* mp = channel_weights(mult, k, "mult", widened_mult);
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t b, int64_t e) {
     std::vector<float> buf(k);
     for (int64_t t = b; t < e; ++t) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-      quantize_row(xp + t * xs, k, group, w, static_cast<float>(eps), norm, qp + t * k, sp + t * ng,
+      quantize_row(xp + t * xs, k, group, w, mp, static_cast<float>(eps), qp + t * k, sp + t * ng, op + t * ng,
                    buf.data());
 #endif
     }
   });
-  return {q, s};
+  return {q, s, o};
 }
 
 
@@ -333,97 +334,69 @@ std::vector<torch::Tensor> quantize_any(const torch::Tensor& x, const c10::optio
 
 bool has_vnni() { return kVnni; }
 
-// x: [M, K] float32 or bfloat16 -> (q: uint8 [M, K] (q + 128), scale: float32 [M, K / group]);
-// group <= 0: the whole row (one scale per token); with norm_w, the row is RMS-normalised
-// first (Llama's w * (x * r), or Gemma's (x * r) * (1 + w) when gemma, norm_w then being the
-// float32 1 + w)
+// x: [M, K] float32 or bfloat16 -> (q: int8 [M, K], scale and offset: float32 [M, K / group]);
+// group <= 0: the whole row (one scale per token). With norm_w ([K], float32 or bf16), each row
+// is RMS-normalised first (Llama's w * (x * r); Gemma's (x * r) * (1 + w) when norm_w is the
+// float32 1 + w; `gemma` is kept for callers: the two orders are one float); with mult ([K]),
+// then multiplied by it (acb.quantization's smoothing).
 std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, const c10::optional<torch::Tensor>& norm_w,
-                                         bool gemma, double eps, int64_t group) {
+                                         bool gemma, double eps, int64_t group,
+                                         const c10::optional<torch::Tensor>& mult) {
   TORCH_CHECK(kVnni, "acb's int8 kernels were built without AVX-512 VNNI");
-  if (x.scalar_type() == torch::kFloat32) return quantize_any<float>(x, norm_w, gemma, eps, group);
+  (void)gemma;
+  if (x.scalar_type() == torch::kFloat32) return quantize_any<float>(x, norm_w, eps, group, mult);
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be float32 or bfloat16");
-  return quantize_any<uint16_t>(x, norm_w, gemma, eps, group);
+  return quantize_any<uint16_t>(x, norm_w, eps, group, mult);
 }
 
 // out [M, N] (of `dtype`'s kind: float32 or bfloat16) = dequantized xq @ W^T (+ bias), + other when given
-torch::Tensor linear(const torch::Tensor& xq, const torch::Tensor& xscale, const torch::Tensor& w,
-                     const torch::Tensor& colsum, const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias,
+torch::Tensor linear(const torch::Tensor& xq, const torch::Tensor& xscale, const torch::Tensor& xoff,
+                     const torch::Tensor& w, const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias,
                      const c10::optional<torch::Tensor>& other, torch::ScalarType dtype) {
   TORCH_CHECK(kVnni, "acb's int8 kernels were built without AVX-512 VNNI");
-  const int64_t ng = check_input(xq, xscale), k = xq.size(1);
-  check_weight(w, colsum, scale, bias, k, ng);
-  const int64_t n = w.size(0) * 16;
+  const Rows x = check_input(xq, xscale, xoff);
+  check_weight(w, scale, bias, x.k, x.ng);
+  const int64_t n = w.size(0) * 16, m = xq.size(0);
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "the output must be float32 or bfloat16");
-  auto out = torch::empty({xq.size(0), n}, xq.options().dtype(dtype));
-  if (other) TORCH_CHECK(other->scalar_type() == dtype && other->dim() == 2 && other->size(0) == xq.size(0) &&
+  auto out = torch::empty({m, n}, xq.options().dtype(dtype));
+  if (other) TORCH_CHECK(other->scalar_type() == dtype && other->dim() == 2 && other->size(0) == m &&
                              other->size(1) == n && other->stride(1) == 1,
                          "other must be [M, N] of the output's dtype with contiguous rows");
-  const Weight wt = weight_of(w, colsum, scale, bias);
+  const Weight wt = weight_of(w, scale, bias);
 #if defined(__AVX512VNNI__)
-  if (xq.size(0) > 0) {
+  if (m > 0) {
     if (dtype == torch::kFloat32)
-      gemm<float>(xq, xscale, wt, nullptr, 0, other ? kAdd : kNone, other ? &*other : nullptr, out, n);
+      gemm<float>(x, m, wt, nullptr, 0, other ? kAdd : kNone, other ? &*other : nullptr, out, n);
     else
-      gemm<uint16_t>(xq, xscale, wt, nullptr, 0, other ? kAdd : kNone, other ? &*other : nullptr, out, n);
+      gemm<uint16_t>(x, m, wt, nullptr, 0, other ? kAdd : kNone, other ? &*other : nullptr, out, n);
   }
 #endif
   return out;
 }
 
 // out [M, N] = act(xq @ Wgate^T) * (xq @ Wup^T); act 0: SiLU, 1: GELU-tanh
-torch::Tensor glu(const torch::Tensor& xq, const torch::Tensor& xscale, const torch::Tensor& wg,
-                  const torch::Tensor& cg, const torch::Tensor& sg, const c10::optional<torch::Tensor>& bg,
-                  const torch::Tensor& wu, const torch::Tensor& cu, const torch::Tensor& su,
-                  const c10::optional<torch::Tensor>& bu, int64_t act, torch::ScalarType dtype) {
+torch::Tensor glu(const torch::Tensor& xq, const torch::Tensor& xscale, const torch::Tensor& xoff,
+                  const torch::Tensor& wg, const torch::Tensor& sg, const c10::optional<torch::Tensor>& bg,
+                  const torch::Tensor& wu, const torch::Tensor& su, const c10::optional<torch::Tensor>& bu,
+                  int64_t act, torch::ScalarType dtype) {
   TORCH_CHECK(kVnni, "acb's int8 kernels were built without AVX-512 VNNI");
-  const int64_t ng = check_input(xq, xscale), k = xq.size(1);
-  check_weight(wg, cg, sg, bg, k, ng);
-  check_weight(wu, cu, su, bu, k, ng);
+  const Rows x = check_input(xq, xscale, xoff);
+  check_weight(wg, sg, bg, x.k, x.ng);
+  check_weight(wu, su, bu, x.k, x.ng);
   TORCH_CHECK(wg.sizes() == wu.sizes(), "gate and up must have the same shape");
   TORCH_CHECK(act == kSilu || act == kGeluTanh, "act must be 0 (SiLU) or 1 (GELU-tanh)");
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "the output must be float32 or bfloat16");
-  const int64_t n = wg.size(0) * 16;
-  auto out = torch::empty({xq.size(0), n}, xq.options().dtype(dtype));
-  const Weight g = weight_of(wg, cg, sg, bg), u = weight_of(wu, cu, su, bu);
+  const int64_t n = wg.size(0) * 16, m = xq.size(0);
+  auto out = torch::empty({m, n}, xq.options().dtype(dtype));
+  const Weight g = weight_of(wg, sg, bg), u = weight_of(wu, su, bu);
 #if defined(__AVX512VNNI__)
-  if (xq.size(0) > 0) {
+  if (m > 0) {
     if (dtype == torch::kFloat32)
-      gemm<float>(xq, xscale, g, &u, act, kNone, nullptr, out, n);
+      gemm<float>(x, m, g, &u, act, kNone, nullptr, out, n);
     else
-      gemm<uint16_t>(xq, xscale, g, &u, act, kNone, nullptr, out, n);
+      gemm<uint16_t>(x, m, g, &u, act, kNone, nullptr, out, n);
   }
 #endif
-  return out;
-}
-
-// rows `ids` of a packed weight, dequantized: out[t] = W[ids[t]] * scale[ids[t]] * mult
-// (the tied embedding read from the lm_head's packed int8 weight)
-torch::Tensor embed(const torch::Tensor& w, const torch::Tensor& scale, const torch::Tensor& ids, double mult,
-                    torch::ScalarType dtype) {
-  TORCH_CHECK(w.scalar_type() == torch::kInt8 && w.dim() == 4 && w.is_contiguous(), "w must be a packed int8 weight");
-  TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.dim() == 1 && ids.is_contiguous(), "ids must be a long [T]");
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.numel() == w.size(0) * 16, "scale must be float32 [N]");
-  const int64_t t_ = ids.size(0), k4 = w.size(1), k = k4 * 4, n = w.size(0) * 16;
-  auto out = torch::empty({t_, k}, w.options().dtype(dtype));
-  const int8_t* wp = w.data_ptr<int8_t>();
-  const int64_t* ip = ids.data_ptr<int64_t>();
-  const float* sp = scale.data_ptr<float>();
-  const float fm = static_cast<float>(mult);
-  for (int64_t t = 0; t < t_; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < n, "token id ", ip[t], " out of range");
-  at::parallel_for(0, t_, 16, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const int64_t row = ip[t];
-      const int8_t* base = wp + (row / 16) * k4 * 64 + (row % 16) * 4;
-      const float s = sp[row] * fm;
-      if (dtype == torch::kFloat32) {
-        float* o = out.data_ptr<float>() + t * k;
-        for (int64_t kk = 0; kk < k; ++kk) o[kk] = static_cast<float>(base[(kk / 4) * 64 + (kk % 4)]) * s;
-      } else {
-        uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr()) + t * k;
-        for (int64_t kk = 0; kk < k; ++kk) o[kk] = to_bf16(static_cast<float>(base[(kk / 4) * 64 + (kk % 4)]) * s);
-      }
-    }
-  });
   return out;
 }
 
@@ -431,11 +404,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_vnni", &has_vnni, "whether the GEMMs were built with AVX-512 VNNI");
   m.def("quantize_rows", &quantize_rows, "per-row (per-group) int8 quantization, optionally after an RMSNorm",
         py::arg("x"), py::arg("norm_w") = py::none(), py::arg("gemma") = false, py::arg("eps") = 1e-6,
-        py::arg("group") = 0,
+        py::arg("group") = 0, py::arg("mult") = py::none(),
         py::call_guard<py::gil_scoped_release>());
-  m.def("linear", &linear, "W8A8 linear (+ residual)", py::arg("xq"), py::arg("xscale"), py::arg("w"),
-        py::arg("colsum"), py::arg("scale"), py::arg("bias") = py::none(), py::arg("other") = py::none(),
+  m.def("linear", &linear, "W8A8 linear (+ residual)", py::arg("xq"), py::arg("xscale"), py::arg("xoff"),
+        py::arg("w"), py::arg("scale"), py::arg("bias") = py::none(), py::arg("other") = py::none(),
         py::arg("dtype") = torch::kFloat32, py::call_guard<py::gil_scoped_release>());
   m.def("glu", &glu, "W8A8 act(x Wg) * (x Wu)", py::call_guard<py::gil_scoped_release>());
-  m.def("embed", &embed, "rows of a packed int8 weight, dequantized", py::call_guard<py::gil_scoped_release>());
 }
