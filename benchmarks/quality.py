@@ -5,8 +5,8 @@
     python benchmarks/quality.py --dtypes float32,int8,int8_bf16  # int8 weights (EngineConfig.quantization)
     python benchmarks/quality.py --dtypes float32,bfloat16,bfloat16_kv8,int8_bf16_kv8  # int8 KV pages too
 
-A ``--dtypes`` name is a dtype, or ``int8`` (int8 weights and int8 activations, per token and
-group of 64 channels, in the GEMMs, float32 between them) / ``int8_bf16`` (the same, bfloat16
+A ``--dtypes`` name is a dtype, or ``int8`` (int8 weights and int8 activations, per group of 32
+channels, smoothed, in the GEMMs, the lm_head bf16, float32 between them: acb.quantization) / ``int8_bf16`` (the same, bfloat16
 between them), or ``vllm_bfloat16`` / ``vllm_float32``: vLLM's CPU engine in that dtype
 (``--vllm-venv``), scored on the same windows through its ``prompt_logprobs`` (what a peer's
 bf16 costs on the same text: the context for acb's bf16 figures). A name ending in ``_kv8``
@@ -316,7 +316,7 @@ def main() -> None:
         if quantization:  # in place, as the engine does (transformers' forward then runs the int8 modules too)
             from acb.quantization import quantize_
 
-            quantize_(model)
+            quantize_(model, tokenizer=tok)  # the smoothing calibrated on acb's calibration text, as the engine does
         hf_tf = None if kv else hf_teacher_forced(model, ids, args.window)  # transformers has no int8 pages
         tf = teacher_forced_decode(model, ids, args.window, kv) if kv else teacher_forced(model, ids, args.window)
         gen = greedy(model, tok, w.prompts, args.new_tokens, quantization, kv)
