@@ -18,8 +18,7 @@ Every GGUF quantization type the ``gguf`` package dequantizes is read (F32, F16,
 Q8_0, Q4_0, Q4_1, Q5_x, the K-quants, ...): SmolLM2-135M's file holds Q4_1 (210
 tensors), Q8_0 (the embedding) and F32 (the norms); Gemma 3 270M's holds Q4_K/Q6_K/Q8_0
 (run ``python -m acb.gguf_int8 FILE`` to list a file's types). A block-quantized tensor is
-requantized in acb's groups of 32 (Q8_0's own blocks: an unsmoothed Q8_0 tensor comes back
-exactly; ``tests/test_gguf_int8.py`` checks it).
+dequantized, smoothed and requantized in acb's groups of 32 (Q8_0's block size).
 """
 
 from __future__ import annotations
@@ -177,14 +176,25 @@ def _read(path: str, model: torch.nn.Module, config, factors: dict | None = None
         if i % 16 == 0:  # hand the freed float32 temporaries back (glibc keeps them: measured 1.5 GB peak
             trim_heap()  # RSS for SmolLM2 without this, against 0.6 GB of live data)
         hf_name = names.get(tensor.name)
-        if hf_name in targets and tensor.data.ndim == 2 and tensor.data.shape[0] > 4096 and \
-                ".attn_q." not in tensor.name and ".attn_k." not in tensor.name:
-            # an embedding or lm_head: rows decoded and rounded to bf16 in slices (no processor
+        if hf_name in _TABLES and tensor.data.ndim == 2:
+            # the embedding or lm_head: rows decoded and rounded to bf16 in slices (no processor
             # rewrites these: only Llama's q/k are permuted, Gemma's norms shifted)
-            rows = torch.cat([torch.from_numpy(dequantize(tensor.data[i: i + 4096], tensor.tensor_type)).bfloat16()
-                              for i in range(0, tensor.data.shape[0], 4096)])
+            rows = torch.cat([torch.from_numpy(dequantize(tensor.data[i: i + _SLICE], tensor.tensor_type)).bfloat16()
+                              for i in range(0, tensor.data.shape[0], _SLICE)])
             table = Bf16Linear.from_dense(rows)
             int8[hf_name] = ("bf16", table.weight, table.out_features)
+            continue
+        if hf_name in targets and tensor.data.ndim == 2 and tensor.data.shape[0] > _SLICE and \
+                ".attn_q." not in tensor.name and ".attn_k." not in tensor.name:
+            # a large projection (no processor rewrites it): rows decoded and quantized in slices
+            # (each row's groups are its own; the smoothing scales columns, so slices take it too)
+            s = factors.get(hf_name)
+            parts = []
+            for i in range(0, tensor.data.shape[0], _SLICE):
+                rows = torch.from_numpy(dequantize(tensor.data[i: i + _SLICE], tensor.tensor_type))
+                parts.append(quantization.quantize_weight(rows if s is None else rows * s))
+            int8[hf_name] = Int8Linear.from_int8(torch.cat([q for q, _ in parts]), torch.cat([c for _, c in parts]),
+                                                 input_scale=None if s is None else 1 / s).packed
             continue
         weights = dequantize(tensor.data, tensor.tensor_type)
         result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names,
@@ -198,6 +208,10 @@ def _read(path: str, model: torch.nn.Module, config, factors: dict | None = None
         else:
             dense[hf_name] = value
     return dense, int8
+
+
+_TABLES = ("lm_head.weight", "model.embed_tokens.weight")  # kept bf16 (acb.quantization.Bf16Linear)
+_SLICE = 4096  # rows decoded at once from a tensor taller than this
 
 
 def _int8_targets(model: torch.nn.Module) -> set[str]:

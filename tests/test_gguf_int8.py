@@ -177,3 +177,20 @@ async def test_gemma3_k_quant_gguf_loads_into_int8_and_answers(tmp_path, monkeyp
         assert engine.stats().forward_path == "fused"
         out = await engine.generate(prompt, max_new_tokens=8)
     assert "France" in out.text  # float32's greedy: " France and is the most visited city in"
+
+
+def test_a_projection_taller_than_a_slice_is_quantized_in_slices_to_the_same_bytes(smollm2_int8, tmp_path,
+                                                                                    monkeypatch):
+    """A projection with more rows than acb.gguf_int8 decodes at once (a 7B model's MLP) is read in
+    slices of rows: SmolLM2 converted with slices of 512 rows gives the MLP the same int8 bytes,
+    scales and smoothing as whole-tensor decoding (each row's groups are its own)."""
+    from acb.loading import smollm2
+
+    model, *_ = smollm2_int8
+    monkeypatch.setenv("ACB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gguf_int8, "_SLICE", 512)
+    sliced, _ = gguf_int8.load(*smollm2(), torch.float32)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        a, b = getattr(model.model.layers[3].mlp, name), getattr(sliced.model.layers[3].mlp, name)
+        assert torch.equal(a.weight, b.weight) and torch.equal(a.weight_scale, b.weight_scale)
+        assert torch.equal(a.input_scale, b.input_scale)
