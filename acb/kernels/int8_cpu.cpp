@@ -258,6 +258,32 @@ void quantize_row(const T* x, int64_t k, int64_t group, const float* w, const fl
     }
     inv = 1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(k) + eps);
   }
+  if (group % 16 == 0 && group <= 64) {  // the groups acb uses: each group's values stay in registers
+    const int64_t nv = group / 16;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (int64_t g0 = 0; g0 < k; g0 += group) {
+      __m512 v[4];
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t j = 0; j < nv; ++j) {
+        const int64_t i = g0 + 16 * j;
+        v[j] = load_row(x + i);
+        if (norm) v[j] = _mm512_mul_ps(_mm512_loadu_ps(w + i), _mm512_mul_ps(v[j], vinv));
+        if (mult) v[j] = _mm512_mul_ps(v[j], _mm512_loadu_ps(mult + i));
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(v[j]));
+      }
+      const float top = _mm512_reduce_max_ps(amax), scale = top / 127.f;
+      const __m512 qs = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t j = 0; j < nv; ++j) {
+        const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(v[j], qs));
+        sum = _mm512_add_epi32(sum, r);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g0 + 16 * j), _mm512_cvtsepi32_epi8(r));
+      }
+      scales[g0 / group] = scale;
+      offs[g0 / group] = 128.f * static_cast<float>(_mm512_reduce_add_epi32(sum)) * scale;
+    }
+    return;
+  }
   for (int64_t g0 = 0; g0 < k; g0 += group) {
     const int64_t end = g0 + group;
     __m512 amax = _mm512_setzero_ps();
