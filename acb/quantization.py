@@ -377,14 +377,20 @@ def check_dense(model: torch.nn.Module) -> None:
 def calibration_ids(tokenizer, vocab_size: int, tokens: int = 4096) -> list[int]:
     """The token ids the smoothing is calibrated on: :data:`CALIBRATION` tokenized, or (no
     tokenizer) a fixed pseudo-random draw from the vocabulary, said in the log."""
+    why = "no tokenizer to read it with"
     if tokenizer is not None:
-        ids = tokenizer(CALIBRATION.read_text())["input_ids"]
-        if isinstance(ids[0], list):
+        try:
+            ids = tokenizer(CALIBRATION.read_text())["input_ids"]
+        except Exception as e:  # a tokenizer-like object that cannot read plain text: calibrate without it
+            ids, why = [], f"the tokenizer could not read it: {type(e).__name__}: {e}"
+        if ids and isinstance(ids[0], list):
             ids = ids[0]
         ids = [i for i in ids if 0 <= i < vocab_size]
         if len(ids) >= CALIBRATION_WINDOW:
             return ids[:tokens]
-    log.info("acb: int8 smoothing calibrated on random token ids (no tokenizer to read %s with)", CALIBRATION.name)
+        if ids:
+            why = f"it reads as {len(ids)} tokens of the model's vocabulary"
+    log.warning("acb: int8 smoothing calibrated on random token ids instead of %s (%s)", CALIBRATION.name, why)
     g = torch.Generator().manual_seed(0)
     return torch.randint(0, vocab_size, (min(tokens, 2048),), generator=g).tolist()
 

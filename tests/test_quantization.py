@@ -169,6 +169,19 @@ def test_quantize_smooths_each_projection_group_with_maxima_calibrated_on_the_sh
     assert mlp.up_proj.input_scale is mlp.gate_proj.input_scale and mlp.down_proj.input_scale is not None
 
 
+def test_without_a_usable_tokenizer_the_calibration_draws_ids_and_says_so(caplog):
+    class Broken:
+        def __call__(self, text):
+            raise TypeError("not a text tokenizer")
+
+    for tokenizer, reason in ((None, "no tokenizer"), (Broken(), "TypeError: not a text tokenizer")):
+        caplog.clear()
+        ids = quantization.calibration_ids(tokenizer, 100)
+        assert len(ids) >= quantization.CALIBRATION_WINDOW and all(0 <= i < 100 for i in ids)
+        assert ids == quantization.calibration_ids(None, 100)  # a fixed draw: the same model quantizes the same way
+        assert reason in caplog.text and "random token ids" in caplog.text
+
+
 def test_a_bfloat16_norm_weight_quantizes_as_its_float32_value():
     """The int8_bf16 forward hands the kernel bf16 norm weights: widened exactly, same result."""
     q8 = _q8()
