@@ -103,8 +103,9 @@ def add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # lo
     p.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="weights dtype")
     p.add_argument("--quantization", choices=["int8"],
-                   help="int8 weights per output channel and int8 activations per token (CPUs with AVX-512 VNNI; "
-                        "see docs/performance.md, Dtypes); the norms, attention and KV pages keep --dtype")
+                   help="int8 weights and activations per 32 channels, smoothed (SmoothQuant), the lm_head bf16 "
+                        "(CPUs with AVX-512 VNNI; see docs/performance.md, Dtypes); attention and KV pages keep "
+                        "--dtype")
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8"],
                    help="KV pages in int8 with a float32 scale per token and kv head (~2x the pages of bf16; acb's "
                         "native CPU attention only); auto (default): the model's dtype")
