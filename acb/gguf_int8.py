@@ -80,7 +80,7 @@ def load(folder: str, gguf_file: str, dtype: torch.dtype):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
     st = os.stat(path)
-    method = f"w{quantization.GROUP}a{quantization.GROUP}-smooth{quantization.SMOOTHING}-bf16head"  # the cache's format
+    method = f"w{quantization.GROUP}a{quantization.GROUP}-smooth{quantization.SMOOTHING}-f32cal-bf16head"  # the format
     key = hashlib.sha1(f"{os.path.realpath(path)}|{st.st_size}|{int(st.st_mtime)}|{method}".encode()).hexdigest()[:16]
     cached = cache_dir() / "int8" / f"{os.path.splitext(gguf_file)[0]}-{key}"
     hit = (cached / "weights.pt").is_file()
@@ -90,16 +90,16 @@ def load(folder: str, gguf_file: str, dtype: torch.dtype):
     config = AutoConfig.from_pretrained(cached) if hit else AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
     tokenizer = AutoTokenizer.from_pretrained(cached) if hit else \
         AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-    def skeleton():
+    def skeleton(dt: torch.dtype = dtype):
         with _parameters_on_meta():
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = AutoModelForCausalLM.from_config(config, dtype=dt)
         return model.eval()
 
-    def build(dense: dict, int8: dict):
-        model = skeleton()
+    def build(dense: dict, int8: dict, dt: torch.dtype = dtype):
+        model = skeleton(dt)
         with torch.no_grad():
             for name, value in dense.items():
-                _set(model, name, value.to(dtype))
+                _set(model, name, value.to(dt))
         weights = {name: quantization.Bf16Linear(*value[1:]) if value[0] == "bf16" else value
                    for name, value in int8.items()}
         if "lm_head.weight" not in weights and getattr(config, "tie_word_embeddings", False):
@@ -115,7 +115,9 @@ def load(folder: str, gguf_file: str, dtype: torch.dtype):
         dense, int8 = torch.load(cached / "weights.pt", weights_only=True)
     else:
         log.info("acb: reading %s into int8 (first load only; cached in %s)", gguf_file, cached)
-        plain = build(*_read(path, skeleton(), config))  # unsmoothed: what the calibration reads
+        # unsmoothed, and float32 whatever dtype was asked: the cached conversion (its key has no
+        # dtype) is the same whichever dtype loads the file first
+        plain = build(*_read(path, skeleton(torch.float32), config), torch.float32)
         ids = quantization.calibration_ids(tokenizer, config.vocab_size)
         factors = quantization.smoothing_factors(plain, quantization.input_maxima(plain, ids))
         del plain

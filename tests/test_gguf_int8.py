@@ -194,3 +194,16 @@ def test_a_projection_taller_than_a_slice_is_quantized_in_slices_to_the_same_byt
         a, b = getattr(model.model.layers[3].mlp, name), getattr(sliced.model.layers[3].mlp, name)
         assert torch.equal(a.weight, b.weight) and torch.equal(a.weight_scale, b.weight_scale)
         assert torch.equal(a.input_scale, b.input_scale)
+
+
+def test_the_conversion_does_not_depend_on_the_dtype_that_loads_it_first(smollm2_int8, tmp_path, monkeypatch):
+    """The cache's key has no dtype: the calibration runs in float32 whatever dtype is asked, so a
+    bf16 load converts the file to the same bytes as the float32 fixture did."""
+    from acb.loading import smollm2
+
+    model, *_ = smollm2_int8
+    monkeypatch.setenv("ACB_CACHE_DIR", str(tmp_path))
+    bf16, _ = gguf_int8.load(*smollm2(), torch.bfloat16)
+    for i in (0, 17):
+        a, b = model.model.layers[i].self_attn.q_proj, bf16.model.layers[i].self_attn.q_proj
+        assert torch.equal(a.input_scale, b.input_scale) and torch.equal(a.weight, b.weight)
