@@ -9,8 +9,9 @@ of rows) or kept in the model's dtype (norms, biases); the largest float32 array
 any time is one tensor or slice (SmolLM2: an MLP projection, 3.5 MB), never the model.
 
 The file is read twice on the first load: the first pass builds an unsmoothed int8 model
-that reads :data:`acb.quantization.CALIBRATION` to measure each projection's input
-maxima, the second quantizes each weight times its smoothing factors
+(float32 between its GEMMs, whatever dtype was asked) that reads
+:data:`acb.quantization.CALIBRATION` to measure each projection's input maxima, the second
+quantizes each weight times its smoothing factors
 (:func:`acb.quantization.smoothing_factors`). The result is cached under
 ``acb.loading.cache_dir()`` (later loads skip the GGUF decoding and the calibration).
 
