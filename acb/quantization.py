@@ -339,8 +339,16 @@ def _projections(layer: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
 
 
 # The projections that share one input (and so one smoothing): the first of each names the group
-_SHARED = {"q_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",), "gate_proj": ("gate_proj", "up_proj"),
-           "down_proj": ("down_proj",)}
+_SHARED = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
+           ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))
+
+
+def _input_groups(model: torch.nn.Module):
+    """(weight-name prefix, owner module, projection names) of every group of projections that
+    share one input, layer by layer; the group's key is its first projection's weight name."""
+    for i, layer in enumerate(model.model.layers[: model.config.num_hidden_layers]):
+        for owner, names in _SHARED:
+            yield f"model.layers.{i}.{owner}.", getattr(layer, owner), names
 
 
 def why_not(model: torch.nn.Module) -> str | None:
@@ -407,12 +415,8 @@ def input_maxima(model: torch.nn.Module, ids: list[int]) -> dict[str, torch.Tens
             maxima[name] = torch.maximum(maxima[name], x) if name in maxima else x
         return hook
 
-    for i, layer in enumerate(model.model.layers[: model.config.num_hidden_layers]):
-        for owner, name in _projections(layer):
-            if name in _SHARED:
-                prefix = "self_attn" if owner is layer.self_attn else "mlp"
-                hooks.append(getattr(owner, name).register_forward_pre_hook(
-                    record(f"model.layers.{i}.{prefix}.{name}.weight")))
+    for prefix, owner, names in _input_groups(model):
+        hooks.append(getattr(owner, names[0]).register_forward_pre_hook(record(f"{prefix}{names[0]}.weight")))
     try:
         with torch.inference_mode():
             for start in range(0, max(len(ids) - CALIBRATION_WINDOW, 0) + 1, CALIBRATION_WINDOW):
@@ -437,17 +441,14 @@ def smoothing_factors(model: torch.nn.Module, maxima: dict[str, torch.Tensor],
     over the group sharing the input (see the module's docstring); the group's projections
     share one tensor."""
     factors: dict[str, torch.Tensor] = {}
-    for i, layer in enumerate(model.model.layers[: model.config.num_hidden_layers]):
-        for first, group in _SHARED.items():
-            owner = layer.mlp if first in ("gate_proj", "down_proj") else layer.self_attn
-            prefix = "mlp" if owner is layer.mlp else "self_attn"
-            key = f"model.layers.{i}.{prefix}.{first}.weight"
-            if key not in maxima:
-                continue
-            wmax = torch.stack([_weight_of(getattr(owner, n)).abs().amax(0) for n in group]).amax(0)
-            s = (maxima[key].clamp_min(1e-5) ** alpha / wmax.clamp_min(1e-5) ** (1 - alpha)).clamp_min(1e-5)
-            for n in group:
-                factors[f"model.layers.{i}.{prefix}.{n}.weight"] = s
+    for prefix, owner, names in _input_groups(model):
+        key = f"{prefix}{names[0]}.weight"
+        if key not in maxima:
+            continue
+        wmax = torch.stack([_weight_of(getattr(owner, n)).abs().amax(0) for n in names]).amax(0)
+        s = (maxima[key].clamp_min(1e-5) ** alpha / wmax.clamp_min(1e-5) ** (1 - alpha)).clamp_min(1e-5)
+        for n in names:
+            factors[f"{prefix}{n}.weight"] = s
     return factors
 
 
@@ -567,7 +568,6 @@ class Int8Forward(FusedForward):
         self.qkv = qkv  # per layer: the joined (packed, scales, bias) of q, k, v, or None
         self.smooth = smooth  # per layer: the input_scale of (q/k/v, o, gate/up, down), each or None
         self.dtype = next(model.parameters()).dtype
-        self.native = fused.native_bf16()  # the lm_head's GEMM
 
     @classmethod
     def build(cls, model: torch.nn.Module, packed, kernels, row_reduce=None) -> Int8Forward | None:
@@ -600,18 +600,14 @@ class Int8Forward(FusedForward):
                    mult: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """x's rows quantized in the groups weight ``w`` takes: RMS-normed first with ``norm``,
         then multiplied by ``mult`` (the smoothing), in one pass."""
-        if norm is None:
-            return self.q8.quantize_rows(x, None, False, 1e-6, group_of(w), mult)
-        weight, eps, gemma = norm
+        weight, eps, gemma = norm or (None, 1e-6, False)
         return self.q8.quantize_rows(x, weight, gemma, eps, group_of(w), mult)
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """float32 logits of the kept rows ``x``: the final norm into bf16, the bf16 lm_head."""
         weight, eps, gemma = self.norm  # in float32, then rounded once (only the kept rows)
         h = (self.k.rms_norm_f32w(x, weight, eps) if gemma else self.k.rms_norm(x, weight.float(), eps)).bfloat16()
-        if self.native is not None:
-            return self.native.linear(h, self.lm_head.weight, self.lm_head.out_features, None, None, torch.float32)
-        return self.lm_head(h)
+        return self.lm_head(h)  # Bf16Linear: acb's bf16 GEMM where the CPU has it
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
                  use_cache: bool = False, logits_to_keep: torch.Tensor | int | None = None) -> _Logits:
