@@ -145,13 +145,14 @@ class FastPaths:
         wanted = cuda_graphs.graphs_requested(config.use_cuda_graph, config.q_padding_interval_size,
                                               config.kv_padding_interval_size, cuda)
         graphs = wanted and cuda
-        if (graphs or pad_on_cpu) and self.kv.swa_layers:
+        hybrid = bool((graphs or pad_on_cpu) and self.kv.swa_layers)
+        if hybrid:
             # a warning when asked for explicitly; by default (on CUDA) it is just the path taken
             log.log(logging.INFO if config.use_cuda_graph is None and not pad_on_cpu else logging.WARNING,
                     "acb: CUDA graphs are not used for hybrid sliding-window models yet (two page pools); "
                     "decode steps run eagerly")
             graphs = pad_on_cpu = False
-        if wanted and not graphs and not pad_on_cpu:
+        if wanted and not cuda and not pad_on_cpu:  # (a hybrid model on CUDA: said above)
             log.warning("acb: CUDA graphs need a CUDA device; on %s decode steps run eagerly and unpadded "
                         "(use_cuda_graph=%s, q_padding_interval_size=%d, kv_padding_interval_size=%d)",
                         self.device, config.use_cuda_graph, config.q_padding_interval_size,
