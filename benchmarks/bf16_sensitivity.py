@@ -43,6 +43,16 @@ CONFIGS = [
       "cos_sin": True, "rotated": True}),
     ("acb's bf16 GEMMs: q/k/v out float32, RoPE in float32, q/k/v rounded once after (for bf16 pages)",
      {"weights": True, "inputs": True, "outputs": ("v_proj", "gate_proj", "up_proj"), "rotated": True}),
+    ("acb's bf16 forward now: v out and q/k after RoPE rounded (gate/up float32 into the product)",
+     {"weights": True, "inputs": True, "outputs": ("v_proj",), "rotated": True}),
+    ("... q float32 into the attention (k and v rounded: the bf16 pages)",
+     {"weights": True, "inputs": True, "outputs": ("v_proj",), "rotated": ("k",)}),
+    ("... q float32, and the lm_head float32 (its weight and input)",
+     {"weights": True, "inputs": True, "outputs": ("v_proj",), "rotated": ("k",), "float32": ("lm_head",)}),
+    ("... the lm_head float32 only (q rounded)",
+     {"weights": True, "inputs": True, "outputs": ("v_proj",), "rotated": True, "float32": ("lm_head",)}),
+    ("acb's bf16 forward now, with the norms' weights bf16 (a bf16 model's)",
+     {"weights": True, "inputs": True, "outputs": ("v_proj",), "rotated": True, "norms": True}),
 ]
 
 
@@ -51,6 +61,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--out", default="bench-results/bf16_sensitivity.json")
+    p.add_argument("--configs", default="", help="only these configurations (indices into CONFIGS, comma-separated)")
     args = p.parse_args()
 
     import transformers.models.llama.modeling_llama as llama
@@ -63,27 +74,37 @@ def main() -> None:
     exact = top1()
     rope = llama.apply_rotary_pos_emb
 
+    rotated = ("q", "k")  # which of q and k rounded_rope rounds (a config's "rotated", when a tuple)
+
     def rounded_rope(q, k, cos, sin, *a, **kw):
         q, k = rope(q, k, cos, sin, *a, **kw)
-        return r(q), r(k)
+        return (r(q) if "q" in rotated else q), (r(k) if "k" in rotated else k)
 
     rows = []
-    for name, o in CONFIGS:
+    chosen = [CONFIGS[int(i)] for i in args.configs.split(",")] if args.configs else CONFIGS
+    for name, o in chosen:
         hooks = []
         for full, (m, w) in linears.items():
             part = full.split(".")[-1]
+            if part in o.get("float32", ()):  # this projection's weight and input kept float32
+                continue
             if o.get("weights"):
                 m.weight.data = r(w)
             if o.get("inputs"):
                 hooks.append(m.register_forward_pre_hook(lambda mod, a: (r(a[0]),)))
             if part in o.get("outputs", ()):
                 hooks.append(m.register_forward_hook(lambda mod, a, out: r(out)))
+        norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")] if o.get("norms") else []
+        kept = [m.weight.data for m in norms]
+        for m in norms:  # a bf16 model's norm weights are bf16 too
+            m.weight.data = r(m.weight.data)
         if o.get("residual"):
             hooks += [layer.register_forward_hook(
                 lambda mod, a, out: (r(out[0]), *out[1:]) if isinstance(out, tuple) else r(out))
                 for layer in model.model.layers]
         if o.get("cos_sin"):
             hooks.append(model.model.rotary_emb.register_forward_hook(lambda mod, a, out: (r(out[0]), r(out[1]))))
+        rotated = o["rotated"] if isinstance(o.get("rotated"), tuple) else ("q", "k")
         llama.apply_rotary_pos_emb = rounded_rope if o.get("rotated") else rope
         t0 = time.perf_counter()
         try:
@@ -93,6 +114,8 @@ def main() -> None:
             for h in hooks:
                 h.remove()
             for m, w in linears.values():
+                m.weight.data = w
+            for m, w in zip(norms, kept):
                 m.weight.data = w
         rows.append({"config": name, "options": {k: list(v) if isinstance(v, tuple) else v for k, v in o.items()},
                      "top1_agreement": agreement})

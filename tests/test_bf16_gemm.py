@@ -124,18 +124,20 @@ def test_glu_refuses_what_it_cannot_split():
 
 
 @pytest.mark.parametrize("gemma", [False, True])
-def test_rms_norm_of_float32_rows_rounds_where_a_bf16_model_rounds(gemma):
+def test_rms_norm_of_float32_rows_rounds_once(gemma):
     bf16 = _native_or_skip()
     g = torch.Generator().manual_seed(2)
     x = torch.randn(9, 576, generator=g) * 3
     eps = 1e-6
     normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    if gemma:  # float32 1 + weight, one rounding
+    if gemma:  # float32 1 + weight
         w = 1 + torch.randn(576, generator=g) * 0.1
         want = (normed * w).bfloat16()
-    else:  # transformers' LlamaRMSNorm on bf16: the row rounded, then the product with the bf16 weight
+    else:  # the bf16 weight widened, the product rounded once (transformers' bf16 LlamaRMSNorm rounds the
+        # normed row first: that second rounding is what this kernel leaves out)
         w = (1 + torch.randn(576, generator=g) * 0.1).bfloat16()
-        want = w * normed.bfloat16()
+        want = (normed * w.float()).bfloat16()
+        assert (want != w * normed.bfloat16()).any()  # the two orders differ on this data
     got = bf16.rms_norm(x, w, eps, gemma)
     assert got.dtype == torch.bfloat16
     # the sum of squares in another order: at most one bf16 step apart, nearly all equal
