@@ -1,0 +1,86 @@
+"""The native decode attention kernel alone, per layer call, on SmolLM2's heads (9 over 3, d=64):
+
+    python benchmarks/decode_attention.py                        # bf16 pages, 48 rows of ~420 tokens
+    python benchmarks/decode_attention.py --dtype float32 --rows 64 --context 1024
+
+Times ``paged_decode_into`` (acb/kernels/paged_decode_cpu.cpp: the new keys and values written into
+their pages, then each row's attention over its pages) on a cache whose pages are scattered as a
+running engine leaves them (a random permutation of a pool four times the rows' need), median of
+--repeats calls after warm-ups; prints microseconds a call and the GB/s of keys and values read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from acb.kernels.cpu import paged_decode_kernel  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--rows", type=int, default=48)
+    p.add_argument("--context", type=int, default=420, help="mean context length (each row +-25 %%)")
+    p.add_argument("--heads", type=int, default=9)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=50)
+    args = p.parse_args()
+    kernel = paged_decode_kernel()
+    if kernel is None:
+        sys.exit("the native CPU kernels are not built here")
+    dtype = getattr(torch, args.dtype)
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    b, h, kvh, d, ps = args.rows, args.heads, args.kv_heads, args.dim, args.page_size
+    lengths = [max(1, int(args.context * rng.uniform(0.75, 1.25))) for _ in range(b)]
+    per = max(-(-n // ps) for n in lengths)
+    pool = 4 * sum(-(-n // ps) for n in lengths)
+    order = list(range(pool))
+    rng.shuffle(order)
+    pages = torch.zeros(b, per, dtype=torch.int64)
+    used = 0
+    for i, n in enumerate(lengths):
+        k = -(-n // ps)
+        pages[i, :k] = torch.tensor(order[used: used + k])
+        used += k
+    k_cache = torch.randn(kvh, pool * ps, d).to(dtype)
+    v_cache = torch.randn(kvh, pool * ps, d).to(dtype)
+    q = torch.randn(b, h, d).to(dtype)
+    k_new = torch.randn(b, kvh, d).to(dtype)
+    v_new = torch.randn(b, kvh, d).to(dtype)
+    lens = torch.tensor(lengths, dtype=torch.int64)
+    slots = torch.tensor([int(pages[i, (n - 1) // ps]) * ps + (n - 1) % ps for i, n in enumerate(lengths)])
+    out = torch.empty(b, h, d, dtype=dtype)
+
+    def call() -> bool:
+        return kernel.paged_decode_into(q, k_new, v_new, k_cache, v_cache, slots, pages, lens, out, ps, d**-0.5,
+                                        0.0, 0)
+
+    if not call():
+        sys.exit(f"the kernel does not take {args.dtype} here")
+    for _ in range(5):
+        call()
+    times = []
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t)
+    us = statistics.median(times) * 1e6
+    read = 2 * sum(lengths) * kvh * d * k_cache.element_size()
+    print(f"{args.dtype} decode attention, {b} rows, context {min(lengths)}-{max(lengths)} (mean "
+          f"{sum(lengths) / b:.0f}), {h}/{kvh} heads, d={d}, pages of {ps}: {us:.0f} us a call "
+          f"(min {min(times) * 1e6:.0f}), {read / us / 1e3:.1f} GB/s of keys and values")
+
+
+if __name__ == "__main__":
+    main()
