@@ -509,3 +509,25 @@ async def test_speculation_with_graphs_keeps_parity_and_replays_only_steps_witho
     assert stats.spec_proposed_tokens > 0 and stats.spec_accepted_tokens > 0, "the test did not speculate"
     assert graphs.graphs and not graphs.failed
     assert sum(g.graph.replays for g in graphs.graphs.values()) > 0, "no decode step replayed a graph"
+
+
+async def test_a_hybrid_model_on_cuda_says_only_that_graphs_skip_its_two_pools(caplog):
+    """On a CUDA device a sliding-window hybrid (two page pools) runs eagerly, said once: the
+    graph settings' "need a CUDA device" warning is for CPUs (gpu_check's first H200 run logged both)."""
+    async with acb.Engine(tiny_model("gemma3"), config=acb.EngineConfig(num_blocks=32)) as engine:
+        fast = runner_of(engine).fast_paths
+        assert fast.kv.swa_layers  # the hybrid's sliding layers
+        cpu_stream = fast.stream
+        fast._build_graphs = lambda: None  # nothing is captured here: only the settings' messages
+        try:
+            for stream, cuda in ((object(), True), (None, False)):
+                fast.stream = stream  # as on a CUDA device / on the CPU
+                caplog.clear()
+                with caplog.at_level(logging.INFO, logger="acb"):
+                    fast._configure_graphs(acb.EngineConfig(use_cuda_graph=True), 8, False)
+                messages = [r.getMessage() for r in caplog.records]
+                assert any("not used for hybrid sliding-window models" in m for m in messages) == cuda, messages
+                assert any("need a CUDA device" in m for m in messages) == (not cuda), messages
+                assert fast.decode_graphs is None and fast.decode_padding is None
+        finally:
+            fast.stream = cpu_stream
