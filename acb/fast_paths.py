@@ -145,8 +145,7 @@ class FastPaths:
         wanted = cuda_graphs.graphs_requested(config.use_cuda_graph, config.q_padding_interval_size,
                                               config.kv_padding_interval_size, cuda)
         graphs = wanted and cuda
-        hybrid = bool((graphs or pad_on_cpu) and self.kv.swa_layers)
-        if hybrid:
+        if (graphs or pad_on_cpu) and self.kv.swa_layers:
             # a warning when asked for explicitly; by default (on CUDA) it is just the path taken
             log.log(logging.INFO if config.use_cuda_graph is None and not pad_on_cpu else logging.WARNING,
                     "acb: CUDA graphs are not used for hybrid sliding-window models yet (two page pools); "

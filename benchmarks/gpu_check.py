@@ -41,9 +41,11 @@ from acb.testing import ARCHITECTURES, random_prompts, reference_greedy, runner_
 DEV = os.environ.get("ACB_GPU_CHECK_DEVICE", "cuda")
 BUDGET_S = float(os.environ.get("ACB_GPU_CHECK_BUDGET_S", "400"))
 # narrower runs when device time is short: which parts, model shapes and request counts
+_NARROWING = ("ACB_GPU_CHECK_PARTS", "ACB_GPU_CHECK_SHAPES", "ACB_GPU_CHECK_REQUESTS")
 PARTS = os.environ.get("ACB_GPU_CHECK_PARTS", "kernels,parity,timing").split(",")
 SHAPES = os.environ.get("ACB_GPU_CHECK_SHAPES", "smollm2,llama-1b").split(",")
 REQUESTS = [int(n) for n in os.environ.get("ACB_GPU_CHECK_REQUESTS", "64,256").split(",")]
+WHOLE = not any(os.environ.get(name) for name in _NARROWING)  # only a whole run's table is published
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 T0 = time.perf_counter()
 
@@ -356,7 +358,7 @@ def main() -> int:
     if "timing" in PARTS:
         timing_ok, rows = timing()
         ok &= timing_ok
-        if PARTS == ["kernels", "parity", "timing"]:  # only a whole run's table replaces the published one
+        if WHOLE:
             publish(rows)
     print(f"GPU CHECK {'PASSED' if ok else 'FAILED'} in {time.perf_counter() - T0:.0f} s", flush=True)
     return 0 if ok else 1
