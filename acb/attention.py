@@ -211,7 +211,7 @@ def paged_attention(
     v_new = value[0]
     q_all = query[0]  # [H, T, d]
     if (meta.kernel == "native" and not meta.prefills and meta.decode is not None and meta.decode.kernel == "native"
-            and k_cache.dtype == query.dtype):
+            and k_cache.dtype in (query.dtype, torch.int8)):
         # a decode-only step in one native call: cache writes, attention and the output in the
         # model's dtype, no copies around it (paged_decode_into; False where it does not apply)
         out = acb_out if acb_out is not None else q_all.new_empty(total, num_heads, head_dim)
@@ -230,7 +230,8 @@ def paged_attention(
         q_all, k_new, v_new = q_all.float(), k_new.float(), v_new.float()
     if k_cache.dtype == torch.int8:  # kv_cache_dtype="int8": quantized as written (acb.kv_quant)
         write = KERNELS["native"].write_kv_int8
-        for new, cache in ((k_new.float(), k_cache), (v_new.float(), v_cache)):
+        for new, cache in ((k_new, k_cache), (v_new, v_cache)):  # float32 or bf16 rows, read where they are
+            new = new if new.dtype in (torch.float32, torch.bfloat16) else new.float()
             write(new if new.stride(2) == 1 else new.contiguous(), cache, pool.slot_mapping)
     else:
         k_cache.index_copy_(1, pool.slot_mapping, k_new.to(k_cache.dtype))

@@ -2,6 +2,7 @@
 
     python benchmarks/kernel_profile.py int8_bf16 48 96   # variant (int8_bf16 | bf16 | fp32), prompts, new tokens
     python benchmarks/kernel_profile.py bf16 48 96 realtext  # bench.py's real-text prompts (prefill-heavy)
+    python benchmarks/kernel_profile.py int8_bf16_kv8 48 96  # a _kv8 suffix: int8 KV pages
     PYTHONPATH=. python benchmarks/kernel_profile.py bf16  # from a worktree: its acb, not the installed one
 
 Runs SmolLM2 through an Engine on the first N prompts of a workload (standard unless named) (one generate_batch,
@@ -99,7 +100,9 @@ def report(variant: str, n_prompts: int, new: int, wall: float, steps: int) -> N
 
 
 def main() -> None:
-    variant = sys.argv[1] if len(sys.argv) > 1 else "int8_bf16"  # int8_bf16 | int8 | bf16 | fp32
+    variant = sys.argv[1] if len(sys.argv) > 1 else "int8_bf16"  # int8_bf16 | int8 | bf16 | fp32, [_kv8]
+    kv8 = variant.endswith("_kv8")
+    variant = variant.removesuffix("_kv8")
     n_prompts = int(sys.argv[2]) if len(sys.argv) > 2 else 48
     new = int(sys.argv[3]) if len(sys.argv) > 3 else 96
     w = workloads.build(sys.argv[4] if len(sys.argv) > 4 else "standard", None, n_prompts, 2.0)
@@ -110,7 +113,8 @@ def main() -> None:
     instrument(n_prompts)
 
     async def run() -> tuple[float, int]:
-        engine = acb.Engine(model, tokenizer=tok, config=acb.EngineConfig(dtype=dtype, quantization=quant))
+        engine = acb.Engine(model, tokenizer=tok, config=acb.EngineConfig(
+            dtype=dtype, quantization=quant, kv_cache_dtype="int8" if kv8 else None))
         async with engine:
             if attention.KERNELS.get("native") is not None:  # its calls timed inside paged_attention's
                 attention.KERNELS["native"] = Proxy(attention.KERNELS["native"], "  attn.")
@@ -124,7 +128,7 @@ def main() -> None:
             return time.perf_counter() - t0, engine.stats().steps - s0
 
     wall, steps = asyncio.run(run())
-    report(variant, n_prompts, new, wall, steps)
+    report(variant + ("_kv8" if kv8 else ""), n_prompts, new, wall, steps)
 
 
 if __name__ == "__main__":

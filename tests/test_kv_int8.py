@@ -50,6 +50,14 @@ def test_write_kernel_equals_the_reference_quantizer():
     scale = x.abs().amax(-1, keepdim=True) / 127
     assert ((back - x).abs() <= scale / 2 + 1e-6 * scale).all()  # round to nearest: half a step at most
     assert torch.equal(back[1, 3], torch.zeros(64))
+    from_bf16, from_its_floats = (torch.zeros(3, 25, 68, dtype=torch.int8) for _ in range(2))
+    kernel.write_kv_int8(x.bfloat16(), from_bf16, slots)  # a bf16 model's rows, read as they are
+    kernel.write_kv_int8(x.bfloat16().float(), from_its_floats, slots)
+    assert torch.equal(from_bf16, from_its_floats)
+    odd = torch.randn(2, 9, 24) * 5  # a head dim the vectorised quantizer does not take: the scalar one
+    odd_cache = torch.empty(2, 9, 28, dtype=torch.int8)
+    kernel.write_kv_int8(odd, odd_cache, torch.arange(9))
+    assert torch.equal(odd_cache, kv_quant.quantize(odd))
     with pytest.raises(RuntimeError, match="slot"):
         kernel.write_kv_int8(x, cache, slots + 25)
     with pytest.raises(RuntimeError, match="D \\+ 4"):
@@ -284,3 +292,93 @@ def test_serve_flag_sets_the_kv_cache_dtype():
     assert _model_source(build_parser().parse_args(["serve", "--tiny", "--kv-cache-dtype", "int8"]))[2] \
         .kv_cache_dtype == "int8"
     assert _model_source(build_parser().parse_args(["serve", "--tiny"]))[2].kv_cache_dtype is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 256), (6, 2, 32), (4, 2, 16)])
+@pytest.mark.parametrize("window", [0, 37])
+def test_decode_in_one_call_on_int8_pages_equals_the_separate_write_and_decode(dtype, heads, kv_heads, dim, window):
+    """paged_decode_into over int8 pages (a decode-only step of a model with
+    kv_cache_dtype="int8"): the new rows quantized into their slots byte for byte as
+    write_kv_int8 stores them, and the attention what paged_decode gives over those pages:
+    float32 the same bits; bf16 on avx512_bf16 its own kernel (keys as bf16, float32 sums in
+    another order): within one bf16 rounding of it, and of float64 over the dequantized pages."""
+    kernel = _kernel()
+    torch.manual_seed(heads * dim + window)
+    ps, rows, per_row = 16, 13, 20
+    kc = _int8_pages(kernel, torch.randn(kv_heads, 400 * ps, dim) * 3)
+    vc = _int8_pages(kernel, torch.randn(kv_heads, 400 * ps, dim))
+    pages = (torch.randperm(399)[: rows * per_row] + 1).view(rows, per_row).contiguous()
+    lengths = torch.randint(1, per_row * ps, (rows,))
+    lengths[0] = 1  # a row whose only key is its new one
+    slots = torch.stack([pages[b, (n - 1) // ps] * ps + (n - 1) % ps for b, n in enumerate(lengths.tolist())])
+    qkv = (torch.randn(rows + 3, (heads + 2 * kv_heads) * dim) * 2).to(dtype)  # the GEMM's output: column views
+    q, k, v = (t[:rows].view(rows, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], 1))
+    kc1, vc1 = kc.clone(), vc.clone()
+    kernel.write_kv_int8(k.transpose(0, 1).float(), kc1, slots)
+    kernel.write_kv_int8(v.transpose(0, 1).float(), vc1, slots)
+    expected = torch.empty(rows, heads, dim)
+    kernel.paged_decode(q.float().contiguous(), kc1, vc1, pages, lengths, expected, ps, dim**-0.5, 0.0, window)
+    padded = torch.zeros(rows + 5, heads * dim, dtype=dtype)
+    out = padded[:rows].view(rows, heads, dim)
+    assert kernel.paged_decode_into(q, k, v, kc, vc, slots, pages, lengths, out, ps, dim**-0.5, 0.0, window)
+    assert torch.equal(kc, kc1) and torch.equal(vc, vc1)  # the same bytes, scales included
+    if dtype == torch.float32:
+        assert torch.equal(out, expected)
+    else:
+        rounded = expected.to(dtype)
+        ulp = torch.finfo(dtype).eps * rounded.float().abs().clamp_min(torch.finfo(torch.float32).tiny)
+        assert ((out.float() - rounded.float()).abs() <= ulp).all()
+        assert (out == rounded).float().mean() > 0.99
+        exact = _reference(q.float(), kv_quant.dequantize(kc1).double(), kv_quant.dequantize(vc1).double(), pages,
+                           lengths, ps, dim**-0.5, 0.0, window)
+        torch.testing.assert_close(out.double(), exact, rtol=2**-8, atol=1e-5)
+    assert not padded[rows:].any()  # nothing written past the rows
+    # soft-capping is declined, nothing written
+    assert not kernel.paged_decode_into(q, k, v, kc, vc, slots + 1, pages, lengths, out, ps, 0.1, 30.0, 0)
+    assert torch.equal(kc, kc1)
+
+
+class _Declining:
+    """attention.KERNELS["native"] whose paged_decode_into declines every call (the separate
+    write and paged_decode path), or counts the calls it took."""
+
+    def __init__(self, module, decline: bool) -> None:
+        self.module, self.decline, self.took = module, decline, 0
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+    def paged_decode_into(self, *args):
+        if self.decline:
+            return False
+        took = self.module.paged_decode_into(*args)
+        self.took += took
+        return took
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+async def test_decode_only_steps_on_int8_pages_attend_in_one_native_call(dtype, monkeypatch):
+    """A fused decode-only step over int8 pages is one paged_decode_into call per layer (the
+    new rows quantized into their slots, attention, output), and its greedy tokens are the
+    separate path's: float32 identical (the same kernel items, the same bytes written); bf16
+    through its own kernel (keys as bf16, another order of float32 sums), so measured:
+    identical here, bound stated at 0.95 of the tokens for thread-count differences."""
+    from acb import attention
+
+    _kernel()
+    prompts = random_prompts(5, 3, 40, seed=13)
+    tokens = {}
+    for decline in (False, True):
+        async with tiny_engine("llama", seed=2, dtype=dtype, num_blocks=64, kv_cache_dtype="int8") as engine:
+            assert runner_of(engine).fast_paths.fused is not None
+            kernels = _Declining(attention.KERNELS["native"], decline)
+            monkeypatch.setitem(attention.KERNELS, "native", kernels)
+            done = await engine.generate_batch(prompts, max_new_tokens=12, ignore_eos=True)
+            tokens[decline] = [d.token_ids for d in done]
+            assert decline or kernels.took > 0
+            monkeypatch.undo()
+    if dtype == "float32":
+        assert tokens[False] == tokens[True]
+    else:
+        assert _agreement(tokens[False], tokens[True]) >= 0.95

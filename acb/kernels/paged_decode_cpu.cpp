@@ -74,6 +74,46 @@ static inline float row_scale(const int8_t* row, int64_t D) {
   return s;
 }
 
+// One key or value row of D values -> its int8 cache row: D values, then the float32 scale
+// (max |x| / 127; round to nearest, ties to even; a row of zeros: scale 0). write_kv_int8 and
+// paged_decode_into's int8 writes share it, so both store the same bytes for the same row.
+#if defined(__AVX512F__)
+static inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 widen16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+template <typename T>
+static inline void quantize_kv_row(const T* row, int64_t D, int8_t* dst) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0 && D <= 256) {  // the same arithmetic on 16 lanes (cvtps rounds to nearest even, as nearbyint)
+    __m512 x[16];
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D / 16; ++c) {
+      x[c] = widen16(row + c * 16);
+      mx = _mm512_max_ps(mx, _mm512_abs_ps(x[c]));
+    }
+    const float amax = _mm512_reduce_max_ps(mx);
+    const float scale = amax * (1.f / 127.f), inv = amax > 0.f ? 127.f / amax : 0.f;
+    const __m512 vinv = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+    for (int64_t c = 0; c < D / 16; ++c) {
+      const __m512 r = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_mul_ps(x[c], vinv),
+                                                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + c * 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r)));
+    }
+    std::memcpy(dst + D, &scale, sizeof scale);
+    return;
+  }
+#endif
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(static_cast<float>(row[d])));
+  const float scale = amax * (1.f / 127.f), inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t d = 0; d < D; ++d)
+    dst[d] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(static_cast<float>(row[d]) * inv))));
+  std::memcpy(dst + D, &scale, sizeof scale);
+}
+
 #if defined(__AVX512F__)
 
 // The cache lines of `bytes` bytes at p, fetched into L1 (T0) or L2 (T1)
@@ -455,6 +495,57 @@ static void decode_into_t(const IntoCall<T>& c, float scale, ItemFn<T, T> fast) 
     }
   });
 }
+
+// paged_decode_into over int8 pages (kv_cache_dtype="int8"): the queries, new rows and output in
+// the model's dtype Q, the cache rows D int8 values and their float32 scale (W = D + 4 bytes). A
+// row's new key and value are quantized as write_kv_int8 quantizes them (quantize_kv_row) into
+// its slot, then its attention runs over the int8 rows.
+template <typename Q>
+struct Into8Call {
+  int64_t B, H, D, W, KVH, S, P, G, qs, ks, vs, os;
+  const Q *qp, *knp, *vnp;
+  int8_t *kp, *vp;
+  Q* op;
+  const int64_t *sl, *pg, *len;
+  int64_t page_size, window;
+  Into8Call(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new, torch::Tensor& k_cache,
+            torch::Tensor& v_cache, const torch::Tensor& slots, const torch::Tensor& pages,
+            const torch::Tensor& lengths, torch::Tensor& out, int64_t page_size_, int64_t window_)
+      : B(q.size(0)), H(q.size(1)), D(q.size(2)), W(k_cache.size(2)), KVH(k_cache.size(0)), S(k_cache.size(1)),
+        P(pages.size(1)), G(H / KVH), qs(q.stride(0)), ks(k_new.stride(0)), vs(v_new.stride(0)), os(out.stride(0)),
+        qp(q.data_ptr<Q>()), knp(k_new.data_ptr<Q>()), vnp(v_new.data_ptr<Q>()), kp(k_cache.data_ptr<int8_t>()),
+        vp(v_cache.data_ptr<int8_t>()), op(out.data_ptr<Q>()), sl(slots.data_ptr<int64_t>()),
+        pg(pages.data_ptr<int64_t>()), len(lengths.data_ptr<int64_t>()), page_size(page_size_), window(window_) {}
+  void write(int64_t b, int64_t kh) const {  // only item (b, kh) reads these rows: it writes them first
+    quantize_kv_row(knp + b * ks + kh * D, D, kp + (kh * S + sl[b]) * W);
+    quantize_kv_row(vnp + b * vs + kh * D, D, vp + (kh * S + sl[b]) * W);
+  }
+  int64_t first(int64_t b) const { return window > 0 ? std::max<int64_t>(0, len[b] - window) : 0; }
+  const Q* q_of(int64_t b, int64_t kh) const { return qp + b * qs + kh * G * D; }
+  const int8_t* k_of(int64_t kh) const { return kp + kh * S * W; }
+  const int8_t* v_of(int64_t kh) const { return vp + kh * S * W; }
+  Q* out_of(int64_t b, int64_t kh) const { return op + b * os + kh * G * D; }
+};
+
+// The portable vectorised driver for int8 pages: the float kernel's items (each key widened into
+// float32 as read, its scale applied to its scores, each value's to its weight), as paged_decode runs
+// them, so a float32 model gets the same bits as the separate write and paged_decode.
+template <typename Q>
+static void decode_into_i8(const Into8Call<Q>& c, float scale, ItemFn<int8_t, Q> fast) {
+  at::parallel_for(0, c.B * c.KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / c.KVH, kh = item % c.KVH;
+      c.write(b, kh);
+      const int64_t first = c.first(b), n = c.len[b] - first;
+      scores.resize(c.G * n);
+      if (item + 1 < end)
+        prefetch_item(c.kp, c.vp, c.pg, c.len, item + 1, c.KVH, c.S, c.W, c.P, c.page_size, c.window);
+      fast(c.q_of(b, kh), c.k_of(kh), c.v_of(kh), c.pg + b * c.P, c.page_size, first, n, scale, scores.data(),
+           c.out_of(b, kh));
+    }
+  });
+}
 #endif
 
 #if defined(__AVX512BF16__)
@@ -472,9 +563,10 @@ static inline __m512 dotbf(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
 }
 // The next item's rows, fetched into L2 a few at a time while this item computes (keys, then values)
-struct Ahead {
-  const at::BFloat16* k = nullptr;
-  const at::BFloat16* v = nullptr;
+template <typename T>
+struct AheadOf {
+  const T* k = nullptr;
+  const T* v = nullptr;
   const int64_t* slots = nullptr;
   int64_t n = 0, done = 0, row_bytes = 0;
   inline void step(int64_t rows) {
@@ -482,6 +574,7 @@ struct Ahead {
       prefetch_lines<_MM_HINT_T1>(done < n ? k + slots[done] : v + slots[done - n], row_bytes);
   }
 };
+using Ahead = AheadOf<at::BFloat16>;
 // slots[i]: where the row of position first + i starts (elements from the head's base)
 static void fill_slots(const int64_t* pages, int64_t page_size, int64_t first, int64_t n, int64_t stride, int64_t* slots) {
   for (int64_t i = 0; i < n; ++i) slots[i] = slot_of(pages, page_size, first + i) * stride;
@@ -604,12 +697,142 @@ static void decode_into_bf16(const IntoCall<at::BFloat16>& c, float scale, BF16I
     }
   });
 }
+
+// A bf16 model's decode-only step over int8 pages on avx512_bf16. The float kernel widens each
+// int8 key into a float32 buffer and each value row as it goes: at SmolLM2's 45 rows x ~370 keys it
+// took ~960 us a layer against ~530 for bf16 pages, so int8 pages were slower than the bf16 ones
+// they halve. Here each key row's int8 values become bf16 (exactly: an integer of magnitude <= 127
+// has 7 significant bits) and the scores are VDPBF16PS against the bf16 query as the bf16 kernel
+// computes them (every product exact, float32 sums), times the row's scale and the softmax scale;
+// the softmax is float32; each value row is widened from int8 to float32 and its weight is the
+// softmax weight times the row's scale. The slots and the prefetch of the next item are the bf16
+// kernel's, over rows of D + 4 bytes.
+static inline __m512i int8x32_to_bf16(const int8_t* p) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // lo: the first 16 dims
+}
+template <int G, int W>  // W: 32-dim words per row (D = 32 W)
+static void decode_item_i8bf(const at::BFloat16* qrow, const int8_t* kbase, const int8_t* vbase, int64_t n,
+                             float scale, float* scores, const int64_t* slots, at::BFloat16* out,
+                             AheadOf<int8_t>& ahead) {
+  constexpr int D = 32 * W, ROW = D + 4;
+  constexpr int64_t AHEAD = 8;  // rows ahead into L1 (the item's rows are in L2 by then)
+  __m512i q[G * W];
+  for (int g = 0; g < G; ++g)
+    for (int w = 0; w < W; ++w) q[g * W + w] = _mm512_loadu_si512(qrow + g * D + w * 32);
+  __m512i kb[16 * W];  // a block's 16 keys as bf16
+  alignas(64) float kscale[16];
+  const int64_t blocks = std::max<int64_t>(1, (n + 15) / 16);
+  const int64_t per_block = (2 * ahead.n + blocks - 1) / blocks;
+  for (int64_t i0 = 0; i0 < n; i0 += 16) {
+    ahead.step(per_block);
+    const int nk = static_cast<int>(std::min<int64_t>(16, n - i0));
+    for (int j = 0; j < nk; ++j) {
+      const int64_t i = i0 + j;
+      const int8_t* kp = kbase + slots[i];
+      if (i + AHEAD < n) prefetch_lines(kbase + slots[i + AHEAD], ROW);
+      for (int w = 0; w < W; ++w) kb[j * W + w] = int8x32_to_bf16(kp + w * 32);
+      kscale[j] = row_scale(kp, D) * scale;
+    }
+    for (int j = nk; j < 16; ++j) {
+      for (int w = 0; w < W; ++w) kb[j * W + w] = _mm512_setzero_si512();
+      kscale[j] = 0.f;
+    }
+    const __mmask16 keep = nk == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nk) - 1);
+    const __m512 s16 = _mm512_load_ps(kscale);
+    for (int g = 0; g < G; ++g) {
+      __m512 acc[16];
+      for (int j = 0; j < 16; ++j) {
+        acc[j] = dotbf(_mm512_setzero_ps(), q[g * W], kb[j * W]);
+        for (int w = 1; w < W; ++w) acc[j] = dotbf(acc[j], q[g * W + w], kb[j * W + w]);
+      }
+      _mm512_mask_storeu_ps(scores + g * n + i0, keep, _mm512_mul_ps(reduce16(acc), s16));
+    }
+  }
+  ahead.step(2 * ahead.n);
+  float denom[G];
+  exp_rows<G>(scores, n, denom);
+  constexpr int DC = D / 16;
+  __m512 acc[G * DC];
+  for (int j = 0; j < G * DC; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const int8_t* vp = vbase + slots[i];
+    if (i + AHEAD < n) prefetch_lines(vbase + slots[i + AHEAD], ROW);
+    const float vs = row_scale(vp, D);
+    __m512 v[DC];
+    for (int c = 0; c < DC; ++c) v[c] = load16(vp + c * 16);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * n + i] * vs);
+      for (int c = 0; c < DC; ++c) acc[g * DC + c] = _mm512_fmadd_ps(p, v[c], acc[g * DC + c]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.f / denom[g]);
+    for (int c = 0; c < DC; ++c) store16(out + g * D + c * 16, _mm512_mul_ps(acc[g * DC + c], inv));
+  }
+}
+
+using I8BF16ItemFn = void (*)(const at::BFloat16*, const int8_t*, const int8_t*, int64_t, float, float*,
+                              const int64_t*, at::BFloat16*, AheadOf<int8_t>&);
+
+template <int G>
+static I8BF16ItemFn pick_i8bf_w(int64_t D) {
+  switch (D) {
+    case 32: return decode_item_i8bf<G, 1>;
+    case 64: return decode_item_i8bf<G, 2>;
+    case 128: return decode_item_i8bf<G, 4>;
+    case 256: return decode_item_i8bf<G, 8>;
+    default: return nullptr;
+  }
+}
+static I8BF16ItemFn pick_i8bf(int64_t G, int64_t D) {
+  switch (G) {
+    case 1: return pick_i8bf_w<1>(D);
+    case 2: return pick_i8bf_w<2>(D);
+    case 3: return pick_i8bf_w<3>(D);
+    case 4: return pick_i8bf_w<4>(D);
+    case 5: return pick_i8bf_w<5>(D);
+    case 6: return pick_i8bf_w<6>(D);
+    case 7: return pick_i8bf_w<7>(D);
+    case 8: return pick_i8bf_w<8>(D);
+    default: return nullptr;
+  }
+}
+
+// decode_into_bf16's driver over int8 pages
+static void decode_into_i8bf(const Into8Call<at::BFloat16>& c, float scale, I8BF16ItemFn fast) {
+  at::parallel_for(0, c.B * c.KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<int64_t> cur, nxt;
+    auto prepare = [&](int64_t item, std::vector<int64_t>& item_slots, AheadOf<int8_t>& ahead) {
+      const int64_t b = item / c.KVH, kh = item % c.KVH, first = c.first(b), n = c.len[b] - first;
+      item_slots.resize(n);
+      fill_slots(c.pg + b * c.P, c.page_size, first, n, c.W, item_slots.data());
+      ahead = AheadOf<int8_t>{c.k_of(kh), c.v_of(kh), item_slots.data(), n, 0, c.W};
+    };
+    AheadOf<int8_t> first_item;
+    prepare(begin, cur, first_item);
+    first_item.step(32);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / c.KVH, kh = item % c.KVH;
+      c.write(b, kh);
+      const int64_t n = c.len[b] - c.first(b);
+      scores.resize(c.G * n);
+      AheadOf<int8_t> ahead;
+      if (item + 1 < end) prepare(item + 1, nxt, ahead);
+      fast(c.q_of(b, kh), c.k_of(kh), c.v_of(kh), n, scale, scores.data(), cur.data(), c.out_of(b, kh), ahead);
+      std::swap(cur, nxt);
+    }
+  });
+}
 #endif
 
 bool paged_decode_into(const torch::Tensor& q,      // [B, H, D]: heads contiguous within a row, any row stride
                        const torch::Tensor& k_new,  // [B, KVH, D] the rows' new keys, laid out as q
                        const torch::Tensor& v_new,  // [B, KVH, D] their values
-                       torch::Tensor& k_cache, torch::Tensor& v_cache,  // [KVH, S, D]
+                       torch::Tensor& k_cache, torch::Tensor& v_cache,  // [KVH, S, D] (int8: [KVH, S, D + 4])
                        const torch::Tensor& slots,    // [B] int64: each row's new slot
                        const torch::Tensor& pages,    // [B, P] int64
                        const torch::Tensor& lengths,  // [B] int64: context length, the new token's included
@@ -618,12 +841,16 @@ bool paged_decode_into(const torch::Tensor& q,      // [B, H, D]: heads contiguo
 #if defined(__AVX512F__)
   const auto dt = q.scalar_type();
   if (softcap > 0.0 || (dt != torch::kFloat32 && dt != torch::kBFloat16)) return false;
-  for (const torch::Tensor* t : {&k_new, &v_new, static_cast<const torch::Tensor*>(&k_cache),
-                                 static_cast<const torch::Tensor*>(&v_cache), static_cast<const torch::Tensor*>(&out)})
+  // the pages: the model's dtype, or int8 rows of D values and their scale (kv_cache_dtype="int8")
+  const bool int8_pages = k_cache.scalar_type() == torch::kInt8;
+  const auto page_dt = int8_pages ? torch::kInt8 : dt;
+  for (const torch::Tensor* t : {&k_new, &v_new, static_cast<const torch::Tensor*>(&out)})
     if (t->scalar_type() != dt) return false;
+  if (k_cache.scalar_type() != page_dt || v_cache.scalar_type() != page_dt) return false;
   for (const torch::Tensor* t : {&q, &k_new, &v_new, static_cast<const torch::Tensor*>(&out)})
     if (t->dim() != 3 || t->stride(2) != 1 || t->stride(1) != t->size(2)) return false;
-  if (!k_cache.is_contiguous() || !v_cache.is_contiguous() || k_cache.size(2) != q.size(2) ||
+  const int64_t row = q.size(2) + (int8_pages ? RowOf<int8_t>::EXTRA : 0);
+  if (!k_cache.is_contiguous() || !v_cache.is_contiguous() || k_cache.size(2) != row ||
       v_cache.sizes() != k_cache.sizes() || q.size(1) % k_cache.size(0) != 0 || k_new.size(1) != k_cache.size(0) ||
       slots.scalar_type() != torch::kInt64 || pages.scalar_type() != torch::kInt64 ||
       lengths.scalar_type() != torch::kInt64 || !pages.is_contiguous() || !slots.is_contiguous() ||
@@ -631,6 +858,28 @@ bool paged_decode_into(const torch::Tensor& q,      // [B, H, D]: heads contiguo
     return false;
   const int64_t G = q.size(1) / k_cache.size(0), D = q.size(2);
   const float fscale = static_cast<float>(scale);
+  if (int8_pages) {
+    if (dt == torch::kFloat32) {
+      const ItemFn<int8_t, float> fast = pick_item<int8_t, float>(G, D);
+      if (fast == nullptr) return false;
+      decode_into_i8<float>({q, k_new, v_new, k_cache, v_cache, slots, pages, lengths, out, page_size, window}, fscale,
+                            fast);
+      return true;
+    }
+    using BF = at::BFloat16;
+#if defined(__AVX512BF16__)
+    if (const I8BF16ItemFn fast = pick_i8bf(G, D)) {
+      decode_into_i8bf({q, k_new, v_new, k_cache, v_cache, slots, pages, lengths, out, page_size, window}, fscale,
+                       fast);
+      return true;
+    }
+#endif
+    const ItemFn<int8_t, BF> fast = pick_item<int8_t, BF>(G, D);
+    if (fast == nullptr) return false;
+    decode_into_i8<BF>({q, k_new, v_new, k_cache, v_cache, slots, pages, lengths, out, page_size, window}, fscale,
+                       fast);
+    return true;
+  }
   if (dt == torch::kFloat32) {
     const ItemFn<float, float> fast = pick_item<float, float>(G, D);
     if (fast == nullptr) return false;
@@ -1180,33 +1429,33 @@ bool prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const tor
 // strides, the last dim contiguous), cache [KVH, S, D + 4] int8, slots [T] int64. Each
 // (kv head, token) row gets scale = max|x| * (1/127) and q = round(x * 127 / max|x|) (ties to
 // even; an all-zero row: scale 0, q 0), the scale stored as the row's last 4 bytes.
+// src: float32 or bfloat16 (a bf16 model's new rows, quantized from their bf16 values)
 void write_kv_int8(const torch::Tensor& src, torch::Tensor& cache, const torch::Tensor& slots) {
-  TORCH_CHECK(src.scalar_type() == torch::kFloat32 && src.dim() == 3 && src.stride(2) == 1,
-              "write_kv_int8: src must be float32 [KVH, T, D] with a contiguous last dim");
+  TORCH_CHECK((src.scalar_type() == torch::kFloat32 || src.scalar_type() == torch::kBFloat16) && src.dim() == 3 &&
+                  src.stride(2) == 1,
+              "write_kv_int8: src must be float32 or bfloat16 [KVH, T, D] with a contiguous last dim");
   TORCH_CHECK(cache.scalar_type() == torch::kInt8 && cache.is_contiguous() && cache.size(0) == src.size(0) &&
                   cache.size(2) == src.size(2) + RowOf<int8_t>::EXTRA,
               "write_kv_int8: cache must be contiguous int8 [KVH, S, D + 4]");
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.numel() == src.size(1),
               "write_kv_int8: slots must be int64 [T]");
   const int64_t KVH = src.size(0), T = src.size(1), D = src.size(2), S = cache.size(1), W = cache.size(2);
-  const float* x = src.data_ptr<float>();
   int8_t* c = cache.data_ptr<int8_t>();
   const int64_t* sl = slots.data_ptr<int64_t>();
   const int64_t sh = src.stride(0), st = src.stride(1);
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "write_kv_int8: slot ", sl[t], " out of range");
-  at::parallel_for(0, KVH * T, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t h = item / T, t = item % T;
-      const float* row = x + h * sh + t * st;
-      float amax = 0.f;
-      for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(row[d]));
-      const float scale = amax * (1.f / 127.f), inv = amax > 0.f ? 127.f / amax : 0.f;
-      int8_t* dst = c + (h * S + sl[t]) * W;
-      for (int64_t d = 0; d < D; ++d)
-        dst[d] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(row[d] * inv))));
-      std::memcpy(dst + D, &scale, sizeof scale);
-    }
-  });
+  auto run = [&](const auto* x) {
+    at::parallel_for(0, KVH * T, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t h = item / T, t = item % T;
+        quantize_kv_row(x + h * sh + t * st, D, c + (h * S + sl[t]) * W);
+      }
+    });
+  };
+  if (src.scalar_type() == torch::kFloat32)
+    run(src.data_ptr<float>());
+  else
+    run(src.data_ptr<at::BFloat16>());
 }
 
 // The GIL is released while a kernel runs: the event loop's thread keeps serving.
