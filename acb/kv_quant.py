@@ -10,8 +10,9 @@ cache takes ``2 * head_dim`` bytes per kv head and an int8 one ``head_dim + 4``:
 the pages for the same memory at head_dim 64, 1.94x at 128.
 
 The new tokens' keys and values are quantized as they are written (the native kernel
-``write_kv_int8``); the native decode kernel reads int8 rows and widens ``q * scale`` to
-float32 (scores, softmax and accumulators stay float32); a continued prompt chunk
+``write_kv_int8``, or ``paged_decode_into`` in a decode-only step); the native decode kernel
+reads int8 rows and widens ``q * scale`` to float32 (a bf16 model's keys to bf16, exactly, for
+``vdpbf16ps``; scores, softmax and accumulators stay float32); a continued prompt chunk
 (chunked prefill, prefix hit) attends to its context dequantized. A fresh prompt's own
 tokens attend to each other's exact keys and values in that step (its new k/v, before
 they are stored), as the float caches do; every later step reads them quantized.
