@@ -2,6 +2,7 @@
 
     python benchmarks/decode_attention.py                        # bf16 pages, 48 rows of ~420 tokens
     python benchmarks/decode_attention.py --dtype float32 --rows 64 --context 1024
+    python benchmarks/decode_attention.py --kv int8               # a bf16 model over int8 pages
 
 Times ``paged_decode_into`` (acb/kernels/paged_decode_cpu.cpp: the new keys and values written into
 their pages, then each row's attention over its pages) on a cache whose pages are scattered as a
@@ -27,6 +28,7 @@ from acb.kernels.cpu import paged_decode_kernel  # noqa: E402
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--kv", default="auto", choices=("auto", "int8"), help="the pages: the model's dtype or int8")
     p.add_argument("--rows", type=int, default=48)
     p.add_argument("--context", type=int, default=420, help="mean context length (each row +-25 %%)")
     p.add_argument("--heads", type=int, default=9)
@@ -55,6 +57,9 @@ def main() -> None:
         used += k
     k_cache = torch.randn(kvh, pool * ps, d).to(dtype)
     v_cache = torch.randn(kvh, pool * ps, d).to(dtype)
+    if args.kv == "int8":  # rows of d int8 values and their float32 scale (acb/kv_quant.py)
+        k_cache, v_cache = (kernel.write_kv_int8(c.float(), q8 := torch.empty(kvh, pool * ps, d + 4, dtype=torch.int8),
+                                                 torch.arange(pool * ps)) or q8 for c in (k_cache, v_cache))
     q = torch.randn(b, h, d).to(dtype)
     k_new = torch.randn(b, kvh, d).to(dtype)
     v_new = torch.randn(b, kvh, d).to(dtype)
@@ -67,7 +72,7 @@ def main() -> None:
                                         0.0, 0)
 
     if not call():
-        sys.exit(f"the kernel does not take {args.dtype} here")
+        sys.exit(f"the kernel does not take {args.dtype} with {args.kv} pages here")
     for _ in range(5):
         call()
     times = []
@@ -76,8 +81,9 @@ def main() -> None:
         call()
         times.append(time.perf_counter() - t)
     us = statistics.median(times) * 1e6
-    read = 2 * sum(lengths) * kvh * d * k_cache.element_size()
-    print(f"{args.dtype} decode attention, {b} rows, context {min(lengths)}-{max(lengths)} (mean "
+    read = 2 * sum(lengths) * kvh * k_cache.shape[2] * k_cache.element_size()
+    pages_of = "int8" if args.kv == "int8" else args.dtype
+    print(f"{args.dtype} decode attention over {pages_of} pages, {b} rows, context {min(lengths)}-{max(lengths)} (mean "
           f"{sum(lengths) / b:.0f}), {h}/{kvh} heads, d={d}, pages of {ps}: {us:.0f} us a call "
           f"(min {min(times) * 1e6:.0f}), {read / us / 1e3:.1f} GB/s of keys and values")
 

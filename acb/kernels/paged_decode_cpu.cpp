@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 
@@ -454,6 +455,7 @@ void paged_decode(const torch::Tensor& q,        // [B, H, D] float32, contiguou
 // A paged_decode_into call's tensors as pointers, sizes and strides (both drivers below)
 template <typename T>
 struct IntoCall {
+  using Page = T;  // the pages' element type
   int64_t B, H, D, KVH, S, P, G, qs, ks, vs, os;
   const T *qp, *knp, *vnp;
   T *kp, *vp, *op;
@@ -473,28 +475,13 @@ struct IntoCall {
     std::memcpy(vp + (kh * S + sl[b]) * D, vnp + b * vs + kh * D, D * sizeof(T));
   }
   int64_t first(int64_t b) const { return window > 0 ? std::max<int64_t>(0, len[b] - window) : 0; }
+  int64_t row() const { return D; }  // elements per cached row
   const T* q_of(int64_t b, int64_t kh) const { return qp + b * qs + kh * G * D; }
   const T* k_of(int64_t kh) const { return kp + kh * S * D; }  // head kh's cached keys
   const T* v_of(int64_t kh) const { return vp + kh * S * D; }
   T* out_of(int64_t b, int64_t kh) const { return op + b * os + kh * G * D; }
 };
 
-template <typename T>
-static void decode_into_t(const IntoCall<T>& c, float scale, ItemFn<T, T> fast) {
-  at::parallel_for(0, c.B * c.KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / c.KVH, kh = item % c.KVH;
-      c.write(b, kh);
-      const int64_t first = c.first(b), n = c.len[b] - first;
-      scores.resize(c.G * n);
-      if (item + 1 < end)
-        prefetch_item(c.kp, c.vp, c.pg, c.len, item + 1, c.KVH, c.S, c.D, c.P, c.page_size, c.window);
-      fast(c.q_of(b, kh), c.k_of(kh), c.v_of(kh), c.pg + b * c.P, c.page_size, first, n, scale, scores.data(),
-           c.out_of(b, kh));
-    }
-  });
-}
 
 // paged_decode_into over int8 pages (kv_cache_dtype="int8"): the queries, new rows and output in
 // the model's dtype Q, the cache rows D int8 values and their float32 scale (W = D + 4 bytes). A
@@ -502,6 +489,7 @@ static void decode_into_t(const IntoCall<T>& c, float scale, ItemFn<T, T> fast) 
 // its slot, then its attention runs over the int8 rows.
 template <typename Q>
 struct Into8Call {
+  using Page = int8_t;
   int64_t B, H, D, W, KVH, S, P, G, qs, ks, vs, os;
   const Q *qp, *knp, *vnp;
   int8_t *kp, *vp;
@@ -521,17 +509,18 @@ struct Into8Call {
     quantize_kv_row(vnp + b * vs + kh * D, D, vp + (kh * S + sl[b]) * W);
   }
   int64_t first(int64_t b) const { return window > 0 ? std::max<int64_t>(0, len[b] - window) : 0; }
+  int64_t row() const { return W; }  // bytes per cached row: D values and the scale
   const Q* q_of(int64_t b, int64_t kh) const { return qp + b * qs + kh * G * D; }
   const int8_t* k_of(int64_t kh) const { return kp + kh * S * W; }
   const int8_t* v_of(int64_t kh) const { return vp + kh * S * W; }
   Q* out_of(int64_t b, int64_t kh) const { return op + b * os + kh * G * D; }
 };
 
-// The portable vectorised driver for int8 pages: the float kernel's items (each key widened into
-// float32 as read, its scale applied to its scores, each value's to its weight), as paged_decode runs
-// them, so a float32 model gets the same bits as the separate write and paged_decode.
-template <typename Q>
-static void decode_into_i8(const Into8Call<Q>& c, float scale, ItemFn<int8_t, Q> fast) {
+// The portable vectorised driver (IntoCall or Into8Call): the float kernel's items as paged_decode runs
+// them (int8 pages: each key widened into float32 as read, its scale applied to its scores, each
+// value's to its weight), so a float32 model gets the same bits as the separate writes and paged_decode.
+template <typename Call, typename Fn>
+static void decode_into_t(const Call& c, float scale, Fn fast) {
   at::parallel_for(0, c.B * c.KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
@@ -540,7 +529,7 @@ static void decode_into_i8(const Into8Call<Q>& c, float scale, ItemFn<int8_t, Q>
       const int64_t first = c.first(b), n = c.len[b] - first;
       scores.resize(c.G * n);
       if (item + 1 < end)
-        prefetch_item(c.kp, c.vp, c.pg, c.len, item + 1, c.KVH, c.S, c.W, c.P, c.page_size, c.window);
+        prefetch_item(c.kp, c.vp, c.pg, c.len, item + 1, c.KVH, c.S, c.row(), c.P, c.page_size, c.window);
       fast(c.q_of(b, kh), c.k_of(kh), c.v_of(kh), c.pg + b * c.P, c.page_size, first, n, scale, scores.data(),
            c.out_of(b, kh));
     }
@@ -670,19 +659,23 @@ static BF16ItemFn pick_bf16(int64_t G, int64_t D) {
   }
 }
 
-// decode_into_t for bf16 on avx512_bf16: the same writes and items, each item's slots computed
-// before it runs (its successor's while it runs, for the prefetch)
-static void decode_into_bf16(const IntoCall<at::BFloat16>& c, float scale, BF16ItemFn fast) {
+// decode_into_t for bf16 on avx512_bf16 (bf16 pages, IntoCall, or int8 pages, Into8Call): the same
+// writes and items, each item's slots computed before it runs (its successor's while it runs, for
+// the prefetch)
+template <typename Call, typename Fn>
+static void decode_into_ahead(const Call& c, float scale, Fn fast) {
+  using Page = typename Call::Page;
   at::parallel_for(0, c.B * c.KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<int64_t> cur, nxt;
-    auto prepare = [&](int64_t item, std::vector<int64_t>& item_slots, Ahead& ahead) {
+    auto prepare = [&](int64_t item, std::vector<int64_t>& item_slots, AheadOf<Page>& ahead) {
       const int64_t b = item / c.KVH, kh = item % c.KVH, first = c.first(b), n = c.len[b] - first;
       item_slots.resize(n);
-      fill_slots(c.pg + b * c.P, c.page_size, first, n, c.D, item_slots.data());
-      ahead = Ahead{c.k_of(kh), c.v_of(kh), item_slots.data(), n, 0, c.D * static_cast<int64_t>(sizeof(at::BFloat16))};
+      fill_slots(c.pg + b * c.P, c.page_size, first, n, c.row(), item_slots.data());
+      ahead = AheadOf<Page>{c.k_of(kh), c.v_of(kh), item_slots.data(), n, 0,
+                            c.row() * static_cast<int64_t>(sizeof(Page))};
     };
-    Ahead first_item;
+    AheadOf<Page> first_item;
     prepare(begin, cur, first_item);
     first_item.step(32);
     for (int64_t item = begin; item < end; ++item) {
@@ -690,7 +683,7 @@ static void decode_into_bf16(const IntoCall<at::BFloat16>& c, float scale, BF16I
       c.write(b, kh);
       const int64_t n = c.len[b] - c.first(b);
       scores.resize(c.G * n);
-      Ahead ahead;
+      AheadOf<Page> ahead;
       if (item + 1 < end) prepare(item + 1, nxt, ahead);
       fast(c.q_of(b, kh), c.k_of(kh), c.v_of(kh), n, scale, scores.data(), cur.data(), c.out_of(b, kh), ahead);
       std::swap(cur, nxt);
@@ -801,31 +794,25 @@ static I8BF16ItemFn pick_i8bf(int64_t G, int64_t D) {
   }
 }
 
-// decode_into_bf16's driver over int8 pages
-static void decode_into_i8bf(const Into8Call<at::BFloat16>& c, float scale, I8BF16ItemFn fast) {
-  at::parallel_for(0, c.B * c.KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<int64_t> cur, nxt;
-    auto prepare = [&](int64_t item, std::vector<int64_t>& item_slots, AheadOf<int8_t>& ahead) {
-      const int64_t b = item / c.KVH, kh = item % c.KVH, first = c.first(b), n = c.len[b] - first;
-      item_slots.resize(n);
-      fill_slots(c.pg + b * c.P, c.page_size, first, n, c.W, item_slots.data());
-      ahead = AheadOf<int8_t>{c.k_of(kh), c.v_of(kh), item_slots.data(), n, 0, c.W};
-    };
-    AheadOf<int8_t> first_item;
-    prepare(begin, cur, first_item);
-    first_item.step(32);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / c.KVH, kh = item % c.KVH;
-      c.write(b, kh);
-      const int64_t n = c.len[b] - c.first(b);
-      scores.resize(c.G * n);
-      AheadOf<int8_t> ahead;
-      if (item + 1 < end) prepare(item + 1, nxt, ahead);
-      fast(c.q_of(b, kh), c.k_of(kh), c.v_of(kh), n, scale, scores.data(), cur.data(), c.out_of(b, kh), ahead);
-      std::swap(cur, nxt);
-    }
-  });
+#endif
+
+#if defined(__AVX512F__)
+// One decode-only call's items for a model dtype Q over pages of Page: acb's avx512_bf16 item where
+// there is one (a bf16 model over bf16 or int8 pages), the float item otherwise; false where neither
+// takes this head layout.
+template <typename Q, typename Page, typename Call>
+static bool run_into(const Call& c, int64_t G, int64_t D, float scale) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<Q, at::BFloat16> && std::is_same_v<Page, at::BFloat16>) {
+    if (const BF16ItemFn fast = pick_bf16(G, D)) return decode_into_ahead(c, scale, fast), true;
+  } else if constexpr (std::is_same_v<Q, at::BFloat16> && std::is_same_v<Page, int8_t>) {
+    if (const I8BF16ItemFn fast = pick_i8bf(G, D)) return decode_into_ahead(c, scale, fast), true;
+  }
+#endif
+  const ItemFn<Page, Q> fast = pick_item<Page, Q>(G, D);
+  if (fast == nullptr) return false;
+  decode_into_t(c, scale, fast);
+  return true;
 }
 #endif
 
@@ -858,46 +845,22 @@ bool paged_decode_into(const torch::Tensor& q,      // [B, H, D]: heads contiguo
     return false;
   const int64_t G = q.size(1) / k_cache.size(0), D = q.size(2);
   const float fscale = static_cast<float>(scale);
-  if (int8_pages) {
-    if (dt == torch::kFloat32) {
-      const ItemFn<int8_t, float> fast = pick_item<int8_t, float>(G, D);
-      if (fast == nullptr) return false;
-      decode_into_i8<float>({q, k_new, v_new, k_cache, v_cache, slots, pages, lengths, out, page_size, window}, fscale,
-                            fast);
-      return true;
-    }
-    using BF = at::BFloat16;
-#if defined(__AVX512BF16__)
-    if (const I8BF16ItemFn fast = pick_i8bf(G, D)) {
-      decode_into_i8bf({q, k_new, v_new, k_cache, v_cache, slots, pages, lengths, out, page_size, window}, fscale,
-                       fast);
-      return true;
-    }
-#endif
-    const ItemFn<int8_t, BF> fast = pick_item<int8_t, BF>(G, D);
-    if (fast == nullptr) return false;
-    decode_into_i8<BF>({q, k_new, v_new, k_cache, v_cache, slots, pages, lengths, out, page_size, window}, fscale,
-                       fast);
-    return true;
-  }
-  if (dt == torch::kFloat32) {
-    const ItemFn<float, float> fast = pick_item<float, float>(G, D);
-    if (fast == nullptr) return false;
-    decode_into_t<float>({q, k_new, v_new, k_cache, v_cache, slots, pages, lengths, out, page_size, window}, fscale,
-                         fast);
-  } else {
-    using BF = at::BFloat16;
-#if defined(__AVX512BF16__)
-    if (const BF16ItemFn fast = pick_bf16(G, D)) {
-      decode_into_bf16({q, k_new, v_new, k_cache, v_cache, slots, pages, lengths, out, page_size, window}, fscale, fast);
-      return true;
-    }
-#endif
-    const ItemFn<BF, BF> fast = pick_item<BF, BF>(G, D);
-    if (fast == nullptr) return false;
-    decode_into_t<BF>({q, k_new, v_new, k_cache, v_cache, slots, pages, lengths, out, page_size, window}, fscale, fast);
-  }
-  return true;
+  using BF = at::BFloat16;
+  if (int8_pages)
+    return dt == torch::kFloat32
+               ? run_into<float, int8_t>(
+                     Into8Call<float>{q, k_new, v_new, k_cache, v_cache, slots, pages, lengths, out, page_size, window},
+                     G, D, fscale)
+               : run_into<BF, int8_t>(
+                     Into8Call<BF>{q, k_new, v_new, k_cache, v_cache, slots, pages, lengths, out, page_size, window},
+                     G, D, fscale);
+  return dt == torch::kFloat32
+             ? run_into<float, float>(
+                   IntoCall<float>{q, k_new, v_new, k_cache, v_cache, slots, pages, lengths, out, page_size, window},
+                   G, D, fscale)
+             : run_into<BF, BF>(
+                   IntoCall<BF>{q, k_new, v_new, k_cache, v_cache, slots, pages, lengths, out, page_size, window},
+                   G, D, fscale);
 #else
   return false;
 #endif
