@@ -156,8 +156,8 @@ def _read(path: str, model: torch.nn.Module, config, factors: dict | None = None
         read_field,
     )
 
-    from .kernels.cpu_linear import trim_heap
     from . import quantization
+    from .kernels.cpu_linear import trim_heap
     from .quantization import Bf16Linear, Int8Linear
 
     factors = factors or {}

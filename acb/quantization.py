@@ -589,7 +589,8 @@ class Int8Forward(FusedForward):
             smooth.append((attn.q_proj.input_scale, attn.o_proj.input_scale, mlp.gate_proj.input_scale,
                            mlp.down_proj.input_scale))
             if not _same(mlp.up_proj.input_scale, mlp.gate_proj.input_scale):
-                log.info("acb: int8 fused CPU forward not used (gate and up smoothed apart); transformers' forward runs")
+                log.info("acb: int8 fused CPU forward not used (gate and up smoothed apart); "
+                         "transformers' forward runs")
                 return None
         log.info("acb: int8 fused CPU forward over %d %s layers (float32 residual stream, %s attention and KV pages)",
                  len(layers),

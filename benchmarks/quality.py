@@ -6,8 +6,9 @@
     python benchmarks/quality.py --dtypes float32,bfloat16,bfloat16_kv8,int8_bf16_kv8  # int8 KV pages too
 
 A ``--dtypes`` name is a dtype, or ``int8`` (int8 weights and int8 activations, per group of 32
-channels, smoothed, in the GEMMs, the lm_head bf16, float32 between them: acb.quantization) / ``int8_bf16`` (the same, bfloat16
-between them), or ``vllm_bfloat16`` / ``vllm_float32``: vLLM's CPU engine in that dtype
+channels, smoothed, in the GEMMs, the lm_head bf16, float32 between them: acb.quantization) /
+``int8_bf16`` (the same, bfloat16 between them),
+or ``vllm_bfloat16`` / ``vllm_float32``: vLLM's CPU engine in that dtype
 (``--vllm-venv``), scored on the same windows through its ``prompt_logprobs`` (what a peer's
 bf16 costs on the same text: the context for acb's bf16 figures). A name ending in ``_kv8``
 (``bfloat16_kv8``, ``int8_bf16_kv8``, ...) runs with int8 KV pages (``EngineConfig.kv_cache_dtype=
