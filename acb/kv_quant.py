@@ -13,7 +13,8 @@ The new tokens' keys and values are quantized as they are written (the native ke
 ``write_kv_int8``, or ``paged_decode_into`` in a decode-only step); the native decode kernel
 reads int8 rows and widens ``q * scale`` to float32 (a bf16 model's keys to bf16, exactly, for
 ``vdpbf16ps``; scores, softmax and accumulators stay float32); a continued prompt chunk
-(chunked prefill, prefix hit) attends to its context dequantized. A fresh prompt's own
+(chunked prefill, prefix hit) attends to its context dequantized (and, in a bf16 model, rounded
+to bf16 as bf16 pages would hold it, for the bf16 prefill kernel). A fresh prompt's own
 tokens attend to each other's exact keys and values in that step (its new k/v, before
 they are stored), as the float caches do; every later step reads them quantized.
 
