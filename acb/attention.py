@@ -230,8 +230,7 @@ def paged_attention(
         q_all, k_new, v_new = q_all.float(), k_new.float(), v_new.float()
     if k_cache.dtype == torch.int8:  # kv_cache_dtype="int8": quantized as written (acb.kv_quant)
         write = KERNELS["native"].write_kv_int8
-        for new, cache in ((k_new, k_cache), (v_new, v_cache)):  # float32 or bf16 rows, read where they are
-            new = new if new.dtype in (torch.float32, torch.bfloat16) else new.float()
+        for new, cache in ((k_new, k_cache), (v_new, v_cache)):  # float32 or bf16 rows (fp16 was widened)
             write(new if new.stride(2) == 1 else new.contiguous(), cache, pool.slot_mapping)
     else:
         k_cache.index_copy_(1, pool.slot_mapping, k_new.to(k_cache.dtype))

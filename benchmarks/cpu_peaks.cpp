@@ -11,56 +11,38 @@
 #include <chrono>
 #include <cstdio>
 
-template <typename F>
-static double seconds(F f, long iters) {
+// Instructions per nanosecond of op over twelve independent accumulators (V: their vector type).
+template <typename V, typename Op>
+static double rate(V init, Op op, long n) {
+  V a[12];
+  for (int i = 0; i < 12; ++i) a[i] = init;
   const auto t0 = std::chrono::steady_clock::now();
-  f(iters);
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (long k = 0; k < n / 12; ++k)
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) a[i] = op(a[i]);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  volatile char sink = 0;
+  for (int i = 0; i < 12; ++i) sink ^= reinterpret_cast<const char*>(&a[i])[0];  // the chains are used
+  return n / s / 1e9;
 }
 
 int main() {
   const long n = 200000000;  // instructions per kind
-  volatile float fsink;
-  volatile int isink;
-  double t = seconds([&](long iters) {
-    __m512 a[12];
-    for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_ps(i * 0.001f);
-    const __m512 b = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(0.0001f);
-    for (long k = 0; k < iters; ++k)
-#pragma GCC unroll 12
-      for (int i = 0; i < 12; ++i) a[i] = _mm512_fmadd_ps(a[i], b, c);
-    __m512 s = a[0];
-    for (int i = 1; i < 12; ++i) s = _mm512_add_ps(s, a[i]);
-    fsink = _mm512_reduce_add_ps(s);
-  }, n / 12);
-  std::printf("float32 FMA (zmm):  %.2f instructions/ns, %.0f GFLOP/s\n", n / t / 1e9, n / t / 1e9 * 32);
+  double r = rate(_mm512_set1_ps(0.001f), [](__m512 a) {
+    return _mm512_fmadd_ps(a, _mm512_set1_ps(0.999f), _mm512_set1_ps(0.0001f));
+  }, n);
+  std::printf("float32 FMA (zmm):  %.2f instructions/ns, %.0f GFLOP/s\n", r, r * 32);
 #if defined(__AVX512BF16__)
-  t = seconds([&](long iters) {
-    __m512 a[12];
-    for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_ps(i * 0.001f);
-    const __m512i b = _mm512_set1_epi16(0x3f80), c = _mm512_set1_epi16(0x3f00);
-    for (long k = 0; k < iters; ++k)
-#pragma GCC unroll 12
-      for (int i = 0; i < 12; ++i) a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)b, (__m512bh)c);
-    __m512 s = a[0];
-    for (int i = 1; i < 12; ++i) s = _mm512_add_ps(s, a[i]);
-    fsink = _mm512_reduce_add_ps(s);
-  }, n / 12);
-  std::printf("VDPBF16PS (zmm):    %.2f instructions/ns, %.0f GFLOP/s\n", n / t / 1e9, n / t / 1e9 * 64);
+  r = rate(_mm512_set1_ps(0.001f), [](__m512 a) {
+    return _mm512_dpbf16_ps(a, (__m512bh)_mm512_set1_epi16(0x3f80), (__m512bh)_mm512_set1_epi16(0x3f00));
+  }, n);
+  std::printf("VDPBF16PS (zmm):    %.2f instructions/ns, %.0f GFLOP/s\n", r, r * 64);
 #endif
 #if defined(__AVX512VNNI__)
-  t = seconds([&](long iters) {
-    __m512i a[12];
-    for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_epi32(i);
-    const __m512i b = _mm512_set1_epi8(3), c = _mm512_set1_epi8(5);
-    for (long k = 0; k < iters; ++k)
-#pragma GCC unroll 12
-      for (int i = 0; i < 12; ++i) a[i] = _mm512_dpbusd_epi32(a[i], b, c);
-    __m512i s = a[0];
-    for (int i = 1; i < 12; ++i) s = _mm512_add_epi32(s, a[i]);
-    isink = _mm512_reduce_add_epi32(s);
-  }, n / 12);
-  std::printf("VPDPBUSD (zmm):     %.2f instructions/ns, %.0f GOP/s\n", n / t / 1e9, n / t / 1e9 * 128);
+  r = rate(_mm512_set1_epi32(1), [](__m512i a) {
+    return _mm512_dpbusd_epi32(a, _mm512_set1_epi8(3), _mm512_set1_epi8(5));
+  }, n);
+  std::printf("VPDPBUSD (zmm):     %.2f instructions/ns, %.0f GOP/s\n", r, r * 128);
 #endif
   return 0;
 }

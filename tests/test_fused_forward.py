@@ -162,16 +162,17 @@ async def test_greedy_parity_with_the_fused_forward_on_and_off(arch, fused, monk
 
 
 class _CountingKernels:
-    """attention.KERNELS["native"] with its paged_decode_into calls counted by what they returned."""
+    """attention.KERNELS["native"] with its paged_decode_into calls counted by what they returned;
+    ``decline=True``: every call declined unrun (the separate write and paged_decode path)."""
 
-    def __init__(self, module) -> None:
-        self.module, self.took, self.declined = module, 0, 0
+    def __init__(self, module, decline: bool = False) -> None:
+        self.module, self.decline, self.took, self.declined = module, decline, 0, 0
 
     def __getattr__(self, name):
         return getattr(self.module, name)
 
     def paged_decode_into(self, *args):
-        took = self.module.paged_decode_into(*args)
+        took = not self.decline and self.module.paged_decode_into(*args)
         self.took += took
         self.declined += not took
         return took

@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_fused_forward import _logits
+from test_fused_forward import _CountingKernels, _logits
 
 import acb
 from acb import EngineConfig, kv_quant, sizing
@@ -340,24 +340,6 @@ def test_decode_in_one_call_on_int8_pages_equals_the_separate_write_and_decode(d
     assert torch.equal(kc, kc1)
 
 
-class _Declining:
-    """attention.KERNELS["native"] whose paged_decode_into declines every call (the separate
-    write and paged_decode path), or counts the calls it took."""
-
-    def __init__(self, module, decline: bool) -> None:
-        self.module, self.decline, self.took = module, decline, 0
-
-    def __getattr__(self, name):
-        return getattr(self.module, name)
-
-    def paged_decode_into(self, *args):
-        if self.decline:
-            return False
-        took = self.module.paged_decode_into(*args)
-        self.took += took
-        return took
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 async def test_decode_only_steps_on_int8_pages_attend_in_one_native_call(dtype, monkeypatch):
     """A fused decode-only step over int8 pages is one paged_decode_into call per layer (the
@@ -373,7 +355,7 @@ async def test_decode_only_steps_on_int8_pages_attend_in_one_native_call(dtype, 
     for decline in (False, True):
         async with tiny_engine("llama", seed=2, dtype=dtype, num_blocks=64, kv_cache_dtype="int8") as engine:
             assert runner_of(engine).fast_paths.fused is not None
-            kernels = _Declining(attention.KERNELS["native"], decline)
+            kernels = _CountingKernels(attention.KERNELS["native"], decline=decline)
             monkeypatch.setitem(attention.KERNELS, "native", kernels)
             done = await engine.generate_batch(prompts, max_new_tokens=12, ignore_eos=True)
             tokens[decline] = [d.token_ids for d in done]

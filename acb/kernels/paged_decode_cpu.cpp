@@ -78,13 +78,6 @@ static inline float row_scale(const int8_t* row, int64_t D) {
 // One key or value row of D values -> its int8 cache row: D values, then the float32 scale
 // (max |x| / 127; round to nearest, ties to even; a row of zeros: scale 0). write_kv_int8 and
 // paged_decode_into's int8 writes share it, so both store the same bytes for the same row.
-#if defined(__AVX512F__)
-static inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 widen16(const at::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-#endif
 template <typename T>
 static inline void quantize_kv_row(const T* row, int64_t D, int8_t* dst) {
 #if defined(__AVX512F__)
@@ -92,7 +85,7 @@ static inline void quantize_kv_row(const T* row, int64_t D, int8_t* dst) {
     __m512 x[16];
     __m512 mx = _mm512_setzero_ps();
     for (int64_t c = 0; c < D / 16; ++c) {
-      x[c] = widen16(row + c * 16);
+      x[c] = load16(row + c * 16);
       mx = _mm512_max_ps(mx, _mm512_abs_ps(x[c]));
     }
     const float amax = _mm512_reduce_max_ps(mx);
@@ -446,7 +439,7 @@ void paged_decode(const torch::Tensor& q,        // [B, H, D] float32, contiguou
 // projection left them and the output written where the next GEMM reads it, in the model's dtype
 // (float32 or bfloat16: widened as read, rounded once as written, as PyTorch's conversions around
 // paged_decode did; the same float32 arithmetic in between, so the same bits; bf16 on a CPU with
-// avx512_bf16 takes decode_item_bf16 below: its sums run in another order). The separate copies
+// avx512_bf16 takes ahead_item below: its sums run in another order). The separate copies
 // (two index_copy_, the queries' transpose and widening, the output's rounding) were ~100-250 us a
 // layer of a ~800 us call at SmolLM2's 57-row decode steps. Returns false, having done nothing,
 // where it does not apply (soft-capping, a head layout without a vectorised item, mixed dtypes, no
@@ -563,14 +556,29 @@ struct AheadOf {
       prefetch_lines<_MM_HINT_T1>(done < n ? k + slots[done] : v + slots[done - n], row_bytes);
   }
 };
-using Ahead = AheadOf<at::BFloat16>;
 // slots[i]: where the row of position first + i starts (elements from the head's base)
 static void fill_slots(const int64_t* pages, int64_t page_size, int64_t first, int64_t n, int64_t stride, int64_t* slots) {
   for (int64_t i = 0; i < n; ++i) slots[i] = slot_of(pages, page_size, first + i) * stride;
 }
+// The scores of G bf16 query heads (q: W 32-dim words each) against one block of 16 keys:
+// word(j, w) is key j's w-th word as bf16, s16 each key's factor; the first keys (keep) stored at
+// scores + g * n + i0.
+template <int G, int W, typename Word>
+static inline void block_scores(const __m512i* q, Word word, __m512 s16, __mmask16 keep, float* scores, int64_t n,
+                                int64_t i0) {
+  for (int g = 0; g < G; ++g) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; ++j) {
+      acc[j] = dotbf(_mm512_setzero_ps(), q[g * W], word(j, 0));
+      for (int w = 1; w < W; ++w) acc[j] = dotbf(acc[j], q[g * W + w], word(j, w));
+    }
+    _mm512_mask_storeu_ps(scores + g * n + i0, keep, _mm512_mul_ps(reduce16(acc), s16));
+  }
+}
 template <int G, int W>  // W: 32-dim words per row (D = 32 W)
-static void decode_item_bf16(const at::BFloat16* qrow, const at::BFloat16* kbase, const at::BFloat16* vbase,
-                             int64_t n, float scale, float* scores, const int64_t* slots, at::BFloat16* out, Ahead& ahead) {
+static void ahead_item(const at::BFloat16* qrow, const at::BFloat16* kbase, const at::BFloat16* vbase, int64_t n,
+                       float scale, float* scores, const int64_t* slots, at::BFloat16* out,
+                       AheadOf<at::BFloat16>& ahead) {
   constexpr int D = 32 * W;
   constexpr int64_t AHEAD = 8;  // rows ahead into L1 (the item's rows are in L2 by then)
   alignas(64) static const at::BFloat16 zero_row[D] = {};
@@ -589,15 +597,8 @@ static void decode_item_bf16(const at::BFloat16* qrow, const at::BFloat16* kbase
       if (i + AHEAD < n) prefetch_lines(kbase + slots[i + AHEAD], D * 2);
     }
     const __mmask16 keep = nk == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nk) - 1);
-    const __m512 s16 = _mm512_set1_ps(scale);
-    for (int g = 0; g < G; ++g) {
-      __m512 acc[16];
-      for (int j = 0; j < 16; ++j) {
-        acc[j] = dotbf(_mm512_setzero_ps(), q[g * W], _mm512_loadu_si512(rows[j]));
-        for (int w = 1; w < W; ++w) acc[j] = dotbf(acc[j], q[g * W + w], _mm512_loadu_si512(rows[j] + w * 32));
-      }
-      _mm512_mask_storeu_ps(scores + g * n + i0, keep, _mm512_mul_ps(reduce16(acc), s16));
-    }
+    block_scores<G, W>(q, [&](int j, int w) { return _mm512_loadu_si512(rows[j] + w * 32); }, _mm512_set1_ps(scale),
+                       keep, scores, n, i0);
   }
   ahead.step(2 * ahead.n);
   float denom[G];
@@ -629,33 +630,6 @@ static void decode_item_bf16(const at::BFloat16* qrow, const at::BFloat16* kbase
       store16(out + g * D + w * 32, _mm512_mul_ps(_mm512_permutex2var_ps(ev, lo_idx, od), inv));
       store16(out + g * D + w * 32 + 16, _mm512_mul_ps(_mm512_permutex2var_ps(ev, hi_idx, od), inv));
     }
-  }
-}
-
-using BF16ItemFn = void (*)(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, int64_t, float, float*,
-                            const int64_t*, at::BFloat16*, Ahead&);
-
-template <int G>
-static BF16ItemFn pick_bf16_w(int64_t D) {
-  switch (D) {
-    case 32: return decode_item_bf16<G, 1>;
-    case 64: return decode_item_bf16<G, 2>;
-    case 128: return decode_item_bf16<G, 4>;
-    case 256: return decode_item_bf16<G, 8>;
-    default: return nullptr;
-  }
-}
-static BF16ItemFn pick_bf16(int64_t G, int64_t D) {
-  switch (G) {
-    case 1: return pick_bf16_w<1>(D);
-    case 2: return pick_bf16_w<2>(D);
-    case 3: return pick_bf16_w<3>(D);
-    case 4: return pick_bf16_w<4>(D);
-    case 5: return pick_bf16_w<5>(D);
-    case 6: return pick_bf16_w<6>(D);
-    case 7: return pick_bf16_w<7>(D);
-    case 8: return pick_bf16_w<8>(D);
-    default: return nullptr;
   }
 }
 
@@ -707,9 +681,8 @@ static inline __m512i int8x32_to_bf16(const int8_t* p) {
   return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // lo: the first 16 dims
 }
 template <int G, int W>  // W: 32-dim words per row (D = 32 W)
-static void decode_item_i8bf(const at::BFloat16* qrow, const int8_t* kbase, const int8_t* vbase, int64_t n,
-                             float scale, float* scores, const int64_t* slots, at::BFloat16* out,
-                             AheadOf<int8_t>& ahead) {
+static void ahead_item(const at::BFloat16* qrow, const int8_t* kbase, const int8_t* vbase, int64_t n, float scale,
+                       float* scores, const int64_t* slots, at::BFloat16* out, AheadOf<int8_t>& ahead) {
   constexpr int D = 32 * W, ROW = D + 4;
   constexpr int64_t AHEAD = 8;  // rows ahead into L1 (the item's rows are in L2 by then)
   __m512i q[G * W];
@@ -734,15 +707,7 @@ static void decode_item_i8bf(const at::BFloat16* qrow, const int8_t* kbase, cons
       kscale[j] = 0.f;
     }
     const __mmask16 keep = nk == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nk) - 1);
-    const __m512 s16 = _mm512_load_ps(kscale);
-    for (int g = 0; g < G; ++g) {
-      __m512 acc[16];
-      for (int j = 0; j < 16; ++j) {
-        acc[j] = dotbf(_mm512_setzero_ps(), q[g * W], kb[j * W]);
-        for (int w = 1; w < W; ++w) acc[j] = dotbf(acc[j], q[g * W + w], kb[j * W + w]);
-      }
-      _mm512_mask_storeu_ps(scores + g * n + i0, keep, _mm512_mul_ps(reduce16(acc), s16));
-    }
+    block_scores<G, W>(q, [&](int j, int w) { return kb[j * W + w]; }, _mm512_load_ps(kscale), keep, scores, n, i0);
   }
   ahead.step(2 * ahead.n);
   float denom[G];
@@ -767,29 +732,32 @@ static void decode_item_i8bf(const at::BFloat16* qrow, const int8_t* kbase, cons
   }
 }
 
-using I8BF16ItemFn = void (*)(const at::BFloat16*, const int8_t*, const int8_t*, int64_t, float, float*,
-                              const int64_t*, at::BFloat16*, AheadOf<int8_t>&);
+// ahead_item for a bf16 model over pages of Page (bf16 or int8), by query heads per kv head and head dim
+template <typename Page>
+using AheadItemFn = void (*)(const at::BFloat16*, const Page*, const Page*, int64_t, float, float*, const int64_t*,
+                             at::BFloat16*, AheadOf<Page>&);
 
-template <int G>
-static I8BF16ItemFn pick_i8bf_w(int64_t D) {
+template <typename Page, int G>
+static AheadItemFn<Page> pick_ahead_w(int64_t D) {
   switch (D) {
-    case 32: return decode_item_i8bf<G, 1>;
-    case 64: return decode_item_i8bf<G, 2>;
-    case 128: return decode_item_i8bf<G, 4>;
-    case 256: return decode_item_i8bf<G, 8>;
+    case 32: return ahead_item<G, 1>;
+    case 64: return ahead_item<G, 2>;
+    case 128: return ahead_item<G, 4>;
+    case 256: return ahead_item<G, 8>;
     default: return nullptr;
   }
 }
-static I8BF16ItemFn pick_i8bf(int64_t G, int64_t D) {
+template <typename Page>
+static AheadItemFn<Page> pick_ahead(int64_t G, int64_t D) {
   switch (G) {
-    case 1: return pick_i8bf_w<1>(D);
-    case 2: return pick_i8bf_w<2>(D);
-    case 3: return pick_i8bf_w<3>(D);
-    case 4: return pick_i8bf_w<4>(D);
-    case 5: return pick_i8bf_w<5>(D);
-    case 6: return pick_i8bf_w<6>(D);
-    case 7: return pick_i8bf_w<7>(D);
-    case 8: return pick_i8bf_w<8>(D);
+    case 1: return pick_ahead_w<Page, 1>(D);
+    case 2: return pick_ahead_w<Page, 2>(D);
+    case 3: return pick_ahead_w<Page, 3>(D);
+    case 4: return pick_ahead_w<Page, 4>(D);
+    case 5: return pick_ahead_w<Page, 5>(D);
+    case 6: return pick_ahead_w<Page, 6>(D);
+    case 7: return pick_ahead_w<Page, 7>(D);
+    case 8: return pick_ahead_w<Page, 8>(D);
     default: return nullptr;
   }
 }
@@ -803,10 +771,8 @@ static I8BF16ItemFn pick_i8bf(int64_t G, int64_t D) {
 template <typename Q, typename Page, typename Call>
 static bool run_into(const Call& c, int64_t G, int64_t D, float scale) {
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<Q, at::BFloat16> && std::is_same_v<Page, at::BFloat16>) {
-    if (const BF16ItemFn fast = pick_bf16(G, D)) return decode_into_ahead(c, scale, fast), true;
-  } else if constexpr (std::is_same_v<Q, at::BFloat16> && std::is_same_v<Page, int8_t>) {
-    if (const I8BF16ItemFn fast = pick_i8bf(G, D)) return decode_into_ahead(c, scale, fast), true;
+  if constexpr (std::is_same_v<Q, at::BFloat16>) {  // over bf16 or int8 pages
+    if (const AheadItemFn<Page> fast = pick_ahead<Page>(G, D)) return decode_into_ahead(c, scale, fast), true;
   }
 #endif
   const ItemFn<Page, Q> fast = pick_item<Page, Q>(G, D);
