@@ -210,13 +210,19 @@ def paged_attention(
     k_new = key[0]  # [kvh, T, d]
     v_new = value[0]
     q_all = query[0]  # [H, T, d]
+    # int8 pages hold rotated keys (acb.kv_quant): keys are rotated as they are written, queries
+    # where they read the pages; a fresh prompt attends to its own keys as they are
+    rotated = k_cache.dtype == torch.int8
     if (meta.kernel == "native" and not meta.prefills and meta.decode is not None and meta.decode.kernel == "native"
             and k_cache.dtype in (query.dtype, torch.int8)):
         # a decode-only step in one native call: cache writes, attention and the output in the
         # model's dtype, no copies around it (paged_decode_into; False where it does not apply)
         out = acb_out if acb_out is not None else q_all.new_empty(total, num_heads, head_dim)
+        q_rows, k_rows = q_all.transpose(0, 1), k_new.transpose(0, 1)  # [T, heads, d]
+        if rotated:
+            q_rows, k_rows = kv_quant.rotate_queries(q_rows), kv_quant.rotate_keys(k_rows)
         if KERNELS["native"].paged_decode_into(
-                q_all.transpose(0, 1), k_new.transpose(0, 1), v_new.transpose(0, 1), k_cache, v_cache,
+                q_rows, k_rows, v_new.transpose(0, 1), k_cache, v_cache,
                 pool.slot_mapping, pool.decode_pages, meta.decode.lengths, out, meta.page_size, scaling,
                 softcap or 0.0, sliding_window or 0):
             return out.unsqueeze(0), None
@@ -230,7 +236,8 @@ def paged_attention(
         q_all, k_new, v_new = q_all.float(), k_new.float(), v_new.float()
     if k_cache.dtype == torch.int8:  # kv_cache_dtype="int8": quantized as written (acb.kv_quant)
         write = KERNELS["native"].write_kv_int8
-        for new, cache in ((k_new, k_cache), (v_new, v_cache)):  # float32 or bf16 rows (fp16 was widened)
+        k_rows = kv_quant.rotate_keys(k_new.transpose(0, 1)).transpose(0, 1)  # [kvh, T, d], rows contiguous
+        for new, cache in ((k_rows, k_cache), (v_new, v_cache)):  # float32 or bf16 rows (fp16 was widened)
             write(new if new.stride(2) == 1 else new.contiguous(), cache, pool.slot_mapping)
     else:
         k_cache.index_copy_(1, pool.slot_mapping, k_new.to(k_cache.dtype))
@@ -240,10 +247,11 @@ def paged_attention(
     else:
         out = q_all.new_empty(total, num_heads, head_dim, dtype=torch.float32 if half else q_all.dtype)
     if meta.decode is not None:
-        _decode_rows(meta, pool, q_all, k_cache, v_cache, key.shape[1], scaling, sliding_window, softcap, out)
+        _decode_rows(meta, pool, q_all, k_cache, v_cache, key.shape[1], scaling, sliding_window, softcap, out,
+                     rotated)
     if meta.prefills:
         _prefill_rows(meta, pool, q_all, k_new, v_new, k_cache, v_cache, half, scaling, sliding_window, softcap,
-                      out)
+                      out, rotated)
     if acb_out is not None:
         if out is not acb_out:
             acb_out.copy_(out)  # rounds to the model's dtype when the kernels ran in float32
@@ -260,37 +268,47 @@ def bf16_prefill() -> bool:
 
 def _decode_rows(meta: StepAttention, pool: PagePool, q_all: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, kv_heads: int, scaling: float, sliding_window: int | None,
-                 softcap: float | None, out: torch.Tensor) -> None:
+                 softcap: float | None, out: torch.Tensor, rotated: bool = False) -> None:
     """The decode rows (native or PyTorch path): q_all [H, T, d] -> their tokens' rows of
-    ``out`` [T, H, d]."""
+    ``out`` [T, H, d]; ``rotated``: the pages hold rotated keys (int8), so the queries are
+    rotated, in the model's dtype as the one-call path rotates them."""
     decode = meta.decode
+    turn = kv_quant.rotate_queries if rotated else (lambda q: q)
     if decode.kernel == "native" and not meta.prefills:
         # a decode-only step: every packed token is a decode row, in order; the
         # kernel reads the queries in place and writes straight into the output
-        _decode_native(pool, decode, meta.page_size, q_all.transpose(0, 1).contiguous().float(), k_cache, v_cache,
-                       scaling, sliding_window, softcap, out)
+        _decode_native(pool, decode, meta.page_size, turn(q_all.transpose(0, 1)).contiguous().float(), k_cache,
+                       v_cache, scaling, sliding_window, softcap, out)
         return
     idx = decode.token_idx
     if decode.kernel == "native":
-        q = q_all.index_select(1, idx).transpose(0, 1).contiguous().float()
+        q = turn(q_all.index_select(1, idx)).transpose(0, 1).contiguous().float()
         o = _decode_native(pool, decode, meta.page_size, q, k_cache, v_cache, scaling, sliding_window, softcap)
     else:
-        q = q_all.index_select(1, idx).to(out.dtype)
+        q = turn(q_all.index_select(1, idx).to(out.dtype))
         o = _decode_torch(pool, decode, meta.page_size, q, k_cache, v_cache, kv_heads, scaling, sliding_window, softcap)
     out.index_copy_(0, idx, o.to(out.dtype))
 
 
 def _prefill_rows(meta: StepAttention, pool: PagePool, q_all: torch.Tensor, k_new: torch.Tensor,
                   v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, half: bool, scaling: float,
-                  sliding_window: int | None, softcap: float | None, out: torch.Tensor) -> None:
+                  sliding_window: int | None, softcap: float | None, out: torch.Tensor, rotated: bool = False) -> None:
     """The prefill rows (native or PyTorch path): q_all [H, T, d] and the new k/v
     [kvh, T, d] -> their tokens' rows of ``out`` [T, H, d]. In a half-precision step the
-    native kernel gets float32 or bf16 inputs (all alike), PyTorch's attention float32."""
+    native kernel gets float32 or bf16 inputs (all alike), PyTorch's attention float32.
+    ``rotated``: the pages hold rotated keys (int8), so the rows of a chunk that reads them
+    (one with context) are rotated; a fresh prompt attends to its own keys as they are."""
     kernel = KERNELS["native"] if meta.kernel == "native" else None
     cap = softcap or 0.0
     fresh_done = meta.fresh_spans is not None and kernel.prefill_attention(
         q_all, k_new, v_new, meta.fresh_spans, out, scaling, cap, sliding_window or 0)
-    q32 = None  # q_all in float32, made once if a context chunk's pages read as float32 (int8 pages)
+    q_read = q_all  # the queries of the chunks that read their context from the pages
+    if rotated and any(span.past > 0 for span in meta.prefills):
+        q_read = q_all.clone()
+        for span in meta.prefills:
+            if span.past > 0:
+                q_read[:, span.q_start: span.q_end] = kv_quant.rotate_queries(q_all[:, span.q_start: span.q_end])
+    q32 = None  # q_read in float32, made once if a context chunk's pages read as float32 (int8 pages)
     for span, context_pages in zip(meta.prefills, pool.context_pages, strict=True):
         qs, qe, past = span.q_start, span.q_end, span.past
         if past == 0 and fresh_done:
@@ -301,19 +319,19 @@ def _prefill_rows(meta: StepAttention, pool: PagePool, q_all: torch.Tensor, k_ne
         else:
             k = _gather_pages(k_cache, context_pages, meta.page_size)[:, 0, :length]
             v = _gather_pages(v_cache, context_pages, meta.page_size)[:, 0, :length]
-            if half and k.dtype != q_all.dtype:
-                if q_all.dtype == torch.bfloat16 and k_cache.dtype == torch.int8:
+            if half and k.dtype != q_read.dtype:
+                if q_read.dtype == torch.bfloat16 and k_cache.dtype == torch.int8:
                     # int8 pages in a bf16 step: the context rounded to bf16 once, as bf16 pages would
                     # hold it, for the bf16 kernel (the float32 one took ~25 % longer on 2-6k contexts)
                     k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
                 else:  # half-precision pages widened for the float32 kernel
                     k, v = k.float(), v.float()
-                    q32 = q_all.float() if q32 is None else q32
+                    q32 = q_read.float() if q32 is None else q32
             if kernel is not None and kernel.prefill_attention(
-                    q_all if k.dtype == q_all.dtype else q32, k, v, span.kernel_row, out, scaling, cap,
+                    q_read if k.dtype == q_read.dtype else q32, k, v, span.kernel_row, out, scaling, cap,
                     sliding_window or 0):
                 continue
-        q = q_all[:, qs:qe]
+        q = (q_read if past else q_all)[:, qs:qe]
         if half:  # PyTorch's attention on float32 inputs, as the kernels compute
             q, k, v = q.float(), k.float(), v.float()
         out[qs:qe] = _prefill_torch(q, k, v, past, scaling, sliding_window, softcap).transpose(0, 1).to(out.dtype)
