@@ -218,13 +218,10 @@ def paged_attention(
         # a decode-only step in one native call: cache writes, attention and the output in the
         # model's dtype, no copies around it (paged_decode_into; False where it does not apply)
         out = acb_out if acb_out is not None else q_all.new_empty(total, num_heads, head_dim)
-        q_rows, k_rows = q_all.transpose(0, 1), k_new.transpose(0, 1)  # [T, heads, d]
-        if rotated:
-            q_rows, k_rows = kv_quant.rotate_queries(q_rows), kv_quant.rotate_keys(k_rows)
         if KERNELS["native"].paged_decode_into(
-                q_rows, k_rows, v_new.transpose(0, 1), k_cache, v_cache,
+                q_all.transpose(0, 1), k_new.transpose(0, 1), v_new.transpose(0, 1), k_cache, v_cache,
                 pool.slot_mapping, pool.decode_pages, meta.decode.lengths, out, meta.page_size, scaling,
-                softcap or 0.0, sliding_window or 0):
+                softcap or 0.0, sliding_window or 0, rotated):
             return out.unsqueeze(0), None
     # The native kernels compute in float32 whatever the model's dtype (bf16/fp16 pages are
     # widened as they are read) and write float32 outputs, rounded to the model's dtype once at
@@ -236,9 +233,9 @@ def paged_attention(
         q_all, k_new, v_new = q_all.float(), k_new.float(), v_new.float()
     if k_cache.dtype == torch.int8:  # kv_cache_dtype="int8": quantized as written (acb.kv_quant)
         write = KERNELS["native"].write_kv_int8
-        k_rows = kv_quant.rotate_keys(k_new.transpose(0, 1)).transpose(0, 1)  # [kvh, T, d], rows contiguous
-        for new, cache in ((k_rows, k_cache), (v_new, v_cache)):  # float32 or bf16 rows (fp16 was widened)
-            write(new if new.stride(2) == 1 else new.contiguous(), cache, pool.slot_mapping)
+        # float32 or bf16 rows (fp16 was widened); the keys rotated as they are rounded
+        for new, cache, rotate in ((k_new, k_cache, True), (v_new, v_cache, False)):
+            write(new if new.stride(2) == 1 else new.contiguous(), cache, pool.slot_mapping, rotate)
     else:
         k_cache.index_copy_(1, pool.slot_mapping, k_new.to(k_cache.dtype))
         v_cache.index_copy_(1, pool.slot_mapping, v_new.to(v_cache.dtype))
@@ -266,6 +263,18 @@ def bf16_prefill() -> bool:
     return _BF16_PREFILL[0]
 
 
+def _rotate_queries(x: torch.Tensor) -> torch.Tensor:
+    """Queries ``x [..., d]`` that read int8 pages -> ``x H / b`` (``acb.kv_quant``), contiguous, by
+    the native kernel's arithmetic (the one-call decode rotates its queries in the kernel)."""
+    d = x.shape[-1]
+    rows = x.reshape(-1, d)
+    half = rows.dtype not in (torch.float32, torch.bfloat16)  # fp16: rotated in float32
+    rows = rows.float().contiguous() if half else rows.contiguous()
+    out = torch.empty_like(rows)
+    KERNELS["native"].hadamard(rows, out, 1.0 / kv_quant.rotation_block(d))
+    return (out.to(x.dtype) if half else out).view(x.shape)
+
+
 def _decode_rows(meta: StepAttention, pool: PagePool, q_all: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, kv_heads: int, scaling: float, sliding_window: int | None,
                  softcap: float | None, out: torch.Tensor, rotated: bool = False) -> None:
@@ -273,7 +282,7 @@ def _decode_rows(meta: StepAttention, pool: PagePool, q_all: torch.Tensor, k_cac
     ``out`` [T, H, d]; ``rotated``: the pages hold rotated keys (int8), so the queries are
     rotated, in the model's dtype as the one-call path rotates them."""
     decode = meta.decode
-    turn = kv_quant.rotate_queries if rotated else (lambda q: q)
+    turn = _rotate_queries if rotated else (lambda q: q)
     if decode.kernel == "native" and not meta.prefills:
         # a decode-only step: every packed token is a decode row, in order; the
         # kernel reads the queries in place and writes straight into the output
@@ -307,7 +316,7 @@ def _prefill_rows(meta: StepAttention, pool: PagePool, q_all: torch.Tensor, k_ne
         q_read = q_all.clone()
         for span in meta.prefills:
             if span.past > 0:
-                q_read[:, span.q_start: span.q_end] = kv_quant.rotate_queries(q_all[:, span.q_start: span.q_end])
+                q_read[:, span.q_start: span.q_end] = _rotate_queries(q_all[:, span.q_start: span.q_end])
     q32 = None  # q_read in float32, made once if a context chunk's pages read as float32 (int8 pages)
     for span, context_pages in zip(meta.prefills, pool.context_pages, strict=True):
         qs, qe, past = span.q_start, span.q_end, span.past

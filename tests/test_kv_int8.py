@@ -82,6 +82,42 @@ def _reference(q, k, v, pages, lengths, page_size, scale, softcap, window):
     return out
 
 
+@pytest.mark.parametrize("d", [8, 16, 40, 48, 64, 80, 96, 128, 256])
+def test_the_hadamard_kernel_rotates_as_the_reference_and_the_write_rotates_keys_with_it(d):
+    """The native rotation (hadamard; in registers for d % 16 == 0, scalar otherwise) is
+    kv_quant's reference (x @ H * scale) up to float32 rounding, rounded once to bf16 for bf16
+    rows; write_kv_int8(rotate=True) stores exactly the bytes of quantizing the hadamard kernel's
+    float32 rotation (for float32 rows, and for bf16 rows widened), values untouched by it."""
+    kernel = _kernel()
+    g = torch.Generator().manual_seed(d)
+    x = torch.randn(37, d, generator=g) * torch.linspace(0.1, 20, d)  # channels of very different sizes
+    for scale in (1.0, 1 / kv_quant.rotation_block(d)):
+        out = torch.empty_like(x)
+        kernel.hadamard(x, out, scale)
+        want = kv_quant.rotate_keys(x.double()) * scale
+        torch.testing.assert_close(out.double(), want, rtol=1e-6, atol=1e-5 * want.abs().max().item())
+        xb = x.bfloat16()
+        outb = torch.empty_like(xb)
+        kernel.hadamard(xb, outb, scale)
+        wide = torch.empty_like(x)
+        kernel.hadamard(xb.float(), wide, scale)
+        assert torch.equal(outb, wide.bfloat16())  # float32 arithmetic, one rounding
+    rows = x.view(1, 37, d)
+    cache, plain = (torch.zeros(1, 40, d + 4, dtype=torch.int8) for _ in range(2))
+    slots = torch.randperm(40, generator=g)[:37]
+    kernel.write_kv_int8(rows, cache, slots, True)
+    rotated = torch.empty_like(x)
+    kernel.hadamard(x, rotated, 1.0)
+    assert torch.equal(cache[0, slots], kv_quant.quantize(rotated))
+    kernel.write_kv_int8(rows, plain, slots)  # rotate defaults to False: values
+    assert torch.equal(plain[0, slots], kv_quant.quantize(x))
+    from_bf16 = torch.zeros_like(cache)
+    kernel.write_kv_int8(rows.bfloat16(), from_bf16, slots, True)
+    widened = torch.empty_like(x)
+    kernel.hadamard(x.bfloat16().float(), widened, 1.0)
+    assert torch.equal(from_bf16[0, slots], kv_quant.quantize(widened))
+
+
 @pytest.mark.parametrize("d,groups,kv_heads", [(16, 2, 2), (64, 3, 3), (64, 1, 4), (128, 2, 2), (256, 4, 1)])
 @pytest.mark.parametrize("softcap,window", [(0.0, 0), (20.0, 0), (0.0, 24)])
 def test_decode_kernel_on_int8_pages_matches_float64_over_the_dequantized_values(d, groups, kv_heads, softcap,
@@ -295,16 +331,18 @@ def test_serve_flag_sets_the_kv_cache_dtype():
     assert _model_source(build_parser().parse_args(["serve", "--tiny"]))[2].kv_cache_dtype is None
 
 
+@pytest.mark.parametrize("rotate", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 256), (6, 2, 32), (4, 2, 16)])
 @pytest.mark.parametrize("window,ps", [(0, 16), (37, 16), (0, 12)])
 def test_decode_in_one_call_on_int8_pages_equals_the_separate_write_and_decode(dtype, heads, kv_heads, dim, window,
-                                                                              ps):
+                                                                              ps, rotate):
     """paged_decode_into over int8 pages (a decode-only step of a model with
     kv_cache_dtype="int8"): the new rows quantized into their slots byte for byte as
-    write_kv_int8 stores them, and the attention what paged_decode gives over those pages:
-    float32 the same bits; bf16 on avx512_bf16 its own kernel (keys as bf16, float32 sums in
-    another order): within one bf16 rounding of it, and of float64 over the dequantized pages."""
+    write_kv_int8 stores them (rotate: keys rotated first), and the attention what paged_decode
+    gives over those pages (rotate: for the queries rotated by the hadamard kernel): float32 the
+    same bits; bf16 on avx512_bf16 its own kernel (keys as bf16, float32 sums in another order):
+    within one bf16 rounding of it, and of float64 over the dequantized pages."""
     kernel = _kernel()
     torch.manual_seed(heads * dim + window + ps)
     rows, per_row = 13, 20
@@ -317,13 +355,17 @@ def test_decode_in_one_call_on_int8_pages_equals_the_separate_write_and_decode(d
     qkv = (torch.randn(rows + 3, (heads + 2 * kv_heads) * dim) * 2).to(dtype)  # the GEMM's output: column views
     q, k, v = (t[:rows].view(rows, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], 1))
     kc1, vc1 = kc.clone(), vc.clone()
-    kernel.write_kv_int8(k.transpose(0, 1).float(), kc1, slots)
+    kernel.write_kv_int8(k.transpose(0, 1).float(), kc1, slots, rotate)
     kernel.write_kv_int8(v.transpose(0, 1).float(), vc1, slots)
     expected = torch.empty(rows, heads, dim)
-    kernel.paged_decode(q.float().contiguous(), kc1, vc1, pages, lengths, expected, ps, dim**-0.5, 0.0, window)
+    q_read = q.contiguous()
+    if rotate:  # the queries as the kernel rotates them: in float32, rounded once to the model's dtype
+        q_read = torch.empty_like(q_read)
+        kernel.hadamard(q.contiguous().view(-1, dim), q_read.view(-1, dim), 1 / kv_quant.rotation_block(dim))
+    kernel.paged_decode(q_read.float(), kc1, vc1, pages, lengths, expected, ps, dim**-0.5, 0.0, window)
     padded = torch.zeros(rows + 5, heads * dim, dtype=dtype)
     out = padded[:rows].view(rows, heads, dim)
-    assert kernel.paged_decode_into(q, k, v, kc, vc, slots, pages, lengths, out, ps, dim**-0.5, 0.0, window)
+    assert kernel.paged_decode_into(q, k, v, kc, vc, slots, pages, lengths, out, ps, dim**-0.5, 0.0, window, rotate)
     assert torch.equal(kc, kc1) and torch.equal(vc, vc1)  # the same bytes, scales included
     if dtype == torch.float32:
         assert torch.equal(out, expected)
@@ -332,8 +374,8 @@ def test_decode_in_one_call_on_int8_pages_equals_the_separate_write_and_decode(d
         ulp = torch.finfo(dtype).eps * rounded.float().abs().clamp_min(torch.finfo(torch.float32).tiny)
         assert ((out.float() - rounded.float()).abs() <= ulp).all()
         assert (out == rounded).float().mean() > 0.99
-        exact = _reference(q.float(), kv_quant.dequantize(kc1).double(), kv_quant.dequantize(vc1).double(), pages,
-                           lengths, ps, dim**-0.5, 0.0, window)
+        exact = _reference(q_read.float(), kv_quant.dequantize(kc1).double(), kv_quant.dequantize(vc1).double(),
+                           pages, lengths, ps, dim**-0.5, 0.0, window)
         torch.testing.assert_close(out.double(), exact, rtol=2**-8, atol=1e-5)
     assert not padded[rows:].any()  # nothing written past the rows
     # soft-capping is declined, nothing written

@@ -13,7 +13,10 @@
 //
 // int8 pages (EngineConfig.kv_cache_dtype="int8", acb/kv_quant.py): each cached row is
 // D int8 values followed by its float32 scale (D + 4 bytes; value = q * scale), written by
-// write_kv_int8 below; the kernels widen q * scale to float32 and compute as above.
+// write_kv_int8 below; the kernels widen q * scale to float32 and compute as above. Keys are
+// stored rotated by a Walsh-Hadamard matrix (write_kv_int8 and paged_decode_into rotate each key
+// row in registers before rounding it, paged_decode_into rotates its queries; `hadamard` rotates
+// the queries of every other path that reads the pages).
 #include "torch_min.h"
 #include <cstring>
 #include <algorithm>
@@ -75,19 +78,79 @@ static inline float row_scale(const int8_t* row, int64_t D) {
   return s;
 }
 
+// The Walsh-Hadamard transform (Sylvester's order, entries +-1, not normalised) of a row of D
+// values in place, in blocks of b = the largest power of two dividing D: x <- x H. int8 pages store
+// keys so rotated and the queries that read them are rotated alike (acb/kv_quant.py says why).
+static inline void hadamard_scalar(float* x, int64_t D) {
+  const int64_t b = D & -D;
+  for (int64_t base = 0; base < D; base += b)
+    for (int64_t len = 1; len < b; len <<= 1)
+      for (int64_t i = base; i < base + b; i += 2 * len)
+        for (int64_t j = i; j < i + len; ++j) {
+          const float u = x[j], v = x[j + len];
+          x[j] = u + v;
+          x[j + len] = u - v;
+        }
+}
+#if defined(__AVX512F__)
+// one butterfly stage within a register: lanes in `upper` take partner - self, the others self + partner
+static inline __m512 hadamard_stage(__m512 self, __m512 partner, __mmask16 upper) {
+  return _mm512_mask_sub_ps(_mm512_add_ps(self, partner), upper, partner, self);
+}
+// hadamard_scalar on a row held in n = D / 16 registers (D % 16 == 0, so b >= 16): the four stages
+// within each register by lane swaps, then the stages across registers. The same sums as the scalar
+// one, stage by stage, so the same bits.
+static inline void hadamard16(__m512* x, int64_t n, int64_t b) {
+  for (int64_t c = 0; c < n; ++c) {
+    __m512 v = x[c];
+    v = hadamard_stage(v, _mm512_permute_ps(v, 0xB1), 0xAAAA);         // lanes j, j ^ 1
+    v = hadamard_stage(v, _mm512_permute_ps(v, 0x4E), 0xCCCC);         // j, j ^ 2
+    v = hadamard_stage(v, _mm512_shuffle_f32x4(v, v, 0xB1), 0xF0F0);  // j, j ^ 4
+    x[c] = hadamard_stage(v, _mm512_shuffle_f32x4(v, v, 0x4E), 0xFF00);  // j, j ^ 8
+  }
+  for (int64_t len = 1; len < b / 16; len <<= 1)
+    for (int64_t base = 0; base < n; base += b / 16)
+      for (int64_t i = base; i < base + b / 16; i += 2 * len)
+        for (int64_t j = i; j < i + len; ++j) {
+          const __m512 u = x[j], v = x[j + len];
+          x[j] = _mm512_add_ps(u, v);
+          x[j + len] = _mm512_sub_ps(u, v);
+        }
+}
+#endif
+
+// dst <- src H * scale, a row of D values (float32 arithmetic, rounded once to T)
+template <typename T>
+static inline void rotate_row(const T* src, T* dst, int64_t D, float scale) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0 && D <= 256) {
+    __m512 x[16];
+    for (int64_t c = 0; c < D / 16; ++c) x[c] = load16(src + c * 16);
+    hadamard16(x, D / 16, D & -D);
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int64_t c = 0; c < D / 16; ++c) store16(dst + c * 16, _mm512_mul_ps(x[c], s));
+    return;
+  }
+#endif
+  std::vector<float> x(D);
+  for (int64_t d = 0; d < D; ++d) x[d] = static_cast<float>(src[d]);
+  hadamard_scalar(x.data(), D);
+  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(x[d] * scale);
+}
+
 // One key or value row of D values -> its int8 cache row: D values, then the float32 scale
 // (max |x| / 127; round to nearest, ties to even; a row of zeros: scale 0). write_kv_int8 and
 // paged_decode_into's int8 writes share it, so both store the same bytes for the same row.
+// rotate: a key, rotated (hadamard16 / hadamard_scalar) before it is rounded.
 template <typename T>
-static inline void quantize_kv_row(const T* row, int64_t D, int8_t* dst) {
+static inline void quantize_kv_row(const T* row, int64_t D, int8_t* dst, bool rotate = false) {
 #if defined(__AVX512F__)
   if (D % 16 == 0 && D <= 256) {  // the same arithmetic on 16 lanes (cvtps rounds to nearest even, as nearbyint)
     __m512 x[16];
     __m512 mx = _mm512_setzero_ps();
-    for (int64_t c = 0; c < D / 16; ++c) {
-      x[c] = load16(row + c * 16);
-      mx = _mm512_max_ps(mx, _mm512_abs_ps(x[c]));
-    }
+    for (int64_t c = 0; c < D / 16; ++c) x[c] = load16(row + c * 16);
+    if (rotate) hadamard16(x, D / 16, D & -D);
+    for (int64_t c = 0; c < D / 16; ++c) mx = _mm512_max_ps(mx, _mm512_abs_ps(x[c]));
     const float amax = _mm512_reduce_max_ps(mx);
     const float scale = amax * (1.f / 127.f), inv = amax > 0.f ? 127.f / amax : 0.f;
     const __m512 vinv = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
@@ -100,11 +163,14 @@ static inline void quantize_kv_row(const T* row, int64_t D, int8_t* dst) {
     return;
   }
 #endif
+  std::vector<float> x(D);
+  for (int64_t d = 0; d < D; ++d) x[d] = static_cast<float>(row[d]);
+  if (rotate) hadamard_scalar(x.data(), D);
   float amax = 0.f;
-  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(static_cast<float>(row[d])));
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
   const float scale = amax * (1.f / 127.f), inv = amax > 0.f ? 127.f / amax : 0.f;
   for (int64_t d = 0; d < D; ++d)
-    dst[d] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(static_cast<float>(row[d]) * inv))));
+    dst[d] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(x[d] * inv))));
   std::memcpy(dst + D, &scale, sizeof scale);
 }
 
@@ -449,6 +515,7 @@ void paged_decode(const torch::Tensor& q,        // [B, H, D] float32, contiguou
 template <typename T>
 struct IntoCall {
   using Page = T;  // the pages' element type
+  using Query = T;
   int64_t B, H, D, KVH, S, P, G, qs, ks, vs, os;
   const T *qp, *knp, *vnp;
   T *kp, *vp, *op;
@@ -470,6 +537,7 @@ struct IntoCall {
   int64_t first(int64_t b) const { return window > 0 ? std::max<int64_t>(0, len[b] - window) : 0; }
   int64_t row() const { return D; }  // elements per cached row
   const T* q_of(int64_t b, int64_t kh) const { return qp + b * qs + kh * G * D; }
+  const T* q_for(int64_t b, int64_t kh, T*) const { return q_of(b, kh); }  // the queries as the item reads them
   const T* k_of(int64_t kh) const { return kp + kh * S * D; }  // head kh's cached keys
   const T* v_of(int64_t kh) const { return vp + kh * S * D; }
   T* out_of(int64_t b, int64_t kh) const { return op + b * os + kh * G * D; }
@@ -479,31 +547,42 @@ struct IntoCall {
 // paged_decode_into over int8 pages (kv_cache_dtype="int8"): the queries, new rows and output in
 // the model's dtype Q, the cache rows D int8 values and their float32 scale (W = D + 4 bytes). A
 // row's new key and value are quantized as write_kv_int8 quantizes them (quantize_kv_row) into
-// its slot, then its attention runs over the int8 rows.
+// its slot, then its attention runs over the int8 rows. rotate: keys are stored rotated (the new
+// key rotated before it is rounded) and the queries rotated alike (over the Hadamard block) into
+// the item's own buffer before it reads the pages (acb/kv_quant.py).
 template <typename Q>
 struct Into8Call {
   using Page = int8_t;
+  using Query = Q;
   int64_t B, H, D, W, KVH, S, P, G, qs, ks, vs, os;
   const Q *qp, *knp, *vnp;
   int8_t *kp, *vp;
   Q* op;
   const int64_t *sl, *pg, *len;
   int64_t page_size, window;
+  bool rotate;
   Into8Call(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new, torch::Tensor& k_cache,
             torch::Tensor& v_cache, const torch::Tensor& slots, const torch::Tensor& pages,
-            const torch::Tensor& lengths, torch::Tensor& out, int64_t page_size_, int64_t window_)
+            const torch::Tensor& lengths, torch::Tensor& out, int64_t page_size_, int64_t window_, bool rotate_)
       : B(q.size(0)), H(q.size(1)), D(q.size(2)), W(k_cache.size(2)), KVH(k_cache.size(0)), S(k_cache.size(1)),
         P(pages.size(1)), G(H / KVH), qs(q.stride(0)), ks(k_new.stride(0)), vs(v_new.stride(0)), os(out.stride(0)),
         qp(q.data_ptr<Q>()), knp(k_new.data_ptr<Q>()), vnp(v_new.data_ptr<Q>()), kp(k_cache.data_ptr<int8_t>()),
         vp(v_cache.data_ptr<int8_t>()), op(out.data_ptr<Q>()), sl(slots.data_ptr<int64_t>()),
-        pg(pages.data_ptr<int64_t>()), len(lengths.data_ptr<int64_t>()), page_size(page_size_), window(window_) {}
+        pg(pages.data_ptr<int64_t>()), len(lengths.data_ptr<int64_t>()), page_size(page_size_), window(window_),
+        rotate(rotate_) {}
   void write(int64_t b, int64_t kh) const {  // only item (b, kh) reads these rows: it writes them first
-    quantize_kv_row(knp + b * ks + kh * D, D, kp + (kh * S + sl[b]) * W);
+    quantize_kv_row(knp + b * ks + kh * D, D, kp + (kh * S + sl[b]) * W, rotate);
     quantize_kv_row(vnp + b * vs + kh * D, D, vp + (kh * S + sl[b]) * W);
   }
   int64_t first(int64_t b) const { return window > 0 ? std::max<int64_t>(0, len[b] - window) : 0; }
   int64_t row() const { return W; }  // bytes per cached row: D values and the scale
   const Q* q_of(int64_t b, int64_t kh) const { return qp + b * qs + kh * G * D; }
+  const Q* q_for(int64_t b, int64_t kh, Q* buf) const {  // buf: G * D values
+    if (!rotate) return q_of(b, kh);
+    const float over_block = 1.f / static_cast<float>(D & -D);
+    for (int64_t g = 0; g < G; ++g) rotate_row(q_of(b, kh) + g * D, buf + g * D, D, over_block);
+    return buf;
+  }
   const int8_t* k_of(int64_t kh) const { return kp + kh * S * W; }
   const int8_t* v_of(int64_t kh) const { return vp + kh * S * W; }
   Q* out_of(int64_t b, int64_t kh) const { return op + b * os + kh * G * D; }
@@ -516,6 +595,7 @@ template <typename Call, typename Fn>
 static void decode_into_t(const Call& c, float scale, Fn fast) {
   at::parallel_for(0, c.B * c.KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    std::vector<typename Call::Query> qbuf(c.G * c.D);  // rotated queries (int8 pages)
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / c.KVH, kh = item % c.KVH;
       c.write(b, kh);
@@ -523,8 +603,8 @@ static void decode_into_t(const Call& c, float scale, Fn fast) {
       scores.resize(c.G * n);
       if (item + 1 < end)
         prefetch_item(c.kp, c.vp, c.pg, c.len, item + 1, c.KVH, c.S, c.row(), c.P, c.page_size, c.window);
-      fast(c.q_of(b, kh), c.k_of(kh), c.v_of(kh), c.pg + b * c.P, c.page_size, first, n, scale, scores.data(),
-           c.out_of(b, kh));
+      fast(c.q_for(b, kh, qbuf.data()), c.k_of(kh), c.v_of(kh), c.pg + b * c.P, c.page_size, first, n, scale,
+           scores.data(), c.out_of(b, kh));
     }
   });
 }
@@ -641,6 +721,7 @@ static void decode_into_ahead(const Call& c, float scale, Fn fast) {
   using Page = typename Call::Page;
   at::parallel_for(0, c.B * c.KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    std::vector<typename Call::Query> qbuf(c.G * c.D);  // rotated queries (int8 pages)
     std::vector<int64_t> cur, nxt;
     auto prepare = [&](int64_t item, std::vector<int64_t>& item_slots, AheadOf<Page>& ahead) {
       const int64_t b = item / c.KVH, kh = item % c.KVH, first = c.first(b), n = c.len[b] - first;
@@ -659,7 +740,8 @@ static void decode_into_ahead(const Call& c, float scale, Fn fast) {
       scores.resize(c.G * n);
       AheadOf<Page> ahead;
       if (item + 1 < end) prepare(item + 1, nxt, ahead);
-      fast(c.q_of(b, kh), c.k_of(kh), c.v_of(kh), n, scale, scores.data(), cur.data(), c.out_of(b, kh), ahead);
+      fast(c.q_for(b, kh, qbuf.data()), c.k_of(kh), c.v_of(kh), n, scale, scores.data(), cur.data(), c.out_of(b, kh),
+           ahead);
       std::swap(cur, nxt);
     }
   });
@@ -790,7 +872,8 @@ bool paged_decode_into(const torch::Tensor& q,      // [B, H, D]: heads contiguo
                        const torch::Tensor& pages,    // [B, P] int64
                        const torch::Tensor& lengths,  // [B] int64: context length, the new token's included
                        torch::Tensor& out,            // [B, H, D], laid out as q
-                       int64_t page_size, double scale, double softcap, int64_t window) {
+                       int64_t page_size, double scale, double softcap, int64_t window,
+                       bool rotate) {  // int8 pages holding rotated keys (acb/kv_quant.py)
 #if defined(__AVX512F__)
   const auto dt = q.scalar_type();
   if (softcap > 0.0 || (dt != torch::kFloat32 && dt != torch::kBFloat16)) return false;
@@ -815,10 +898,12 @@ bool paged_decode_into(const torch::Tensor& q,      // [B, H, D]: heads contiguo
   if (int8_pages)
     return dt == torch::kFloat32
                ? run_into<float, int8_t>(
-                     Into8Call<float>{q, k_new, v_new, k_cache, v_cache, slots, pages, lengths, out, page_size, window},
+                     Into8Call<float>{q, k_new, v_new, k_cache, v_cache, slots, pages, lengths, out, page_size, window,
+                                      rotate},
                      G, D, fscale)
                : run_into<BF, int8_t>(
-                     Into8Call<BF>{q, k_new, v_new, k_cache, v_cache, slots, pages, lengths, out, page_size, window},
+                     Into8Call<BF>{q, k_new, v_new, k_cache, v_cache, slots, pages, lengths, out, page_size, window,
+                                   rotate},
                      G, D, fscale);
   return dt == torch::kFloat32
              ? run_into<float, float>(
@@ -1359,7 +1444,7 @@ bool prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const tor
 // (kv head, token) row gets scale = max|x| * (1/127) and q = round(x * 127 / max|x|) (ties to
 // even; an all-zero row: scale 0, q 0), the scale stored as the row's last 4 bytes.
 // src: float32 or bfloat16 (a bf16 model's new rows, quantized from their bf16 values)
-void write_kv_int8(const torch::Tensor& src, torch::Tensor& cache, const torch::Tensor& slots) {
+void write_kv_int8(const torch::Tensor& src, torch::Tensor& cache, const torch::Tensor& slots, bool rotate) {
   TORCH_CHECK((src.scalar_type() == torch::kFloat32 || src.scalar_type() == torch::kBFloat16) && src.dim() == 3 &&
                   src.stride(2) == 1,
               "write_kv_int8: src must be float32 or bfloat16 [KVH, T, D] with a contiguous last dim");
@@ -1377,7 +1462,7 @@ void write_kv_int8(const torch::Tensor& src, torch::Tensor& cache, const torch::
     at::parallel_for(0, KVH * T, 64, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
         const int64_t h = item / T, t = item % T;
-        quantize_kv_row(x + h * sh + t * st, D, c + (h * S + sl[t]) * W);
+        quantize_kv_row(x + h * sh + t * st, D, c + (h * S + sl[t]) * W, rotate);
       }
     });
   };
@@ -1387,13 +1472,38 @@ void write_kv_int8(const torch::Tensor& src, torch::Tensor& cache, const torch::
     run(src.data_ptr<at::BFloat16>());
 }
 
+// Rows x [N, D] (float32 or bfloat16, contiguous) -> out (the same) = x H * scale: rotate_row, as
+// the kernels above rotate keys and queries for int8 pages, for every other path that reads them.
+void hadamard(const torch::Tensor& x, torch::Tensor& out, double scale) {
+  TORCH_CHECK((x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16) && x.dim() == 2 &&
+                  x.is_contiguous(),
+              "hadamard: x must be a contiguous float32 or bfloat16 [N, D]");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type() && out.sizes() == x.sizes() && out.is_contiguous(),
+              "hadamard: out must be laid out as x");
+  const int64_t N = x.size(0), D = x.size(1);
+  const float s = static_cast<float>(scale);
+  auto run = [&](const auto* src, auto* dst) {
+    at::parallel_for(0, N, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) rotate_row(src + i * D, dst + i * D, D, s);
+    });
+  };
+  if (x.scalar_type() == torch::kFloat32)
+    run(x.data_ptr<float>(), out.data_ptr<float>());
+  else
+    run(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
+}
+
 // The GIL is released while a kernel runs: the event loop's thread keeps serving.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_into", &paged_decode_into,
         "a decode-only step's attention: cache writes, attention, output in the model's dtype (CPU)",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("write_kv_int8", &write_kv_int8, "quantize new keys/values into int8 pages (CPU)",
+        py::arg("q"), py::arg("k_new"), py::arg("v_new"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
+        py::arg("pages"), py::arg("lengths"), py::arg("out"), py::arg("page_size"), py::arg("scale"),
+        py::arg("softcap"), py::arg("window"), py::arg("rotate") = false, py::call_guard<py::gil_scoped_release>());
+  m.def("write_kv_int8", &write_kv_int8, "quantize new keys/values into int8 pages (CPU)", py::arg("src"),
+        py::arg("cache"), py::arg("slots"), py::arg("rotate") = false, py::call_guard<py::gil_scoped_release>());
+  m.def("hadamard", &hadamard, "rows x [N, D] -> out = x H * scale (acb/kv_quant.py's key rotation) (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("prefill_bf16", []() {
 #if defined(__AVX512BF16__)
