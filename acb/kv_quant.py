@@ -27,8 +27,8 @@ row wastes far fewer of its 255 steps. Simulated on SmolLM2-135M in float32 (``p
 benchmarks/kv8_schemes.py``, 12k held-out tokens): int8 keys per row moved 2.16 % of next tokens,
 rotated ones 0.95 %; in the engine (``benchmarks/quality.py``, 24k held-out tokens, every token read
 from the pages) top-1 agreement with float32 went from 97.64 to 98.40 % beside bf16 weights (bf16
-pages: 99.05 %) and from 96.66 to 96.90 % beside int8 weights (bf16 pages: 97.13 %). Values are stored as they are (they cost 0.1-0.4 %). Keys are
-rotated as they are written (the native ``write_kv_int8`` and ``paged_decode_into`` rotate each
+pages: 99.05 %) and from 96.66 to 96.90 % beside int8 weights (bf16 pages: 97.13 %). Values are
+stored as they are (they cost 0.1-0.4 %). Keys are rotated as they are written (the native ``write_kv_int8`` and ``paged_decode_into`` rotate each
 key row in registers before rounding it), queries where they read the pages (inside
 ``paged_decode_into``; the native ``hadamard`` for decode rows on the other paths and for a prompt
 chunk with context, ``acb.attention``); a fresh prompt attends to its own exact keys. The
