@@ -18,22 +18,22 @@ to bf16 as bf16 pages would hold it, for the bf16 prefill kernel). A fresh promp
 tokens attend to each other's exact keys and values in that step (its new k/v, before
 they are stored), as the float caches do; every later step reads them quantized.
 
-Keys are stored **rotated**: each key row is multiplied by a Walsh-Hadamard matrix (entries
-+-1, block-diagonal in blocks of the largest power of two dividing ``head_dim``) before it is
-rounded, and every query that reads the pages by the same matrix over the block size, a power of
-two, so ``(q H / b) . (k H) = q . k``: attention is unchanged up to rounding, and the rotation
-spreads the few channels that carry most of a key's magnitude over all of them, so one scale per
-row wastes far fewer of its 255 steps. Simulated on SmolLM2-135M in float32 (``python
-benchmarks/kv8_schemes.py``, 12k held-out tokens): int8 keys per row moved 2.16 % of next tokens,
-rotated ones 0.95 %; in the engine (``benchmarks/quality.py``, 24k held-out tokens, every token read
-from the pages) top-1 agreement with float32 went from 97.64 to 98.40 % beside bf16 weights (bf16
-pages: 99.05 %) and from 96.66 to 96.90 % beside int8 weights (bf16 pages: 97.13 %). Values are
-stored as they are (they cost 0.1-0.4 %). Keys are rotated as they are written (the native ``write_kv_int8`` and ``paged_decode_into`` rotate each
-key row in registers before rounding it), queries where they read the pages (inside
-``paged_decode_into``; the native ``hadamard`` for decode rows on the other paths and for a prompt
-chunk with context, ``acb.attention``); a fresh prompt attends to its own exact keys. The
-rotation costs the one-call decode kernel 2-5 % (45 rows x 370 keys, SmolLM2's heads: 232 ->
-235-255 us). Every page move (copy-on-write, offload, prefix reuse) carries ordinary int8 rows.
+Keys are stored **rotated**: each key row is multiplied by a Walsh-Hadamard matrix (entries +-1,
+block-diagonal in blocks of the largest power of two dividing ``head_dim``) before it is rounded,
+and every query that reads the pages by the same matrix over the block size, a power of two, so
+``(q H / b) . (k H) = q . k``: attention is unchanged up to rounding, and the rotation spreads the
+few channels that carry most of a key's magnitude over all of them, so one scale per row wastes far
+fewer of its 255 steps. Simulated on SmolLM2-135M in float32 (``python benchmarks/kv8_schemes.py``,
+12k held-out tokens): int8 keys per row moved 2.16 % of next tokens, rotated ones 0.95 %; in the
+engine (``benchmarks/quality.py``, 24k held-out tokens, every token read from the pages) top-1
+agreement with float32 went from 97.64 to 98.40 % beside bf16 weights (bf16 pages: 99.05 %) and
+from 96.66 to 96.90 % beside int8 weights (bf16 pages: 97.13 %). Values are stored as they are
+(they cost 0.1-0.4 %). Keys are rotated as they are written (the native ``write_kv_int8`` and
+``paged_decode_into`` rotate each key row in registers before rounding it), queries where they read
+the pages (inside ``paged_decode_into``; the native ``hadamard`` for decode rows on the other paths
+and for a prompt chunk with context, ``acb.attention``); a fresh prompt attends to its own exact
+keys. The rotation costs the one-call decode kernel 2-5 % (45 rows x 370 keys, SmolLM2's heads: 232
+-> 235-255 us). Every page move (copy-on-write, offload, prefix reuse) carries ordinary int8 rows.
 :func:`rotate_keys` / :func:`rotate_queries` are the reference the kernels are tested against.
 
 Only acb's native CPU attention reads int8 pages: on CUDA (Triton), with the PyTorch
