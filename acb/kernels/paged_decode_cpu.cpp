@@ -132,9 +132,11 @@ static inline void rotate_row(const T* src, T* dst, int64_t D, float scale) {
     return;
   }
 #endif
-  std::vector<float> x(D);
+  float stack[256];
+  std::vector<float> heap(D > 256 ? D : 0);
+  float* x = D > 256 ? heap.data() : stack;
   for (int64_t d = 0; d < D; ++d) x[d] = static_cast<float>(src[d]);
-  hadamard_scalar(x.data(), D);
+  hadamard_scalar(x, D);
   for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(x[d] * scale);
 }
 
@@ -163,9 +165,11 @@ static inline void quantize_kv_row(const T* row, int64_t D, int8_t* dst, bool ro
     return;
   }
 #endif
-  std::vector<float> x(D);
+  float stack[256];
+  std::vector<float> heap(D > 256 ? D : 0);
+  float* x = D > 256 ? heap.data() : stack;
   for (int64_t d = 0; d < D; ++d) x[d] = static_cast<float>(row[d]);
-  if (rotate) hadamard_scalar(x.data(), D);
+  if (rotate) hadamard_scalar(x, D);
   float amax = 0.f;
   for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
   const float scale = amax * (1.f / 127.f), inv = amax > 0.f ? 127.f / amax : 0.f;
