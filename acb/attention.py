@@ -294,7 +294,7 @@ def _decode_rows(meta: StepAttention, pool: PagePool, q_all: torch.Tensor, k_cac
         q = turn(q_all.index_select(1, idx)).transpose(0, 1).contiguous().float()
         o = _decode_native(pool, decode, meta.page_size, q, k_cache, v_cache, scaling, sliding_window, softcap)
     else:
-        q = turn(q_all.index_select(1, idx).to(out.dtype))
+        q = turn(q_all.index_select(1, idx)).to(out.dtype)
         o = _decode_torch(pool, decode, meta.page_size, q, k_cache, v_cache, kv_heads, scaling, sliding_window, softcap)
     out.index_copy_(0, idx, o.to(out.dtype))
 
