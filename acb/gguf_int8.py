@@ -81,7 +81,8 @@ def load(folder: str, gguf_file: str, dtype: torch.dtype):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
     st = os.stat(path)
-    method = f"w{quantization.GROUP}a{quantization.GROUP}-smooth{quantization.SMOOTHING}-f32cal-bf16head"  # the format
+    method = (f"w{quantization.GROUP}a{quantization.GROUP}-smooth{quantization.SMOOTHING}-f32cal-bf16head"
+              f"{'-hadamard' if quantization.ROTATION else ''}")  # the format
     key = hashlib.sha1(f"{os.path.realpath(path)}|{st.st_size}|{int(st.st_mtime)}|{method}".encode()).hexdigest()[:16]
     cached = cache_dir() / "int8" / f"{os.path.splitext(gguf_file)[0]}-{key}"
     hit = (cached / "weights.pt").is_file()
@@ -163,10 +164,7 @@ def _read(path: str, model: torch.nn.Module, config, factors: dict | None = None
     factors = factors or {}
 
     def packed(name: str, value: torch.Tensor) -> tuple:
-        s = factors.get(name)
-        if s is None:
-            return Int8Linear.from_int8(*quantization.quantize_weight(value)).packed
-        return Int8Linear.from_int8(*quantization.quantize_weight(value * s), input_scale=1 / s).packed
+        return Int8Linear.from_weight(value, smoothing=factors.get(name)).packed
 
     reader = GGUFReader(path)
     arch = read_field(reader, "general.architecture")[0]
@@ -190,14 +188,16 @@ def _read(path: str, model: torch.nn.Module, config, factors: dict | None = None
         if hf_name in targets and tensor.data.ndim == 2 and tensor.data.shape[0] > _SLICE and \
                 ".attn_q." not in tensor.name and ".attn_k." not in tensor.name:
             # a large projection (no processor rewrites it): rows decoded and quantized in slices
-            # (each row's groups are its own; the smoothing scales columns, so slices take it too)
+            # (each row's groups are its own; the smoothing and the rotation act on columns, so
+            # slices take them too)
             s = factors.get(hf_name)
             parts = []
             for i in range(0, tensor.data.shape[0], _SLICE):
                 rows = torch.from_numpy(dequantize(tensor.data[i: i + _SLICE], tensor.tensor_type))
-                parts.append(quantization.quantize_weight(rows if s is None else rows * s))
+                parts.append(quantization.quantize_weight(quantization.rounded(rows, s)))
             int8[hf_name] = Int8Linear.from_int8(torch.cat([q for q, _ in parts]), torch.cat([c for _, c in parts]),
-                                                 input_scale=None if s is None else 1 / s).packed
+                                                 input_scale=None if s is None else 1 / s,
+                                                 rotated=quantization.ROTATION).packed
             continue
         weights = dequantize(tensor.data, tensor.tensor_type)
         result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names,

@@ -126,13 +126,14 @@ def test_smoothing_moves_an_activation_outlier_into_the_weights():
     x = torch.randn(256, 64)
     x[:, 7] *= 80
     want = dense(x)
-    plain = Int8Linear.from_dense(dense)
+    plain = Int8Linear.from_dense(dense, rotate=False)
     s = x.abs().amax(0) ** 0.5 / dense.weight.detach().abs().amax(0) ** 0.5  # SmoothQuant, a = 0.5
-    smoothed = Int8Linear.from_dense(dense, s)
+    smoothed = Int8Linear.from_dense(dense, s, rotate=False)
     torch.testing.assert_close(smoothed.input_scale, 1 / s)
     # the weight on the layer's own inputs is the dense one within half a step of its (smoothed) groups
-    step = quantization.unpack_scales(smoothed.weight_scale).repeat_interleave(32, 1) * smoothed.input_scale
+    step = quantization.unpack_scales(smoothed.weight_scale).repeat_interleave(smoothed.group, 1) * smoothed.input_scale
     assert ((smoothed.dequantize() * smoothed.input_scale - dense.weight.detach()).abs() <= step / 2 + 1e-7).all()
+    torch.testing.assert_close(smoothed.effective(), smoothed.dequantize() * smoothed.input_scale)
     err_plain = (plain(x) - want).pow(2).mean().sqrt()
     err_smooth = (smoothed(x) - want).pow(2).mean().sqrt()
     assert err_smooth < 0.5 * err_plain, (err_smooth, err_plain)
@@ -204,11 +205,11 @@ def test_weights_are_packed_as_unsigned_bytes_with_their_scales_per_group():
     again = Int8Linear.from_packed(layer.packed)  # what the GGUF cache stores
     assert torch.equal(again.dequantize(), layer.dequantize()) and again.group == 16
     per_channel = Int8Linear.from_int8(wq, ws[:, 0])  # one scale per row: repeated over the groups
-    assert per_channel.group == quantization.activation_group(64) == 32
+    assert per_channel.group == quantization.activation_group(64) == 64
 
 
 def test_the_activation_group_divides_the_input_width():
-    assert [quantization.activation_group(k) for k in (576, 1536, 640, 96, 100, 4)] == [32, 32, 32, 32, 4, 4]
+    assert [quantization.activation_group(k) for k in (576, 1536, 640, 96, 48, 100, 4)] == [64, 64, 64, 32, 16, 4, 4]
 
 
 def test_activations_quantized_in_other_groups_than_the_weight_expects_are_refused():
@@ -217,6 +218,100 @@ def test_activations_quantized_in_other_groups_than_the_weight_expects_are_refus
     xq, xs, xo = _quantize(q8, torch.randn(2, 64), 64)
     with pytest.raises(RuntimeError, match="1 group"):
         q8.linear(xq, xs, xo, *layer.args, None, torch.float32)
+
+
+def _sylvester(k: int) -> torch.Tensor:
+    """The +-1 Walsh-Hadamard matrix over blocks of the largest power of two dividing k, built
+    by Sylvester's construction (what acb.quantization.hadamard multiplies by)."""
+    b, h = k & -k, torch.ones(1, 1)
+    while h.shape[0] < b:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return torch.block_diag(*[h] * (k // b))
+
+
+@pytest.mark.parametrize("k", [4, 12, 40, 64, 96, 576, 1536, 2048])
+def test_the_input_rotation_is_the_block_hadamard_matrix(k):
+    x = torch.randn(7, k)
+    h = _sylvester(k)
+    torch.testing.assert_close(quantization.hadamard(x).double(), x.double() @ h.double(), rtol=1e-5,
+                               atol=1e-5 * (k & -k) ** 0.5)
+    torch.testing.assert_close(h @ h, (k & -k) * torch.eye(k))  # so W H / b undoes x H
+    assert quantization.hadamard(x.view(7, 1, k)).shape == (7, 1, k)
+
+
+# (K, group): rotation blocks of 32-512 in registers (K = 96: 32, 576: 64, 1536: 512) and the
+# buffered path (K = 40: blocks of 8; 2048: a block past 512; a group of 4)
+@pytest.mark.parametrize("k,group", [(96, 32), (576, 64), (576, 32), (1536, 64), (40, 4), (2048, 64), (576, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotated_quantization_rounds_the_rotated_row(k, group, dtype):
+    """quantize_rows(rotate=True): the row (times the smoothing multiplier) rotated by the
+    block Hadamard matrix, then quantized per group: the same bytes, scales and offsets as the
+    unrotated kernel on acb.quantization.hadamard's rotation (the same sums in the same order)."""
+    q8 = _q8()
+    x = (torch.randn(9, k) * 2).to(dtype)
+    x[:, 5] *= 50
+    mult = torch.rand(k) + 0.5
+    got = q8.quantize_rows(x, None, False, 1e-6, group, mult, True)
+    want = _quantize(q8, quantization.hadamard(x.float() * mult).contiguous(), group)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    # with the norm: the normed row rotated (the norm's sum is the kernel's own: within a step)
+    w = torch.rand(k) + 0.5
+    got = q8.quantize_rows(x, w, False, 1e-6, group, mult, True)
+    xf = x.float()
+    normed = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)) * mult
+    rotated = quantization.hadamard(normed)
+    torch.testing.assert_close(got[1], rotated.view(9, k // group, group).abs().amax(2) / 127, rtol=1e-5, atol=0)
+    assert ((_dequantized_rows(got[0], got[1]).float() - rotated).abs() <= got[1].repeat_interleave(group, 1) * 0.51
+            + 1e-5).all()
+
+
+@pytest.mark.parametrize("k", [64, 96, 576])
+def test_a_rotated_layer_computes_the_dense_product(k):
+    """W rounded as (W s) H / b, inputs (x / s) H: the layer's weight on its own inputs is the
+    dense one (effective(): the rounded weight rotated back), and its output the dense output
+    within int8's error; the flag survives the packed form the GGUF cache stores."""
+    _q8()
+    torch.manual_seed(k)
+    dense = torch.nn.Linear(k, 48)
+    x = torch.randn(16, k)
+    x[:, 3] *= 20
+    s = torch.rand(k) + 0.5
+    layer = Int8Linear.from_dense(dense, s, rotate=True)
+    assert layer.rotated and "rotated" in repr(layer)
+    b = k & -k
+    step = quantization.unpack_scales(layer.weight_scale).repeat_interleave(layer.group, 1)
+    # the rounded weight is (W s) H / b within half a step per element
+    assert ((layer.dequantize() - quantization.rounded(dense.weight.detach(), s)).abs() <= step / 2 + 1e-7).all()
+    torch.testing.assert_close(quantization.rounded(dense.weight.detach(), s),
+                               (dense.weight.detach() * s) @ _sylvester(k) / b, rtol=1e-5, atol=1e-6)
+    # rotated back (times H: (W s H / b) H = W s) and unsmoothed: the dense weight, within int8's error
+    torch.testing.assert_close(layer.effective(), quantization.hadamard(layer.dequantize()) / s)
+    w = dense.weight.detach()
+    assert (layer.effective() - w).norm() < 0.01 * w.norm()
+    want = dense(x)
+    err = ((layer(x) - want).pow(2).mean() / want.pow(2).mean()).sqrt()
+    assert err < 0.02, err
+    plain = Int8Linear.from_dense(dense, s, rotate=False)
+    assert not plain.rotated and (layer(x) - plain(x)).abs().max() < 0.1 * want.abs().max()
+    again = Int8Linear.from_packed(layer.packed, dense.bias)
+    assert again.rotated and torch.equal(again(x), layer(x))
+
+
+def test_quantize_rotates_every_projection_and_the_fused_forward_follows():
+    """quantize_ rounds every decoder projection rotated (ROTATION) and says so in the log; the
+    int8 forward passes each projection's flag to the kernel."""
+    _q8()
+    model = tiny_model("llama", seed=3)
+    quantization.quantize_(model, tokenizer=tiny_tokenizer())
+    projections = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    assert projections and all(m.rotated for m in projections) and quantization.ROTATION
+    runner = _runner(model)
+    try:
+        fused = runner.fast_paths.fused
+        assert isinstance(fused, quantization.Int8Forward)
+        assert fused.rotated == [(True, True, True, True)] * model.config.num_hidden_layers
+    finally:
+        runner.release()
 
 
 @pytest.mark.parametrize("n", [48, 259])
@@ -253,7 +348,7 @@ def test_a_vocabulary_not_a_multiple_of_16_is_padded_and_the_padding_dropped():
     wq, ws = _int8(259, 64, 3)
     layer = Int8Linear.from_int8(wq, ws)
     assert layer.out_features == 259 and layer.weight.shape[0] * 16 == 272
-    torch.testing.assert_close(layer.dequantize(), wq.float() * ws.repeat_interleave(32, 1))
+    torch.testing.assert_close(layer.dequantize(), wq.float() * ws.repeat_interleave(layer.group, 1))
     assert layer(torch.randn(2, 3, 64)).shape == (2, 3, 259)
 
 
@@ -325,7 +420,7 @@ def test_int8_top1_agrees_with_float32_on_tiny_models(arch, dtype):
 
 
 def test_quantized_weights_take_at_most_35_percent_of_float32():
-    """Each int8 projection: its bytes and a float32 scale per 32 (28.1 % of float32); the lm_head
+    """Each int8 projection: its bytes and a float32 scale per 64 (26.6 % of float32); the lm_head
     and embedding bf16 (50 %). SmolLM2-135M's whole model is checked in tests/test_gguf_int8.py."""
     _q8()
     model = tiny_model("llama")

@@ -236,15 +236,92 @@ inline __m512 load_masked(const uint16_t* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
+// x <- x H in place: the Walsh-Hadamard transform (Sylvester's order, entries +-1, not normalised)
+// in blocks of b = the largest power of two dividing k. The four stages within 16 lanes in registers
+// (acb/kernels/vec_math.h), then the stages across them; the scalar loop where b < 16.
+inline void hadamard_row(float* x, int64_t k) {
+  const int64_t b = k & -k;
+  if (b < 16) {
+    for (int64_t len = 1; len < b; len <<= 1)
+      for (int64_t i = 0; i < k; i += 2 * len)
+        for (int64_t j = i; j < i + len; ++j) {
+          const float u = x[j], v = x[j + len];
+          x[j] = u + v;
+          x[j + len] = u - v;
+        }
+    return;
+  }
+  for (int64_t i = 0; i < k; i += 16) _mm512_storeu_ps(x + i, acb_vec::hadamard_lanes(_mm512_loadu_ps(x + i)));
+  for (int64_t len = 16; len < b; len <<= 1)  // pairs (j, j + len) never cross a block: 2 len <= b and b | k
+    for (int64_t i = 0; i < k; i += 2 * len)
+      for (int64_t j = i; j < i + len; j += 16) {
+        const __m512 u = _mm512_loadu_ps(x + j), v = _mm512_loadu_ps(x + j + len);
+        _mm512_storeu_ps(x + j, _mm512_add_ps(u, v));
+        _mm512_storeu_ps(x + j + len, _mm512_sub_ps(u, v));
+      }
+}
+
+// One group of nv registers' values -> q (16 nv signed bytes), its scale max|v| / 127 and offset
+// 128 * sum(q) * scale (round to nearest even, as nearbyint)
+inline void quantize_group(const __m512* v, int64_t nv, int8_t* q, float* scale, float* off) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t j = 0; j < nv; ++j) amax = _mm512_max_ps(amax, _mm512_abs_ps(v[j]));
+  const float top = _mm512_reduce_max_ps(amax), s = top / 127.f;
+  const __m512 qs = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
+  __m512i sum = _mm512_setzero_si512();
+  for (int64_t j = 0; j < nv; ++j) {
+    const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(v[j], qs));
+    sum = _mm512_add_epi32(sum, r);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * j), _mm512_cvtsepi32_epi8(r));
+  }
+  *scale = s;
+  *off = 128.f * static_cast<float>(_mm512_reduce_add_epi32(sum)) * s;
+}
+
+// quantize_row's rotated blocks of NB registers (b = 16 NB values; NB known at compile time, so the
+// block stays in registers): each loaded (normed with inv and w, times mult), rotated (hadamard_row's
+// sums in its order, so the same bits), then its groups of nv registers quantized
+template <int NB, typename T>
+void rotated_blocks(const T* x, int64_t k, int64_t nv, const float* w, const float* mult, float inv, int8_t* q,
+                    float* scales, float* offs) {
+  const __m512 vinv = _mm512_set1_ps(inv);
+  const int64_t group = 16 * nv;
+  for (int64_t b0 = 0; b0 < k; b0 += 16 * NB) {
+    __m512 v[NB];
+#pragma GCC unroll 32
+    for (int c = 0; c < NB; ++c) {
+      const int64_t i = b0 + 16 * c;
+      __m512 u = load_row(x + i);
+      if (w) u = _mm512_mul_ps(_mm512_loadu_ps(w + i), _mm512_mul_ps(u, vinv));
+      if (mult) u = _mm512_mul_ps(u, _mm512_loadu_ps(mult + i));
+      v[c] = acb_vec::hadamard_lanes(u);
+    }
+#pragma GCC unroll 8
+    for (int len = 1; len < NB; len <<= 1)
+#pragma GCC unroll 32
+      for (int i = 0; i < NB; i += 2 * len)
+#pragma GCC unroll 32
+        for (int j = i; j < i + len; ++j) {
+          const __m512 u = v[j], t = v[j + len];
+          v[j] = _mm512_add_ps(u, t);
+          v[j + len] = _mm512_sub_ps(u, t);
+        }
+    for (int64_t g0 = 0; g0 < 16 * NB; g0 += group)
+      quantize_group(v + g0 / 16, nv, q + b0 + g0, scales + (b0 + g0) / group, offs + (b0 + g0) / group);
+  }
+}
+
 // One row: optional RMSNorm (w * (x * r), r = 1 / sqrt(mean(x^2) + eps); the product is
 // commutative, so Llama's and Gemma's orders give the same float), then optionally times the
 // per-channel multiplier m (acb.quantization's smoothing 1/s, applied after the norm's product as
 // the model's own forward applies it to the norm's output), then per group
 // of `group` channels q = round(v * 127 / max|v|) (round to nearest even, as nearbyint), scale =
-// max|v| / 127 and offset = 128 * sum(q) * scale (see the GEMM above).
+// max|v| / 127 and offset = 128 * sum(q) * scale (see the GEMM above). rotate: v <- v H
+// (hadamard_row; acb.quantization's input rotation, the weight's columns rotated alike) before the
+// groups are quantized; the row then passes through buf ([k] floats).
 template <typename T>
 void quantize_row(const T* x, int64_t k, int64_t group, const float* w, const float* mult, float eps, int8_t* q,
-                  float* scales, float* offs, float* buf) {
+                  float* scales, float* offs, float* buf, bool rotate = false) {
   const bool norm = w != nullptr;
   auto mask = [](int64_t i, int64_t end) {
     return static_cast<__mmask16>(end - i >= 16 ? 0xffff : (1u << (end - i)) - 1);
@@ -258,29 +335,44 @@ void quantize_row(const T* x, int64_t k, int64_t group, const float* w, const fl
     }
     inv = 1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(k) + eps);
   }
+  const int64_t b = k & -k;  // the rotation's block
+  if (rotate && b % 16 == 0 && b <= 512 && group % 16 == 0 && b % group == 0) {  // in registers
+    const float* nw = norm ? w : nullptr;
+    const int64_t nv = group / 16;
+    switch (b / 16) {
+      case 1: return rotated_blocks<1>(x, k, nv, nw, mult, inv, q, scales, offs);
+      case 2: return rotated_blocks<2>(x, k, nv, nw, mult, inv, q, scales, offs);
+      case 4: return rotated_blocks<4>(x, k, nv, nw, mult, inv, q, scales, offs);
+      case 8: return rotated_blocks<8>(x, k, nv, nw, mult, inv, q, scales, offs);
+      case 16: return rotated_blocks<16>(x, k, nv, nw, mult, inv, q, scales, offs);
+      default: return rotated_blocks<32>(x, k, nv, nw, mult, inv, q, scales, offs);
+    }
+  }
+  if (rotate) {  // any other shape: through buf
+    for (int64_t i = 0; i < k; i += 16) {
+      const __mmask16 m = mask(i, k);
+      __m512 v = load_masked(x + i, m);
+      if (norm) v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + i), _mm512_mul_ps(v, _mm512_set1_ps(inv)));
+      if (mult) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, mult + i));
+      _mm512_mask_storeu_ps(buf + i, m, v);
+    }
+    hadamard_row(buf, k);
+    // buf read as the row (no norm, no multiplier); the general path's rewrite of buf stores the values it read
+    quantize_row<float>(buf, k, group, nullptr, nullptr, eps, q, scales, offs, buf);
+    return;
+  }
   if (group % 16 == 0 && group <= 64) {  // the groups acb uses: each group's values stay in registers
     const int64_t nv = group / 16;
     const __m512 vinv = _mm512_set1_ps(inv);
     for (int64_t g0 = 0; g0 < k; g0 += group) {
       __m512 v[4];
-      __m512 amax = _mm512_setzero_ps();
       for (int64_t j = 0; j < nv; ++j) {
         const int64_t i = g0 + 16 * j;
         v[j] = load_row(x + i);
         if (norm) v[j] = _mm512_mul_ps(_mm512_loadu_ps(w + i), _mm512_mul_ps(v[j], vinv));
         if (mult) v[j] = _mm512_mul_ps(v[j], _mm512_loadu_ps(mult + i));
-        amax = _mm512_max_ps(amax, _mm512_abs_ps(v[j]));
       }
-      const float top = _mm512_reduce_max_ps(amax), scale = top / 127.f;
-      const __m512 qs = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
-      __m512i sum = _mm512_setzero_si512();
-      for (int64_t j = 0; j < nv; ++j) {
-        const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(v[j], qs));
-        sum = _mm512_add_epi32(sum, r);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g0 + 16 * j), _mm512_cvtsepi32_epi8(r));
-      }
-      scales[g0 / group] = scale;
-      offs[g0 / group] = 128.f * static_cast<float>(_mm512_reduce_add_epi32(sum)) * scale;
+      quantize_group(v, nv, q + g0, scales + g0 / group, offs + g0 / group);
     }
     return;
   }
@@ -325,7 +417,8 @@ const float* channel_weights(const c10::optional<torch::Tensor>& w, int64_t k, c
 
 template <typename T>
 std::vector<torch::Tensor> quantize_any(const torch::Tensor& x, const c10::optional<torch::Tensor>& norm_w,
-                                        double eps, int64_t group, const c10::optional<torch::Tensor>& mult) {
+                                        double eps, int64_t group, const c10::optional<torch::Tensor>& mult,
+                                        bool rotate) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be a 2-D tensor with contiguous rows");
   const int64_t m = x.size(0), k = x.size(1), xs = x.stride(0);
   TORCH_CHECK(k % 4 == 0, "the row width must be a multiple of 4");
@@ -348,7 +441,7 @@ std::vector<torch::Tensor> quantize_any(const torch::Tensor& x, const c10::optio
     for (int64_t t = b; t < e; ++t) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
       quantize_row(xp + t * xs, k, group, w, mp, static_cast<float>(eps), qp + t * k, sp + t * ng, op + t * ng,
-                   buf.data());
+                   buf.data(), rotate);
 #endif
     }
   });
@@ -364,15 +457,16 @@ bool has_vnni() { return kVnni; }
 // group <= 0: the whole row (one scale per token). With norm_w ([K], float32 or bf16), each row
 // is RMS-normalised first (Llama's w * (x * r); Gemma's (x * r) * (1 + w) when norm_w is the
 // float32 1 + w; `gemma` is kept for callers: the two orders are one float); with mult ([K]),
-// then multiplied by it (acb.quantization's smoothing).
+// then multiplied by it (acb.quantization's smoothing); with rotate, then rotated (x H in blocks of
+// the largest power of two dividing K, +-1 entries: hadamard_row) before it is quantized.
 std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, const c10::optional<torch::Tensor>& norm_w,
                                          bool gemma, double eps, int64_t group,
-                                         const c10::optional<torch::Tensor>& mult) {
+                                         const c10::optional<torch::Tensor>& mult, bool rotate) {
   TORCH_CHECK(kVnni, "acb's int8 kernels were built without AVX-512 VNNI");
   (void)gemma;
-  if (x.scalar_type() == torch::kFloat32) return quantize_any<float>(x, norm_w, eps, group, mult);
+  if (x.scalar_type() == torch::kFloat32) return quantize_any<float>(x, norm_w, eps, group, mult, rotate);
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be float32 or bfloat16");
-  return quantize_any<uint16_t>(x, norm_w, eps, group, mult);
+  return quantize_any<uint16_t>(x, norm_w, eps, group, mult, rotate);
 }
 
 // out [M, N] (of `dtype`'s kind: float32 or bfloat16) = dequantized xq @ W^T (+ bias), + other when given
@@ -430,7 +524,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_vnni", &has_vnni, "whether the GEMMs were built with AVX-512 VNNI");
   m.def("quantize_rows", &quantize_rows, "per-row (per-group) int8 quantization, optionally after an RMSNorm",
         py::arg("x"), py::arg("norm_w") = py::none(), py::arg("gemma") = false, py::arg("eps") = 1e-6,
-        py::arg("group") = 0, py::arg("mult") = py::none(),
+        py::arg("group") = 0, py::arg("mult") = py::none(), py::arg("rotate") = false,
         py::call_guard<py::gil_scoped_release>());
   m.def("linear", &linear, "W8A8 linear (+ residual)", py::arg("xq"), py::arg("xscale"), py::arg("xoff"),
         py::arg("w"), py::arg("scale"), py::arg("bias") = py::none(), py::arg("other") = py::none(),

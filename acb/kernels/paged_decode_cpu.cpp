@@ -93,21 +93,11 @@ static inline void hadamard_scalar(float* x, int64_t D) {
         }
 }
 #if defined(__AVX512F__)
-// one butterfly stage within a register: lanes in `upper` take partner - self, the others self + partner
-static inline __m512 hadamard_stage(__m512 self, __m512 partner, __mmask16 upper) {
-  return _mm512_mask_sub_ps(_mm512_add_ps(self, partner), upper, partner, self);
-}
 // hadamard_scalar on a row held in n = D / 16 registers (D % 16 == 0, so b >= 16): the four stages
-// within each register by lane swaps, then the stages across registers. The same sums as the scalar
-// one, stage by stage, so the same bits.
+// within each register by lane swaps (acb/kernels/vec_math.h), then the stages across registers. The
+// same sums as the scalar one, stage by stage, so the same bits.
 static inline void hadamard16(__m512* x, int64_t n, int64_t b) {
-  for (int64_t c = 0; c < n; ++c) {
-    __m512 v = x[c];
-    v = hadamard_stage(v, _mm512_permute_ps(v, 0xB1), 0xAAAA);         // lanes j, j ^ 1
-    v = hadamard_stage(v, _mm512_permute_ps(v, 0x4E), 0xCCCC);         // j, j ^ 2
-    v = hadamard_stage(v, _mm512_shuffle_f32x4(v, v, 0xB1), 0xF0F0);  // j, j ^ 4
-    x[c] = hadamard_stage(v, _mm512_shuffle_f32x4(v, v, 0x4E), 0xFF00);  // j, j ^ 8
-  }
+  for (int64_t c = 0; c < n; ++c) x[c] = acb_vec::hadamard_lanes(x[c]);
   for (int64_t len = 1; len < b / 16; len <<= 1)
     for (int64_t base = 0; base < n; base += b / 16)
       for (int64_t i = base; i < base + b / 16; i += 2 * len)

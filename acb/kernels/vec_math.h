@@ -36,5 +36,19 @@ static inline __m512 act512(__m512 g, int64_t act) {
   return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(one, t));
 }
 
+// The Walsh-Hadamard transform's first four butterfly stages (Sylvester's order, entries +-1, not
+// normalised) within 16 lanes: lanes j and j ^ 1, then j ^ 2, j ^ 4, j ^ 8; each stage's lanes with
+// the bit set take partner - self, the others self + partner. The stages across registers follow in
+// the callers (acb/kernels/paged_decode_cpu.cpp's key rotation, int8_cpu.cpp's input rotation).
+static inline __m512 hadamard_stage(__m512 self, __m512 partner, __mmask16 upper) {
+  return _mm512_mask_sub_ps(_mm512_add_ps(self, partner), upper, partner, self);
+}
+static inline __m512 hadamard_lanes(__m512 v) {
+  v = hadamard_stage(v, _mm512_permute_ps(v, 0xB1), 0xAAAA);         // lanes j, j ^ 1
+  v = hadamard_stage(v, _mm512_permute_ps(v, 0x4E), 0xCCCC);         // j, j ^ 2
+  v = hadamard_stage(v, _mm512_shuffle_f32x4(v, v, 0xB1), 0xF0F0);  // j, j ^ 4
+  return hadamard_stage(v, _mm512_shuffle_f32x4(v, v, 0x4E), 0xFF00);  // j, j ^ 8
+}
+
 }  // namespace acb_vec
 #endif
