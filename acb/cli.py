@@ -103,7 +103,8 @@ def add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # lo
     p.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="weights dtype")
     p.add_argument("--quantization", choices=["int8"],
-                   help="int8 weights and activations per 32 channels, smoothed (SmoothQuant), the lm_head bf16 "
+                   help="int8 weights and activations per 64 channels, smoothed (SmoothQuant) and Hadamard-rotated, "
+                        "the lm_head bf16 "
                         "(CPUs with AVX-512 VNNI; see docs/performance.md, Dtypes); attention and KV pages keep "
                         "--dtype")
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8"],

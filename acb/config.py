@@ -358,7 +358,7 @@ class EngineConfig:  # ~300 lines: its fields, documented in groups, and one che
     attention is much of a step: +15-24 % beside ``quantization="int8"`` on 2026-12-04). Written
     quantized (keys rotated by a Walsh-Hadamard matrix first, queries alike: ``acb.kv_quant``),
     read by acb's native CPU attention kernels in float32; it costs accuracy (SmolLM2 top-1
-    agreement with float32 99.05 -> 98.40 % beside bf16 weights, 97.13 -> 96.90 % beside int8),
+    agreement with float32 99.05 -> 98.40 % beside bf16 weights, 97.53 -> 97.22 % beside int8),
     so it is never on unless asked for. The engine refuses it, naming it, where
     those kernels do not run (CUDA, ``attn_backend="torch"``, ``cpu_kernels=False``,
     ``tensor_parallel_size > 1``). Accuracy: docs/performance.md.

@@ -3,8 +3,8 @@
 ``acb.loading`` otherwise dequantizes a GGUF file into a float32 model (and caches it
 as a float32 folder). Here the model's skeleton is built with its parameters on the
 ``meta`` device (no memory), and each GGUF tensor is read, dequantized to float32 on
-its own, and either quantized at once to int8 per output channel and group of 32 input
-channels (the decoder's projections), rounded to bf16 (the embedding / lm_head, in slices
+its own, and either quantized at once to int8 per output channel and group of 64 input
+channels (the decoder's projections, smoothed and rotated: :func:`acb.quantization.rounded`), rounded to bf16 (the embedding / lm_head, in slices
 of rows) or kept in the model's dtype (norms, biases); the largest float32 array alive at
 any time is one tensor or slice (SmolLM2: an MLP projection, 3.5 MB), never the model.
 
@@ -19,7 +19,7 @@ Every GGUF quantization type the ``gguf`` package dequantizes is read (F32, F16,
 Q8_0, Q4_0, Q4_1, Q5_x, the K-quants, ...): SmolLM2-135M's file holds Q4_1 (210
 tensors), Q8_0 (the embedding) and F32 (the norms); Gemma 3 270M's holds Q4_K/Q6_K/Q8_0
 (run ``python -m acb.gguf_int8 FILE`` to list a file's types). A block-quantized tensor is
-dequantized, smoothed and requantized in acb's groups of 32 (Q8_0's block size).
+dequantized, smoothed, rotated and requantized in acb's groups of 64.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """int8 weights on the CPU (``EngineConfig(quantization="int8")``): W8A8 on AVX-512 VNNI.
 
 Every linear layer of the decoder (the attention's and the MLP's projections) keeps its
-weights as int8, symmetric, one scale per output channel and group of 32 input channels
-(:data:`GROUP`: GGUF Q8_0's layout); the ``lm_head`` and the embedding (one table when tied:
-SmolLM2, Gemma) stay bfloat16 and run on acb's bf16 GEMM (:class:`Bf16Linear`). The
-activations going into each int8 GEMM are quantized at run time per token and per the same
-groups of 32 channels (``max|x| / 127`` over the group), and the GEMM runs in acb's own kernel
+weights as int8, symmetric, one scale per output channel and group of 64 input channels
+(:data:`GROUP`); the ``lm_head`` and the embedding (one table when tied: SmolLM2, Gemma) stay
+bfloat16 and run on acb's bf16 GEMM (:class:`Bf16Linear`). The activations going into each int8
+GEMM are smoothed, rotated (:data:`ROTATION`) and quantized at run time per token and per the
+same groups of 64 channels (``max|x| / 127`` over the group), and the GEMM runs in acb's own kernel
 (``acb/kernels/int8_cpu.cpp``): byte dot products (``vpdpbusd``) accumulated in int32 within a
 group, rescaled in float32 across groups, with the epilogues fused (the residual add, SiLU /
 GELU-tanh times the up projection). The residual stream between the layers is float32 (the
@@ -22,11 +22,12 @@ it moves the outliers into the weights, whose groups absorb them. max|x_j| is ca
 at quantization time, on ``acb/data/calibration.txt`` (4,096 SmolLM2 tokens of docstrings from
 Python's standard library, PSF-licensed text; never the held-out text quality is measured on).
 
-What each part buys, measured on SmolLM2-135M (``benchmarks/int8_smoothing.py``: fake
-quantization, 8,192 held-out tokens, top-1 next-token agreement with float32): per channel
-weights and per-64 activations with an int8 lm_head 93.6 %; weights and activations per 32 with
-a bf16 lm_head 95.9 %; + smoothing a=0.5 97.4 % (the engine's own numbers: docs/performance.md,
-``benchmarks/quality.py``). The lm_head in bf16 is worth ~0.7 points of that: its input is the
+What each part buys, measured on SmolLM2-135M (``benchmarks/int8_smoothing.py`` and
+``benchmarks/int8_rotation.py``: fake quantization, 8,192 held-out tokens, top-1 next-token
+agreement with float32): per channel weights and per-64 activations with an int8 lm_head 93.6 %;
+weights and activations per 32 with a bf16 lm_head 95.9 %; + smoothing a=0.5 97.4 %; + the
+rotation 98.1 %; the same in groups of 64 96.75 % unrotated, 97.67 % rotated (the engine's own
+numbers: docs/performance.md, ``benchmarks/quality.py``). The lm_head in bf16 is worth ~0.7 points of that: its input is the
 whole vocabulary's decision, and it stays within issue 28's memory budget for SmolLM2 (weights
 ~33 % of float32's).
 
@@ -76,9 +77,11 @@ METHODS = ("int8",)
 
 # Input channels per weight scale and per activation scale (the two must match: the kernel
 # flushes its int32 sums once per group). SmolLM2-135M, 8,192 held-out tokens, lm_head bf16
-# (benchmarks/int8_smoothing.py): weights per channel / activations per 64 94.7 %; weights and
-# activations per 32 95.9 %; with smoothing 97.4 %. Groups of 32 cost the GEMM ~15 % of its
-# rate against 64 (one flush per 8 dot-product steps instead of 16).
+# (benchmarks/int8_smoothing.py, int8_rotation.py): weights per channel / activations per 64
+# 94.7 %; weights and activations per 32 95.9 %; with smoothing 97.4 %; rotated too 98.1 %; per 64,
+# smoothed and rotated 97.7 %. The engine (benchmarks/quality.py, 24,000 tokens): per 32 97.81 %,
+# per 64 97.53 % (97.51 / 97.22 % beside int8 KV pages). Groups of 32 cost the GEMM 6-18 % of its
+# rate against 64 in a real-text prefill (one flush per 8 dot-product steps instead of 16), so 64.
 GROUP = 64
 
 # SmoothQuant's migration strength a: s_j = max|x_j|^a / max|w_j|^(1-a). On SmolLM2 (weights and
