@@ -185,7 +185,8 @@ def test_a_projection_taller_than_a_slice_is_quantized_in_slices_to_the_same_byt
                                                                                     monkeypatch):
     """A projection with more rows than acb.gguf_int8 decodes at once (a 7B model's MLP) is read in
     slices of rows: SmolLM2 converted with slices of 512 rows gives the MLP the same int8 bytes,
-    scales and smoothing as whole-tensor decoding (each row's groups are its own)."""
+    scales, smoothing and rotation as whole-tensor decoding (each row's groups are its own; the
+    smoothing and the rotation act on columns)."""
     from acb.loading import smollm2
 
     model, *_ = smollm2_int8
@@ -195,7 +196,7 @@ def test_a_projection_taller_than_a_slice_is_quantized_in_slices_to_the_same_byt
     for name in ("gate_proj", "up_proj", "down_proj"):
         a, b = getattr(model.model.layers[3].mlp, name), getattr(sliced.model.layers[3].mlp, name)
         assert torch.equal(a.weight, b.weight) and torch.equal(a.weight_scale, b.weight_scale)
-        assert torch.equal(a.input_scale, b.input_scale)
+        assert torch.equal(a.input_scale, b.input_scale) and a.rotated and b.rotated
 
 
 def test_the_conversion_does_not_depend_on_the_dtype_that_loads_it_first(smollm2_int8, tmp_path, monkeypatch):
