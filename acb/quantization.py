@@ -657,7 +657,7 @@ class Int8Forward(FusedForward):
                 log.info("acb: int8 fused CPU forward not used (gate and up smoothed or rotated apart); "
                          "transformers' forward runs")
                 return None
-        log.info("acb: int8 fused CPU forward over %d %s layers (float32 residual stream, %s attention and KV pages)",
+        log.info("acb: int8 fused CPU forward over %d %s layers (float32 residual stream, q/k/v and attention in %s)",
                  len(layers),
                  type(model.model.layers[0]).__name__, str(next(model.parameters()).dtype).removeprefix("torch."))
         return cls(model, layers, kernels, qkv, smooth, rotated)
