@@ -4,9 +4,10 @@
 as a float32 folder). Here the model's skeleton is built with its parameters on the
 ``meta`` device (no memory), and each GGUF tensor is read, dequantized to float32 on
 its own, and either quantized at once to int8 per output channel and group of 64 input
-channels (the decoder's projections, smoothed and rotated: :func:`acb.quantization.rounded`), rounded to bf16 (the embedding / lm_head, in slices
-of rows) or kept in the model's dtype (norms, biases); the largest float32 array alive at
-any time is one tensor or slice (SmolLM2: an MLP projection, 3.5 MB), never the model.
+channels (the decoder's projections, smoothed and rotated: :func:`acb.quantization.rounded`),
+rounded to bf16 (the embedding / lm_head, in slices of rows) or kept in the model's dtype
+(norms, biases); the largest float32 array alive at any time is one tensor or slice (SmolLM2:
+an MLP projection, 3.5 MB), never the model.
 
 The file is read twice on the first load: the first pass builds an unsmoothed int8 model
 (float32 between its GEMMs, whatever dtype was asked) that reads

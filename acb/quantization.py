@@ -27,9 +27,9 @@ What each part buys, measured on SmolLM2-135M (``benchmarks/int8_smoothing.py`` 
 agreement with float32): per channel weights and per-64 activations with an int8 lm_head 93.6 %;
 weights and activations per 32 with a bf16 lm_head 95.9 %; + smoothing a=0.5 97.4 %; + the
 rotation 98.1 %; the same in groups of 64 96.75 % unrotated, 97.67 % rotated (the engine's own
-numbers: docs/performance.md, ``benchmarks/quality.py``). The lm_head in bf16 is worth ~0.7 points of that: its input is the
-whole vocabulary's decision, and it stays within issue 28's memory budget for SmolLM2 (weights
-~33 % of float32's).
+numbers: docs/performance.md, ``benchmarks/quality.py``). The lm_head in bf16 is worth ~0.7 points
+of that: its input is the whole vocabulary's decision, and it stays within issue 28's memory
+budget for SmolLM2 (weights ~32 % of float32's).
 
 Why W8A8 and this kernel (measured 2026-12-01 on this project's 2-core AVX-512 VNNI
 machine, best of 5 x 20 calls, load 1.9, per-64 groups; ``benchmarks/int8_gemm.py`` runs the

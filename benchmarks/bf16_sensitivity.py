@@ -15,7 +15,6 @@ logits among them; acb's GEMMs write float32 where it matters. quality.py measur
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quality import fp32_probe  # noqa: E402
+from quality import fp32_probe, write_probe_rows  # noqa: E402
 
 _ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 # (label, options): weights / inputs: round every linear's weight / input; outputs: the linears whose
@@ -126,11 +125,7 @@ def main() -> None:
     name = "transformers' own bf16 forward"
     rows.append({"config": name, "options": {}, "top1_agreement": agreement})
     print(f"{name:100s} top-1 {agreement * 100:6.2f} %", flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "scored_tokens": int(exact.numel()),
-                               "source": f"python benchmarks/bf16_sensitivity.py --tokens {args.tokens}",
-                               "rows": rows}, indent=1))
+    write_probe_rows(args.out, "bf16_sensitivity.py", args.tokens, exact, rows)
 
 
 if __name__ == "__main__":

@@ -17,22 +17,20 @@ H_b the normalized Walsh-Hadamard matrix over the largest power of two b dividin
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from int8_sensitivity import fake_act, fake_weight  # noqa: E402
-from int8_smoothing import calibration_ids  # noqa: E402
-from quality import fp32_probe  # noqa: E402
+from int8_smoothing import bf16, calibrated_probe  # noqa: E402
+from quality import score_and_restore, write_probe_rows  # noqa: E402
 
 # (label, weight group (0: per channel), activation group (0: per token), smoothing a, rotation)
 CONFIGS = [
-    ("acb now: W/A per 32, smoothed 0.5", 32, 32, 0.5, None),
+    ("before 2026-12-04 21:00: W/A per 32, smoothed 0.5", 32, 32, 0.5, None),
     ("W per channel, A per token, smoothed 0.5", 0, 0, 0.5, None),
     ("W per channel, A per token, Hadamard blocks", 0, 0, None, "blocks"),
     ("W per channel, A per token, Hadamard (x) DCT", 0, 0, None, "dct"),
@@ -43,7 +41,7 @@ CONFIGS = [
     ("W/A per 32, Hadamard blocks", 32, 32, None, "blocks"),
     ("W/A per 32, smoothed 0.5, Hadamard (x) DCT", 32, 32, 0.5, "dct"),
     ("W/A per 64, smoothed 0.5", 64, 64, 0.5, None),
-    ("W/A per 64, smoothed 0.5, Hadamard blocks", 64, 64, 0.5, "blocks"),
+    ("acb now: W/A per 64, smoothed 0.5, Hadamard blocks", 64, 64, 0.5, "blocks"),
     ("W/A per 64, smoothed 0.5, Hadamard (x) DCT", 64, 64, 0.5, "dct"),
 ]
 
@@ -76,34 +74,7 @@ def main() -> None:
     p.add_argument("--out", default="bench-results/int8_rotation.json")
     args = p.parse_args()
 
-    from acb.loading import load, smollm2
-
-    model, linears, top1 = fp32_probe(args.tokens, args.window)
-    embed = model.model.embed_tokens
-    table = embed.weight.data.clone()
-    embed.weight = torch.nn.Parameter(table.clone(), requires_grad=False)
-    embed.weight.data = table.bfloat16().float()
-
-    def bf16(t: torch.Tensor) -> torch.Tensor:
-        return t.bfloat16().float()
-
-    _, tokenizer = load(*smollm2(), dtype=torch.float32)
-    cal = calibration_ids(tokenizer, 4096)
-    amax: dict[str, torch.Tensor] = {}
-
-    def record(name):
-        def hook(mod, a):
-            x = a[0].reshape(-1, a[0].shape[-1]).abs().amax(0)
-            amax[name] = torch.maximum(amax[name], x) if name in amax else x
-        return hook
-
-    hooks = [m.register_forward_pre_hook(record(name)) for name, (m, _) in linears.items()]
-    with torch.no_grad():
-        for i in range(0, len(cal) - args.window + 1, args.window):
-            model(torch.tensor([cal[i: i + args.window]]))
-    for h in hooks:
-        h.remove()
-
+    model, linears, top1, amax = calibrated_probe(args.tokens, args.window)
     exact = top1()
     rows = []
     picked = [CONFIGS[int(i)] for i in args.configs.split(",")] if args.configs else CONFIGS
@@ -121,20 +92,11 @@ def main() -> None:
             m.weight.data = fake_weight((w * s) @ r, wgroup) @ r.T  # rounded in the rotated basis
             hooks.append(m.register_forward_pre_hook(
                 lambda mod, a, s=s, g=agroup, r=r: (fake_act((a[0] / s) @ r, g or a[0].shape[-1]) @ r.T,)))
-        t0 = time.perf_counter()
-        agreement = (top1() == exact).float().mean().item()
-        for h in hooks:
-            h.remove()
-        for m, w in linears.values():
-            m.weight.data = w
+        agreement, seconds = score_and_restore(top1, exact, hooks, linears)
         rows.append({"config": label, "weight_group": wgroup, "activation_group": agroup, "smoothing": alpha,
                      "rotation": rot, "top1_agreement": agreement})
-        print(f"{label:62s} top-1 {agreement * 100:6.2f} %  ({time.perf_counter() - t0:.0f} s)", flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "scored_tokens": int(exact.numel()),
-                               "source": f"python benchmarks/int8_rotation.py --tokens {args.tokens}",
-                               "rows": rows}, indent=1))
+        print(f"{label:62s} top-1 {agreement * 100:6.2f} %  ({seconds:.0f} s)", flush=True)
+    write_probe_rows(args.out, "int8_rotation.py", args.tokens, exact, rows)
 
 
 if __name__ == "__main__":

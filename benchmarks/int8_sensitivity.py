@@ -16,20 +16,18 @@ the ``lm_head``: quantizing the head's weight quantizes the embedding rows too, 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quality import fp32_probe  # noqa: E402
+from quality import fp32_probe, score_and_restore, write_probe_rows  # noqa: E402
 
 # (label, options): skip: parts left exact; skip_act: parts whose inputs stay exact; act/weights:
 # quantize those at all; group: activation channels per scale; wgroup: weight input channels per scale
 CONFIGS = [
-    ("W8A8 (acb's int8: weights per channel, activations per token and 64 channels)", {}),
+    ("W8A8 (acb's first int8, 2026-12-01: weights per channel, activations per token and 64 channels)", {}),
     ("weights only (activations exact)", {"act": False}),
     ("activations only (weights exact)", {"weights": False}),
     ("lm_head (and tied embedding) exact", {"skip": ("lm_head",)}),
@@ -81,19 +79,10 @@ def main() -> None:
             if o.get("act", True) and part not in o.get("skip_act", ()):
                 g = o.get("group", 64)
                 hooks.append(m.register_forward_pre_hook(lambda mod, a, g=g: (fake_act(a[0], g),)))
-        t0 = time.perf_counter()
-        agreement = (top1() == exact).float().mean().item()
-        for h in hooks:
-            h.remove()
-        for m, w in linears.values():
-            m.weight.data = w
+        agreement, seconds = score_and_restore(top1, exact, hooks, linears)
         rows.append({"config": name, "options": o, "top1_agreement": agreement})
-        print(f"{name:80s} top-1 {agreement * 100:6.2f} %  ({time.perf_counter() - t0:.0f} s)", flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "scored_tokens": int(exact.numel()),
-                               "source": f"python benchmarks/int8_sensitivity.py --tokens {args.tokens}",
-                               "rows": rows}, indent=1))
+        print(f"{name:80s} top-1 {agreement * 100:6.2f} %  ({seconds:.0f} s)", flush=True)
+    write_probe_rows(args.out, "int8_sensitivity.py", args.tokens, exact, rows)
 
 
 if __name__ == "__main__":

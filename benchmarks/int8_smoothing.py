@@ -18,20 +18,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from int8_sensitivity import fake_act, fake_weight  # noqa: E402
-from quality import fp32_probe  # noqa: E402
+from quality import fp32_probe, score_and_restore, write_probe_rows  # noqa: E402
 
 # (label, weight group (0: per output channel), activation group (None: bf16 input), smoothing a, bf16 parts)
 CONFIGS = [
-    ("acb's int8 now: W per channel, A per 64, lm_head int8", 0, 64, None, ()),
+    ("acb's first int8 (2026-12-01): W per channel, A per 64, lm_head int8", 0, 64, None, ()),
     ("W per 32, A per 64, lm_head int8", 32, 64, None, ()),
     ("W per channel, A per 64, lm_head bf16", 0, 64, None, ("lm_head",)),
     ("W per 32, A per 32, lm_head bf16", 32, 32, None, ("lm_head",)),
@@ -60,23 +58,20 @@ def calibration_ids(tokenizer, tokens: int) -> list[int]:
     return tokenizer("\n\n".join(dict.fromkeys(docs)))["input_ids"][:tokens]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--window", type=int, default=512)
-    p.add_argument("--out", default="bench-results/int8_smoothing.json")
-    args = p.parse_args()
+def bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.bfloat16().float()
 
+
+def calibrated_probe(tokens: int, window: int):
+    """:func:`quality.fp32_probe` with SmolLM2's embedding untied from the lm_head and rounded to
+    bf16 (as acb keeps it), and {linear's name: max |input| per channel} over the calibration text."""
     from acb.loading import load, smollm2
 
-    model, linears, top1 = fp32_probe(args.tokens, args.window)
+    model, linears, top1 = fp32_probe(tokens, window)
     embed = model.model.embed_tokens
     table = embed.weight.data.clone()
     embed.weight = torch.nn.Parameter(table.clone(), requires_grad=False)  # untied: the lm_head's own rows
-    embed.weight.data = table.bfloat16().float()
-
-    def bf16(t: torch.Tensor) -> torch.Tensor:
-        return t.bfloat16().float()
+    embed.weight.data = bf16(table)
 
     _, tokenizer = load(*smollm2(), dtype=torch.float32)
     cal = calibration_ids(tokenizer, 4096)
@@ -90,11 +85,21 @@ def main() -> None:
 
     hooks = [m.register_forward_pre_hook(record(name)) for name, (m, _) in linears.items()]
     with torch.no_grad():
-        for i in range(0, len(cal) - args.window + 1, args.window):
-            model(torch.tensor([cal[i: i + args.window]]))
+        for i in range(0, len(cal) - window + 1, window):
+            model(torch.tensor([cal[i: i + window]]))
     for h in hooks:
         h.remove()
+    return model, linears, top1, amax
 
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--out", default="bench-results/int8_smoothing.json")
+    args = p.parse_args()
+
+    model, linears, top1, amax = calibrated_probe(args.tokens, args.window)
     exact = top1()
     rows = []
     for label, wgroup, agroup, alpha, keep in CONFIGS:
@@ -109,20 +114,11 @@ def main() -> None:
             m.weight.data = fake_weight(w * s, wgroup)
             quant = (lambda x, g: fake_act(x, g)) if agroup else (lambda x, g: bf16(x))
             hooks.append(m.register_forward_pre_hook(lambda mod, a, s=s, g=agroup, q=quant: (q(a[0] / s, g),)))
-        t0 = time.perf_counter()
-        agreement = (top1() == exact).float().mean().item()
-        for h in hooks:
-            h.remove()
-        for m, w in linears.values():
-            m.weight.data = w
+        agreement, seconds = score_and_restore(top1, exact, hooks, linears)
         rows.append({"config": label, "weight_group": wgroup, "activation_group": agroup, "smoothing": alpha,
                      "bf16": list(keep), "top1_agreement": agreement})
-        print(f"{label:60s} top-1 {agreement * 100:6.2f} %  ({time.perf_counter() - t0:.0f} s)", flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "scored_tokens": int(exact.numel()),
-                               "source": f"python benchmarks/int8_smoothing.py --tokens {args.tokens}",
-                               "rows": rows}, indent=1))
+        print(f"{label:60s} top-1 {agreement * 100:6.2f} %  ({seconds:.0f} s)", flush=True)
+    write_probe_rows(args.out, "int8_smoothing.py", args.tokens, exact, rows)
 
 
 if __name__ == "__main__":

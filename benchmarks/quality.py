@@ -85,6 +85,26 @@ def fp32_probe(tokens: int, window: int):
     return model, linears, top1
 
 
+def score_and_restore(top1, exact: torch.Tensor, hooks: list, linears: dict) -> tuple[float, float]:
+    """(top-1 agreement of ``top1()`` with ``exact``, seconds it took); then the sensitivity
+    scripts' hooks removed and every linear's own weight put back."""
+    t0 = time.perf_counter()
+    agreement = (top1() == exact).float().mean().item()
+    for h in hooks:
+        h.remove()
+    for m, w in linears.values():
+        m.weight.data = w
+    return agreement, time.perf_counter() - t0
+
+
+def write_probe_rows(out: str, script: str, tokens: int, exact: torch.Tensor, rows: list[dict]) -> None:
+    """The sensitivity scripts' result file: their rows of top-1 agreement, dated, with the command."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "scored_tokens": int(exact.numel()),
+                                "source": f"python benchmarks/{script} --tokens {tokens}", "rows": rows}, indent=1))
+
+
 def window_logits(runner, tokens: list[int], pages: list[int]) -> torch.Tensor:
     """float32 logits at every position of ``tokens``, one fresh prefill through the
     runner's forward (the fused one where it serves) and acb's attention."""
