@@ -57,8 +57,12 @@ class _KernelProxy:
     """A native kernel module with each function timed (modules' attributes are read-only)."""
 
     def __init__(self, module, timers: Timers, names: list[str]) -> None:
+        self._module = module
         for name in names:
             setattr(self, name, timers.wrap(name, getattr(module, name)))
+
+    def __getattr__(self, name: str):  # every function not timed: the module's own
+        return getattr(self._module, name)
 
 
 def instrument(engine: acb.Engine, timers: Timers) -> None:
