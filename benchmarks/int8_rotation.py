@@ -43,6 +43,10 @@ CONFIGS = [
     ("W/A per 64, smoothed 0.5", 64, 64, 0.5, None),
     ("acb now: W/A per 64, smoothed 0.5, Hadamard blocks", 64, 64, 0.5, "blocks"),
     ("W/A per 64, smoothed 0.5, Hadamard (x) DCT", 64, 64, 0.5, "dct"),
+    ("W/A per 64, smoothed 0.3, Hadamard blocks", 64, 64, 0.3, "blocks"),
+    ("W/A per 64, smoothed 0.4, Hadamard blocks", 64, 64, 0.4, "blocks"),
+    ("W/A per 64, smoothed 0.6, Hadamard blocks", 64, 64, 0.6, "blocks"),
+    ("W/A per 64, smoothed 0.7, Hadamard blocks", 64, 64, 0.7, "blocks"),
 ]
 
 
