@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_fused_forward import _logits, _runner
 
-from acb import Engine, EngineConfig, attention, quantization
+from acb import Engine, EngineConfig, attention, kv_quant, quantization
 from acb.kernels.cpu import int8_kernels
 from acb.quantization import Bf16Linear, Int8Linear, quantize_weight
 from acb.step import StepInput
@@ -221,12 +221,10 @@ def test_activations_quantized_in_other_groups_than_the_weight_expects_are_refus
 
 
 def _sylvester(k: int) -> torch.Tensor:
-    """The +-1 Walsh-Hadamard matrix over blocks of the largest power of two dividing k, built
-    by Sylvester's construction (what acb.quantization.hadamard multiplies by)."""
-    b, h = k & -k, torch.ones(1, 1)
-    while h.shape[0] < b:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return torch.block_diag(*[h] * (k // b))
+    """The +-1 Walsh-Hadamard matrix over blocks of the largest power of two dividing k (what
+    acb.quantization.hadamard multiplies by): the int8 pages' key rotation matrix, built by
+    Sylvester's construction in acb.kv_quant."""
+    return kv_quant.rotate_keys(torch.eye(k))
 
 
 @pytest.mark.parametrize("k", [4, 12, 40, 64, 96, 576, 1536, 2048])

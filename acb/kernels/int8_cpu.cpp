@@ -237,20 +237,12 @@ inline __m512 load_masked(const uint16_t* p, __mmask16 m) {
 }
 
 // x <- x H in place: the Walsh-Hadamard transform (Sylvester's order, entries +-1, not normalised)
-// in blocks of b = the largest power of two dividing k. The four stages within 16 lanes in registers
-// (acb/kernels/vec_math.h), then the stages across them; the scalar loop where b < 16.
+// in blocks of b = the largest power of two dividing k (acb/kernels/vec_math.h's sums, in memory for
+// blocks too large for registers). The four stages within 16 lanes in registers, then the stages
+// across them; the scalar loop where b < 16.
 inline void hadamard_row(float* x, int64_t k) {
   const int64_t b = k & -k;
-  if (b < 16) {
-    for (int64_t len = 1; len < b; len <<= 1)
-      for (int64_t i = 0; i < k; i += 2 * len)
-        for (int64_t j = i; j < i + len; ++j) {
-          const float u = x[j], v = x[j + len];
-          x[j] = u + v;
-          x[j + len] = u - v;
-        }
-    return;
-  }
+  if (b < 16) return acb_vec::hadamard_scalar(x, k);
   for (int64_t i = 0; i < k; i += 16) _mm512_storeu_ps(x + i, acb_vec::hadamard_lanes(_mm512_loadu_ps(x + i)));
   for (int64_t len = 16; len < b; len <<= 1)  // pairs (j, j + len) never cross a block: 2 len <= b and b | k
     for (int64_t i = 0; i < k; i += 2 * len)
@@ -279,8 +271,8 @@ inline void quantize_group(const __m512* v, int64_t nv, int8_t* q, float* scale,
 }
 
 // quantize_row's rotated blocks of NB registers (b = 16 NB values; NB known at compile time, so the
-// block stays in registers): each loaded (normed with inv and w, times mult), rotated (hadamard_row's
-// sums in its order, so the same bits), then its groups of nv registers quantized
+// block stays in registers): each loaded (normed with inv and w, times mult), rotated (hadamard16:
+// hadamard_row's sums in its order, so the same bits), then its groups of nv registers quantized
 template <int NB, typename T>
 void rotated_blocks(const T* x, int64_t k, int64_t nv, const float* w, const float* mult, float inv, int8_t* q,
                     float* scales, float* offs) {
@@ -294,18 +286,9 @@ void rotated_blocks(const T* x, int64_t k, int64_t nv, const float* w, const flo
       __m512 u = load_row(x + i);
       if (w) u = _mm512_mul_ps(_mm512_loadu_ps(w + i), _mm512_mul_ps(u, vinv));
       if (mult) u = _mm512_mul_ps(u, _mm512_loadu_ps(mult + i));
-      v[c] = acb_vec::hadamard_lanes(u);
+      v[c] = u;
     }
-#pragma GCC unroll 8
-    for (int len = 1; len < NB; len <<= 1)
-#pragma GCC unroll 32
-      for (int i = 0; i < NB; i += 2 * len)
-#pragma GCC unroll 32
-        for (int j = i; j < i + len; ++j) {
-          const __m512 u = v[j], t = v[j + len];
-          v[j] = _mm512_add_ps(u, t);
-          v[j + len] = _mm512_sub_ps(u, t);
-        }
+    acb_vec::hadamard16(v, NB, 16 * NB);
     for (int64_t g0 = 0; g0 < 16 * NB; g0 += group)
       quantize_group(v + g0 / 16, nv, q + b0 + g0, scales + (b0 + g0) / group, offs + (b0 + g0) / group);
   }

@@ -78,36 +78,26 @@ static inline float row_scale(const int8_t* row, int64_t D) {
   return s;
 }
 
-// The Walsh-Hadamard transform (Sylvester's order, entries +-1, not normalised) of a row of D
-// values in place, in blocks of b = the largest power of two dividing D: x <- x H. int8 pages store
-// keys so rotated and the queries that read them are rotated alike (acb/kv_quant.py says why).
-static inline void hadamard_scalar(float* x, int64_t D) {
-  const int64_t b = D & -D;
-  for (int64_t base = 0; base < D; base += b)
-    for (int64_t len = 1; len < b; len <<= 1)
-      for (int64_t i = base; i < base + b; i += 2 * len)
-        for (int64_t j = i; j < i + len; ++j) {
-          const float u = x[j], v = x[j + len];
-          x[j] = u + v;
-          x[j + len] = u - v;
-        }
-}
+// Keys in int8 pages are stored rotated by the Walsh-Hadamard matrix (blocks of the largest power of
+// two dividing D; acb_vec::hadamard_scalar / hadamard16 in vec_math.h), and the queries that read them
+// rotated alike (acb/kv_quant.py says why).
+using acb_vec::hadamard_scalar;
 #if defined(__AVX512F__)
-// hadamard_scalar on a row held in n = D / 16 registers (D % 16 == 0, so b >= 16): the four stages
-// within each register by lane swaps (acb/kernels/vec_math.h), then the stages across registers. The
-// same sums as the scalar one, stage by stage, so the same bits.
-static inline void hadamard16(__m512* x, int64_t n, int64_t b) {
-  for (int64_t c = 0; c < n; ++c) x[c] = acb_vec::hadamard_lanes(x[c]);
-  for (int64_t len = 1; len < b / 16; len <<= 1)
-    for (int64_t base = 0; base < n; base += b / 16)
-      for (int64_t i = base; i < base + b / 16; i += 2 * len)
-        for (int64_t j = i; j < i + len; ++j) {
-          const __m512 u = x[j], v = x[j + len];
-          x[j] = _mm512_add_ps(u, v);
-          x[j + len] = _mm512_sub_ps(u, v);
-        }
-}
+using acb_vec::hadamard16;
 #endif
+
+// A row of D values widened to float32 (on the stack up to 256 values), rotated when asked: the
+// scalar paths of rotate_row and quantize_kv_row
+struct WideRow {
+  float stack[256];
+  std::vector<float> heap;
+  float* x;
+  template <typename T>
+  WideRow(const T* src, int64_t D, bool rotate) : heap(D > 256 ? D : 0), x(D > 256 ? heap.data() : stack) {
+    for (int64_t d = 0; d < D; ++d) x[d] = static_cast<float>(src[d]);
+    if (rotate) hadamard_scalar(x, D);
+  }
+};
 
 // dst <- src H * scale, a row of D values (float32 arithmetic, rounded once to T)
 template <typename T>
@@ -122,12 +112,8 @@ static inline void rotate_row(const T* src, T* dst, int64_t D, float scale) {
     return;
   }
 #endif
-  float stack[256];
-  std::vector<float> heap(D > 256 ? D : 0);
-  float* x = D > 256 ? heap.data() : stack;
-  for (int64_t d = 0; d < D; ++d) x[d] = static_cast<float>(src[d]);
-  hadamard_scalar(x, D);
-  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(x[d] * scale);
+  const WideRow row(src, D, true);
+  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(row.x[d] * scale);
 }
 
 // One key or value row of D values -> its int8 cache row: D values, then the float32 scale
@@ -155,11 +141,8 @@ static inline void quantize_kv_row(const T* row, int64_t D, int8_t* dst, bool ro
     return;
   }
 #endif
-  float stack[256];
-  std::vector<float> heap(D > 256 ? D : 0);
-  float* x = D > 256 ? heap.data() : stack;
-  for (int64_t d = 0; d < D; ++d) x[d] = static_cast<float>(row[d]);
-  if (rotate) hadamard_scalar(x, D);
+  const WideRow wide(row, D, rotate);
+  const float* x = wide.x;
   float amax = 0.f;
   for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
   const float scale = amax * (1.f / 127.f), inv = amax > 0.f ? 127.f / amax : 0.f;

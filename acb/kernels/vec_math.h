@@ -39,7 +39,7 @@ static inline __m512 act512(__m512 g, int64_t act) {
 // The Walsh-Hadamard transform's first four butterfly stages (Sylvester's order, entries +-1, not
 // normalised) within 16 lanes: lanes j and j ^ 1, then j ^ 2, j ^ 4, j ^ 8; each stage's lanes with
 // the bit set take partner - self, the others self + partner. The stages across registers follow in
-// the callers (acb/kernels/paged_decode_cpu.cpp's key rotation, int8_cpu.cpp's input rotation).
+// hadamard16 below.
 static inline __m512 hadamard_stage(__m512 self, __m512 partner, __mmask16 upper) {
   return _mm512_mask_sub_ps(_mm512_add_ps(self, partner), upper, partner, self);
 }
@@ -50,5 +50,46 @@ static inline __m512 hadamard_lanes(__m512 v) {
   return hadamard_stage(v, _mm512_shuffle_f32x4(v, v, 0x4E), 0xFF00);  // j, j ^ 8
 }
 
+// hadamard_scalar (below) on a row held in n registers (16 n values, blocks of b >= 16 values):
+// the four stages within each register, then the stages across registers. The same sums as the
+// scalar one, stage by stage, so the same bits. Inlined with n and b known at compile time
+// (acb/kernels/int8_cpu.cpp), the loops unroll and the row stays in registers.
+static inline void hadamard16(__m512* x, int64_t n, int64_t b) {
+#pragma GCC unroll 32
+  for (int64_t c = 0; c < n; ++c) x[c] = hadamard_lanes(x[c]);
+#pragma GCC unroll 8
+  for (int64_t len = 1; len < b / 16; len <<= 1)
+    for (int64_t base = 0; base < n; base += b / 16)
+#pragma GCC unroll 32
+      for (int64_t i = base; i < base + b / 16; i += 2 * len)
+#pragma GCC unroll 32
+        for (int64_t j = i; j < i + len; ++j) {
+          const __m512 u = x[j], v = x[j + len];
+          x[j] = _mm512_add_ps(u, v);
+          x[j + len] = _mm512_sub_ps(u, v);
+        }
+}
+
 }  // namespace acb_vec
 #endif
+
+#include <cstdint>
+
+namespace acb_vec {
+
+// The Walsh-Hadamard transform (Sylvester's order, entries +-1, not normalised) of a row of n
+// values in place, in blocks of b = the largest power of two dividing n: x <- x H. int8 pages store
+// keys so rotated (acb/kv_quant.py), int8 GEMMs their inputs (acb/quantization.py).
+static inline void hadamard_scalar(float* x, int64_t n) {
+  const int64_t b = n & -n;
+  for (int64_t base = 0; base < n; base += b)
+    for (int64_t len = 1; len < b; len <<= 1)
+      for (int64_t i = base; i < base + b; i += 2 * len)
+        for (int64_t j = i; j < i + len; ++j) {
+          const float u = x[j], v = x[j + len];
+          x[j] = u + v;
+          x[j + len] = u - v;
+        }
+}
+
+}  // namespace acb_vec
