@@ -31,8 +31,8 @@ def _reference(x, w, bias=None, other=None):
     return out
 
 
-@pytest.mark.parametrize("m", [1, 5, 6, 7, 46, 97, 200])
-@pytest.mark.parametrize("n,k", [(16, 64), (50, 576), (96, 1536), (33, 2)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 46, 97, 200])  # every tile height (8 rows a tile)
+@pytest.mark.parametrize("n,k", [(16, 64), (50, 576), (80, 64), (96, 1536), (33, 2)])  # 1-6 blocks of 16
 def test_linear_computes_in_float32_and_writes_float32(m, n, k):
     bf16 = _native_or_skip()
     g = torch.Generator().manual_seed(m * 1000 + n + k)
@@ -45,6 +45,20 @@ def test_linear_computes_in_float32_and_writes_float32(m, n, k):
     tol = 1e-6 * (x.double().abs() @ w.double().abs().T) + 1e-30
     assert ((got.double() - want).abs() <= 4 * k * tol).all()
     assert (got != got.bfloat16().float()).any()  # not rounded to bf16 on the way out
+
+
+@pytest.mark.parametrize("m", [1, 6, 7])
+def test_a_few_rows_over_a_wide_weight_take_one_block_tiles_and_the_same_sums(m):
+    """An lm_head-like weight (>= 512 blocks of 16) under 1-6 rows is read one block a tile; 7 rows
+    take the 3-block tiles: both the float32 sums of the exact products, the last block partial."""
+    bf16 = _native_or_skip()
+    g = torch.Generator().manual_seed(m)
+    n, k = 16 * 520 + 5, 64
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    got = bf16.linear(x, bf16.pack(w), n, dtype=torch.float32)
+    tol = 1e-6 * (x.double().abs() @ w.double().abs().T) + 1e-30
+    assert ((got.double() - _reference(x, w)).abs() <= 4 * k * tol).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -86,13 +100,13 @@ def _act(t, act):
     return torch.nn.functional.silu(t) if act == 0 else torch.nn.functional.gelu(t, approximate="tanh")
 
 
-@pytest.mark.parametrize("m", [1, 6, 7, 97])
+@pytest.mark.parametrize("m", [1, 6, 7, 8, 97])
 @pytest.mark.parametrize("act", [0, 1])
 @pytest.mark.parametrize("bias", [False, True])
 def test_glu_keeps_gate_and_up_float32_until_the_product(m, act, bias):
     bf16 = _native_or_skip()
     g = torch.Generator().manual_seed(m * 10 + act)
-    n, k = 48, 192  # 3 blocks of 16 per projection: a 2-block tile and the 1 block left
+    n, k = 80, 192  # 5 blocks of 16 per projection: a 3-block tile and the 2 blocks left
     x = torch.randn(m, k, generator=g).bfloat16()
     wg, wu = ((torch.randn(n, k, generator=g) * 0.1).bfloat16() for _ in range(2))
     b = torch.randn(2 * n, generator=g) if bias else None

@@ -73,10 +73,11 @@ def test_int8_gemm_matches_a_dequantized_reference(m, n, k, group, dtype):
                                     (1, lambda t: torch.nn.functional.gelu(t, approximate="tanh"))])
 @pytest.mark.parametrize("m", [3, 70])
 @pytest.mark.parametrize("group", [64, 16])
-def test_int8_glu_matches_a_dequantized_reference(act, fn, m, group):
+@pytest.mark.parametrize("n", [96, 80])  # whole tiles of 3 blocks; one tile and two blocks left
+def test_int8_glu_matches_a_dequantized_reference(act, fn, m, group, n):
     q8 = _q8()
-    gate = Int8Linear.from_int8(*_int8(96, 64, 1, group))
-    up = Int8Linear.from_int8(*_int8(96, 64, 2, group))
+    gate = Int8Linear.from_int8(*_int8(n, 64, 1, group))
+    up = Int8Linear.from_int8(*_int8(n, 64, 2, group))
     xq, xs, xo = _quantize(q8, torch.randn(m, 64) * 2, group)
     x = _dequantized_rows(xq, xs)
     want = fn(x @ gate.dequantize().double().T) * (x @ up.dequantize().double().T)

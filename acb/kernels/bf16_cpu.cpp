@@ -11,9 +11,12 @@
 //   output channels, vdpbf16ps's operand order; columns past N are zero. K must be even.
 // out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) (+ other[m, n]), summed in float32 (pairs of
 //   products, then the accumulator), stored as float32 or rounded to bf16 (nearest even).
-// Tiles: 6 rows x 32 columns (12 zmm accumulators), as acb/kernels/int8_cpu.cpp; the threads
-//   split (column tile, row chunk) pairs, column tiles outermost, so each keeps its weight
-//   panels in its L2 across a chunk's rows.
+// Tiles: 8 rows x 48 columns (24 zmm accumulators, 3 weight loads and 8 broadcasts per 24
+//   vdpbf16ps); the threads split (column tile, row chunk) pairs, column tiles outermost, so each
+//   keeps its weight panels in its L2 across a chunk's rows. On this Zen 5 host 6 x 32 (12
+//   accumulators) ran ~870 GFLOP/s on SmolLM2's shapes, 8 x 48 ~1,000 (oneDNN's bf16: ~1,010),
+//   7 x 48 ~1,000, 6 x 64 ~980, 12 x 32 and 9 x 48 ~600 (spilled): benchmarks/int8_gemm.py's
+//   shapes, 46 and 1,667 rows.
 #include "torch_min.h"
 #include "bf16_scalar.h"
 #include "vec_math.h"
@@ -132,31 +135,38 @@ inline void any_tile(const Gemm& g, int64_t up, int64_t act, int64_t m0, int64_t
   else glu_tile<T, MR, NB>(g, up, act, m0, b0);
 }
 
-template <typename T, int NB>
-void tile_rows(int64_t rows, const Gemm& g, int64_t up, int64_t act, int64_t m0, int64_t b0) {
-  switch (rows) {
-    case 6: any_tile<T, 6, NB>(g, up, act, m0, b0); break;
-    case 5: any_tile<T, 5, NB>(g, up, act, m0, b0); break;
-    case 4: any_tile<T, 4, NB>(g, up, act, m0, b0); break;
-    case 3: any_tile<T, 3, NB>(g, up, act, m0, b0); break;
-    case 2: any_tile<T, 2, NB>(g, up, act, m0, b0); break;
-    default: any_tile<T, 1, NB>(g, up, act, m0, b0); break;
+constexpr int kMR = 8, kNB = 3;  // a tile's rows and 16-column blocks
+
+// a tile of `rows` (1..R) rows: R, else one row fewer
+template <typename T, int NB, int R = kMR>
+inline void tile_rows(int64_t rows, const Gemm& g, int64_t up, int64_t act, int64_t m0, int64_t b0) {
+  if constexpr (R == 1) {
+    any_tile<T, 1, NB>(g, up, act, m0, b0);
+  } else {
+    if (rows == R) any_tile<T, R, NB>(g, up, act, m0, b0);
+    else tile_rows<T, NB, R - 1>(rows, g, up, act, m0, b0);
   }
 }
 
 // blocks: the output's 16-column blocks; up >= 0: the GLU (act, the up's offset in blocks)
 template <typename T>
 void gemm(const Gemm& g, int64_t m, int64_t blocks, int64_t up = -1, int64_t act = 0) {
-  constexpr int64_t kMR = 6, nb = 2, chunk = 96;
+  constexpr int64_t chunk = 96;
+  // A few rows over a large weight (the lm_head of a decode step of 1-6 rows) are bound by reading the
+  // weight: one block a tile streams one packed panel at a time, which this host's prefetchers follow
+  // better than three panels 18 KB apart (SmolLM2's lm_head, 1 row: ~770 against ~1,100 us; with a
+  // 1,536-column weight one block a tile is twice as slow, so only there).
+  const int64_t nb = m <= 6 && blocks >= 512 ? 1 : kNB;
   const int64_t col_tiles = (blocks + nb - 1) / nb, row_chunks = (m + chunk - 1) / chunk;
   at::parallel_for(0, col_tiles * row_chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t ct = item / row_chunks, rc = item % row_chunks;
-      const int64_t b0 = ct * nb, nbs = std::min(nb, blocks - b0);
+      const int64_t b0 = ct * nb, nbs = std::min<int64_t>(nb, blocks - b0);
       for (int64_t m0 = rc * chunk; m0 < std::min(m, (rc + 1) * chunk); m0 += kMR) {
-        const int64_t rows = std::min(kMR, m - m0);
-        if (nbs == 2) tile_rows<T, 2>(rows, g, up, act, m0, b0);
-        else tile_rows<T, 1>(rows, g, up, act, m0, b0);
+        const int64_t rows = std::min<int64_t>(kMR, m - m0);
+        if (nbs == kNB) tile_rows<T, kNB>(rows, g, up, act, m0, b0);
+        else  // the last tile's one or two blocks (or a one-block tile), one at a time
+          for (int64_t b = b0; b < b0 + nbs; ++b) tile_rows<T, 1>(rows, g, up, act, m0, b);
       }
     }
   });
