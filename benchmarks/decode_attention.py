@@ -8,6 +8,9 @@ Times ``paged_decode_into`` (acb/kernels/paged_decode_cpu.cpp: the new keys and 
 their pages, then each row's attention over its pages) on a cache whose pages are scattered as a
 running engine leaves them (a random permutation of a pool four times the rows' need), median of
 --repeats calls after warm-ups; prints microseconds a call and the GB/s of keys and values read.
+Each call reads the next of --layers caches, as a model's layers do one after another: with one
+cache (--layers 1) a call's ~16 MB of keys and values stays in this host's 32 MB L3 between calls
+and the kernel reads them ~2x faster than an engine step does from memory.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--repeats", type=int, default=60)
+    p.add_argument("--layers", type=int, default=30, help="caches read in turn (SmolLM2 has 30 layers)")
     args = p.parse_args()
     kernel = paged_decode_kernel()
     if kernel is None:
@@ -55,11 +59,15 @@ def main() -> None:
         k = -(-n // ps)
         pages[i, :k] = torch.tensor(order[used: used + k])
         used += k
-    k_cache = torch.randn(kvh, pool * ps, d).to(dtype)
-    v_cache = torch.randn(kvh, pool * ps, d).to(dtype)
-    if args.kv == "int8":  # rows of d int8 values and their float32 scale (acb/kv_quant.py)
-        k_cache, v_cache = (kernel.write_kv_int8(c.float(), q8 := torch.empty(kvh, pool * ps, d + 4, dtype=torch.int8),
-                                                 torch.arange(pool * ps)) or q8 for c in (k_cache, v_cache))
+    def cache() -> torch.Tensor:
+        c = torch.randn(kvh, pool * ps, d).to(dtype)
+        if args.kv == "int8":  # rows of d int8 values and their float32 scale (acb/kv_quant.py)
+            q8 = torch.empty(kvh, pool * ps, d + 4, dtype=torch.int8)
+            kernel.write_kv_int8(c.float(), q8, torch.arange(pool * ps))
+            return q8
+        return c
+
+    caches = [(cache(), cache()) for _ in range(args.layers)]
     q = torch.randn(b, h, d).to(dtype)
     k_new = torch.randn(b, kvh, d).to(dtype)
     v_new = torch.randn(b, kvh, d).to(dtype)
@@ -67,13 +75,17 @@ def main() -> None:
     slots = torch.tensor([int(pages[i, (n - 1) // ps]) * ps + (n - 1) % ps for i, n in enumerate(lengths)])
     out = torch.empty(b, h, d, dtype=dtype)
 
+    turn = [0]
+
     def call() -> bool:
+        k_cache, v_cache = caches[turn[0] % len(caches)]
+        turn[0] += 1
         return kernel.paged_decode_into(q, k_new, v_new, k_cache, v_cache, slots, pages, lens, out, ps, d**-0.5,
                                         0.0, 0)
 
     if not call():
         sys.exit(f"the kernel does not take {args.dtype} with {args.kv} pages here")
-    for _ in range(5):
+    for _ in range(len(caches) + 5):
         call()
     times = []
     for _ in range(args.repeats):
@@ -81,11 +93,11 @@ def main() -> None:
         call()
         times.append(time.perf_counter() - t)
     us = statistics.median(times) * 1e6
-    read = 2 * sum(lengths) * kvh * k_cache.shape[2] * k_cache.element_size()
+    read = 2 * sum(lengths) * kvh * caches[0][0].shape[2] * caches[0][0].element_size()
     pages_of = "int8" if args.kv == "int8" else args.dtype
     print(f"{args.dtype} decode attention over {pages_of} pages, {b} rows, context {min(lengths)}-{max(lengths)} (mean "
-          f"{sum(lengths) / b:.0f}), {h}/{kvh} heads, d={d}, pages of {ps}: {us:.0f} us a call "
-          f"(min {min(times) * 1e6:.0f}), {read / us / 1e3:.1f} GB/s of keys and values")
+          f"{sum(lengths) / b:.0f}), {h}/{kvh} heads, d={d}, pages of {ps}, {len(caches)} caches in turn: "
+          f"{us:.0f} us a call (min {min(times) * 1e6:.0f}), {read / us / 1e3:.1f} GB/s of keys and values")
 
 
 if __name__ == "__main__":

@@ -637,7 +637,11 @@ static void ahead_item(const at::BFloat16* qrow, const at::BFloat16* kbase, cons
                        float scale, float* scores, const int64_t* slots, at::BFloat16* out,
                        AheadOf<at::BFloat16>& ahead) {
   constexpr int D = 32 * W;
-  constexpr int64_t AHEAD = 8;  // rows ahead into L1 (the item's rows are in L2 by then)
+  // rows ahead into L1. The item's rows were sent towards L2 while the item before it ran, but from
+  // memory they are not all there in time: with 30 layers' pages read in turn (what an engine step
+  // does; benchmarks/decode_attention.py, 48 rows x 435 keys) 8 rows ahead took ~810 us a call,
+  // 32 ~705, 64 ~695 (one layer's pages, which stay in L3: ~310 us at any distance).
+  constexpr int64_t AHEAD = 32;
   alignas(64) static const at::BFloat16 zero_row[D] = {};
   __m512i q[G * W];
   for (int g = 0; g < G; ++g)
