@@ -747,7 +747,7 @@ template <int G, int W>  // W: 32-dim words per row (D = 32 W)
 static void ahead_item(const at::BFloat16* qrow, const int8_t* kbase, const int8_t* vbase, int64_t n, float scale,
                        float* scores, const int64_t* slots, at::BFloat16* out, AheadOf<int8_t>& ahead) {
   constexpr int D = 32 * W, ROW = D + 4;
-  constexpr int64_t AHEAD = 8;  // rows ahead into L1 (the item's rows are in L2 by then)
+  constexpr int64_t AHEAD = 8;  // rows ahead into L1 (16-48 measured no different over int8 pages read from memory)
   __m512i q[G * W];
   for (int g = 0; g < G; ++g)
     for (int w = 0; w < W; ++w) q[g * W + w] = _mm512_loadu_si512(qrow + g * D + w * 32);
