@@ -73,7 +73,7 @@ def test_int8_gemm_matches_a_dequantized_reference(m, n, k, group, dtype):
                                     (1, lambda t: torch.nn.functional.gelu(t, approximate="tanh"))])
 @pytest.mark.parametrize("m", [3, 70])
 @pytest.mark.parametrize("group", [64, 16])
-@pytest.mark.parametrize("n", [96, 80])  # whole tiles of 3 blocks; one tile and two blocks left
+@pytest.mark.parametrize("n", [96, 80])  # whole tiles of 2 blocks of 16; two tiles and one block left
 def test_int8_glu_matches_a_dequantized_reference(act, fn, m, group, n):
     q8 = _q8()
     gate = Int8Linear.from_int8(*_int8(n, 64, 1, group))

@@ -17,7 +17,7 @@
 //   residual add), or act(gate) * up for the MLP's two projections (SiLU or GELU-tanh), stored
 //   as float32 or bfloat16.
 //
-// Tiles: 6 rows x 48 columns (18 zmm accumulators); the threads split (column tile, row
+// Tiles: 6 rows x 32 columns (12 zmm accumulators); the threads split (column tile, row
 // chunk) pairs, column tiles outermost so each thread keeps its weight panels in its L2.
 #include "torch_min.h"
 #include "bf16_scalar.h"
@@ -171,12 +171,13 @@ void gemm(const Rows& x, int64_t m, const Weight& w, const Weight* up, int64_t a
           const torch::Tensor* other, torch::Tensor& out, int64_t n) {
   const int64_t blocks = n / 16;
   constexpr int64_t kMR = 6;
-  // column tiles of 3 blocks (48 columns: 18 int32 accumulators beside the tile's 18 float32 sums).
-  // On this Zen 5 host, SmolLM2's shapes at 46 and 1,667 rows, groups of 64: 6 x 48 1,420-1,750
-  // GOPS, 3-5 % over 6 x 32 (1,410-1,660); 8 x 48, 7 x 48 and 4 x 64 no faster than 6 x 48, and
-  // the float32 sums kept in memory (so 24+ int32 accumulators fit) slower still;
+  // column tiles of 2 blocks (32 columns: 12 accumulators; tiles of 64 columns, 24 accumulators,
+  // spilled registers and ran at about half the rate: 731 against 1320 GOPS at 1024 x 576 x 1536;
+  // with dpbusd's register copies gone, no faster than 2 blocks either; 6 x 48, 2026-12-04 on the
+  // Zen 5 host: 3-5 % faster with one weight reused, the same with distinct gate/up weights cycled as
+  // an engine reads them, and the same in the engine's tokens/s);
   // row chunks of 96 rows, so a tile's weight panel is reused from L2 across 16 row tiles
-  constexpr int64_t nb = 3;
+  constexpr int64_t nb = 2;
   const int64_t col_tiles = (blocks + nb - 1) / nb, chunk = 96, row_chunks = (m + chunk - 1) / chunk;
   const T* op = other ? reinterpret_cast<const T*>(other->data_ptr()) : nullptr;
   const int64_t os = other ? other->stride(0) : 0;
@@ -190,7 +191,7 @@ void gemm(const Rows& x, int64_t m, const Weight& w, const Weight* up, int64_t a
         const int64_t rows = std::min(kMR, m - m0);
         for (int64_t b = b0; b < b0 + nbs;) {  // a whole tile, or the one block left at the end
           const int64_t left = b0 + nbs - b;
-          if (left >= nb) { tile_rows<T, nb>(rows, x, w, up, act, epi, op, os, outp, ostride, m0, b); b += nb; }
+          if (left >= 2) { tile_rows<T, 2>(rows, x, w, up, act, epi, op, os, outp, ostride, m0, b); b += 2; }
           else { tile_rows<T, 1>(rows, x, w, up, act, epi, op, os, outp, ostride, m0, b); b += 1; }
         }
       }
