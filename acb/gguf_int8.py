@@ -196,9 +196,8 @@ def _read(path: str, model: torch.nn.Module, config, factors: dict | None = None
             for i in range(0, tensor.data.shape[0], _SLICE):
                 rows = torch.from_numpy(dequantize(tensor.data[i: i + _SLICE], tensor.tensor_type))
                 parts.append(quantization.quantize_weight(quantization.rounded(rows, s)))
-            int8[hf_name] = Int8Linear.from_int8(torch.cat([q for q, _ in parts]), torch.cat([c for _, c in parts]),
-                                                 input_scale=None if s is None else 1 / s,
-                                                 rotated=quantization.ROTATION).packed
+            int8[hf_name] = Int8Linear.from_rounded(torch.cat([q for q, _ in parts]), torch.cat([c for _, c in parts]),
+                                                    smoothing=s).packed
             continue
         weights = dequantize(tensor.data, tensor.tensor_type)
         result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names,

@@ -237,7 +237,13 @@ class Int8Linear(torch.nn.Module):
                     rotate: bool = ROTATION) -> Int8Linear:
         """A dense weight [N, K] quantized: its columns multiplied by ``smoothing`` (s, float32
         [K]; its inputs will be divided by it) and rotated (``rotate``), see :func:`rounded`."""
-        q, scale = quantize_weight(rounded(w, smoothing, rotate))
+        return cls.from_rounded(*quantize_weight(rounded(w, smoothing, rotate)), bias, smoothing, rotate)
+
+    @classmethod
+    def from_rounded(cls, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                     smoothing: torch.Tensor | None = None, rotate: bool = ROTATION) -> Int8Linear:
+        """From the int8 rounding of ``rounded(w, smoothing, rotate)`` and its scales (made whole or
+        in slices of rows): its inputs divided by ``smoothing`` and rotated alike."""
         return cls.from_int8(q, scale, bias, input_scale=None if smoothing is None else 1 / smoothing,
                              rotated=rotate)
 

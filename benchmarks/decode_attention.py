@@ -16,6 +16,7 @@ and the kernel reads them ~2x faster than an engine step does from memory.
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import statistics
 import sys
@@ -75,11 +76,10 @@ def main() -> None:
     slots = torch.tensor([int(pages[i, (n - 1) // ps]) * ps + (n - 1) % ps for i, n in enumerate(lengths)])
     out = torch.empty(b, h, d, dtype=dtype)
 
-    turn = [0]
+    in_turn = itertools.cycle(caches)
 
     def call() -> bool:
-        k_cache, v_cache = caches[turn[0] % len(caches)]
-        turn[0] += 1
+        k_cache, v_cache = next(in_turn)
         return kernel.paged_decode_into(q, k_new, v_new, k_cache, v_cache, slots, pages, lens, out, ps, d**-0.5,
                                         0.0, 0)
 
