@@ -53,9 +53,11 @@ inline __m256i round_bf16(__m512 v) {  // round to nearest even, as PyTorch roun
 inline void store_masked(uint16_t* p, __mmask16 m, __m512 v) { _mm256_mask_storeu_epi16(p, m, round_bf16(v)); }
 inline __mmask16 tail(int64_t left) { return left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1); }
 
-template <int MR, int NB>
+// PF: also fetch blocks [pj0, pj1) of the next column tile (NB blocks on) into L2, one line per k step,
+// as this tile's own lines are read (see gemm())
+template <int MR, int NB, bool PF = false>
 inline void dot_tile(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t panel, int64_t k2,
-                     __m512 (&acc)[MR][NB]) {
+                     __m512 (&acc)[MR][NB], int pj0 = 0, int pj1 = 0) {
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
@@ -64,6 +66,9 @@ inline void dot_tile(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t p
     __m512 b[NB];
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) b[j] = _mm512_castsi512_ps(_mm512_loadu_si512(w + j * panel + k * 32));
+    if constexpr (PF)
+      for (int j = pj0; j < pj1; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (NB + j) * panel + k * 32), _MM_HINT_T1);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       int32_t a32;
@@ -73,6 +78,13 @@ inline void dot_tile(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t p
       for (int j = 0; j < NB; ++j) acc[r][j] = dpbf16(acc[r][j], a, b[j]);
     }
   }
+}
+
+template <int MR, int NB>
+inline void dot_any(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t panel, int64_t k2,
+                    __m512 (&acc)[MR][NB], int pj0, int pj1) {
+  if (pj0 < pj1) dot_tile<MR, NB, true>(x, xs, w, panel, k2, acc, pj0, pj1);
+  else dot_tile<MR, NB>(x, xs, w, panel, k2, acc);
 }
 
 struct Gemm {
@@ -87,10 +99,10 @@ struct Gemm {
 };
 
 template <typename T, int MR, int NB>
-void tile(const Gemm& g, int64_t m0, int64_t b0) {
+void tile(const Gemm& g, int64_t m0, int64_t b0, int pj0, int pj1) {
   const int64_t k2 = g.k / 2, panel = k2 * 32;
   __m512 acc[MR][NB];
-  dot_tile<MR, NB>(g.x + m0 * g.xs, g.xs, g.w + b0 * panel, panel, k2, acc);
+  dot_any<MR, NB>(g.x + m0 * g.xs, g.xs, g.w + b0 * panel, panel, k2, acc, pj0, pj1);
   const T* other = static_cast<const T*>(g.other);
   T* out = static_cast<T*>(g.out);
   for (int j = 0; j < NB; ++j) {
@@ -110,15 +122,15 @@ void tile(const Gemm& g, int64_t m0, int64_t b0) {
 // the product is stored (rounding them to bf16 first cost SmolLM2 0.2 points of top-1 agreement
 // with float32, benchmarks/bf16_sensitivity.py).
 template <typename T, int MR, int NB>
-void glu_tile(const Gemm& g, int64_t up, int64_t act, int64_t m0, int64_t b0) {
+void glu_tile(const Gemm& g, int64_t up, int64_t act, int64_t m0, int64_t b0, int pj0, int pj1) {
   const int64_t k2 = g.k / 2, panel = k2 * 32;
   __m512 acc[MR][NB], v[MR][NB];
-  dot_tile<MR, NB>(g.x + m0 * g.xs, g.xs, g.w + b0 * panel, panel, k2, acc);
+  dot_any<MR, NB>(g.x + m0 * g.xs, g.xs, g.w + b0 * panel, panel, k2, acc, pj0, pj1);
   for (int j = 0; j < NB; ++j) {
     const __m512 bias = g.bias ? _mm512_loadu_ps(g.bias + (b0 + j) * 16) : _mm512_setzero_ps();
     for (int r = 0; r < MR; ++r) v[r][j] = act512(_mm512_add_ps(acc[r][j], bias), act);
   }
-  dot_tile<MR, NB>(g.x + m0 * g.xs, g.xs, g.w + (b0 + up) * panel, panel, k2, acc);
+  dot_any<MR, NB>(g.x + m0 * g.xs, g.xs, g.w + (b0 + up) * panel, panel, k2, acc, pj0, pj1);
   T* out = static_cast<T*>(g.out);
   for (int j = 0; j < NB; ++j) {
     const int64_t c = (b0 + j) * 16;
@@ -128,23 +140,25 @@ void glu_tile(const Gemm& g, int64_t up, int64_t act, int64_t m0, int64_t b0) {
   }
 }
 
-// up < 0: the plain GEMM (tile); else the MLP's act(gate) * up (glu_tile), up blocks apart
+// up < 0: the plain GEMM (tile); else the MLP's act(gate) * up (glu_tile), up blocks apart; prefetching
+// blocks [pj0, pj1) of the next column tile where pj0 < pj1
 template <typename T, int MR, int NB>
-inline void any_tile(const Gemm& g, int64_t up, int64_t act, int64_t m0, int64_t b0) {
-  if (up < 0) tile<T, MR, NB>(g, m0, b0);
-  else glu_tile<T, MR, NB>(g, up, act, m0, b0);
+inline void any_tile(const Gemm& g, int64_t up, int64_t act, int64_t m0, int64_t b0, int pj0, int pj1) {
+  if (up < 0) tile<T, MR, NB>(g, m0, b0, pj0, pj1);
+  else glu_tile<T, MR, NB>(g, up, act, m0, b0, pj0, pj1);
 }
 
 constexpr int kMR = 8, kNB = 3;  // a tile's rows and 16-column blocks
 
 // a tile of `rows` (1..R) rows: R, else one row fewer
 template <typename T, int NB, int R = kMR>
-inline void tile_rows(int64_t rows, const Gemm& g, int64_t up, int64_t act, int64_t m0, int64_t b0) {
+inline void tile_rows(int64_t rows, const Gemm& g, int64_t up, int64_t act, int64_t m0, int64_t b0, int pj0 = 0,
+                      int pj1 = 0) {
   if constexpr (R == 1) {
-    any_tile<T, 1, NB>(g, up, act, m0, b0);
+    any_tile<T, 1, NB>(g, up, act, m0, b0, pj0, pj1);
   } else {
-    if (rows == R) any_tile<T, R, NB>(g, up, act, m0, b0);
-    else tile_rows<T, NB, R - 1>(rows, g, up, act, m0, b0);
+    if (rows == R) any_tile<T, R, NB>(g, up, act, m0, b0, pj0, pj1);
+    else tile_rows<T, NB, R - 1>(rows, g, up, act, m0, b0, pj0, pj1);
   }
 }
 
@@ -162,9 +176,14 @@ void gemm(const Gemm& g, int64_t m, int64_t blocks, int64_t up = -1, int64_t act
     for (int64_t item = begin; item < end; ++item) {
       const int64_t ct = item / row_chunks, rc = item % row_chunks;
       const int64_t b0 = ct * nb, nbs = std::min<int64_t>(nb, blocks - b0);
-      for (int64_t m0 = rc * chunk; m0 < std::min(m, (rc + 1) * chunk); m0 += kMR) {
-        const int64_t rows = std::min<int64_t>(kMR, m - m0);
-        if (nbs == kNB) tile_rows<T, kNB>(rows, g, up, act, m0, b0);
+      const int64_t first = rc * chunk, stop = std::min(m, first + chunk);
+      // this thread's next item is the next column tile, a whole one of kNB blocks
+      const bool ahead = nb == kNB && item + 1 < end && rc == row_chunks - 1 && b0 + 2 * kNB <= blocks;
+      for (int64_t m0 = first; m0 < stop; m0 += kMR) {
+        const int64_t rows = std::min<int64_t>(kMR, m - m0), i = (m0 - first) / kMR;
+        const int pj0 = ahead && i < kNB ? static_cast<int>(i) : 0;
+        const int pj1 = ahead && i < kNB ? (m0 + kMR >= stop ? kNB : pj0 + 1) : 0;  // the last: the rest
+        if (nbs == kNB) tile_rows<T, kNB>(rows, g, up, act, m0, b0, pj0, pj1);
         else  // the last tile's one or two blocks (or a one-block tile), one at a time
           for (int64_t b = b0; b < b0 + nbs; ++b) tile_rows<T, 1>(rows, g, up, act, m0, b);
       }

@@ -70,9 +70,12 @@ inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
 // acc[r][j] = sum over the ng groups of wscale_g * (int32 dot of the group * xscale[r, g] - xoff[r, g]):
 // MR rows, NB 16-column blocks, g4 = G / 4 steps of 4 channels per group. wscale points at the
 // tile's first block in the [N/16][ng][16] layout; xscale and xoff at the tile's first row ([M][ng]).
-template <int MR, int NB>
+// PF: also fetch blocks [pj0, pj1) of the next column tile (NB blocks on: its weights and scales) into
+// L2, one line per k step and group, as this tile's own lines are read (see gemm()).
+template <int MR, int NB, bool PF = false>
 inline void dot_tile(const int8_t* x, int64_t xs, const uint8_t* w, int64_t panel, int64_t ng, int64_t g4,
-                     const float* wscale, const float* xscale, const float* xoff, __m512 (&acc)[MR][NB]) {
+                     const float* wscale, const float* xscale, const float* xoff, __m512 (&acc)[MR][NB],
+                     int pj0 = 0, int pj1 = 0) {
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
@@ -87,6 +90,9 @@ inline void dot_tile(const int8_t* x, int64_t xs, const uint8_t* w, int64_t pane
       __m512i b[NB];
 #pragma GCC unroll 4
       for (int j = 0; j < NB; ++j) b[j] = _mm512_loadu_si512(w + j * panel + k * 64);
+      if constexpr (PF)
+        for (int j = pj0; j < pj1; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (NB + j) * panel + k * 64),
+                                                     _MM_HINT_T1);
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         int32_t a32;
@@ -96,6 +102,9 @@ inline void dot_tile(const int8_t* x, int64_t xs, const uint8_t* w, int64_t pane
         for (int j = 0; j < NB; ++j) iacc[r][j] = dpbusd(iacc[r][j], b[j], a);
       }
     }
+    if constexpr (PF)
+      for (int j = pj0; j < pj1; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(wscale + ((NB + j) * ng + g) * 16), _MM_HINT_T1);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const __m512 s = _mm512_set1_ps(xscale[r * ng + g]), z = _mm512_set1_ps(xoff[r * ng + g]);
@@ -123,23 +132,30 @@ struct Rows {
   int64_t k, ng;
 };
 
-// One tile: rows [m0, m0 + MR) x 16-column blocks [b0, b0 + NB) of the output.
+// One tile: rows [m0, m0 + MR) x 16-column blocks [b0, b0 + NB) of the output; prefetching blocks
+// [pj0, pj1) of the next column tile (of the gate's and the up's weights) where pj0 < pj1.
 template <typename T, int MR, int NB>
 void tile(const Rows& x, const Weight& w, const Weight* up, int64_t act, int64_t epi, const T* other,
-          int64_t other_stride, T* out, int64_t out_stride, int64_t m0, int64_t b0) {
+          int64_t other_stride, T* out, int64_t out_stride, int64_t m0, int64_t b0, int pj0 = 0, int pj1 = 0) {
   const int64_t k = x.k, ng = x.ng, k4 = k / 4, panel = k4 * 64, g4 = k4 / ng;
   const int8_t* xq = x.q + m0 * k;
   const float* xs = x.scale + m0 * ng;
   const float* xo = x.off + m0 * ng;
   __m512 acc[MR][NB];
-  dot_tile<MR, NB>(xq, k, w.w + b0 * panel, panel, ng, g4, w.scale + b0 * ng * 16, xs, xo, acc);
+  auto dot = [&](const Weight& wt) {
+    if (pj0 < pj1)
+      dot_tile<MR, NB, true>(xq, k, wt.w + b0 * panel, panel, ng, g4, wt.scale + b0 * ng * 16, xs, xo, acc, pj0, pj1);
+    else
+      dot_tile<MR, NB>(xq, k, wt.w + b0 * panel, panel, ng, g4, wt.scale + b0 * ng * 16, xs, xo, acc);
+  };
+  dot(w);
   __m512 v[MR][NB];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NB; ++j) v[r][j] = biased(acc[r][j], w.bias ? w.bias + (b0 + j) * 16 : nullptr);
   if (up != nullptr) {  // v holds the gate: act(gate) * up
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < NB; ++j) v[r][j] = act512(v[r][j], act);
-    dot_tile<MR, NB>(xq, k, up->w + b0 * panel, panel, ng, g4, up->scale + b0 * ng * 16, xs, xo, acc);
+    dot(*up);
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < NB; ++j)
         v[r][j] = _mm512_mul_ps(v[r][j], biased(acc[r][j], up->bias ? up->bias + (b0 + j) * 16 : nullptr));
@@ -155,14 +171,15 @@ void tile(const Rows& x, const Weight& w, const Weight* up, int64_t act, int64_t
 
 template <typename T, int NB>
 void tile_rows(int64_t rows, const Rows& x, const Weight& w, const Weight* up, int64_t act, int64_t epi,
-               const T* other, int64_t os, T* out, int64_t ostride, int64_t m0, int64_t b0) {
+               const T* other, int64_t os, T* out, int64_t ostride, int64_t m0, int64_t b0, int pj0 = 0,
+               int pj1 = 0) {
   switch (rows) {
-    case 6: tile<T, 6, NB>(x, w, up, act, epi, other, os, out, ostride, m0, b0); break;
-    case 5: tile<T, 5, NB>(x, w, up, act, epi, other, os, out, ostride, m0, b0); break;
-    case 4: tile<T, 4, NB>(x, w, up, act, epi, other, os, out, ostride, m0, b0); break;
-    case 3: tile<T, 3, NB>(x, w, up, act, epi, other, os, out, ostride, m0, b0); break;
-    case 2: tile<T, 2, NB>(x, w, up, act, epi, other, os, out, ostride, m0, b0); break;
-    default: tile<T, 1, NB>(x, w, up, act, epi, other, os, out, ostride, m0, b0); break;
+    case 6: tile<T, 6, NB>(x, w, up, act, epi, other, os, out, ostride, m0, b0, pj0, pj1); break;
+    case 5: tile<T, 5, NB>(x, w, up, act, epi, other, os, out, ostride, m0, b0, pj0, pj1); break;
+    case 4: tile<T, 4, NB>(x, w, up, act, epi, other, os, out, ostride, m0, b0, pj0, pj1); break;
+    case 3: tile<T, 3, NB>(x, w, up, act, epi, other, os, out, ostride, m0, b0, pj0, pj1); break;
+    case 2: tile<T, 2, NB>(x, w, up, act, epi, other, os, out, ostride, m0, b0, pj0, pj1); break;
+    default: tile<T, 1, NB>(x, w, up, act, epi, other, os, out, ostride, m0, b0, pj0, pj1); break;
   }
 }
 
@@ -176,7 +193,11 @@ void gemm(const Rows& x, int64_t m, const Weight& w, const Weight* up, int64_t a
   // with dpbusd's register copies gone, no faster than 2 blocks either; 6 x 48, 2026-12-04 on the
   // Zen 5 host: 3-5 % faster with one weight reused, the same with distinct gate/up weights cycled as
   // an engine reads them, and the same in the engine's tokens/s);
-  // row chunks of 96 rows, so a tile's weight panel is reused from L2 across 16 row tiles
+  // row chunks of 96 rows, so a tile's weight panel is reused from L2 across 16 row tiles.
+  // The next column tile's weights are prefetched into L2 while a chunk's first row tiles read theirs
+  // (row tile i of the chunk fetches block i of them; a lone row tile both): without, a decode step's
+  // GEMMs (SmolLM2, 45 rows, 30 layers' weights read from memory) waited on each tile's first loads,
+  // 293-311 us a layer against 228-235 with (16 rows: 173 -> 101-122 us; /tmp microbenchmark, 2026-12-05).
   constexpr int64_t nb = 2;
   const int64_t col_tiles = (blocks + nb - 1) / nb, chunk = 96, row_chunks = (m + chunk - 1) / chunk;
   const T* op = other ? reinterpret_cast<const T*>(other->data_ptr()) : nullptr;
@@ -187,11 +208,19 @@ void gemm(const Rows& x, int64_t m, const Weight& w, const Weight* up, int64_t a
     for (int64_t item = begin; item < end; ++item) {
       const int64_t ct = item / row_chunks, rc = item % row_chunks;
       const int64_t b0 = ct * nb, nbs = std::min(nb, blocks - b0);
-      for (int64_t m0 = rc * chunk; m0 < std::min(m, (rc + 1) * chunk); m0 += kMR) {
-        const int64_t rows = std::min(kMR, m - m0);
+      const int64_t first = rc * chunk, stop = std::min(m, first + chunk);
+      // this thread's next item is the next column tile, a whole one
+      const bool ahead = item + 1 < end && rc == row_chunks - 1 && b0 + 2 * nb <= blocks;
+      for (int64_t m0 = first; m0 < stop; m0 += kMR) {
+        const int64_t rows = std::min(kMR, m - m0), i = (m0 - first) / kMR;
+        const int pj0 = ahead && i < nb ? static_cast<int>(i) : 0;
+        const int pj1 = ahead && i < nb ? (m0 + kMR >= stop ? static_cast<int>(nb) : pj0 + 1) : 0;  // the last: the rest
         for (int64_t b = b0; b < b0 + nbs;) {  // a whole tile, or the one block left at the end
           const int64_t left = b0 + nbs - b;
-          if (left >= 2) { tile_rows<T, 2>(rows, x, w, up, act, epi, op, os, outp, ostride, m0, b); b += 2; }
+          if (left >= 2) {
+            tile_rows<T, 2>(rows, x, w, up, act, epi, op, os, outp, ostride, m0, b, pj0, pj1);
+            b += 2;
+          }
           else { tile_rows<T, 1>(rows, x, w, up, act, epi, op, os, outp, ostride, m0, b); b += 1; }
         }
       }
