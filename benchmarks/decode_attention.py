@@ -6,8 +6,9 @@
 
 Times ``paged_decode_into`` (acb/kernels/paged_decode_cpu.cpp: the new keys and values written into
 their pages, then each row's attention over its pages) on a cache whose pages are scattered as a
-running engine leaves them (a random permutation of a pool four times the rows' need; --ordered: in
-ascending runs, as a fresh engine hands them out), median of
+running engine leaves them (a random permutation of a pool four times the rows' need; --pages ascending:
+each row's pages in one ascending run, as a fresh engine hands them out; --pages descending: in one
+descending run), median of
 --repeats calls after warm-ups; prints microseconds a call and the GB/s of keys and values read.
 Each call reads the next of --layers caches, as a model's layers do one after another: with one
 cache (--layers 1) a call's ~16 MB of keys and values stays in this host's 32 MB L3 between calls
@@ -42,8 +43,8 @@ def main() -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=60)
     p.add_argument("--layers", type=int, default=30, help="caches read in turn (SmolLM2 has 30 layers)")
-    p.add_argument("--ordered", action="store_true",
-                   help="each row's pages in ascending runs, as a fresh engine hands them out (default: scattered)")
+    p.add_argument("--pages", default="scattered", choices=("scattered", "ascending", "descending"),
+                   help="how each row's pages lie in the pool")
     args = p.parse_args()
     kernel = paged_decode_kernel()
     if kernel is None:
@@ -56,13 +57,14 @@ def main() -> None:
     per = max(-(-n // ps) for n in lengths)
     pool = 4 * sum(-(-n // ps) for n in lengths)
     order = list(range(pool))
-    if not args.ordered:
+    if args.pages == "scattered":
         rng.shuffle(order)
     pages = torch.zeros(b, per, dtype=torch.int64)
     used = 0
     for i, n in enumerate(lengths):
         k = -(-n // ps)
-        pages[i, :k] = torch.tensor(order[used: used + k])
+        run = order[used: used + k]
+        pages[i, :k] = torch.tensor(run[::-1] if args.pages == "descending" else run)
         used += k
     def cache() -> torch.Tensor:
         c = torch.randn(kvh, pool * ps, d).to(dtype)
@@ -99,7 +101,7 @@ def main() -> None:
     us = statistics.median(times) * 1e6
     read = 2 * sum(lengths) * kvh * caches[0][0].shape[2] * caches[0][0].element_size()
     pages_of = "int8" if args.kv == "int8" else args.dtype
-    layout = "ordered" if args.ordered else "scattered"
+    layout = args.pages
     print(f"{args.dtype} decode attention over {layout} {pages_of} pages, {b} rows, "
           f"context {min(lengths)}-{max(lengths)} (mean {sum(lengths) / b:.0f}), {h}/{kvh} heads, d={d}, "
           f"pages of {ps}, {len(caches)} caches in turn: "

@@ -19,6 +19,15 @@ def test_allocate_and_release_round_trip():
     kv.check_integrity([])
 
 
+def test_pages_come_out_ascending_even_after_a_sequence_gave_them_back():
+    kv = KVCacheManager(16, 4)
+    first = kv.allocate(6)
+    assert first == sorted(first)
+    kv.release(first)  # back on the free stack in the table's order: popped, they would run downwards
+    again = kv.allocate(6)
+    assert again == sorted(again) and set(again) == set(first)
+
+
 def test_allocating_more_than_free_raises():
     kv = KVCacheManager(4, 4)
     kv.allocate(3)
