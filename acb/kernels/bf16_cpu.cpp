@@ -170,6 +170,11 @@ void gemm(const Gemm& g, int64_t m, int64_t blocks, int64_t up = -1, int64_t act
   // weight: one block a tile streams one packed panel at a time, which this host's prefetchers follow
   // better than three panels 18 KB apart (SmolLM2's lm_head, 1 row: ~770 against ~1,100 us; with a
   // 1,536-column weight one block a tile is twice as slow, so only there).
+  // The next column tile's weights are prefetched into L2 while a chunk's first row tiles read theirs
+  // (row tile i fetches block i, the chunk's last row tile the rest): a decode step reads 30 layers'
+  // weights from memory and waited on each tile's first loads. SmolLM2's shapes, 45 rows: 422-431 us a
+  // layer without, 344-360 with, the lm_head 3.3-3.8 -> 2.4-3.0 ms (benchmarks/decode_gemms.py --dtype
+  // bf16, alternated, 2026-12-05). With the prefetch, 48-column tiles still lose on a 1-6-row lm_head.
   const int64_t nb = m <= 6 && blocks >= 512 ? 1 : kNB;
   const int64_t col_tiles = (blocks + nb - 1) / nb, row_chunks = (m + chunk - 1) / chunk;
   at::parallel_for(0, col_tiles * row_chunks, 1, [&](int64_t begin, int64_t end) {

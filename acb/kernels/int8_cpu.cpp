@@ -195,9 +195,10 @@ void gemm(const Rows& x, int64_t m, const Weight& w, const Weight* up, int64_t a
   // an engine reads them, and the same in the engine's tokens/s);
   // row chunks of 96 rows, so a tile's weight panel is reused from L2 across 16 row tiles.
   // The next column tile's weights are prefetched into L2 while a chunk's first row tiles read theirs
-  // (row tile i of the chunk fetches block i of them; a lone row tile both): without, a decode step's
-  // GEMMs (SmolLM2, 45 rows, 30 layers' weights read from memory) waited on each tile's first loads,
-  // 293-311 us a layer against 228-235 with (16 rows: 173 -> 101-122 us; /tmp microbenchmark, 2026-12-05).
+  // (row tile i of the chunk fetches block i of them, the chunk's last row tile the rest): without, a
+  // decode step's GEMMs (30 layers' weights, read from memory) waited on each tile's first loads. SmolLM2's
+  // shapes, 45 rows: 295-317 us a layer without, 227-229 with; 16 rows 182-184 -> 108-111
+  // (benchmarks/decode_gemms.py, alternated, 2026-12-05); prefill shapes the same either way.
   constexpr int64_t nb = 2;
   const int64_t col_tiles = (blocks + nb - 1) / nb, chunk = 96, row_chunks = (m + chunk - 1) / chunk;
   const T* op = other ? reinterpret_cast<const T*>(other->data_ptr()) : nullptr;
