@@ -20,6 +20,7 @@
 #include "torch_min.h"
 #include "bf16_scalar.h"
 #include "vec_math.h"
+#include "tile_prefetch.h"
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
@@ -185,9 +186,8 @@ void gemm(const Gemm& g, int64_t m, int64_t blocks, int64_t up = -1, int64_t act
       // this thread's next item is the next column tile, a whole one of kNB blocks
       const bool ahead = nb == kNB && item + 1 < end && rc == row_chunks - 1 && b0 + 2 * kNB <= blocks;
       for (int64_t m0 = first; m0 < stop; m0 += kMR) {
-        const int64_t rows = std::min<int64_t>(kMR, m - m0), i = (m0 - first) / kMR;
-        const int pj0 = ahead && i < kNB ? static_cast<int>(i) : 0;
-        const int pj1 = ahead && i < kNB ? (m0 + kMR >= stop ? kNB : pj0 + 1) : 0;  // the last: the rest
+        const int64_t rows = std::min<int64_t>(kMR, m - m0);
+        const auto [pj0, pj1] = acb_tiles::next_tile_share(ahead, (m0 - first) / kMR, m0 + kMR >= stop, kNB);
         if (nbs == kNB) tile_rows<T, kNB>(rows, g, up, act, m0, b0, pj0, pj1);
         else  // the last tile's one or two blocks (or a one-block tile), one at a time
           for (int64_t b = b0; b < b0 + nbs; ++b) tile_rows<T, 1>(rows, g, up, act, m0, b);

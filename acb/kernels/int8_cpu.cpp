@@ -23,6 +23,7 @@
 #include "bf16_scalar.h"
 #include <immintrin.h>
 #include "vec_math.h"
+#include "tile_prefetch.h"
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -213,9 +214,8 @@ void gemm(const Rows& x, int64_t m, const Weight& w, const Weight* up, int64_t a
       // this thread's next item is the next column tile, a whole one
       const bool ahead = item + 1 < end && rc == row_chunks - 1 && b0 + 2 * nb <= blocks;
       for (int64_t m0 = first; m0 < stop; m0 += kMR) {
-        const int64_t rows = std::min(kMR, m - m0), i = (m0 - first) / kMR;
-        const int pj0 = ahead && i < nb ? static_cast<int>(i) : 0;
-        const int pj1 = ahead && i < nb ? (m0 + kMR >= stop ? static_cast<int>(nb) : pj0 + 1) : 0;  // the last: the rest
+        const int64_t rows = std::min(kMR, m - m0);
+        const auto [pj0, pj1] = acb_tiles::next_tile_share(ahead, (m0 - first) / kMR, m0 + kMR >= stop, nb);
         for (int64_t b = b0; b < b0 + nbs;) {  // a whole tile, or the one block left at the end
           const int64_t left = b0 + nbs - b;
           if (left >= 2) {
