@@ -123,6 +123,10 @@ class FastPaths:
             self.forward_reason = ("the fused forward runs on CPU only" if self.device.type != "cpu" else
                                    f"its weights are {self.dtype} (fused: float32, bfloat16)"
                                    if self.dtype not in (torch.float32, torch.bfloat16) else
+                                   "bfloat16 has no native kernels on this CPU (no AVX-512 BF16 or AMX: oneDNN "
+                                   "would emulate it, so nothing is prepacked); dtype='float32' runs the fused "
+                                   "forward here" if self.dtype == torch.bfloat16 and config.cpu_prepack and
+                                   not _native_bf16_cpu() else
                                    "the linear layers are not prepacked (oneDNN unavailable, or "
                                    "EngineConfig.cpu_prepack=False / ACB_CPU_PREPACK=0)")
         self._build_fused()
@@ -300,3 +304,10 @@ class FastPaths:
         if self.stream is None:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
+
+
+def _native_bf16_cpu() -> bool:
+    """Whether oneDNN has native bf16 kernels on this CPU (what bf16 prepacking needs)."""
+    from .kernels import cpu_linear
+
+    return cpu_linear.available(torch.bfloat16)

@@ -59,6 +59,20 @@ inline void store_row(uint16_t* p, __m512 v) {
 }
 #endif
 
+struct Weight {
+  const uint8_t* w;  // packed [N/16][K/4][16][4], w + 128
+  const float* scale;  // [N/16][ng][16]: one per output channel and group
+  const float* bias;  // or null
+};
+
+// The quantized activations (acb_int8.quantize_rows): q [M, K] signed bytes, scale and offset [M, ng]
+struct Rows {
+  const int8_t* q;
+  const float* scale;
+  const float* off;
+  int64_t k, ng;
+};
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 // acc + a (unsigned bytes: the weights + 128) . b (signed bytes: the activations), as _mm512_dpbusd_epi32, written as one instruction:
 // GCC 12 compiles the intrinsic in dot_tile's loop with two register copies per accumulator and
@@ -118,20 +132,6 @@ inline void dot_tile(const int8_t* x, int64_t xs, const uint8_t* w, int64_t pane
 }
 
 inline __m512 biased(__m512 acc, const float* bias) { return bias ? _mm512_add_ps(acc, _mm512_loadu_ps(bias)) : acc; }
-
-struct Weight {
-  const uint8_t* w;  // packed [N/16][K/4][16][4], w + 128
-  const float* scale;  // [N/16][ng][16]: one per output channel and group
-  const float* bias;  // or null
-};
-
-// The quantized activations (acb_int8.quantize_rows): q [M, K] signed bytes, scale and offset [M, ng]
-struct Rows {
-  const int8_t* q;
-  const float* scale;
-  const float* off;
-  int64_t k, ng;
-};
 
 // One tile: rows [m0, m0 + MR) x 16-column blocks [b0, b0 + NB) of the output; prefetching blocks
 // [pj0, pj1) of the next column tile (of the gate's and the up's weights) where pj0 < pj1.

@@ -24,12 +24,12 @@
 #include <cmath>
 #include <type_traits>
 #include <vector>
+#include "vec_math.h"  // hadamard_scalar on every CPU; exp512 and hadamard16 where AVX-512 is
 
 
 #if defined(__AVX512F__)
 
 #include <immintrin.h>
-#include "vec_math.h"
 
 // The cache slot of position pos in a sequence whose pages are `pages`: a shift and a mask when
 // page_size is a power of two (the default 16), a division otherwise (~5 % of the float32 decode
