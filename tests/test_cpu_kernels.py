@@ -89,6 +89,9 @@ def test_decode_in_one_call_equals_the_separate_writes_and_conversions(dtype, he
     kernel = paged_decode_kernel()
     if kernel is None:
         pytest.skip("the native CPU kernel did not build here")
+    if not kernel.has_avx512():
+        pytest.skip("paged_decode_into runs with AVX-512 only (elsewhere it declines: "
+                    "test_without_avx512_the_one_call_kernels_decline)")
     torch.manual_seed(heads * dim + window + ps)
     rows, per_row = 13, 20
     kc = torch.randn(kv_heads, 400 * ps, dim).to(dtype)
@@ -121,6 +124,29 @@ def test_decode_in_one_call_equals_the_separate_writes_and_conversions(dtype, he
     assert not kernel.paged_decode_into(q, k, v, kc, vc, slots, pages, lengths, out, ps, 0.1, 30.0, 0)
     assert not kernel.paged_decode_into(q.half(), k, v, kc, vc, slots, pages, lengths, out, ps, 0.1, 0.0, 0)
     assert torch.equal(kc, kc1)
+
+
+def test_without_avx512_the_one_call_kernels_decline():
+    """Built without AVX-512 (an AVX2-only CPU), paged_decode_into and prefill_attention return
+    False having written nothing, and the engine takes the separate path (paged_decode's portable
+    loop; PyTorch's prefill attention); with AVX-512 they run (the tests above)."""
+    kernel = paged_decode_kernel()
+    if kernel is None:
+        pytest.skip("the native CPU kernel did not build here")
+    if kernel.has_avx512():
+        pytest.skip("built with AVX-512: the one-call kernels run")
+    rows, heads, dim, ps = 3, 4, 64, 16
+    kc, vc = torch.randn(2, 8 * ps, dim), torch.randn(2, 8 * ps, dim)
+    before = kc.clone(), vc.clone()
+    q, k, v = torch.randn(rows, heads, dim), torch.randn(rows, 2, dim), torch.randn(rows, 2, dim)
+    pages = torch.arange(rows * 2).view(rows, 2)
+    lengths, slots = torch.tensor([1, 5, 9]), torch.tensor([0, 2 * ps + 4, 4 * ps + 8])
+    out = torch.zeros(rows, heads, dim)
+    assert not kernel.paged_decode_into(q, k, v, kc, vc, slots, pages, lengths, out, ps, dim**-0.5, 0.0, 0)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1]) and not out.any()
+    spans = torch.tensor([[0, rows, 0, 0]])
+    assert not kernel.prefill_attention(q, k, v, spans, out, dim**-0.5, 0.0, 0)
+    assert not out.any()
 
 
 def test_native_decode_kernel_refuses_what_it_cannot_read():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from acb import EngineConfig, attention
+from acb.kernels import cpu_linear
 from acb.kernels.cpu import fused_kernels, paged_decode_kernel
 from acb.runner import ModelRunner
 from acb.step import StepInput
@@ -21,6 +22,19 @@ FUSED_ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"]
 def _kernels_or_skip():
     if fused_kernels() is None or paged_decode_kernel() is None:
         pytest.skip("the native CPU kernels did not build here")
+
+
+def _avx512_or_skip():
+    _kernels_or_skip()
+    if not paged_decode_kernel().has_avx512():
+        pytest.skip("the one-call decode and prefill kernels run with AVX-512 only")
+
+
+def _bf16_fused_or_skip():
+    _kernels_or_skip()
+    if not cpu_linear.available(torch.bfloat16):
+        pytest.skip("no native bf16 on this CPU (AVX-512 BF16 / AMX): bf16 runs transformers' forward "
+                    "(test_adapters_run_in_bfloat16 checks that the engine says so)")
 
 
 def _runner(model, pages=64, page_size=8):
@@ -185,7 +199,7 @@ async def test_decode_only_steps_attend_in_one_native_call(arch, dtype, monkeypa
     the cache writes, the attention and the output in the model's dtype), Gemma 3's sliding
     layers over their own pool included; Gemma 2's soft-capping is declined there and takes
     the separate path. In float32 the tokens are generate's either way."""
-    _kernels_or_skip()
+    _avx512_or_skip()
     prompts = random_prompts(5, 3, 40, seed=13)
     async with tiny_engine(arch, seed=2, dtype=dtype) as engine:
         assert runner_of(engine).fast_paths.fused is not None
@@ -278,7 +292,7 @@ BF16_ATOL = 0.25
 
 @pytest.mark.parametrize("arch", FUSED_ARCHS)
 def test_fused_forward_in_bf16_agrees_with_transformers_bf16_forward(arch):
-    _kernels_or_skip()
+    _bf16_fused_or_skip()
     model = tiny_model(arch, seed=3).to(torch.bfloat16)
     prompts = random_prompts(3, 5, 40, seed=7)
     # transformers' own bf16 forward, its own attention, one prompt at a time
@@ -332,6 +346,9 @@ def test_native_prefill_attention_matches_a_reference(heads, kv_heads, dim, wind
     kernel = paged_decode_kernel()
     if kernel is None:
         pytest.skip("the native CPU kernel did not build here")
+    if not kernel.has_avx512():
+        pytest.skip("prefill_attention runs with AVX-512 only (elsewhere it declines: "
+                    "test_without_avx512_the_one_call_kernels_decline)")
     torch.manual_seed(heads + dim + window)
     lengths = [1, 5, 31, 32, 33, 100, 203]  # around the 32-key blocks and 16-query items
     total = sum(lengths) + 3
@@ -452,7 +469,7 @@ async def test_the_engines_gemms_see_only_padded_row_counts_and_stay_exact(monke
 
 
 async def test_a_bf16_engine_runs_the_fused_forward_on_bf16_pages_and_says_so():
-    _kernels_or_skip()
+    _bf16_fused_or_skip()
     from acb import sizing
 
     fp32 = sizing.layout(tiny_model("llama"), EngineConfig(max_memory_percent=0.01))

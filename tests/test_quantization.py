@@ -19,8 +19,8 @@ ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"]
 
 def _q8():
     k = int8_kernels()
-    if k is None or not k.has_vnni():
-        pytest.skip("acb's int8 kernels need AVX-512 VNNI and a compiler")
+    if k is None or not k.available():
+        pytest.skip("acb's int8 kernels need AVX-512 VNNI or AVX2 and a compiler")
     return k
 
 
@@ -313,11 +313,16 @@ def test_quantize_rotates_every_projection_and_the_fused_forward_follows():
         runner.release()
 
 
+@pytest.mark.parametrize("path", ["kernel", "torch"])
 @pytest.mark.parametrize("n", [48, 259])
-def test_the_bf16_lm_head_and_its_embedding_rows(n):
-    """The lm_head in bf16 (packed for acb's bf16 GEMM, float32 logits) and the tied
+def test_the_bf16_lm_head_and_its_embedding_rows(n, path, monkeypatch):
+    """The lm_head in bf16 (packed for acb's bf16 GEMM, float32 logits: AVX-512 BF16's, or the
+    widening one on AVX2; PyTorch's float32 matmul where neither is built) and the tied
     embedding's rows read from the same packed table."""
     _q8()
+    if path == "torch":
+        monkeypatch.setattr(quantization.fused, "native_bf16", lambda: None)
+        monkeypatch.setattr(quantization, "_widened_bf16", lambda: None)
     w = torch.randn(n, 24)
     head = Bf16Linear.from_dense(w)
     assert head.weight.dtype == torch.bfloat16 and head.weight.shape[0] * 16 >= n

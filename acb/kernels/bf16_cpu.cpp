@@ -336,8 +336,97 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   return out;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// The lm_head of the int8 forward on CPUs without AVX-512 BF16 (AVX2: Zen 2/3, Haswell on): the same
+// packed bf16 weights, each pair of k widened to float32 by bits as it is loaded (k even: a word's low
+// half shifted up; k odd: its high half masked), the activations widened once per call, float32 FMAs
+// (a bf16 x bf16 product is exact in float32), float32 out. Half the bytes of a float32 weight read
+// at float32's arithmetic rate. Tiles: 4 rows x 16 columns (8 accumulators).
+namespace {
+template <int MR>
+inline void widened_tile(const float* x, int64_t k, const uint32_t* w, float* out, int64_t ostride, int64_t m0,
+                         int64_t c0, int64_t n) {
+  __m256 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t p = 0; p < k / 2; ++p) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 16));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 16 + 8));
+    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(w0, high));
+    const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(w1, high));
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xe = _mm256_broadcast_ss(x + (m0 + r) * k + 2 * p);
+      const __m256 xo = _mm256_broadcast_ss(x + (m0 + r) * k + 2 * p + 1);
+      acc[r][0] = _mm256_fmadd_ps(o0, xo, _mm256_fmadd_ps(e0, xe, acc[r][0]));
+      acc[r][1] = _mm256_fmadd_ps(o1, xo, _mm256_fmadd_ps(e1, xe, acc[r][1]));
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    float* o = out + (m0 + r) * ostride + c0;
+    if (c0 + 16 <= n) {
+      _mm256_storeu_ps(o, acc[r][0]);
+      _mm256_storeu_ps(o + 8, acc[r][1]);
+    } else {  // the last block: columns past n are the packing's zeros
+      float tmp[16];
+      _mm256_storeu_ps(tmp, acc[r][0]);
+      _mm256_storeu_ps(tmp + 8, acc[r][1]);
+      std::memcpy(o, tmp, sizeof(float) * (n - c0));
+    }
+  }
+}
+}  // namespace
+#endif
+
+bool widened_available() {
+#if defined(__AVX2__) && defined(__FMA__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// out [M, n] float32 = x (bf16 [M, K]) @ W^T, W packed by pack(), on AVX2 (see widened_tile)
+torch::Tensor widened_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n) {
+  TORCH_CHECK(widened_available(), "acb's widened bf16 GEMM needs AVX2 and FMA");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2, "x must be a bfloat16 [M, K]");
+  TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 4 && w.size(2) == 16 && w.size(3) == 2 &&
+                  w.is_contiguous(), "w must be a packed bfloat16 [N/16, K/2, 16, 2] (pack())");
+  TORCH_CHECK(w.size(1) * 2 == x.size(1), "the weight's K (", w.size(1) * 2, ") is not the input's (", x.size(1), ")");
+  const int64_t blocks = w.size(0);
+  TORCH_CHECK(n > (blocks - 1) * 16 && n <= blocks * 16, "n (", n, ") does not match the packed weight");
+  const int64_t m = x.size(0), k = x.size(1);
+  auto out = torch::empty({m, n}, x.options().dtype(torch::kFloat32));
+#if defined(__AVX2__) && defined(__FMA__)
+  const auto xf = x.to(torch::kFloat32).contiguous();  // a few rows: the lm_head's
+  const float* xp = xf.data_ptr<float>();
+  const uint32_t* wp = reinterpret_cast<const uint32_t*>(w.data_ptr());
+  float* op = out.data_ptr<float>();
+  constexpr int64_t kMR = 4, chunk = 64;
+  const int64_t row_chunks = (m + chunk - 1) / chunk;
+  at::parallel_for(0, blocks * row_chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / row_chunks, rc = item % row_chunks;
+      const uint32_t* wb = wp + b * (k / 2) * 16;
+      for (int64_t m0 = rc * chunk; m0 < std::min(m, rc * chunk + chunk); m0 += kMR) {
+        switch (std::min(kMR, m - m0)) {
+          case 4: widened_tile<4>(xp, k, wb, op, n, m0, b * 16, n); break;
+          case 3: widened_tile<3>(xp, k, wb, op, n, m0, b * 16, n); break;
+          case 2: widened_tile<2>(xp, k, wb, op, n, m0, b * 16, n); break;
+          default: widened_tile<1>(xp, k, wb, op, n, m0, b * 16, n); break;
+        }
+      }
+    }
+  });
+#endif
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether the GEMMs were built with AVX-512 BF16");
+  m.def("widened_available", &widened_available, "whether widened_linear was built (AVX2 and FMA)");
+  m.def("widened_linear", &widened_linear, "bf16 x @ packed W^T -> float32, weights widened by bits (AVX2)",
+        py::arg("x"), py::arg("w"), py::arg("n"), py::call_guard<py::gil_scoped_release>());
   m.def("pack", &pack, "a bf16 [N, K] weight in the GEMMs' layout", py::call_guard<py::gil_scoped_release>());
   m.def("linear", &linear, "bf16 linear, float32 accumulation, float32 or bf16 output (+ residual)", py::arg("x"),
         py::arg("w"), py::arg("n"), py::arg("bias") = py::none(), py::arg("other") = py::none(),

@@ -28,6 +28,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -35,6 +37,14 @@ namespace {
 constexpr bool kVnni = true;
 #else
 constexpr bool kVnni = false;
+#if defined(__AVX2__) && defined(__FMA__)
+#define ACB_INT8_AVX2 1  // the GEMMs below in their AVX2 form
+#endif
+#endif
+#if defined(__AVX512VNNI__) || defined(ACB_INT8_AVX2)
+constexpr bool kGemm = true;
+#else
+constexpr bool kGemm = false;
 #endif
 
 using acb_bf16::widen;  // bf16 -> float32 by bits (acb/kernels/bf16_scalar.h)
@@ -230,6 +240,145 @@ void gemm(const Rows& x, int64_t m, const Weight& w, const Weight* up, int64_t a
 }
 #endif
 
+#if defined(ACB_INT8_AVX2)
+// The same GEMM on AVX2 (no VNNI, no AVX-512: Zen 2/3, Haswell to Alder Lake): the same packed
+// weights, the same int32 sums per group and the same float32 flush, so the same outputs bit for bit.
+// vpmaddubsw (unsigned times signed bytes, pairs summed in int16) would saturate on weights + 128
+// (255 * 127 * 2 > 32767), so both operands are widened to int16 and multiplied by vpmaddwd (pairs
+// summed in int32, exact): the activations once per call (int16 rows), each 16 weight bytes (4
+// columns x 4 k) as they are loaded. A vpmaddwd lane holds one column's two k products, so a
+// group's sums are its lanes added in pairs (one vphaddd per row and 8 columns, at the flush).
+// Tiles: MR rows x 8 columns (half a packed block): 2 MR int32 accumulators.
+using acb_vec::act256;  // SiLU / GELU-tanh on 8 lanes (acb/kernels/vec_math.h)
+
+inline __m256 load_row8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_row8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline void store_row8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store_row8(uint16_t* p, __m256 v) {  // round to nearest even, as PyTorch rounds
+  __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+  _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
+}
+
+// acc[r] (8 columns) = sum over the ng groups of wscale_g * (int32 dot of the group * xscale[r, g] -
+// xoff[r, g]), as dot_tile computes it. x: int16 rows (stride xs); w: the half block's first weight
+// bytes (its k steps 64 bytes apart); wscale: the half block's first scale ([ng][16] per block).
+template <int MR>
+inline void dot_tile8(const int16_t* x, int64_t xs, const uint8_t* w, int64_t ng, int64_t g4, const float* wscale,
+                      const float* xscale, const float* xoff, __m256 (&acc)[MR]) {
+  // vphaddd leaves the columns as 0 1 4 5 2 3 6 7: the scales are read in that order and the sums
+  // put back in order once at the end
+  const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    __m256i lo[MR], hi[MR];  // columns 0-3 and 4-7, two lanes each
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+    for (int64_t k = g * g4; k < (g + 1) * g4; ++k) {
+      const __m256i b0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * 64)));
+      const __m256i b1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * 64 + 16)));
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        int64_t a64;
+        std::memcpy(&a64, x + r * xs + 4 * k, 8);
+        const __m256i a = _mm256_set1_epi64x(a64);
+        lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(b0, a));
+        hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(b1, a));
+      }
+    }
+    const __m256 ws = _mm256_permutevar8x32_ps(_mm256_loadu_ps(wscale + g * 16), order);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m256 s = _mm256_set1_ps(xscale[r * ng + g]), z = _mm256_set1_ps(xoff[r * ng + g]);
+      const __m256i sums = _mm256_hadd_epi32(lo[r], hi[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_fmsub_ps(_mm256_cvtepi32_ps(sums), s, z), ws, acc[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(acc[r]), 0xD8));
+}
+
+inline __m256 biased8(__m256 acc, const float* bias) { return bias ? _mm256_add_ps(acc, _mm256_loadu_ps(bias)) : acc; }
+
+// One tile: rows [m0, m0 + MR) x columns [c0, c0 + 8) of the output (c0 a multiple of 8)
+template <typename T, int MR>
+void tile8(const int16_t* x16, const Rows& x, const Weight& w, const Weight* up, int64_t act, int64_t epi,
+           const T* other, int64_t other_stride, T* out, int64_t out_stride, int64_t m0, int64_t c0) {
+  const int64_t k = x.k, ng = x.ng, k4 = k / 4, panel = k4 * 64, g4 = k4 / ng;
+  const int64_t block = c0 / 16, half = (c0 / 8) % 2;
+  const int16_t* xr = x16 + m0 * k;
+  const float* xs = x.scale + m0 * ng;
+  const float* xo = x.off + m0 * ng;
+  __m256 acc[MR], v[MR];
+  auto dot = [&](const Weight& wt) {
+    dot_tile8<MR>(xr, k, wt.w + block * panel + half * 32, ng, g4, wt.scale + block * ng * 16 + half * 8, xs, xo, acc);
+  };
+  dot(w);
+  for (int r = 0; r < MR; ++r) v[r] = biased8(acc[r], w.bias ? w.bias + c0 : nullptr);
+  if (up != nullptr) {  // v holds the gate: act(gate) * up
+    for (int r = 0; r < MR; ++r) v[r] = act256(v[r], act);
+    dot(*up);
+    for (int r = 0; r < MR; ++r) v[r] = _mm256_mul_ps(v[r], biased8(acc[r], up->bias ? up->bias + c0 : nullptr));
+  }
+  for (int r = 0; r < MR; ++r) {
+    __m256 o = v[r];
+    if (epi == kAdd) o = _mm256_add_ps(o, load_row8(other + (m0 + r) * other_stride + c0));
+    store_row8(out + (m0 + r) * out_stride + c0, o);
+  }
+}
+
+constexpr int64_t kMR8 = 4;  // rows per AVX2 tile: 8 accumulators, 2 weight registers, the broadcast
+
+template <typename T>
+void tile8_rows(int64_t rows, const int16_t* x16, const Rows& x, const Weight& w, const Weight* up, int64_t act,
+                int64_t epi, const T* other, int64_t os, T* out, int64_t ostride, int64_t m0, int64_t c0) {
+  switch (rows) {
+    case 4: tile8<T, 4>(x16, x, w, up, act, epi, other, os, out, ostride, m0, c0); break;
+    case 3: tile8<T, 3>(x16, x, w, up, act, epi, other, os, out, ostride, m0, c0); break;
+    case 2: tile8<T, 2>(x16, x, w, up, act, epi, other, os, out, ostride, m0, c0); break;
+    default: tile8<T, 1>(x16, x, w, up, act, epi, other, os, out, ostride, m0, c0); break;
+  }
+}
+
+template <typename T>
+void gemm(const Rows& x, int64_t m, const Weight& w, const Weight* up, int64_t act, int64_t epi,
+          const torch::Tensor* other, torch::Tensor& out, int64_t n) {
+  const int64_t k = x.k;
+  // the activations as int16, once per call (kept per calling thread: a prefill's are megabytes)
+  thread_local std::vector<int16_t> widened;
+  if (static_cast<int64_t>(widened.size()) < m * k) widened.resize(m * k);
+  int16_t* x16 = widened.data();
+  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t b, int64_t e) {
+    for (int64_t i = b * k; i < e * k; i += 16)  // k is a multiple of 4; rows end to end: 16 at a time, then the rest
+      if (i + 16 <= e * k)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(x16 + i),
+                            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x.q + i))));
+      else
+        for (int64_t j = i; j < e * k; ++j) x16[j] = x.q[j];
+  });
+  // (16-column block, row chunk) items, blocks outermost as in the AVX-512 gemm: a block's weights
+  // (16 K bytes) stay in L1/L2 across the chunk's row tiles
+  const int64_t blocks = n / 16, chunk = 96, row_chunks = (m + chunk - 1) / chunk;
+  const T* op = other ? reinterpret_cast<const T*>(other->data_ptr()) : nullptr;
+  const int64_t os = other ? other->stride(0) : 0;
+  T* outp = reinterpret_cast<T*>(out.data_ptr());
+  const int64_t ostride = out.stride(0);
+  at::parallel_for(0, blocks * row_chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / row_chunks, rc = item % row_chunks;
+      const int64_t first = rc * chunk, stop = std::min(m, first + chunk);
+      for (int64_t m0 = first; m0 < stop; m0 += kMR8)
+        for (int64_t c0 = b * 16; c0 < b * 16 + 16; c0 += 8)
+          tile8_rows<T>(std::min(kMR8, stop - m0), x16, x, w, up, act, epi, op, os, outp, ostride, m0, c0);
+    }
+  });
+}
+#endif
+
 // ng: the activations' groups per row; the weight's scales hold ng per output channel
 void check_weight(const torch::Tensor& w, const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias,
                   int64_t k, int64_t ng) {
@@ -417,6 +566,86 @@ void quantize_row(const T* x, int64_t k, int64_t group, const float* w, const fl
 }
 #endif
 
+#if !(defined(__AVX512F__) && defined(__AVX512BW__))
+// quantize_row without AVX-512 (the same steps: the norm, the multiplier, the rotation, then per group
+// q = round(v * 127 / max|v|), scale and offset), through buf: 8 lanes at a time on AVX2 where the
+// row, its groups and its rotation blocks are multiples of 8, scalar otherwise. The norm's sum runs
+// in another order than the AVX-512 kernel's (a last-bit difference in its scale at most).
+template <typename T>
+inline float wide(const T* p, int64_t i) {
+  if constexpr (std::is_same_v<T, float>) return p[i]; else return widen(p[i]);
+}
+
+template <typename T>
+void quantize_row(const T* x, int64_t k, int64_t group, const float* w, const float* mult, float eps, int8_t* q,
+                  float* scales, float* offs, float* buf, bool rotate = false) {
+  float inv = 1.f;
+  if (w) {
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < k; ++i) {
+      const float v = wide(x, i);
+      ss += v * v;
+    }
+    inv = 1.f / std::sqrt(ss / static_cast<float>(k) + eps);
+  }
+#pragma omp simd
+  for (int64_t i = 0; i < k; ++i) {
+    float u = wide(x, i);
+    if (w) u = w[i] * (u * inv);
+    if (mult) u = u * mult[i];
+    buf[i] = u;
+  }
+  const int64_t b = k & -k;
+#if defined(__AVX2__) && defined(__FMA__)
+  const bool lanes = k % 8 == 0 && group % 8 == 0;
+  if (rotate) {
+    if (b >= 8) acb_vec::hadamard_row8(buf, k); else acb_vec::hadamard_scalar(buf, k);
+  }
+  if (lanes) {
+    for (int64_t g0 = 0; g0 < k; g0 += group) {
+      const __m256 sign = _mm256_set1_ps(-0.f);
+      __m256 amax = _mm256_setzero_ps();
+      for (int64_t i = g0; i < g0 + group; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(buf + i)));
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float top = _mm_cvtss_f32(m4), s = top / 127.f;
+      const __m256 qs = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
+      __m256i sum = _mm256_setzero_si256();
+      for (int64_t i = g0; i < g0 + group; i += 8) {
+        const __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(buf + i), qs));  // to nearest even
+        sum = _mm256_add_epi32(sum, r);
+        const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(h, h));
+      }
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+      scales[g0 / group] = s;
+      offs[g0 / group] = 128.f * static_cast<float>(_mm_cvtsi128_si32(s4)) * s;
+    }
+    return;
+  }
+#else
+  if (rotate) acb_vec::hadamard_scalar(buf, k);
+#endif
+  for (int64_t g0 = 0; g0 < k; g0 += group) {
+    float top = 0.f;
+    for (int64_t i = g0; i < g0 + group; ++i) top = std::max(top, std::fabs(buf[i]));
+    const float s = top / 127.f, qs = top > 0.f ? 127.f / top : 0.f;
+    int32_t sum = 0;
+    for (int64_t i = g0; i < g0 + group; ++i) {
+      const int32_t r = static_cast<int32_t>(std::nearbyint(buf[i] * qs));
+      sum += r;
+      q[i] = static_cast<int8_t>(std::clamp<int32_t>(r, -128, 127));
+    }
+    scales[g0 / group] = s;
+    offs[g0 / group] = 128.f * static_cast<float>(sum) * s;
+  }
+}
+#endif
+
 // A per-channel float32 multiplier as a pointer (widened into `keep` when it is bf16), or null
 const float* channel_weights(const c10::optional<torch::Tensor>& w, int64_t k, const char* what,
                              std::vector<float>& keep) {
@@ -454,10 +683,8 @@ std::vector<torch::Tensor> quantize_any(const torch::Tensor& x, const c10::optio
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t b, int64_t e) {
     std::vector<float> buf(k);
     for (int64_t t = b; t < e; ++t) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
       quantize_row(xp + t * xs, k, group, w, mp, static_cast<float>(eps), qp + t * k, sp + t * ng, op + t * ng,
                    buf.data(), rotate);
-#endif
     }
   });
   return {q, s, o};
@@ -467,6 +694,7 @@ std::vector<torch::Tensor> quantize_any(const torch::Tensor& x, const c10::optio
 }  // namespace
 
 bool has_vnni() { return kVnni; }
+bool available() { return kGemm; }
 
 // x: [M, K] float32 or bfloat16 -> (q: int8 [M, K], scale and offset: float32 [M, K / group]);
 // group <= 0: the whole row (one scale per token). With norm_w ([K], float32 or bf16), each row
@@ -477,7 +705,7 @@ bool has_vnni() { return kVnni; }
 std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, const c10::optional<torch::Tensor>& norm_w,
                                          bool gemma, double eps, int64_t group,
                                          const c10::optional<torch::Tensor>& mult, bool rotate) {
-  TORCH_CHECK(kVnni, "acb's int8 kernels were built without AVX-512 VNNI");
+  TORCH_CHECK(kGemm, "acb's int8 kernels were built without AVX-512 VNNI or AVX2");
   (void)gemma;
   if (x.scalar_type() == torch::kFloat32) return quantize_any<float>(x, norm_w, eps, group, mult, rotate);
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be float32 or bfloat16");
@@ -488,7 +716,7 @@ std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, const c10::opti
 torch::Tensor linear(const torch::Tensor& xq, const torch::Tensor& xscale, const torch::Tensor& xoff,
                      const torch::Tensor& w, const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias,
                      const c10::optional<torch::Tensor>& other, torch::ScalarType dtype) {
-  TORCH_CHECK(kVnni, "acb's int8 kernels were built without AVX-512 VNNI");
+  TORCH_CHECK(kGemm, "acb's int8 kernels were built without AVX-512 VNNI or AVX2");
   const Rows x = check_input(xq, xscale, xoff);
   check_weight(w, scale, bias, x.k, x.ng);
   const int64_t n = w.size(0) * 16, m = xq.size(0);
@@ -498,7 +726,7 @@ torch::Tensor linear(const torch::Tensor& xq, const torch::Tensor& xscale, const
                              other->size(1) == n && other->stride(1) == 1,
                          "other must be [M, N] of the output's dtype with contiguous rows");
   const Weight wt = weight_of(w, scale, bias);
-#if defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) || defined(ACB_INT8_AVX2)
   if (m > 0) {
     if (dtype == torch::kFloat32)
       gemm<float>(x, m, wt, nullptr, 0, other ? kAdd : kNone, other ? &*other : nullptr, out, n);
@@ -514,7 +742,7 @@ torch::Tensor glu(const torch::Tensor& xq, const torch::Tensor& xscale, const to
                   const torch::Tensor& wg, const torch::Tensor& sg, const c10::optional<torch::Tensor>& bg,
                   const torch::Tensor& wu, const torch::Tensor& su, const c10::optional<torch::Tensor>& bu,
                   int64_t act, torch::ScalarType dtype) {
-  TORCH_CHECK(kVnni, "acb's int8 kernels were built without AVX-512 VNNI");
+  TORCH_CHECK(kGemm, "acb's int8 kernels were built without AVX-512 VNNI or AVX2");
   const Rows x = check_input(xq, xscale, xoff);
   check_weight(wg, sg, bg, x.k, x.ng);
   check_weight(wu, su, bu, x.k, x.ng);
@@ -524,7 +752,7 @@ torch::Tensor glu(const torch::Tensor& xq, const torch::Tensor& xscale, const to
   const int64_t n = wg.size(0) * 16, m = xq.size(0);
   auto out = torch::empty({m, n}, xq.options().dtype(dtype));
   const Weight g = weight_of(wg, sg, bg), u = weight_of(wu, su, bu);
-#if defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) || defined(ACB_INT8_AVX2)
   if (m > 0) {
     if (dtype == torch::kFloat32)
       gemm<float>(x, m, g, &u, act, kNone, nullptr, out, n);
@@ -537,6 +765,7 @@ torch::Tensor glu(const torch::Tensor& xq, const torch::Tensor& xscale, const to
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_vnni", &has_vnni, "whether the GEMMs were built with AVX-512 VNNI");
+  m.def("available", &available, "whether the GEMMs were built (AVX-512 VNNI, or AVX2)");
   m.def("quantize_rows", &quantize_rows, "per-row (per-group) int8 quantization, optionally after an RMSNorm",
         py::arg("x"), py::arg("norm_w") = py::none(), py::arg("gemma") = false, py::arg("eps") = 1e-6,
         py::arg("group") = 0, py::arg("mult") = py::none(), py::arg("rotate") = false,

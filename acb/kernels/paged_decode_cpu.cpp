@@ -1492,6 +1492,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("cache"), py::arg("slots"), py::arg("rotate") = false, py::call_guard<py::gil_scoped_release>());
   m.def("hadamard", &hadamard, "rows x [N, D] -> out = x H * scale (acb/kv_quant.py's key rotation) (CPU)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("has_avx512", []() {
+#if defined(__AVX512F__)
+    return true;
+#else
+    return false;
+#endif
+  }, "whether paged_decode_into and prefill_attention run (built with AVX-512; elsewhere they return false, doing nothing)");
   m.def("prefill_bf16", []() {
 #if defined(__AVX512BF16__)
     return true;
