@@ -108,6 +108,14 @@ class FastPaths:
             cpu_linear.release(self.model)
             self.packed = None
 
+    def _native_bf16(self) -> bool:
+        """Whether acb's own bf16 GEMMs (``fused.native_bf16``) would compute this bf16 model's fused forward."""
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16 or not self.kernels:
+            return False
+        from .fused import native_bf16
+
+        return native_bf16() is not None
+
     def _configure_forwards(self, config) -> None:
         """The compiled forwards, or the fused one (they exclude each other)."""
         varlen, decode = compiling.path_levels(config.compile_level, config.varlen_compile_level,
@@ -115,7 +123,8 @@ class FastPaths:
         self.varlen_forward = self.decode_forward = self.model
         self.fused = None
         quantized = quantization.is_quantized(self.model)  # int8: acb.quantization's forward, no prepacking
-        self._want_fused = not (varlen or decode) and (self.prepacked or quantized) and \
+        native = self._native_bf16()  # bf16: acb's own GEMMs pack the weights (oneDNN's prepacking not needed)
+        self._want_fused = not (varlen or decode) and (self.prepacked or quantized or native) and \
             self.dtype in (torch.float32, torch.bfloat16)
         if varlen or decode:
             self.forward_path, self.forward_reason = "compiled", f"compile_level: varlen {varlen}, decode {decode}"
@@ -123,10 +132,10 @@ class FastPaths:
             self.forward_reason = ("the fused forward runs on CPU only" if self.device.type != "cpu" else
                                    f"its weights are {self.dtype} (fused: float32, bfloat16)"
                                    if self.dtype not in (torch.float32, torch.bfloat16) else
-                                   "bfloat16 has no native kernels on this CPU (no AVX-512 BF16 or AMX: oneDNN "
-                                   "would emulate it, so nothing is prepacked); dtype='float32' runs the fused "
-                                   "forward here" if self.dtype == torch.bfloat16 and config.cpu_prepack and
-                                   not _native_bf16_cpu() else
+                                   "bfloat16 has no fast kernels on this CPU (neither AVX-512 BF16 nor AVX2, or "
+                                   "ACB_CPU_BF16_GEMM=0: oneDNN would emulate it, so nothing is prepacked); "
+                                   "dtype='float32' runs the fused forward here" if self.dtype == torch.bfloat16
+                                   and config.cpu_prepack and not _native_bf16_cpu() else
                                    "the linear layers are not prepacked (oneDNN unavailable, or "
                                    "EngineConfig.cpu_prepack=False / ACB_CPU_PREPACK=0)")
         self._build_fused()
@@ -191,8 +200,12 @@ class FastPaths:
         """(Re)build the fused CPU forward over the model's current modules and weights."""
         if not self._want_fused:
             return
-        from .fused import FusedForward, why_not
+        from .fused import FusedForward
+        from .fused import why_not as fused_why_not
         from .kernels.cpu import fused_kernels
+
+        def why_not(model, packed, kernels):
+            return fused_why_not(model, packed, kernels, native=self._native_bf16())
 
         if quantization.is_quantized(self.model):
             FusedForward, why_not = quantization.Int8Forward, quantization.why_not_forward  # noqa: N806
@@ -307,7 +320,8 @@ class FastPaths:
 
 
 def _native_bf16_cpu() -> bool:
-    """Whether oneDNN has native bf16 kernels on this CPU (what bf16 prepacking needs)."""
+    """Whether bf16 has fast GEMMs on this CPU: oneDNN's native ones (what bf16 prepacking needs) or acb's."""
+    from .fused import native_bf16
     from .kernels import cpu_linear
 
-    return cpu_linear.available(torch.bfloat16)
+    return cpu_linear.available(torch.bfloat16) or native_bf16() is not None

@@ -168,17 +168,18 @@ class FusedForward(LoraLayers):
         """The fused forward over ``model`` (its linears packed by ``packed``, a
         :class:`acb.kernels.cpu_linear.Prepacked`), or None, with the reason logged,
         where it does not apply. ``row_reduce``: the tensor-parallel sum, when sharded."""
-        reason = why_not(model, packed, kernels)
+        dtype = next(model.parameters()).dtype
+        native = native_bf16() if dtype == torch.bfloat16 and cls is FusedForward else None
+        reason = why_not(model, packed, kernels, native=native is not None)
         if reason:
             log.info("acb: fused CPU forward not used (%s); transformers' forward runs", reason)
             return None
         joined = set(side_by_side_linears(model))  # packed side by side below, never on their own
-        dtype = next(model.parameters()).dtype
-        native = native_bf16() if dtype == torch.bfloat16 and cls is FusedForward else None
         if native is not None:  # every GEMM in acb's own bf16 kernel, packed in its layout
             layers = describe(model, lambda m: None if m in joined else _pack((m,), native))
             side_by_side(model, layers, native)
-            packed.drop(list(packed.layers))  # oneDNN's copies (if transformers' forward ran): not read
+            if packed is not None:
+                packed.drop(list(packed.layers))  # oneDNN's copies (if transformers' forward ran): not read
         else:
             layers = describe(model, lambda m: (None if m in joined else packed.layers[m].weight(), m.bias))
             packed.drop(side_by_side(model, layers))  # their own copies (if any ran): the side-by-side ones serve
@@ -361,8 +362,9 @@ def _pack(linears: tuple[torch.nn.Linear, ...], native=None) -> tuple:
 
 
 def native_bf16():
-    """acb's bf16 GEMM module (``acb/kernels/bf16_cpu.cpp``) where it is built with AVX-512 BF16,
-    else None (oneDNN's prepacked bf16 linears compute, with their bf16 outputs);
+    """acb's bf16 GEMM module (``acb/kernels/bf16_cpu.cpp``) where it is built with AVX-512 BF16
+    (vdpbf16ps) or AVX2 (the weights widened to float32 as read), else None (oneDNN's prepacked bf16
+    linears compute, with their bf16 outputs);
     ``ACB_CPU_BF16_GEMM=0`` keeps to oneDNN's."""
     if os.environ.get("ACB_CPU_BF16_GEMM", "1") == "0":
         return None
@@ -410,15 +412,18 @@ def describe(model: torch.nn.Module, lin) -> list[_Layer]:
     return layers
 
 
-def why_not(model: torch.nn.Module, packed, kernels) -> str | None:
-    """Why the fused forward cannot stand in for ``model``'s, or None."""
+def why_not(model: torch.nn.Module, packed, kernels, native: bool = False) -> str | None:
+    """Why the fused forward cannot stand in for ``model``'s, or None. ``native``: acb's bf16
+    GEMMs compute it (they pack the weights themselves: oneDNN's prepacking is not needed)."""
     if kernels is None:
         return "the native CPU kernels are not built"
-    if packed is None:
+    if packed is None and not native:
         return "the linear layers are not prepacked"
     reason = unsupported(model)
     if reason:
         return reason
+    if native:
+        return None
     for layer in model.model.layers[: model.config.num_hidden_layers]:
         attn, mlp = layer.self_attn, layer.mlp
         for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):

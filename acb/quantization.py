@@ -326,8 +326,8 @@ def group_of(args: tuple) -> int:
 class Bf16Linear(torch.nn.Module):
     """A bias-free linear layer (the ``lm_head``) with bfloat16 weights packed for acb's bf16 GEMM
     (``acb/kernels/bf16_cpu.cpp``: [ceil(N/16), K/2, 16, 2]), float32 logits out. Where the CPU
-    lacks AVX-512 BF16: acb's widening GEMM on AVX2 (bf16 weights widened to float32 as read, float32
-    FMAs), else PyTorch's float32 matmul over slices of the weight (correct, slower)."""
+    lacks AVX-512 BF16 the same kernel widens the weights to float32 as it reads them (AVX2), and
+    without either PyTorch's float32 matmul computes over slices of the weight (correct, slower)."""
 
     def __init__(self, packed: torch.Tensor, out_features: int) -> None:
         super().__init__()
@@ -364,8 +364,6 @@ class Bf16Linear(torch.nn.Module):
         bf16 = fused.native_bf16()
         if bf16 is not None:
             out = bf16.linear(rows, self.weight, self.out_features, None, None, torch.float32)
-        elif (widened := _widened_bf16()) is not None:  # AVX2: bf16 weights widened as read, float32 sums
-            out = widened.widened_linear(rows, self.weight, self.out_features)
         else:  # float32 sums (a bf16 matmul would round the logits), a slice of the weight at a time
             x = rows.float()
             out = torch.cat([x @ part.float().T for part in self.dense().split(4096)], dim=1)
@@ -393,14 +391,6 @@ class Bf16Embedding(torch.nn.Module):
         if self.scale != 1.0:
             out = out * torch.tensor(self.scale, dtype=self.dtype)
         return out.view(*ids.shape, self.embedding_dim)
-
-
-def _widened_bf16():
-    """acb's bf16 module where its AVX2 widening GEMM is built (``widened_linear``), else None."""
-    from .kernels.cpu import bf16_kernels
-
-    k = bf16_kernels()
-    return k if k is not None and k.widened_available() else None
 
 
 def is_quantized(model: torch.nn.Module) -> bool:

@@ -316,13 +316,12 @@ def test_quantize_rotates_every_projection_and_the_fused_forward_follows():
 @pytest.mark.parametrize("path", ["kernel", "torch"])
 @pytest.mark.parametrize("n", [48, 259])
 def test_the_bf16_lm_head_and_its_embedding_rows(n, path, monkeypatch):
-    """The lm_head in bf16 (packed for acb's bf16 GEMM, float32 logits: AVX-512 BF16's, or the
-    widening one on AVX2; PyTorch's float32 matmul where neither is built) and the tied
+    """The lm_head in bf16 (packed for acb's bf16 GEMM, float32 logits: vdpbf16ps, or widened to
+    float32 on AVX2; PyTorch's float32 matmul where it is not built) and the tied
     embedding's rows read from the same packed table."""
     _q8()
     if path == "torch":
         monkeypatch.setattr(quantization.fused, "native_bf16", lambda: None)
-        monkeypatch.setattr(quantization, "_widened_bf16", lambda: None)
     w = torch.randn(n, 24)
     head = Bf16Linear.from_dense(w)
     assert head.weight.dtype == torch.bfloat16 and head.weight.shape[0] * 16 >= n

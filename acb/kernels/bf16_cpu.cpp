@@ -26,8 +26,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 namespace {
+
+using acb_bf16::to_bf16;  // bf16 <-> float32 by bits (acb/kernels/bf16_scalar.h)
+using acb_bf16::widen;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 constexpr bool kBf16 = true;
@@ -199,12 +204,127 @@ void gemm(const Gemm& g, int64_t m, int64_t blocks, int64_t up = -1, int64_t act
 constexpr bool kBf16 = false;
 #endif
 
-using acb_bf16::to_bf16;  // bf16 <-> float32 by bits (acb/kernels/bf16_scalar.h)
-using acb_bf16::widen;
+#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
+// The same GEMMs on CPUs without AVX-512 BF16 (AVX2: Zen 2/3, Haswell on), "widened": the same
+// packed bf16 weights, each pair of k widened to float32 by bits as it is loaded (k even: a word's
+// low half shifted up; k odd: its high half masked), the activations widened once per call, float32
+// FMAs (a bf16 x bf16 product is exact in float32: only the order of the float32 sums differs from
+// vdpbf16ps's), the same epilogues. Half the bytes of a float32 weight, at float32's arithmetic rate.
+// Tiles: 4 rows x 16 columns (8 accumulators, 4 widened weight registers, 2 broadcasts).
+constexpr bool kWidened = true;
+using acb_vec::act256;  // SiLU (0) / GELU-tanh (1) on 8 lanes, acb/kernels/vec_math.h
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(uint16_t* p, __m256 v) {  // round to nearest even, as PyTorch rounds (finite values)
+  __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+  _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
+}
+
+// acc[r][h] (columns 8h..8h+7 of the block) = rows m0.. of x (float32, stride k) . the block's columns
+template <int MR>
+inline void widened_dot(const float* x, int64_t k, const uint32_t* w, __m256 (&acc)[MR][2]) {
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t p = 0; p < k / 2; ++p) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 16));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 16 + 8));
+    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(w0, high));
+    const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(w1, high));
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xe = _mm256_broadcast_ss(x + r * k + 2 * p), xo = _mm256_broadcast_ss(x + r * k + 2 * p + 1);
+      acc[r][0] = _mm256_fmadd_ps(o0, xo, _mm256_fmadd_ps(e0, xe, acc[r][0]));
+      acc[r][1] = _mm256_fmadd_ps(o1, xo, _mm256_fmadd_ps(e1, xe, acc[r][1]));
+    }
+  }
+}
+
+// One tile: rows [m0, m0 + MR) x the 16 columns of block b (of n: the last block may be partial);
+// up: glu's up block (the gate's in w), else null
+template <typename T, int MR>
+void widened_tile(const float* x, int64_t k, const uint32_t* w, const uint32_t* up, const float* bias,
+                  const float* up_bias, int64_t act, const T* other, int64_t os, T* out, int64_t ostride, int64_t m0,
+                  int64_t c0, int64_t n) {
+  __m256 acc[MR][2], v[MR][2];
+  widened_dot<MR>(x + m0 * k, k, w, acc);
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < 2; ++h) v[r][h] = bias ? _mm256_add_ps(acc[r][h], _mm256_loadu_ps(bias + c0 + 8 * h)) : acc[r][h];
+  if (up != nullptr) {
+    for (int r = 0; r < MR; ++r)
+      for (int h = 0; h < 2; ++h) v[r][h] = act256(v[r][h], act);
+    widened_dot<MR>(x + m0 * k, k, up, acc);
+    for (int r = 0; r < MR; ++r)
+      for (int h = 0; h < 2; ++h)
+        v[r][h] = _mm256_mul_ps(v[r][h], up_bias ? _mm256_add_ps(acc[r][h], _mm256_loadu_ps(up_bias + c0 + 8 * h))
+                                                 : acc[r][h]);
+  }
+  const bool whole = c0 + 16 <= n;
+  for (int r = 0; r < MR; ++r) {
+    T* o = out + (m0 + r) * ostride + c0;
+    const T* a = other ? other + (m0 + r) * os + c0 : nullptr;
+    if (whole) {
+      for (int h = 0; h < 2; ++h) store8(o + 8 * h, a ? _mm256_add_ps(v[r][h], load8(a + 8 * h)) : v[r][h]);
+    } else {  // the last block: columns past n are the packing's zeros
+      alignas(32) float tmp[16];
+      _mm256_store_ps(tmp, v[r][0]);
+      _mm256_store_ps(tmp + 8, v[r][1]);
+      for (int64_t c = 0; c < n - c0; ++c) {
+        const float y = a ? tmp[c] + (std::is_same_v<T, float> ? static_cast<float>(a[c]) : widen(a[c])) : tmp[c];
+        if constexpr (std::is_same_v<T, float>) o[c] = y; else o[c] = to_bf16(y);
+      }
+    }
+  }
+}
+
+// out [m, n] = x @ W^T (+ bias) (+ other), or with up_blocks > 0 act(x Wg^T + bg) * (x Wu^T + bu), the
+// up's blocks following the gate's in w
+template <typename T>
+void widened_gemm(const uint16_t* xb, int64_t xs, int64_t m, int64_t k, const uint16_t* wb, int64_t n,
+                  int64_t blocks, const float* bias, const void* other, int64_t os, void* out, int64_t ostride,
+                  int64_t up_blocks = 0, int64_t act = 0) {
+  thread_local std::vector<float> widened;  // the activations in float32, once per call
+  if (static_cast<int64_t>(widened.size()) < m * k) widened.resize(m * k);
+  float* x = widened.data();
+  at::parallel_for(0, m, std::max<int64_t>(1, 8192 / std::max<int64_t>(k, 1)), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t)
+#pragma omp simd
+      for (int64_t i = 0; i < k; ++i) x[t * k + i] = widen(xb[t * xs + i]);
+  });
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(wb);
+  const int64_t panel = (k / 2) * 16, chunk = 64, row_chunks = (m + chunk - 1) / chunk;
+  const T* op = static_cast<const T*>(other);
+  T* outp = static_cast<T*>(out);
+  at::parallel_for(0, blocks * row_chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / row_chunks, rc = item % row_chunks;
+      const uint32_t* wg = w + b * panel;
+      const uint32_t* wu = up_blocks > 0 ? w + (b + up_blocks) * panel : nullptr;
+      const float* ub = up_blocks > 0 && bias ? bias + n : nullptr;
+      for (int64_t m0 = rc * chunk; m0 < std::min(m, rc * chunk + chunk); m0 += 4) {
+        switch (std::min<int64_t>(4, m - m0)) {
+          case 4: widened_tile<T, 4>(x, k, wg, wu, bias, ub, act, op, os, outp, ostride, m0, b * 16, n); break;
+          case 3: widened_tile<T, 3>(x, k, wg, wu, bias, ub, act, op, os, outp, ostride, m0, b * 16, n); break;
+          case 2: widened_tile<T, 2>(x, k, wg, wu, bias, ub, act, op, os, outp, ostride, m0, b * 16, n); break;
+          default: widened_tile<T, 1>(x, k, wg, wu, bias, ub, act, op, os, outp, ostride, m0, b * 16, n); break;
+        }
+      }
+    }
+  });
+}
+#else
+constexpr bool kWidened = false;
+#endif
 
 }  // namespace
 
-bool available() { return kBf16; }
+bool available() { return kBf16 || kWidened; }
+bool native() { return kBf16; }
 
 // w: bf16 [N, K] (K even) -> packed [ceil(N/16), K/2, 16, 2], zero past N
 torch::Tensor pack(const torch::Tensor& w) {
@@ -235,7 +355,7 @@ torch::Tensor pack(const torch::Tensor& w) {
 
 // The checks linear() and glu() share: x a bf16 [M, K] with contiguous rows, w packed by pack() for K
 void check_operands(const torch::Tensor& x, const torch::Tensor& w) {
-  TORCH_CHECK(kBf16, "acb's bf16 GEMMs were built without AVX-512 BF16");
+  TORCH_CHECK(kBf16 || kWidened, "acb's bf16 GEMMs were built without AVX-512 BF16 or AVX2");
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
               "x must be a bfloat16 [M, K] with contiguous rows");
   TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 4 && w.size(2) == 16 && w.size(3) == 2 &&
@@ -267,6 +387,18 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n, 
     if (dtype == torch::kFloat32) gemm<float>(g, m, blocks);
     else gemm<uint16_t>(g, m, blocks);
   }
+#elif !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
+  if (m > 0) {
+    const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    const uint16_t* wb = reinterpret_cast<const uint16_t*>(w.data_ptr());
+    const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+    const void* op = other ? other->data_ptr() : nullptr;
+    const int64_t os = other ? other->stride(0) : 0;
+    if (dtype == torch::kFloat32)
+      widened_gemm<float>(xb, x.stride(0), m, k, wb, n, blocks, bp, op, os, out.data_ptr(), out.stride(0));
+    else
+      widened_gemm<uint16_t>(xb, x.stride(0), m, k, wb, n, blocks, bp, op, os, out.data_ptr(), out.stride(0));
+  }
 #endif
   return out;
 }
@@ -292,6 +424,16 @@ torch::Tensor glu(const torch::Tensor& x, const torch::Tensor& w, int64_t n, con
                  nullptr, 0, out.data_ptr(), n, n};
     if (dtype == torch::kFloat32) gemm<float>(g, m, n / 16, n / 16, act);
     else gemm<uint16_t>(g, m, n / 16, n / 16, act);
+  }
+#elif !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
+  if (m > 0) {
+    const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    const uint16_t* wb = reinterpret_cast<const uint16_t*>(w.data_ptr());
+    const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+    if (dtype == torch::kFloat32)
+      widened_gemm<float>(xb, x.stride(0), m, k, wb, n, n / 16, bp, nullptr, 0, out.data_ptr(), out.stride(0), n / 16, act);
+    else
+      widened_gemm<uint16_t>(xb, x.stride(0), m, k, wb, n, n / 16, bp, nullptr, 0, out.data_ptr(), out.stride(0), n / 16, act);
   }
 #endif
   return out;
@@ -336,97 +478,10 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   return out;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// The lm_head of the int8 forward on CPUs without AVX-512 BF16 (AVX2: Zen 2/3, Haswell on): the same
-// packed bf16 weights, each pair of k widened to float32 by bits as it is loaded (k even: a word's low
-// half shifted up; k odd: its high half masked), the activations widened once per call, float32 FMAs
-// (a bf16 x bf16 product is exact in float32), float32 out. Half the bytes of a float32 weight read
-// at float32's arithmetic rate. Tiles: 4 rows x 16 columns (8 accumulators).
-namespace {
-template <int MR>
-inline void widened_tile(const float* x, int64_t k, const uint32_t* w, float* out, int64_t ostride, int64_t m0,
-                         int64_t c0, int64_t n) {
-  __m256 acc[MR][2];
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t p = 0; p < k / 2; ++p) {
-    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 16));
-    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 16 + 8));
-    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(w0, high));
-    const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(w1, high));
-#pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) {
-      const __m256 xe = _mm256_broadcast_ss(x + (m0 + r) * k + 2 * p);
-      const __m256 xo = _mm256_broadcast_ss(x + (m0 + r) * k + 2 * p + 1);
-      acc[r][0] = _mm256_fmadd_ps(o0, xo, _mm256_fmadd_ps(e0, xe, acc[r][0]));
-      acc[r][1] = _mm256_fmadd_ps(o1, xo, _mm256_fmadd_ps(e1, xe, acc[r][1]));
-    }
-  }
-  for (int r = 0; r < MR; ++r) {
-    float* o = out + (m0 + r) * ostride + c0;
-    if (c0 + 16 <= n) {
-      _mm256_storeu_ps(o, acc[r][0]);
-      _mm256_storeu_ps(o + 8, acc[r][1]);
-    } else {  // the last block: columns past n are the packing's zeros
-      float tmp[16];
-      _mm256_storeu_ps(tmp, acc[r][0]);
-      _mm256_storeu_ps(tmp + 8, acc[r][1]);
-      std::memcpy(o, tmp, sizeof(float) * (n - c0));
-    }
-  }
-}
-}  // namespace
-#endif
-
-bool widened_available() {
-#if defined(__AVX2__) && defined(__FMA__)
-  return true;
-#else
-  return false;
-#endif
-}
-
-// out [M, n] float32 = x (bf16 [M, K]) @ W^T, W packed by pack(), on AVX2 (see widened_tile)
-torch::Tensor widened_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n) {
-  TORCH_CHECK(widened_available(), "acb's widened bf16 GEMM needs AVX2 and FMA");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2, "x must be a bfloat16 [M, K]");
-  TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 4 && w.size(2) == 16 && w.size(3) == 2 &&
-                  w.is_contiguous(), "w must be a packed bfloat16 [N/16, K/2, 16, 2] (pack())");
-  TORCH_CHECK(w.size(1) * 2 == x.size(1), "the weight's K (", w.size(1) * 2, ") is not the input's (", x.size(1), ")");
-  const int64_t blocks = w.size(0);
-  TORCH_CHECK(n > (blocks - 1) * 16 && n <= blocks * 16, "n (", n, ") does not match the packed weight");
-  const int64_t m = x.size(0), k = x.size(1);
-  auto out = torch::empty({m, n}, x.options().dtype(torch::kFloat32));
-#if defined(__AVX2__) && defined(__FMA__)
-  const auto xf = x.to(torch::kFloat32).contiguous();  // a few rows: the lm_head's
-  const float* xp = xf.data_ptr<float>();
-  const uint32_t* wp = reinterpret_cast<const uint32_t*>(w.data_ptr());
-  float* op = out.data_ptr<float>();
-  constexpr int64_t kMR = 4, chunk = 64;
-  const int64_t row_chunks = (m + chunk - 1) / chunk;
-  at::parallel_for(0, blocks * row_chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / row_chunks, rc = item % row_chunks;
-      const uint32_t* wb = wp + b * (k / 2) * 16;
-      for (int64_t m0 = rc * chunk; m0 < std::min(m, rc * chunk + chunk); m0 += kMR) {
-        switch (std::min(kMR, m - m0)) {
-          case 4: widened_tile<4>(xp, k, wb, op, n, m0, b * 16, n); break;
-          case 3: widened_tile<3>(xp, k, wb, op, n, m0, b * 16, n); break;
-          case 2: widened_tile<2>(xp, k, wb, op, n, m0, b * 16, n); break;
-          default: widened_tile<1>(xp, k, wb, op, n, m0, b * 16, n); break;
-        }
-      }
-    }
-  });
-#endif
-  return out;
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("available", &available, "whether the GEMMs were built with AVX-512 BF16");
-  m.def("widened_available", &widened_available, "whether widened_linear was built (AVX2 and FMA)");
-  m.def("widened_linear", &widened_linear, "bf16 x @ packed W^T -> float32, weights widened by bits (AVX2)",
-        py::arg("x"), py::arg("w"), py::arg("n"), py::call_guard<py::gil_scoped_release>());
+  m.def("available", &available, "whether the GEMMs were built (AVX-512 BF16, or AVX2: widened to float32)");
+  m.def("native", &native, "whether they were built with AVX-512 BF16 (vdpbf16ps), not widened");
+
   m.def("pack", &pack, "a bf16 [N, K] weight in the GEMMs' layout", py::call_guard<py::gil_scoped_release>());
   m.def("linear", &linear, "bf16 linear, float32 accumulation, float32 or bf16 output (+ residual)", py::arg("x"),
         py::arg("w"), py::arg("n"), py::arg("bias") = py::none(), py::arg("other") = py::none(),

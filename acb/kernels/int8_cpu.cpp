@@ -263,6 +263,14 @@ inline void store_row8(uint16_t* p, __m256 v) {  // round to nearest even, as Py
   _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
 }
 
+// acc + the int32 pair sums of a * b (vpmaddwd, then vpaddd), written as two instructions: GCC 12
+// compiles the intrinsics with a register copy per accumulator and k step (as dpbusd above)
+inline __m256i madd_add(__m256i acc, __m256i a, __m256i b) {
+  __m256i t;
+  __asm__("vpmaddwd %3, %2, %1\n\tvpaddd %1, %0, %0" : "+x"(acc), "=&x"(t) : "x"(a), "x"(b));
+  return acc;
+}
+
 // acc[r] (8 columns) = sum over the ng groups of wscale_g * (int32 dot of the group * xscale[r, g] -
 // xoff[r, g]), as dot_tile computes it. x: int16 rows (stride xs); w: the half block's first weight
 // bytes (its k steps 64 bytes apart); wscale: the half block's first scale ([ng][16] per block).
@@ -286,8 +294,8 @@ inline void dot_tile8(const int16_t* x, int64_t xs, const uint8_t* w, int64_t ng
         int64_t a64;
         std::memcpy(&a64, x + r * xs + 4 * k, 8);
         const __m256i a = _mm256_set1_epi64x(a64);
-        lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(b0, a));
-        hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(b1, a));
+        lo[r] = madd_add(lo[r], b0, a);
+        hi[r] = madd_add(hi[r], b1, a);
       }
     }
     const __m256 ws = _mm256_permutevar8x32_ps(_mm256_loadu_ps(wscale + g * 16), order);
