@@ -104,9 +104,8 @@ def add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # lo
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="weights dtype")
     p.add_argument("--quantization", choices=["int8"],
                    help="int8 weights and activations per 64 channels, smoothed (SmoothQuant) and Hadamard-rotated, "
-                        "the lm_head bf16 "
-                        "(CPUs with AVX-512 VNNI; see docs/performance.md, Dtypes); attention and KV pages keep "
-                        "--dtype")
+                        "the lm_head bf16 (CPUs with AVX-512 VNNI or AVX2; see docs/performance.md, Dtypes); "
+                        "attention and KV pages keep --dtype")
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8"],
                    help="KV pages in int8 with a float32 scale per token and kv head (~2x the pages of bf16; acb's "
                         "native CPU attention only); auto (default): the model's dtype")

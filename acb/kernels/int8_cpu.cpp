@@ -1,4 +1,5 @@
-// int8 GEMMs for acb's quantized CPU forward (acb/quantization.py): W8A8 on AVX-512 VNNI.
+// int8 GEMMs for acb's quantized CPU forward (acb/quantization.py): W8A8 on AVX-512 VNNI (an AVX2
+// form below gives the same outputs where VNNI is missing).
 //
 // Weights: int8, symmetric, one scale per output channel and group of G input channels (G = 32:
 //   GGUF Q8_0's blocks), stored as unsigned bytes w + 128 and packed once into VNNI's layout
