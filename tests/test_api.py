@@ -499,7 +499,7 @@ _EFFECTS = {
     "kv_events": ({"kv_events": True}, lambda e: e.kv_events().pending()[0].resync),
     "grammar_compile_timeout_s": ({"grammar_compile_timeout_s": 1e-9}, lambda e: _grammar_refused(e)),
     "grammar_cache_size": ({"grammar_cache_size": 0}, lambda e: _grammar_compiles(e, 2) == 2),
-    # int8 weights (AVX-512 VNNI CPUs; refused by name elsewhere): tests/test_quantization.py
+    # int8 weights (AVX-512 VNNI or AVX2 CPUs; refused by name elsewhere): tests/test_quantization.py
     "quantization": ({"quantization": "int8"}, "tests/test_quantization.py"),
     "kv_cache_dtype": ({"kv_cache_dtype": "int8"}, lambda e: runner_of(e).kv.k_cache[0].dtype == torch.int8),
     # adapters loaded at once and their rank bound: refused past them by name

@@ -396,9 +396,18 @@ static void decode_item_avx2(const float* q, const T* kbase, const T* vbase, con
     slots[i] = (pow2 ? (pages[pos >> shift] << shift) + (pos & (page_size - 1))
                      : pages[pos / page_size] * page_size + pos % page_size) * stride;
   }
+  const int64_t row_bytes = stride * static_cast<int64_t>(sizeof(T));
+  auto fetch = [&](const T* base, int64_t i) {  // a row's lines into L1, ahead of its use (pages scatter)
+    const char* p = reinterpret_cast<const char*>(base + slots[i]);
+    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+  };
+  for (int64_t i = 0; i < std::min<int64_t>(n, 16); ++i) fetch(kbase, i);
   // scores[g * n + i] = q_g . k_i * scale (* the row's scale on int8 pages)
   for (int64_t i0 = 0; i0 < n; i0 += 8) {
     const int64_t nk = std::min<int64_t>(8, n - i0);
+    for (int64_t i = i0 + 16; i < std::min(n, i0 + 24); ++i) fetch(kbase, i);  // two blocks ahead
+    if (i0 < 16)  // the first values, while the scores run
+      for (int64_t i = i0; i < std::min(n, i0 + 8); ++i) fetch(vbase, i);
     alignas(32) float ks[8];
     for (int64_t j = 0; j < 8; ++j) {
       float* dst = kf.data() + j * D;
@@ -463,6 +472,7 @@ static void decode_item_avx2(const float* q, const T* kbase, const T* vbase, con
       __m256 acc[8];
       for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
       for (int64_t k = 0; k < n; ++k) {
+        if (g == 0 && c0 == 0 && k + 16 < n) fetch(vbase, k + 16);
         const T* row = vbase + slots[k];
         const __m256 w = _mm256_set1_ps(sg[k] * row_scale(row, D));
         if (cn == 8) {
