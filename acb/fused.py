@@ -422,11 +422,13 @@ def why_not(model: torch.nn.Module, packed, kernels, native: bool = False) -> st
     reason = unsupported(model)
     if reason:
         return reason
-    if native:
-        return None
     for layer in model.model.layers[: model.config.num_hidden_layers]:
         attn, mlp = layer.self_attn, layer.mlp
         for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            if native:  # packed from its own weight by acb's bf16 GEMMs: it must be a plain linear
+                if type(m) is not torch.nn.Linear:
+                    return f"a projection is a {type(m).__name__}, not a plain torch.nn.Linear"
+                continue
             if m not in packed.layers:
                 return "a projection is not prepacked (shared or wrapped weight)"
     return None

@@ -18,7 +18,7 @@ from acb.testing import random_prompts, tiny_model
 def _native_or_skip():
     module = native_bf16()
     if module is None or fused_kernels() is None or paged_decode_kernel() is None:
-        pytest.skip("acb's bf16 GEMMs need AVX-512 BF16 and a C++ compiler")
+        pytest.skip("acb's bf16 GEMMs need AVX-512 BF16 or AVX2 and a C++ compiler")
     return module
 
 
@@ -251,3 +251,27 @@ async def test_a_bf16_engine_builds_the_bf16_gemms_beside_the_attention_kernel(m
         got = await engine.generate_batch(random_prompts(3, 3, 20, seed=1), max_new_tokens=4, ignore_eos=True)
     assert started == [cpu.fused_kernels, cpu.bf16_kernels]
     assert all(len(r.token_ids) == 4 for r in got)
+
+
+def test_a_wrapped_projection_keeps_the_bf16_forward_off_and_says_why():
+    """acb's bf16 GEMMs pack each projection's own weight: a projection that is not a plain
+    torch.nn.Linear (a subclass with its own forward, an adapter's wrapper) would be computed
+    without what it adds, so the fused forward does not run and the reason names it."""
+    _native_or_skip()
+
+    class Scaled(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    attn = model.model.layers[0].self_attn
+    wrapped = Scaled(attn.q_proj.in_features, attn.q_proj.out_features, bias=False, dtype=torch.bfloat16)
+    wrapped.weight.data.copy_(attn.q_proj.weight.data)
+    attn.q_proj = wrapped
+    runner = ModelRunner(model, 64, 8)
+    runner.configure_fast_paths(EngineConfig(), 16)
+    try:
+        assert runner.fast_paths.fused is None
+        assert "Scaled, not a plain torch.nn.Linear" in runner.fast_paths.forward_reason
+    finally:
+        runner.release()
