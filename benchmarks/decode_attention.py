@@ -3,12 +3,14 @@
     python benchmarks/decode_attention.py                        # bf16 pages, 48 rows of ~420 tokens
     python benchmarks/decode_attention.py --dtype float32 --rows 64 --context 1024
     python benchmarks/decode_attention.py --kv int8               # a bf16 model over int8 pages
+    python benchmarks/decode_attention.py --separate --dtype float32  # paged_decode: the separate path's
 
 Times ``paged_decode_into`` (acb/kernels/paged_decode_cpu.cpp: the new keys and values written into
 their pages, then each row's attention over its pages) on a cache whose pages are scattered as a
 running engine leaves them (a random permutation of a pool four times the rows' need; --pages ascending:
 each row's pages in one ascending run, as a fresh engine hands them out; --pages descending: in one
-descending run), median of
+descending run), or with --separate (and where paged_decode_into declines: a CPU without AVX-512)
+``paged_decode``, the attention of the separate path (float32 queries and output), median of
 --repeats calls after warm-ups; prints microseconds a call and the GB/s of keys and values read.
 Each call reads the next of --layers caches, as a model's layers do one after another: with one
 cache (--layers 1) a call's ~16 MB of keys and values stays in this host's 32 MB L3 between calls
@@ -43,6 +45,8 @@ def main() -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=60)
     p.add_argument("--layers", type=int, default=30, help="caches read in turn (SmolLM2 has 30 layers)")
+    p.add_argument("--separate", action="store_true",
+                   help="time paged_decode (the separate path's attention) instead of paged_decode_into")
     p.add_argument("--pages", default="scattered", choices=("scattered", "ascending", "descending"),
                    help="how each row's pages lie in the pool")
     args = p.parse_args()
@@ -89,20 +93,32 @@ def main() -> None:
         return kernel.paged_decode_into(q, k_new, v_new, k_cache, v_cache, slots, pages, lens, out, ps, d**-0.5,
                                         0.0, 0)
 
-    if not call():
-        sys.exit(f"the kernel does not take {args.dtype} with {args.kv} pages here")
+    q32, out32 = q.float(), torch.empty(b, h, d)
+
+    def separate() -> bool:
+        k_cache, v_cache = next(in_turn)
+        kernel.paged_decode(q32, k_cache, v_cache, pages, lens, out32, ps, d**-0.5, 0.0, 0)
+        return True
+
+    timed = separate if args.separate else call
+    if not timed():
+        if kernel.has_avx512():
+            sys.exit(f"the kernel does not take {args.dtype} with {args.kv} pages here")
+        print("paged_decode_into runs with AVX-512 only: timing paged_decode, the separate path's attention")
+        timed = separate
     for _ in range(len(caches) + 5):
-        call()
+        timed()
     times = []
     for _ in range(args.repeats):
         t = time.perf_counter()
-        call()
+        timed()
         times.append(time.perf_counter() - t)
     us = statistics.median(times) * 1e6
     read = 2 * sum(lengths) * kvh * caches[0][0].shape[2] * caches[0][0].element_size()
     pages_of = "int8" if args.kv == "int8" else args.dtype
     layout = args.pages
-    print(f"{args.dtype} decode attention over {layout} {pages_of} pages, {b} rows, "
+    what = "paged_decode" if timed is separate else "paged_decode_into"
+    print(f"{what}: {args.dtype} decode attention over {layout} {pages_of} pages, {b} rows, "
           f"context {min(lengths)}-{max(lengths)} (mean {sum(lengths) / b:.0f}), {h}/{kvh} heads, d={d}, "
           f"pages of {ps}, {len(caches)} caches in turn: "
           f"{us:.0f} us a call (min {min(times) * 1e6:.0f}), {read / us / 1e3:.1f} GB/s of keys and values")
