@@ -214,17 +214,8 @@ constexpr bool kBf16 = false;
 constexpr bool kWidened = true;
 using acb_vec::act256;  // SiLU (0) / GELU-tanh (1) on 8 lanes, acb/kernels/vec_math.h
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(uint16_t* p, __m256 v) {  // round to nearest even, as PyTorch rounds (finite values)
-  __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
-  _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
-}
+using acb_vec::load8;  // 8 float32 or bf16 lanes in, float32 or rounded bf16 out (vec_math.h)
+using acb_vec::store8;
 
 // acc[r][h] (columns 8h..8h+7 of the block) = rows m0.. of x (float32, stride k) . the block's columns
 template <int MR>

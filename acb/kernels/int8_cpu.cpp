@@ -252,17 +252,8 @@ void gemm(const Rows& x, int64_t m, const Weight& w, const Weight* up, int64_t a
 // Tiles: MR rows x 8 columns (half a packed block): 2 MR int32 accumulators.
 using acb_vec::act256;  // SiLU / GELU-tanh on 8 lanes (acb/kernels/vec_math.h)
 
-inline __m256 load_row8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load_row8(const uint16_t* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-inline void store_row8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store_row8(uint16_t* p, __m256 v) {  // round to nearest even, as PyTorch rounds
-  __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
-  _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
-}
+using acb_vec::load8;  // 8 float32 or bf16 lanes in, float32 or rounded bf16 out (vec_math.h)
+using acb_vec::store8;
 
 // acc + the int32 pair sums of a * b (vpmaddwd, then vpaddd), written as two instructions: GCC 12
 // compiles the intrinsics with a register copy per accumulator and k step (as dpbusd above)
@@ -335,8 +326,8 @@ void tile8(const int16_t* x16, const Rows& x, const Weight& w, const Weight* up,
   }
   for (int r = 0; r < MR; ++r) {
     __m256 o = v[r];
-    if (epi == kAdd) o = _mm256_add_ps(o, load_row8(other + (m0 + r) * other_stride + c0));
-    store_row8(out + (m0 + r) * out_stride + c0, o);
+    if (epi == kAdd) o = _mm256_add_ps(o, load8(other + (m0 + r) * other_stride + c0));
+    store8(out + (m0 + r) * out_stride + c0, o);
   }
 }
 

@@ -356,10 +356,8 @@ static ItemFn<T, Q> pick_item(int64_t G, int64_t D) {
 // products reduced together: no horizontal sum per key), exp on 8 lanes (vec_math.h's exp256, as the
 // AVX-512 kernel's exp512), the weighted values summed per query head in registers, 64 dims at a time.
 // The portable loop below took ~1.2 ms a layer at 45 rows x ~300 keys (9 heads over 3, D 64).
-static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8(const at::BFloat16* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
+using acb_vec::load8;  // float32 (and bf16 bits) to float32 lanes, vec_math.h
+static inline __m256 load8(const at::BFloat16* p) { return load8(reinterpret_cast<const uint16_t*>(p)); }
 static inline __m256 load8(const at::Half* p) {
 #if defined(__F16C__)
   return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));

@@ -119,6 +119,20 @@ static inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// 8 lanes of float32, or of bfloat16 bits widened to float32 (the top half of a float's bits)
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+// 8 float32 lanes stored as float32, or rounded to bfloat16 (to nearest even, as PyTorch rounds finite values)
+static inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+static inline void store8(uint16_t* p, __m256 v) {
+  __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+  _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
+}
+
 // act512 on 8 lanes: SiLU (act 0) or GELU-tanh (1)
 static inline __m256 act256(__m256 g, int64_t act) {
   const __m256 one = _mm256_set1_ps(1.f);
