@@ -2,10 +2,13 @@
 
     python benchmarks/prefill_attention.py                       # bf16, 12 fresh prompts of 330 tokens
     python benchmarks/prefill_attention.py --dtype float32 --prompts 4 --tokens 1024
+    python benchmarks/prefill_attention.py --dtype float32 --torch   # and PyTorch's path, alternated
 
 Times ``prefill_attention`` (acb/kernels/paged_decode_cpu.cpp) over random queries, keys and values,
 median of --repeats calls after three warm-ups; prints milliseconds a call and the attention's
-GFLOP/s (causal: the half of the score and value products each row sees).
+GFLOP/s (causal: the half of the score and value products each row sees). ``--torch`` also times
+what the engine runs where the kernel declines (acb.attention._prefill_torch per prompt: PyTorch's
+scaled_dot_product_attention, causal), the two calls alternated.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--torch", action="store_true", help="also time PyTorch's attention (the fallback)")
     args = p.parse_args()
     kernel = paged_decode_kernel()
     if kernel is None:
@@ -45,18 +49,31 @@ def main() -> None:
     out = torch.zeros(total, h, d)
     if not kernel.prefill_attention(q, k, v, spans, out, d**-0.5, 0.0, 0):
         sys.exit(f"the kernel does not take {args.dtype} here")
-    for _ in range(2):
-        kernel.prefill_attention(q, k, v, spans, out, d**-0.5, 0.0, 0)
-    times = []
-    for _ in range(args.repeats):
-        t = time.perf_counter()
-        kernel.prefill_attention(q, k, v, spans, out, d**-0.5, 0.0, 0)
-        times.append(time.perf_counter() - t)
-    ms = statistics.median(times) * 1e3
-    flop = args.prompts * h * 2 * 2 * d * args.tokens * (args.tokens + 1) / 2
-    print(f"{args.dtype} prefill attention, {args.prompts} x {args.tokens} tokens, {h}/{kvh} heads, d={d}: "
-          f"{ms:.2f} ms a call (min {min(times) * 1e3:.2f}), {flop / ms / 1e6:.0f} GFLOP/s")
+    from acb.attention import _prefill_torch
 
+    def native():
+        kernel.prefill_attention(q, k, v, spans, out, d**-0.5, 0.0, 0)
+
+    def pytorch():  # the engine's fallback: one call per prompt, float32 inputs
+        for first, end, _, _ in spans.tolist():
+            out[first:end] = _prefill_torch(q[:, first:end].float(), k[:, first:end].float(),
+                                            v[:, first:end].float(), 0, d**-0.5, None, None).transpose(0, 1)
+
+    calls = {"acb": native, "pytorch": pytorch} if args.torch else {"acb": native}
+    for call in calls.values():
+        for _ in range(2):
+            call()
+    times = {name: [] for name in calls}
+    for _ in range(args.repeats):
+        for name, call in calls.items():
+            t = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - t)
+    flop = args.prompts * h * 2 * 2 * d * args.tokens * (args.tokens + 1) / 2
+    for name, ts in times.items():
+        ms = statistics.median(ts) * 1e3
+        print(f"{name} {args.dtype} prefill attention, {args.prompts} x {args.tokens} tokens, {h}/{kvh} heads, "
+              f"d={d}: {ms:.2f} ms a call (min {min(ts) * 1e3:.2f}), {flop / ms / 1e6:.0f} GFLOP/s")
 
 if __name__ == "__main__":
     main()

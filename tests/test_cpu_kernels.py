@@ -127,9 +127,11 @@ def test_decode_in_one_call_equals_the_separate_writes_and_conversions(dtype, he
 
 
 def test_without_avx512_the_one_call_kernels_decline():
-    """Built without AVX-512 (an AVX2-only CPU), paged_decode_into and prefill_attention return
-    False having written nothing, and the engine takes the separate path (paged_decode's portable
-    loop; PyTorch's prefill attention); with AVX-512 they run (the tests above)."""
+    """Built without AVX-512 (an AVX2-only CPU), paged_decode_into returns False having written
+    nothing, and the engine takes the separate path (paged_decode's AVX2 item); with AVX-512 it
+    runs (the tests above). prefill_attention runs in float32 with AVX2 + FMA too (its own 8-lane
+    tiles: test_native_prefill_attention_matches_a_reference); built with neither it declines.
+    bf16 prompts it takes only with avx512_bf16 (elsewhere they are widened to float32 first)."""
     kernel = paged_decode_kernel()
     if kernel is None:
         pytest.skip("the native CPU kernel did not build here")
@@ -145,8 +147,13 @@ def test_without_avx512_the_one_call_kernels_decline():
     assert not kernel.paged_decode_into(q, k, v, kc, vc, slots, pages, lengths, out, ps, dim**-0.5, 0.0, 0)
     assert torch.equal(kc, before[0]) and torch.equal(vc, before[1]) and not out.any()
     spans = torch.tensor([[0, rows, 0, 0]])
-    assert not kernel.prefill_attention(q, k, v, spans, out, dim**-0.5, 0.0, 0)
+    bf = torch.bfloat16
+    assert not kernel.prefill_bf16()
+    assert not kernel.prefill_attention(q.to(bf), k.to(bf), v.to(bf), spans, out, dim**-0.5, 0.0, 0)
     assert not out.any()
+    took = kernel.prefill_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), spans, out,
+                                    dim**-0.5, 0.0, 0)
+    assert took == kernel.prefill_f32() and bool(out.any()) == took
 
 
 def test_native_decode_kernel_refuses_what_it_cannot_read():

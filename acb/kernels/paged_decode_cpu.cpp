@@ -1059,7 +1059,13 @@ bool paged_decode_into(const torch::Tensor& q,      // [B, H, D]: heads contiguo
 // 64-512 tokens; this one packs each (span, kv head)'s keys transposed once, then
 // runs 8 query rows x 32 keys register tiles (all query heads of a kv head share the
 // packed keys), an online softmax, and only the key blocks each row can see.
-#if defined(__AVX512F__)
+// The float32 prompt kernel runs with AVX-512 (16-lane tiles) or AVX2 + FMA (8-lane tiles, below);
+// both share the work items, the rows' bookkeeping and the driver (prefill_attention).
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define ACB_PREFILL_F32 1
+#endif
+
+#if defined(ACB_PREFILL_F32)
 namespace prefill {
 
 constexpr int KB = 32;  // keys per block
@@ -1075,6 +1081,46 @@ struct Args {
   float scale, cap;
   int64_t window;
 };
+
+// Up to RB query rows of one work item (positions [i0, i1) of a span, the G heads of kv head kh,
+// rows r0..): their queries, positions and windows, and their online-softmax state. Row r0 + r is
+// position i0 + (r0 + r) / G, head kh * G + (r0 + r) % G: counted on from r0's, not divided per row
+// (two 64-bit divisions a row, here and in store(), took ~10 % of the bf16 kernel's time).
+template <typename Q>
+struct Rows {
+  int R;
+  const Q* qr[RB];
+  int64_t pos[RB], lo[RB], tok[RB], head[RB];
+  float m[RB], l[RB], corr[RB];
+  int64_t hi_max = 0, lo_min = INT64_MAX;
+
+  Rows(const Q* q, int64_t q_tok, int64_t q_head, int64_t G, int64_t window, int64_t t0, int64_t past, int64_t kh,
+       int64_t i0, int64_t r0, int64_t nrows, float* acc, int64_t D)
+      : R(static_cast<int>(std::min<int64_t>(RB, nrows - r0))) {
+    int64_t i = i0 + r0 / G, g = r0 % G;
+    for (int r = 0; r < R; ++r) {
+      tok[r] = i;
+      head[r] = kh * G + g;
+      qr[r] = q + (t0 + i) * q_tok + head[r] * q_head;
+      pos[r] = past + i;
+      lo[r] = window > 0 ? std::max<int64_t>(0, pos[r] - window + 1) : 0;
+      hi_max = std::max(hi_max, pos[r]);
+      lo_min = std::min(lo_min, lo[r]);
+      m[r] = 0.f;
+      l[r] = 0.f;
+      std::fill(acc + r * D, acc + (r + 1) * D, 0.f);
+      if (++g == G) {
+        g = 0;
+        ++i;
+      }
+    }
+  }
+};
+}  // namespace prefill
+#endif
+
+#if defined(__AVX512F__)
+namespace prefill {
 
 // One row's online-softmax step over a block of KB scores s (keys kb..kb+31): scaled, soft-capped
 // when cap > 0, masked to the keys lo..pos the row sees. p0/p1: the block's weights (0 where
@@ -1117,51 +1163,16 @@ static inline bool softmax_block(const float* s, int64_t kb, int64_t pos, int64_
   return true;
 }
 
-// Up to RB query rows of one work item (positions [i0, i1) of a span, the G heads of kv head kh,
-// rows r0..): their queries, positions and windows, and their online-softmax state. Row r0 + r is
-// position i0 + (r0 + r) / G, head kh * G + (r0 + r) % G: counted on from r0's, not divided per row
-// (two 64-bit divisions a row, here and in store(), took ~10 % of the bf16 kernel's time).
-template <typename Q>
-struct Rows {
-  int R;
-  const Q* qr[RB];
-  int64_t pos[RB], lo[RB], tok[RB], head[RB];
-  float m[RB], l[RB], corr[RB];
-  int64_t hi_max = 0, lo_min = INT64_MAX;
-
-  Rows(const Q* q, int64_t q_tok, int64_t q_head, int64_t G, int64_t window, int64_t t0, int64_t past, int64_t kh,
-       int64_t i0, int64_t r0, int64_t nrows, float* acc, int64_t D)
-      : R(static_cast<int>(std::min<int64_t>(RB, nrows - r0))) {
-    int64_t i = i0 + r0 / G, g = r0 % G;
-    for (int r = 0; r < R; ++r) {
-      tok[r] = i;
-      head[r] = kh * G + g;
-      qr[r] = q + (t0 + i) * q_tok + head[r] * q_head;
-      pos[r] = past + i;
-      lo[r] = window > 0 ? std::max<int64_t>(0, pos[r] - window + 1) : 0;
-      hi_max = std::max(hi_max, pos[r]);
-      lo_min = std::min(lo_min, lo[r]);
-      m[r] = 0.f;
-      l[r] = 0.f;
-      std::fill(acc + r * D, acc + (r + 1) * D, 0.f);
-      if (++g == G) {
-        g = 0;
-        ++i;
-      }
-    }
+// out rows = acc / l, DC * 16 dims each
+template <int DC, typename Q>
+static inline void store(const Rows<Q>& t, float* out, int64_t o_tok, int64_t o_head, int64_t t0, const float* acc) {
+  constexpr int D = DC * 16;
+  for (int r = 0; r < t.R; ++r) {
+    float* o = out + (t0 + t.tok[r]) * o_tok + t.head[r] * o_head;
+    const __m512 inv = _mm512_set1_ps(1.f / t.l[r]);
+    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(o + c * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + c * 16), inv));
   }
-
-  // out rows = acc / l, DC * 16 dims each
-  template <int DC>
-  void store(float* out, int64_t o_tok, int64_t o_head, int64_t t0, const float* acc) const {
-    constexpr int D = DC * 16;
-    for (int r = 0; r < R; ++r) {
-      float* o = out + (t0 + tok[r]) * o_tok + head[r] * o_head;
-      const __m512 inv = _mm512_set1_ps(1.f / l[r]);
-      for (int c = 0; c < DC; ++c) _mm512_storeu_ps(o + c * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + c * 16), inv));
-    }
-  }
-};
+}
 
 // s[r][0:32] = q_r . KT[:, 0:32] for R rows
 template <int R>
@@ -1226,7 +1237,7 @@ static void qk_rows(const float* const* qr, const float* kt, int64_t ldk, int64_
 }
 
 // Query positions [i0, i1) of one span (first packed token `t0`), kv head kh: its G
-// heads' rows, RB at a time, against the span's packed keys kt ([D][ldk]).
+// heads' rows, RB at a time, against the span's packed keys kt (blocks of [D][KB]).
 template <int DC>
 static void run_item(const Args& a, int64_t t0, int64_t k0, int64_t past, int64_t kh, int64_t i0, int64_t i1,
                      const float* kt, int64_t ldk, float* s, float* p, float* acc) {
@@ -1242,7 +1253,7 @@ static void run_item(const Args& a, int64_t t0, int64_t k0, int64_t past, int64_
     const int64_t hi_max = t.hi_max, lo_min = t.lo_min;
     const float* vr[KB];
     for (int64_t kb = lo_min / KB * KB; kb <= hi_max; kb += KB) {
-      qk_rows(qr, kt + kb, ldk, D, s, R);
+      qk_rows(qr, kt + kb * D, KB, D, s, R);
       const int nk = static_cast<int>(std::min<int64_t>(KB, hi_max + 1 - kb));
       for (int r = 0; r < R; ++r) {
         float* pr = p + r * KB;
@@ -1257,7 +1268,7 @@ static void run_item(const Args& a, int64_t t0, int64_t k0, int64_t past, int64_
       for (int j = 0; j < nk; ++j) vr[j] = a.v + (k0 + kb + j) * a.v_tok + kh * a.v_head;
       pv_rows<DC>(acc, corr, p, vr, nk, R);
     }
-    t.store<DC>(a.out, a.o_tok, a.o_head, t0, acc);
+    store<DC>(t, a.out, a.o_tok, a.o_head, t0, acc);
   }
 }
 
@@ -1404,7 +1415,7 @@ static void run_item16(const Args16& a, int64_t t0, int64_t past, int64_t kh, in
       }
       pv16_rows<DC>(acc, corr, p16, vt + (kb / 2) * D, (nk + 1) / 2, R);
     }
-    t.store<DC>(a.out, a.o_tok, a.o_head, t0, acc);
+    store<DC>(t, a.out, a.o_tok, a.o_head, t0, acc);
   }
 }
 
@@ -1425,7 +1436,184 @@ static RunFn16 pick16(int64_t D) {
 }  // namespace prefill
 #endif
 
-#if defined(__AVX512F__)
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// The float32 prompt kernel on AVX2 (no AVX-512: Zen 2/3, Haswell to Alder Lake): the AVX-512 kernel's
+// blocks of 32 keys, rows, online softmax and work items, on 8-lane tiles sized to 16 ymm registers:
+// the scores 4 rows x 16 keys at a time, the weighted values 8 / CW rows x CW * 8 dims. A bf16 or
+// fp16 step's rows reach it widened to float32 (attention.py). PyTorch's flash kernel, which it
+// replaces here, computes whole key blocks, the causal half included.
+namespace prefill {
+
+static inline float hmax8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+static inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+// softmax_block (above, AVX-512) on 8 lanes: the block's KB weights written to p (0 where masked)
+static inline bool softmax_block8(const float* s, int64_t kb, int64_t pos, int64_t lo, float scale, float cap,
+                                  float& m, float& l, float& corr, float* p) {
+  const int64_t first = std::max(lo, kb), last = std::min(pos, kb + KB - 1);
+  if (first > last) {
+    corr = 1.f;
+    return false;
+  }
+  // lane j of vector c is key kb + 8c + j, seen where first <= key <= last
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i below = _mm256_set1_epi32(static_cast<int>(first - kb - 1));
+  const __m256i above = _mm256_set1_epi32(static_cast<int>(last - kb + 1));
+  const __m256 vscale = _mm256_set1_ps(scale), lowest = _mm256_set1_ps(-3.0e38f);  // no infinities: -ffast-math
+  __m256 x[KB / 8], keep[KB / 8];
+  for (int c = 0; c < KB / 8; ++c) {
+    const __m256i key = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * c));
+    keep[c] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(key, below), _mm256_cmpgt_epi32(above, key)));
+    x[c] = _mm256_mul_ps(_mm256_loadu_ps(s + 8 * c), vscale);
+  }
+  if (cap > 0.f) {
+    alignas(32) float t[KB];
+    for (int c = 0; c < KB / 8; ++c) _mm256_store_ps(t + 8 * c, x[c]);
+    for (int j = 0; j < KB; ++j) t[j] = tanhf(t[j] / cap) * cap;
+    for (int c = 0; c < KB / 8; ++c) x[c] = _mm256_load_ps(t + 8 * c);
+  }
+  __m256 mx = lowest;
+  for (int c = 0; c < KB / 8; ++c) mx = _mm256_max_ps(mx, _mm256_blendv_ps(lowest, x[c], keep[c]));
+  const float bm = hmax8(mx);
+  const bool first_block = l == 0.f;
+  const float m_new = first_block ? bm : std::max(m, bm);
+  corr = first_block ? 0.f : expf(m - m_new);
+  const __m256 mv = _mm256_set1_ps(m_new);
+  __m256 sum = _mm256_setzero_ps();
+  for (int c = 0; c < KB / 8; ++c) {
+    const __m256 e = _mm256_and_ps(keep[c], acb_vec::exp256(_mm256_sub_ps(x[c], mv)));
+    _mm256_storeu_ps(p + 8 * c, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  l = l * corr + hsum8(sum);
+  m = m_new;
+  return true;
+}
+
+// s[r][0:16] = q_r . KT[:, 0:16] for R <= 4 rows (8 accumulators, 2 key vectors, 1 broadcast)
+template <int R>
+static inline void qk8(const float* const* qr, const float* kt, int64_t ldk, int64_t D, float* s) {
+  __m256 c0[R], c1[R];
+  for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256 b0 = _mm256_loadu_ps(kt + d * ldk), b1 = _mm256_loadu_ps(kt + d * ldk + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(qr[r] + d);
+      c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
+      c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(s + r * KB, c0[r]);
+    _mm256_storeu_ps(s + r * KB + 8, c1[r]);
+  }
+}
+
+// s[r][0:32] for `rows` rows: 4 rows x 16 keys at a time
+static void qk8_rows(const float* const* qr, const float* kt, int64_t ldk, int64_t D, float* s, int rows) {
+  for (int r0 = 0; r0 < rows; r0 += 4)
+    for (int h = 0; h < KB; h += 16) {
+      const float* k = kt + h;
+      float* out = s + r0 * KB + h;
+      switch (std::min(4, rows - r0)) {
+        case 1: qk8<1>(qr + r0, k, ldk, D, out); break;
+        case 2: qk8<2>(qr + r0, k, ldk, D, out); break;
+        case 3: qk8<3>(qr + r0, k, ldk, D, out); break;
+        default: qk8<4>(qr + r0, k, ldk, D, out); break;
+      }
+    }
+}
+
+// acc[r][c0 : c0 + 8 CW] = acc * corr[r] + sum_j p[r][j] * v_j, for R rows (R * CW <= 8 accumulators)
+template <int CW, int R>
+static inline void pv8(float* acc, int64_t D, int64_t c0, const float* corr, const float* p, const float* const* vr,
+                       int nk) {
+  __m256 a[R * CW];
+  for (int r = 0; r < R; ++r) {
+    const __m256 cr = _mm256_set1_ps(corr[r]);
+    for (int c = 0; c < CW; ++c) a[r * CW + c] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + c0 + 8 * c), cr);
+  }
+  for (int j = 0; j < nk; ++j) {
+    __m256 v[CW];
+    for (int c = 0; c < CW; ++c) v[c] = _mm256_loadu_ps(vr[j] + c0 + 8 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m256 w = _mm256_broadcast_ss(p + r * KB + j);
+      for (int c = 0; c < CW; ++c) a[r * CW + c] = _mm256_fmadd_ps(w, v[c], a[r * CW + c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < CW; ++c) _mm256_storeu_ps(acc + r * D + c0 + 8 * c, a[r * CW + c]);
+}
+
+template <int D>
+static void pv8_rows(float* acc, const float* corr, const float* p, const float* const* vr, int nk, int rows) {
+  constexpr int CW = D >= 32 ? 4 : D / 8, RP = 8 / CW;
+  int r = 0;
+  for (; r + RP <= rows; r += RP)
+    for (int64_t c0 = 0; c0 < D; c0 += 8 * CW) pv8<CW, RP>(acc + r * D, D, c0, corr + r, p + r * KB, vr, nk);
+  for (; r < rows; ++r)
+    for (int64_t c0 = 0; c0 < D; c0 += 8 * CW) pv8<CW, 1>(acc + r * D, D, c0, corr + r, p + r * KB, vr, nk);
+}
+
+// out rows = acc / l
+template <int D>
+static inline void store8(const Rows<float>& t, float* out, int64_t o_tok, int64_t o_head, int64_t t0,
+                          const float* acc) {
+  for (int r = 0; r < t.R; ++r) {
+    float* o = out + (t0 + t.tok[r]) * o_tok + t.head[r] * o_head;
+    const __m256 inv = _mm256_set1_ps(1.f / t.l[r]);
+    for (int c = 0; c < D; c += 8) _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + c), inv));
+  }
+}
+
+// run_item (AVX-512, above) on these tiles
+template <int D>
+static void run_item8(const Args& a, int64_t t0, int64_t k0, int64_t past, int64_t kh, int64_t i0, int64_t i1,
+                      const float* kt, int64_t ldk, float* s, float* p, float* acc) {
+  const int64_t G = a.G;
+  const int64_t nrows = (i1 - i0) * G;
+  for (int64_t r0 = 0; r0 < nrows; r0 += RB) {
+    Rows<float> t(a.q, a.q_tok, a.q_head, G, a.window, t0, past, kh, i0, r0, nrows, acc, D);
+    const int R = t.R;
+    const float* vr[KB];
+    for (int64_t kb = t.lo_min / KB * KB; kb <= t.hi_max; kb += KB) {
+      qk8_rows(t.qr, kt + kb * D, KB, D, s, R);
+      const int nk = static_cast<int>(std::min<int64_t>(KB, t.hi_max + 1 - kb));
+      for (int r = 0; r < R; ++r)
+        if (!softmax_block8(s + r * KB, kb, t.pos[r], t.lo[r], a.scale, a.cap, t.m[r], t.l[r], t.corr[r], p + r * KB))
+          std::fill(p + r * KB, p + (r + 1) * KB, 0.f);
+      for (int j = 0; j < nk; ++j) vr[j] = a.v + (k0 + kb + j) * a.v_tok + kh * a.v_head;
+      pv8_rows<D>(acc, t.corr, p, vr, nk, R);
+    }
+    store8<D>(t, a.out, a.o_tok, a.o_head, t0, acc);
+  }
+}
+
+using RunFn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const float*, int64_t, float*,
+                      float*, float*);
+
+static RunFn pick(int64_t D) {
+  switch (D) {
+    case 16: return run_item8<16>;
+    case 32: return run_item8<32>;
+    case 64: return run_item8<64>;
+    case 128: return run_item8<128>;
+    case 256: return run_item8<256>;
+    default: return nullptr;
+  }
+}
+}  // namespace prefill
+#endif
+
+#if defined(ACB_PREFILL_F32)
 // Work items (span, kv head, block of BQ query positions), spread over the threads by their
 // cost (causal: a block's keys grow with its position), largest first: one list per thread.
 struct Item { int64_t s, kh, i0, i1; double cost; };
@@ -1515,12 +1703,12 @@ static bool prefill_attention_bf16(const torch::Tensor& q, const torch::Tensor& 
 // of its first query: queries i in [0, end - first) sit at position past + i and see
 // keys j <= past + i (and > past + i - window), key j at k/v row key_first + j. A fresh
 // prompt is (first, end, first, 0). Returns false, touching nothing, where this build or shape has no fast
-// path (the caller then uses PyTorch's attention). q, k and v are all float32, or all
-// bfloat16 where the build has avx512_bf16 (``prefill_bf16()``).
+// path (the caller then uses PyTorch's attention). q, k and v are all float32 (built with AVX-512
+// or AVX2 + FMA: ``prefill_f32()``), or all bfloat16 where the build has avx512_bf16 (``prefill_bf16()``).
 bool prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                        const torch::Tensor& spans, torch::Tensor& out, double scale, double softcap,
                        int64_t window) {
-#if defined(__AVX512F__)
+#if defined(ACB_PREFILL_F32)
   const int64_t H = q.size(0), D = q.size(2), KVH = k.size(0);
   const bool shapes_ok = q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && out.stride(2) == 1 &&
                          H % KVH == 0 && out.scalar_type() == torch::kFloat32 &&
@@ -1544,7 +1732,9 @@ bool prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const tor
                   D, H / KVH, static_cast<float>(scale), static_cast<float>(softcap), window};
   const int64_t N = spans.size(0);
   const int64_t* sp = spans.data_ptr<int64_t>();
-  // packed, transposed keys: per span, per kv head, [D][ldk] with ldk = n rounded up to KB
+  // packed, transposed keys: per span, per kv head, ldk / KB blocks of [D][KB] (ldk = n rounded up to
+  // KB), each block's 32 keys contiguous: as [D][ldk] the tiles' loads strode ldk floats, 4 KB apart at
+  // 1,024 keys, which the L1 cache's sets could not hold (AVX2, 4 x 1,024 tokens: 78 ms a call, 60 blocked)
   std::vector<int64_t> kt_off(N + 1, 0);
   auto keys = [&](int64_t s) { return sp[4 * s + 3] + sp[4 * s + 1] - sp[4 * s]; };  // past + n
   for (int64_t s = 0; s < N; ++s) kt_off[s + 1] = kt_off[s] + KVH * D * ((keys(s) + KB - 1) / KB * KB);
@@ -1556,9 +1746,13 @@ bool prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const tor
       float* dst = kt.data() + kt_off[s] + kh * D * ldk;
       for (int64_t j = 0; j < n; ++j) {
         const float* src = a.k + (k0 + j) * a.k_tok + kh * a.k_head;
-        for (int64_t d = 0; d < D; ++d) dst[d * ldk + j] = src[d];
+        float* col = dst + (j / KB) * KB * D + j % KB;
+        for (int64_t d = 0; d < D; ++d) col[d * KB] = src[d];
       }
-      for (int64_t d = 0; d < D; ++d) std::fill(dst + d * ldk + n, dst + (d + 1) * ldk, 0.f);
+      if (n % KB) {  // the last block's keys past n: zeros
+        float* last = dst + (n / KB) * KB * D;
+        for (int64_t d = 0; d < D; ++d) std::fill(last + d * KB + n % KB, last + (d + 1) * KB, 0.f);
+      }
     }
   });
   const auto buckets = spread_items(sp, N, KVH, window);
@@ -1650,7 +1844,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
     return false;
 #endif
-  }, "whether paged_decode_into and prefill_attention run (built with AVX-512; elsewhere they return false, doing nothing)");
+  }, "whether paged_decode_into runs (built with AVX-512; elsewhere it returns false, doing nothing)");
+  m.def("prefill_f32", []() {
+#if defined(ACB_PREFILL_F32)
+    return true;
+#else
+    return false;
+#endif
+  }, "whether prefill_attention takes float32 q/k/v (built with AVX-512 or AVX2 + FMA; elsewhere it returns false)");
   m.def("prefill_bf16", []() {
 #if defined(__AVX512BF16__)
     return true;
