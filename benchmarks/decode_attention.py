@@ -102,9 +102,9 @@ def main() -> None:
 
     timed = separate if args.separate else call
     if not timed():
-        if kernel.has_avx512():
+        if kernel.decode_into():
             sys.exit(f"the kernel does not take {args.dtype} with {args.kv} pages here")
-        print("paged_decode_into runs with AVX-512 only: timing paged_decode, the separate path's attention")
+        print("paged_decode_into runs with AVX-512 or AVX2 only: timing paged_decode, the separate path's attention")
         timed = separate
     for _ in range(len(caches) + 5):
         timed()

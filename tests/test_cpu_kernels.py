@@ -85,13 +85,14 @@ def test_decode_in_one_call_equals_the_separate_writes_and_conversions(dtype, he
     index_copy_ into the pages, float32 queries, paged_decode, the output rounded. float32:
     the same bits. bf16 on a CPU with avx512_bf16 runs its own kernel (dot products on the bf16
     rows, float32 sums in another order): the same to bf16's last bit, and within bf16's
-    rounding of the exact (float64) attention."""
+    rounding of the exact (float64) attention. On AVX2 (no AVX-512) the call runs paged_decode's own
+    AVX2 item between its writes and conversions: the same bits in both dtypes."""
     kernel = paged_decode_kernel()
     if kernel is None:
         pytest.skip("the native CPU kernel did not build here")
-    if not kernel.has_avx512():
-        pytest.skip("paged_decode_into runs with AVX-512 only (elsewhere it declines: "
-                    "test_without_avx512_the_one_call_kernels_decline)")
+    if not kernel.decode_into():
+        pytest.skip("paged_decode_into runs with AVX-512 or AVX2 + FMA (elsewhere it declines: "
+                    "test_the_one_call_kernels_run_where_built_and_decline_what_they_do_not_cover)")
     torch.manual_seed(heads * dim + window + ps)
     rows, per_row = 13, 20
     kc = torch.randn(kv_heads, 400 * ps, dim).to(dtype)
@@ -110,8 +111,8 @@ def test_decode_in_one_call_equals_the_separate_writes_and_conversions(dtype, he
     out = padded[:rows].view(rows, heads, dim)
     assert kernel.paged_decode_into(q, k, v, kc, vc, slots, pages, lengths, out, ps, dim**-0.5, 0.0, window)
     assert torch.equal(kc, kc1) and torch.equal(vc, vc1)
-    if dtype == torch.float32:
-        assert torch.equal(out, expected)
+    if dtype == torch.float32 or not kernel.has_avx512():
+        assert torch.equal(out, expected.to(dtype))
     else:
         rounded = expected.to(dtype)
         ulp = torch.finfo(dtype).eps * rounded.float().abs().clamp_min(torch.finfo(torch.float32).tiny)
@@ -126,17 +127,16 @@ def test_decode_in_one_call_equals_the_separate_writes_and_conversions(dtype, he
     assert torch.equal(kc, kc1)
 
 
-def test_without_avx512_the_one_call_kernels_decline():
-    """Built without AVX-512 (an AVX2-only CPU), paged_decode_into returns False having written
-    nothing, and the engine takes the separate path (paged_decode's AVX2 item); with AVX-512 it
-    runs (the tests above). prefill_attention runs in float32 with AVX2 + FMA too (its own 8-lane
-    tiles: test_native_prefill_attention_matches_a_reference); built with neither it declines.
-    bf16 prompts it takes only with avx512_bf16 (elsewhere they are widened to float32 first)."""
+def test_the_one_call_kernels_run_where_built_and_decline_what_they_do_not_cover():
+    """paged_decode_into runs where the kernel was built with AVX-512 or AVX2 + FMA
+    (``decode_into()``), prefill_attention in float32 likewise (``prefill_f32()``), bf16 prompts
+    only with avx512_bf16 (``prefill_bf16()``; elsewhere the engine widens them first); a build with
+    none of these returns False from each, having written nothing, and the engine takes the separate
+    path. What no build covers is declined everywhere, untouched: soft-capping in the one-call decode,
+    a head dim that is not a multiple of 8 (16 with AVX-512)."""
     kernel = paged_decode_kernel()
     if kernel is None:
         pytest.skip("the native CPU kernel did not build here")
-    if kernel.has_avx512():
-        pytest.skip("built with AVX-512: the one-call kernels run")
     rows, heads, dim, ps = 3, 4, 64, 16
     kc, vc = torch.randn(2, 8 * ps, dim), torch.randn(2, 8 * ps, dim)
     before = kc.clone(), vc.clone()
@@ -144,13 +144,23 @@ def test_without_avx512_the_one_call_kernels_decline():
     pages = torch.arange(rows * 2).view(rows, 2)
     lengths, slots = torch.tensor([1, 5, 9]), torch.tensor([0, 2 * ps + 4, 4 * ps + 8])
     out = torch.zeros(rows, heads, dim)
-    assert not kernel.paged_decode_into(q, k, v, kc, vc, slots, pages, lengths, out, ps, dim**-0.5, 0.0, 0)
+    # soft-capping: declined, nothing written
+    assert not kernel.paged_decode_into(q, k, v, kc, vc, slots, pages, lengths, out, ps, dim**-0.5, 30.0, 0)
     assert torch.equal(kc, before[0]) and torch.equal(vc, before[1]) and not out.any()
+    # head dim 12: declined, nothing written
+    q12, k12, v12 = q[..., :12].contiguous(), k[..., :12].contiguous(), v[..., :12].contiguous()
+    kc12, vc12, out12 = kc[..., :12].contiguous(), vc[..., :12].contiguous(), torch.zeros(rows, heads, 12)
+    assert not kernel.paged_decode_into(q12, k12, v12, kc12, vc12, slots, pages, lengths, out12, ps, 0.3, 0.0, 0)
+    assert torch.equal(kc12, kc[..., :12]) and not out12.any()
+    took = kernel.paged_decode_into(q, k, v, kc, vc, slots, pages, lengths, out, ps, dim**-0.5, 0.0, 0)
+    assert took == kernel.decode_into() and bool(out.any()) == took
+    assert took or (torch.equal(kc, before[0]) and torch.equal(vc, before[1]))
     spans = torch.tensor([[0, rows, 0, 0]])
-    bf = torch.bfloat16
-    assert not kernel.prefill_bf16()
-    assert not kernel.prefill_attention(q.to(bf), k.to(bf), v.to(bf), spans, out, dim**-0.5, 0.0, 0)
-    assert not out.any()
+    out = torch.zeros(rows, heads, dim)
+    if not kernel.prefill_bf16():
+        bf = torch.bfloat16
+        assert not kernel.prefill_attention(q.to(bf), k.to(bf), v.to(bf), spans, out, dim**-0.5, 0.0, 0)
+        assert not out.any()
     took = kernel.prefill_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), spans, out,
                                     dim**-0.5, 0.0, 0)
     assert took == kernel.prefill_f32() and bool(out.any()) == took

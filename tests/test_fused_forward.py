@@ -24,10 +24,10 @@ def _kernels_or_skip():
         pytest.skip("the native CPU kernels did not build here")
 
 
-def _avx512_or_skip():
+def _one_call_or_skip():
     _kernels_or_skip()
-    if not paged_decode_kernel().has_avx512():
-        pytest.skip("the one-call decode and prefill kernels run with AVX-512 only")
+    if not paged_decode_kernel().decode_into():
+        pytest.skip("the one-call decode runs with AVX-512 or AVX2 + FMA only")
 
 
 def _bf16_fused_or_skip():
@@ -199,7 +199,7 @@ async def test_decode_only_steps_attend_in_one_native_call(arch, dtype, monkeypa
     the cache writes, the attention and the output in the model's dtype), Gemma 3's sliding
     layers over their own pool included; Gemma 2's soft-capping is declined there and takes
     the separate path. In float32 the tokens are generate's either way."""
-    _avx512_or_skip()
+    _one_call_or_skip()
     prompts = random_prompts(5, 3, 40, seed=13)
     async with tiny_engine(arch, seed=2, dtype=dtype) as engine:
         assert runner_of(engine).fast_paths.fused is not None
@@ -348,7 +348,7 @@ def test_native_prefill_attention_matches_a_reference(heads, kv_heads, dim, wind
         pytest.skip("the native CPU kernel did not build here")
     if not kernel.prefill_f32():
         pytest.skip("prefill_attention runs with AVX-512 or AVX2 + FMA (elsewhere it declines: "
-                    "test_without_avx512_the_one_call_kernels_decline)")
+                    "test_the_one_call_kernels_run_where_built_and_decline_what_they_do_not_cover)")
     torch.manual_seed(heads + dim + window)
     lengths = [1, 5, 31, 32, 33, 100, 203]  # around the 32-key blocks and 16-query items
     total = sum(lengths) + 3

@@ -345,9 +345,8 @@ def test_decode_in_one_call_on_int8_pages_equals_the_separate_write_and_decode(d
     same bits; bf16 on avx512_bf16 its own kernel (keys as bf16, float32 sums in another order):
     within one bf16 rounding of it, and of float64 over the dequantized pages."""
     kernel = _kernel()
-    if not kernel.has_avx512():
-        pytest.skip("paged_decode_into runs with AVX-512 only (elsewhere it declines: "
-                    "test_without_avx512_the_one_call_kernels_decline)")
+    if not kernel.decode_into():
+        pytest.skip("paged_decode_into runs with AVX-512 or AVX2 + FMA only")
     torch.manual_seed(heads * dim + window + ps)
     rows, per_row = 13, 20
     kc = _int8_pages(kernel, torch.randn(kv_heads, 400 * ps, dim) * 3)
@@ -364,15 +363,18 @@ def test_decode_in_one_call_on_int8_pages_equals_the_separate_write_and_decode(d
     expected = torch.empty(rows, heads, dim)
     q_read = q.contiguous()
     if rotate:  # the queries as the kernel rotates them: in float32, rounded once to the model's dtype
-        q_read = torch.empty_like(q_read)
-        kernel.hadamard(q.contiguous().view(-1, dim), q_read.view(-1, dim), 1 / kv_quant.rotation_block(dim))
+        # with AVX-512; on AVX2 the call widens a bf16 step's queries first and rotates them in float32,
+        # as the separate path there does (it widens every half-precision row before the attention)
+        q_read = q_read if kernel.has_avx512() else q_read.float()
+        q_read = torch.empty_like(q_read).copy_(q_read)
+        kernel.hadamard(q_read.view(-1, dim).clone(), q_read.view(-1, dim), 1 / kv_quant.rotation_block(dim))
     kernel.paged_decode(q_read.float(), kc1, vc1, pages, lengths, expected, ps, dim**-0.5, 0.0, window)
     padded = torch.zeros(rows + 5, heads * dim, dtype=dtype)
     out = padded[:rows].view(rows, heads, dim)
     assert kernel.paged_decode_into(q, k, v, kc, vc, slots, pages, lengths, out, ps, dim**-0.5, 0.0, window, rotate)
     assert torch.equal(kc, kc1) and torch.equal(vc, vc1)  # the same bytes, scales included
-    if dtype == torch.float32:
-        assert torch.equal(out, expected)
+    if dtype == torch.float32 or not kernel.has_avx512():  # AVX2: paged_decode's item, its bits
+        assert torch.equal(out, expected.to(dtype))
     else:
         rounded = expected.to(dtype)
         ulp = torch.finfo(dtype).eps * rounded.float().abs().clamp_min(torch.finfo(torch.float32).tiny)
@@ -396,8 +398,8 @@ async def test_decode_only_steps_on_int8_pages_attend_in_one_native_call(dtype, 
     identical here, bound stated at 0.95 of the tokens for thread-count differences."""
     from acb import attention
 
-    if not _kernel().has_avx512():
-        pytest.skip("paged_decode_into runs with AVX-512 only")
+    if not _kernel().decode_into():
+        pytest.skip("paged_decode_into runs with AVX-512 or AVX2 + FMA only")
     prompts = random_prompts(5, 3, 40, seed=13)
     tokens = {}
     for decline in (False, True):

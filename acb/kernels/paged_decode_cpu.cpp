@@ -638,9 +638,13 @@ void paged_decode(const torch::Tensor& q,        // [B, H, D] float32, contiguou
 // (two index_copy_, the queries' transpose and widening, the output's rounding) were ~100-250 us a
 // layer of a ~800 us call at SmolLM2's 57-row decode steps. Returns false, having done nothing,
 // where it does not apply (soft-capping, a head layout without a vectorised item, mixed dtypes, no
-// AVX-512): the caller then takes the separate path.
-#if defined(__AVX512F__)
-// A paged_decode_into call's tensors as pointers, sizes and strides (both drivers below)
+// AVX-512 or AVX2): the caller then takes the separate path.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define ACB_DECODE_INTO 1
+#endif
+
+#if defined(ACB_DECODE_INTO)
+// A paged_decode_into call's tensors as pointers, sizes and strides (the drivers below)
 template <typename T>
 struct IntoCall {
   using Page = T;  // the pages' element type
@@ -717,6 +721,9 @@ struct Into8Call {
   Q* out_of(int64_t b, int64_t kh) const { return op + b * os + kh * G * D; }
 };
 
+#endif
+
+#if defined(__AVX512F__)
 // The portable vectorised driver (IntoCall or Into8Call): the float kernel's items as paged_decode runs
 // them (int8 pages: each key widened into float32 as read, its scale applied to its scores, each
 // value's to its weight), so a float32 model gets the same bits as the separate writes and paged_decode.
@@ -997,6 +1004,59 @@ static bool run_into(const Call& c, int64_t G, int64_t D, float scale) {
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(ACB_DECODE_INTO)
+// paged_decode_into on AVX2: per item (row, kv head), the new rows written (or quantized) into their
+// slots, the G queries widened to float32 (and rotated, in float32, on int8 pages), paged_decode's AVX2
+// item (decode_item_avx2), and the output rounded once to the model's dtype: the separate path's writes,
+// conversions and arithmetic on this CPU, so its bits, without its copies and dispatches.
+template <typename Call>
+static void decode_into_avx2(const Call& c, float scale) {
+  using Q = typename Call::Query;
+  bool rotate = false;  // int8 pages holding rotated keys
+  if constexpr (std::is_same_v<typename Call::Page, int8_t>) rotate = c.rotate;
+  const float over_block = 1.f / static_cast<float>(c.D & -c.D);
+  at::parallel_for(0, c.B * c.KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, kf, qf(c.G * c.D), of(std::is_same_v<Q, float> ? 0 : c.G * c.D);
+    std::vector<int64_t> slots;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / c.KVH, kh = item % c.KVH;
+      c.write(b, kh);
+      // the queries in float32: a bf16 step's widened, then rotated in float32 where they read int8 pages
+      // (the separate path on this CPU widens a bf16 step's rows before it rotates them)
+      const Q* q = c.q_of(b, kh);
+      const float* qr = qf.data();
+      if constexpr (std::is_same_v<Q, float>) {
+        if (rotate)
+          for (int64_t g = 0; g < c.G; ++g) rotate_row(q + g * c.D, qf.data() + g * c.D, c.D, over_block);
+        else
+          qr = q;
+      } else {
+        for (int64_t i = 0; i < c.G * c.D; i += 8) _mm256_storeu_ps(qf.data() + i, load8(q + i));
+        if (rotate)
+          for (int64_t g = 0; g < c.G; ++g) rotate_row(qf.data() + g * c.D, qf.data() + g * c.D, c.D, over_block);
+      }
+      const int64_t first = c.first(b), n = c.len[b] - first;
+      if constexpr (std::is_same_v<Q, float>) {
+        decode_item_avx2(qr, c.k_of(kh), c.v_of(kh), c.pg + b * c.P, c.page_size, first, n, c.G, c.D, c.row(), scale,
+                         scores, slots, kf, c.out_of(b, kh));
+      } else {  // the float32 output rounded to nearest even as it is written
+        decode_item_avx2(qr, c.k_of(kh), c.v_of(kh), c.pg + b * c.P, c.page_size, first, n, c.G, c.D, c.row(), scale,
+                         scores, slots, kf, of.data());
+        uint16_t* o = reinterpret_cast<uint16_t*>(c.out_of(b, kh));
+        for (int64_t i = 0; i < c.G * c.D; i += 8) acb_vec::store8(o + i, _mm256_loadu_ps(of.data() + i));
+      }
+    }
+  });
+}
+
+template <typename Q, typename Page, typename Call>
+static bool run_into(const Call& c, int64_t, int64_t D, float scale) {
+  if (D % 8 != 0) return false;  // decode_item_avx2's 8-lane rows
+  decode_into_avx2(c, scale);
+  return true;
+}
+#endif
+
 bool paged_decode_into(const torch::Tensor& q,      // [B, H, D]: heads contiguous within a row, any row stride
                        const torch::Tensor& k_new,  // [B, KVH, D] the rows' new keys, laid out as q
                        const torch::Tensor& v_new,  // [B, KVH, D] their values
@@ -1007,7 +1067,7 @@ bool paged_decode_into(const torch::Tensor& q,      // [B, H, D]: heads contiguo
                        torch::Tensor& out,            // [B, H, D], laid out as q
                        int64_t page_size, double scale, double softcap, int64_t window,
                        bool rotate) {  // int8 pages holding rotated keys (acb/kv_quant.py)
-#if defined(__AVX512F__)
+#if defined(ACB_DECODE_INTO)
   const auto dt = q.scalar_type();
   if (softcap > 0.0 || (dt != torch::kFloat32 && dt != torch::kBFloat16)) return false;
   // the pages: the model's dtype, or int8 rows of D values and their scale (kv_cache_dtype="int8")
@@ -1844,7 +1904,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
     return false;
 #endif
-  }, "whether paged_decode_into runs (built with AVX-512; elsewhere it returns false, doing nothing)");
+  }, "whether the one-call decode's AVX-512 items run (paged_decode_into: AVX-512, or AVX2 with head dims a "
+     "multiple of 8: decode_into())");
+  m.def("decode_into", []() {
+#if defined(ACB_DECODE_INTO)
+    return true;
+#else
+    return false;
+#endif
+  }, "whether paged_decode_into runs (built with AVX-512, or AVX2 + FMA; elsewhere it returns false, doing nothing)");
   m.def("prefill_f32", []() {
 #if defined(ACB_PREFILL_F32)
     return true;
