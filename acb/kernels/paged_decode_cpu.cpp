@@ -1024,24 +1024,24 @@ static void decode_into_avx2(const Call& c, float scale) {
       // the queries in float32: a bf16 step's widened, then rotated in float32 where they read int8 pages
       // (the separate path on this CPU widens a bf16 step's rows before it rotates them)
       const Q* q = c.q_of(b, kh);
-      const float* qr = qf.data();
+      const float* qr;
+      float* out;  // the item's float32 output: the call's own for a float32 model, else `of`
       if constexpr (std::is_same_v<Q, float>) {
-        if (rotate)
-          for (int64_t g = 0; g < c.G; ++g) rotate_row(q + g * c.D, qf.data() + g * c.D, c.D, over_block);
-        else
-          qr = q;
+        qr = q;
+        out = c.out_of(b, kh);
       } else {
         for (int64_t i = 0; i < c.G * c.D; i += 8) _mm256_storeu_ps(qf.data() + i, load8(q + i));
-        if (rotate)
-          for (int64_t g = 0; g < c.G; ++g) rotate_row(qf.data() + g * c.D, qf.data() + g * c.D, c.D, over_block);
+        qr = qf.data();
+        out = of.data();
+      }
+      if (rotate) {  // in place where qr is qf (rotate_row widens its row before writing)
+        for (int64_t g = 0; g < c.G; ++g) rotate_row(qr + g * c.D, qf.data() + g * c.D, c.D, over_block);
+        qr = qf.data();
       }
       const int64_t first = c.first(b), n = c.len[b] - first;
-      if constexpr (std::is_same_v<Q, float>) {
-        decode_item_avx2(qr, c.k_of(kh), c.v_of(kh), c.pg + b * c.P, c.page_size, first, n, c.G, c.D, c.row(), scale,
-                         scores, slots, kf, c.out_of(b, kh));
-      } else {  // the float32 output rounded to nearest even as it is written
-        decode_item_avx2(qr, c.k_of(kh), c.v_of(kh), c.pg + b * c.P, c.page_size, first, n, c.G, c.D, c.row(), scale,
-                         scores, slots, kf, of.data());
+      decode_item_avx2(qr, c.k_of(kh), c.v_of(kh), c.pg + b * c.P, c.page_size, first, n, c.G, c.D, c.row(), scale,
+                       scores, slots, kf, out);
+      if constexpr (!std::is_same_v<Q, float>) {  // rounded to nearest even as it is written
         uint16_t* o = reinterpret_cast<uint16_t*>(c.out_of(b, kh));
         for (int64_t i = 0; i < c.G * c.D; i += 8) acb_vec::store8(o + i, _mm256_loadu_ps(of.data() + i));
       }
@@ -1298,10 +1298,10 @@ static void qk_rows(const float* const* qr, const float* kt, int64_t ldk, int64_
 
 // Query positions [i0, i1) of one span (first packed token `t0`), kv head kh: its G
 // heads' rows, RB at a time, against the span's packed keys kt (blocks of [D][KB]).
-template <int DC>
+template <int D>
 static void run_item(const Args& a, int64_t t0, int64_t k0, int64_t past, int64_t kh, int64_t i0, int64_t i1,
                      const float* kt, int64_t ldk, float* s, float* p, float* acc) {
-  constexpr int D = DC * 16;
+  constexpr int DC = D / 16;
   const int64_t G = a.G;
   const int64_t nrows = (i1 - i0) * G;
   for (int64_t r0 = 0; r0 < nrows; r0 += RB) {
@@ -1332,19 +1332,6 @@ static void run_item(const Args& a, int64_t t0, int64_t k0, int64_t past, int64_
   }
 }
 
-using RunFn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const float*, int64_t, float*,
-                      float*, float*);
-
-static RunFn pick(int64_t D) {
-  switch (D) {
-    case 16: return run_item<1>;
-    case 32: return run_item<2>;
-    case 64: return run_item<4>;
-    case 128: return run_item<8>;
-    case 256: return run_item<16>;
-    default: return nullptr;
-  }
-}
 
 
 #if defined(__AVX512BF16__)
@@ -1636,7 +1623,7 @@ static inline void store8(const Rows<float>& t, float* out, int64_t o_tok, int64
 
 // run_item (AVX-512, above) on these tiles
 template <int D>
-static void run_item8(const Args& a, int64_t t0, int64_t k0, int64_t past, int64_t kh, int64_t i0, int64_t i1,
+static void run_item(const Args& a, int64_t t0, int64_t k0, int64_t past, int64_t kh, int64_t i0, int64_t i1,
                       const float* kt, int64_t ldk, float* s, float* p, float* acc) {
   const int64_t G = a.G;
   const int64_t nrows = (i1 - i0) * G;
@@ -1657,23 +1644,27 @@ static void run_item8(const Args& a, int64_t t0, int64_t k0, int64_t past, int64
   }
 }
 
+}  // namespace prefill
+#endif
+
+#if defined(ACB_PREFILL_F32)
+namespace prefill {
+// the float32 kernel for head dim D (this build's run_item, AVX-512 or AVX2), or null
 using RunFn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const float*, int64_t, float*,
                       float*, float*);
 
 static RunFn pick(int64_t D) {
   switch (D) {
-    case 16: return run_item8<16>;
-    case 32: return run_item8<32>;
-    case 64: return run_item8<64>;
-    case 128: return run_item8<128>;
-    case 256: return run_item8<256>;
+    case 16: return run_item<16>;
+    case 32: return run_item<32>;
+    case 64: return run_item<64>;
+    case 128: return run_item<128>;
+    case 256: return run_item<256>;
     default: return nullptr;
   }
 }
 }  // namespace prefill
-#endif
 
-#if defined(ACB_PREFILL_F32)
 // Work items (span, kv head, block of BQ query positions), spread over the threads by their
 // cost (causal: a block's keys grow with its position), largest first: one list per thread.
 struct Item { int64_t s, kh, i0, i1; double cost; };
