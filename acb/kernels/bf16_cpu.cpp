@@ -41,8 +41,12 @@ using acb_vec::act512;  // SiLU (0) / GELU-tanh (1), acb/kernels/vec_math.h
 // acc + a . b over bf16 pairs, written as one instruction (as int8_cpu.cpp's dpbusd: no register
 // copies per accumulator and k step)
 inline __m512 dpbf16(__m512 acc, __m512 a, __m512 b) {
+#if defined(ACB_EMULATED_AVX512)  // avx512_emulated.h: the intrinsic, portable
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+#else
   __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
   return acc;
+#endif
 }
 
 inline __m512 load_masked(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -52,6 +53,16 @@ def _builder_lock(ext: str):
         yield
 
 
+def extension_name(name: str) -> str:
+    """torch's name for kernel ``name``'s build (its folder under ``TORCH_EXTENSIONS_DIR``).
+
+    One build folder per source location: torch's ninja file names the source path, so two
+    checkouts of acb sharing one name would rebuild each other's every load. An emulated build
+    (``ACB_CPU_KERNEL_EMULATE``) has folders of its own, beside the native ones."""
+    where = hashlib.sha1(str(Path(__file__).parent.resolve()).encode()).hexdigest()[:8]
+    return f"{name}_{where}" + ("_emu512" if _emulated() else "")
+
+
 def _build(name: str, source: str, cflags: list[str]):
     """Build (or load from torch's cache) one extension; None, logged once, if it cannot be."""
     if name in _modules or name in _failed:
@@ -62,10 +73,9 @@ def _build(name: str, source: str, cflags: list[str]):
                 from torch.utils.cpp_extension import load
 
                 src = Path(__file__).with_name(source)
-                # One build folder per source location: torch's ninja file names the source path,
-                # so two checkouts of acb sharing one name would rebuild each other's every load.
-                where = hashlib.sha1(str(src.parent.resolve()).encode()).hexdigest()[:8]
-                ext = f"{name}_{where}"
+                ext = extension_name(name)
+                if _emulated():
+                    cflags = [*cflags, "-include", str(src.with_name("avx512_emulated.h"))]
                 with _builder_lock(ext):
                     _modules[name] = load(name=ext, sources=[str(src)], extra_cflags=cflags,
                                           extra_ldflags=["-fopenmp"], verbose=False)
@@ -73,6 +83,17 @@ def _build(name: str, source: str, cflags: list[str]):
                 _failed.add(name)
                 log.warning("acb: CPU kernels %s unavailable (%s); using the PyTorch path", source, e)
     return _modules.get(name)
+
+
+def _emulated() -> bool:
+    """``ACB_CPU_KERNEL_EMULATE=avx512``: build the kernels' AVX-512 paths against SIMDe's portable
+    intrinsics (``avx512_emulated.h``; needs Debian's ``libsimde-dev`` or SIMDe's headers on the
+    include path), so a CPU without AVX-512 runs and tests them - slowly; never for speed. Any other
+    value is refused by name rather than ignored."""
+    value = os.environ.get("ACB_CPU_KERNEL_EMULATE", "")
+    if value not in ("", "avx512"):
+        raise ValueError(f"ACB_CPU_KERNEL_EMULATE={value!r}: the only emulation acb builds is 'avx512'")
+    return value == "avx512"
 
 
 def start_building(*kernels) -> None:

@@ -89,8 +89,12 @@ struct Rows {
 // GCC 12 compiles the intrinsic in dot_tile's loop with two register copies per accumulator and
 // k step (24 vmovdqa beside 12 vpdpbusd in the 6 x 32 tile)
 inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
+#if defined(ACB_EMULATED_AVX512)  // avx512_emulated.h: the intrinsic, portable
+  return _mm512_dpbusd_epi32(acc, a, b);
+#else
   __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
   return acc;
+#endif
 }
 
 // acc[r][j] = sum over the ng groups of wscale_g * (int32 dot of the group * xscale[r, g] - xoff[r, g]):
