@@ -288,3 +288,17 @@ def test_two_kernels_build_side_by_side_and_one_kernel_builds_once(tmp_path, mon
     assert cpu.fused_kernels() is cpu._modules["acb_fused_cpu"] is not None  # a later caller gets the build
     assert most[0] == 2, "the two kernels were built one after the other"
     assert sorted(built) == sorted(map(cpu.extension_name, ["acb_fused_cpu", "acb_int8_cpu"])), built  # fused once
+
+
+def test_an_emulated_build_has_folders_of_its_own_and_a_bad_emulation_is_refused(monkeypatch):
+    """ACB_CPU_KERNEL_EMULATE=avx512 (scripts/test-avx512-emulated.sh) builds the AVX-512 paths on
+    SIMDe: never into the native build's folder (a later native load would take the slow one)."""
+    from acb.kernels import cpu
+
+    monkeypatch.delenv("ACB_CPU_KERNEL_EMULATE", raising=False)
+    native = cpu.extension_name("acb_fused_cpu")
+    monkeypatch.setenv("ACB_CPU_KERNEL_EMULATE", "avx512")
+    assert cpu.extension_name("acb_fused_cpu") == native + "_emu512"
+    monkeypatch.setenv("ACB_CPU_KERNEL_EMULATE", "avx1024")
+    with pytest.raises(ValueError, match="ACB_CPU_KERNEL_EMULATE='avx1024'"):
+        cpu.extension_name("acb_fused_cpu")
