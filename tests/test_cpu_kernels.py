@@ -291,14 +291,18 @@ def test_two_kernels_build_side_by_side_and_one_kernel_builds_once(tmp_path, mon
 
 
 def test_an_emulated_build_has_folders_of_its_own_and_a_bad_emulation_is_refused(monkeypatch):
-    """ACB_CPU_KERNEL_EMULATE=avx512 (scripts/test-avx512-emulated.sh) builds the AVX-512 paths on
-    SIMDe: never into the native build's folder (a later native load would take the slow one)."""
+    """ACB_CPU_KERNEL_EMULATE (scripts/test-avx512-emulated.sh) builds the AVX-512 paths on SIMDe:
+    each kind of AVX-512 in a folder of its own, never the native build's (a later native load
+    would take the slow one)."""
     from acb.kernels import cpu
 
     monkeypatch.delenv("ACB_CPU_KERNEL_EMULATE", raising=False)
     native = cpu.extension_name("acb_fused_cpu")
-    monkeypatch.setenv("ACB_CPU_KERNEL_EMULATE", "avx512")
-    assert cpu.extension_name("acb_fused_cpu") == native + "_emu512"
+    folders = {native}
+    for emulation in ("avx512", "avx512-vnni", "avx512-base"):
+        monkeypatch.setenv("ACB_CPU_KERNEL_EMULATE", emulation)
+        folders.add(cpu.extension_name("acb_fused_cpu"))
+    assert len(folders) == 4 and all(f.startswith(native) for f in folders)
     monkeypatch.setenv("ACB_CPU_KERNEL_EMULATE", "avx1024")
     with pytest.raises(ValueError, match="ACB_CPU_KERNEL_EMULATE='avx1024'"):
         cpu.extension_name("acb_fused_cpu")

@@ -1,8 +1,11 @@
-// Forced in front of a kernel source (-include) when ACB_CPU_KERNEL_EMULATE=avx512: the kernels'
-// AVX-512 paths (F, BW, VL, VNNI, BF16) compiled against SIMDe's portable implementations of those
-// intrinsics (https://github.com/simd-everywhere/simde; Debian's libsimde-dev), so a machine
-// without AVX-512 runs, slowly, exactly the code an AVX-512 one runs natively. For correctness
-// tests only (scripts/test_avx512_emulated.sh): never for speed.
+// Forced in front of a kernel source (-include) when ACB_CPU_KERNEL_EMULATE is set (acb/kernels/cpu.py):
+// the kernels' AVX-512 paths compiled against SIMDe's portable implementations of the intrinsics
+// (https://github.com/simd-everywhere/simde; Debian's libsimde-dev), so a machine without AVX-512
+// runs, slowly, exactly the code an AVX-512 one runs natively. For correctness tests only
+// (scripts/test-avx512-emulated.sh): never for speed. The ISA macros defined: AVX-512 F, BW, VL and
+// DQ, with VNNI and BF16 unless -DACB_EMULATE_NO_VNNI / -DACB_EMULATE_NO_BF16 leave them out
+// (the CPU kinds: Sapphire Rapids and Zen 4 have all; Cascade Lake and Ice Lake no BF16;
+// Skylake-X neither).
 #pragma once
 #include <immintrin.h>  // the native (AVX2) header first: its guard keeps the sources' own include a no-op
 #define SIMDE_ENABLE_NATIVE_ALIASES
@@ -179,5 +182,9 @@ inline int reduce_add_epi32(simde__m512i a) {
 #define __AVX512BW__ 1
 #define __AVX512VL__ 1
 #define __AVX512DQ__ 1
+#if !defined(ACB_EMULATE_NO_VNNI)
 #define __AVX512VNNI__ 1
+#endif
+#if !defined(ACB_EMULATE_NO_BF16)
 #define __AVX512BF16__ 1
+#endif

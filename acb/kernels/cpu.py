@@ -60,7 +60,8 @@ def extension_name(name: str) -> str:
     checkouts of acb sharing one name would rebuild each other's every load. An emulated build
     (``ACB_CPU_KERNEL_EMULATE``) has folders of its own, beside the native ones."""
     where = hashlib.sha1(str(Path(__file__).parent.resolve()).encode()).hexdigest()[:8]
-    return f"{name}_{where}" + ("_emu512" if _emulated() else "")
+    emulation = _emulation()
+    return f"{name}_{where}" + (emulation[0] if emulation else "")
 
 
 def _build(name: str, source: str, cflags: list[str]):
@@ -74,8 +75,9 @@ def _build(name: str, source: str, cflags: list[str]):
 
                 src = Path(__file__).with_name(source)
                 ext = extension_name(name)
-                if _emulated():
-                    cflags = [*cflags, "-include", str(src.with_name("avx512_emulated.h"))]
+                emulation = _emulation()
+                if emulation:
+                    cflags = [*cflags, *emulation[1], "-include", str(src.with_name("avx512_emulated.h"))]
                 with _builder_lock(ext):
                     _modules[name] = load(name=ext, sources=[str(src)], extra_cflags=cflags,
                                           extra_ldflags=["-fopenmp"], verbose=False)
@@ -85,15 +87,26 @@ def _build(name: str, source: str, cflags: list[str]):
     return _modules.get(name)
 
 
-def _emulated() -> bool:
-    """``ACB_CPU_KERNEL_EMULATE=avx512``: build the kernels' AVX-512 paths against SIMDe's portable
+# ACB_CPU_KERNEL_EMULATE's values: (build-folder suffix, the features left out); the CPU kinds each
+# stands for are in avx512_emulated.h
+_EMULATIONS = {
+    "avx512": ("_emu512", []),
+    "avx512-vnni": ("_emu512vnni", ["-DACB_EMULATE_NO_BF16"]),
+    "avx512-base": ("_emu512base", ["-DACB_EMULATE_NO_BF16", "-DACB_EMULATE_NO_VNNI"]),
+}
+
+
+def _emulation() -> tuple[str, list[str]] | None:
+    """``ACB_CPU_KERNEL_EMULATE=avx512`` (AVX-512 with VNNI and BF16), ``avx512-vnni`` (without BF16)
+    or ``avx512-base`` (neither): build the kernels' AVX-512 paths against SIMDe's portable
     intrinsics (``avx512_emulated.h``; needs Debian's ``libsimde-dev`` or SIMDe's headers on the
-    include path), so a CPU without AVX-512 runs and tests them - slowly; never for speed. Any other
-    value is refused by name rather than ignored."""
+    include path), so a CPU without AVX-512 runs and tests them - slowly; never for speed. Any
+    other value is refused by name rather than ignored."""
     value = os.environ.get("ACB_CPU_KERNEL_EMULATE", "")
-    if value not in ("", "avx512"):
-        raise ValueError(f"ACB_CPU_KERNEL_EMULATE={value!r}: the only emulation acb builds is 'avx512'")
-    return value == "avx512"
+    if value and value not in _EMULATIONS:
+        raise ValueError(f"ACB_CPU_KERNEL_EMULATE={value!r}: the emulations acb builds are "
+                         + ", ".join(map(repr, _EMULATIONS)))
+    return _EMULATIONS.get(value)
 
 
 def start_building(*kernels) -> None:
