@@ -280,7 +280,8 @@ def _decode_rows(meta: StepAttention, pool: PagePool, q_all: torch.Tensor, k_cac
                  softcap: float | None, out: torch.Tensor, rotated: bool = False) -> None:
     """The decode rows (native or PyTorch path): q_all [H, T, d] -> their tokens' rows of
     ``out`` [T, H, d]; ``rotated``: the pages hold rotated keys (int8), so the queries are
-    rotated, in the model's dtype as the one-call path rotates them."""
+    rotated, as the one-call path rotates them: in the dtype the step's rows reach the kernels in
+    (a bf16 step's in bf16 where the kernels have avx512_bf16, else widened to float32 first)."""
     decode = meta.decode
     turn = _rotate_queries if rotated else (lambda q: q)
     if decode.kernel == "native" and not meta.prefills:

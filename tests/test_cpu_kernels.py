@@ -85,8 +85,9 @@ def test_decode_in_one_call_equals_the_separate_writes_and_conversions(dtype, he
     index_copy_ into the pages, float32 queries, paged_decode, the output rounded. float32:
     the same bits. bf16 on a CPU with avx512_bf16 runs its own kernel (dot products on the bf16
     rows, float32 sums in another order): the same to bf16's last bit, and within bf16's
-    rounding of the exact (float64) attention. On AVX2 (no AVX-512) the call runs paged_decode's own
-    AVX2 item between its writes and conversions: the same bits in both dtypes."""
+    rounding of the exact (float64) attention. Without avx512_bf16 (AVX2, or AVX-512 without BF16)
+    the call runs paged_decode's own item between its writes and conversions: the same bits in both
+    dtypes."""
     kernel = paged_decode_kernel()
     if kernel is None:
         pytest.skip("the native CPU kernel did not build here")
@@ -111,7 +112,7 @@ def test_decode_in_one_call_equals_the_separate_writes_and_conversions(dtype, he
     out = padded[:rows].view(rows, heads, dim)
     assert kernel.paged_decode_into(q, k, v, kc, vc, slots, pages, lengths, out, ps, dim**-0.5, 0.0, window)
     assert torch.equal(kc, kc1) and torch.equal(vc, vc1)
-    if dtype == torch.float32 or not kernel.has_avx512():
+    if dtype == torch.float32 or not kernel.prefill_bf16():  # prefill_bf16(): built with avx512_bf16
         assert torch.equal(out, expected.to(dtype))
     else:
         rounded = expected.to(dtype)

@@ -343,7 +343,8 @@ def test_decode_in_one_call_on_int8_pages_equals_the_separate_write_and_decode(d
     write_kv_int8 stores them (rotate: keys rotated first), and the attention what paged_decode
     gives over those pages (rotate: for the queries rotated by the hadamard kernel): float32 the
     same bits; bf16 on avx512_bf16 its own kernel (keys as bf16, float32 sums in another order):
-    within one bf16 rounding of it, and of float64 over the dequantized pages."""
+    within one bf16 rounding of it, and of float64 over the dequantized pages; bf16 elsewhere
+    (AVX2, AVX-512 without BF16: queries widened and rotated in float32) the same bits."""
     kernel = _kernel()
     if not kernel.decode_into():
         pytest.skip("paged_decode_into runs with AVX-512 or AVX2 + FMA only")
@@ -363,9 +364,10 @@ def test_decode_in_one_call_on_int8_pages_equals_the_separate_write_and_decode(d
     expected = torch.empty(rows, heads, dim)
     q_read = q.contiguous()
     if rotate:  # the queries as the kernel rotates them: in float32, rounded once to the model's dtype
-        # with AVX-512; on AVX2 the call widens a bf16 step's queries first and rotates them in float32,
-        # as the separate path there does (it widens every half-precision row before the attention)
-        q_read = q_read if kernel.has_avx512() else q_read.float()
+        # with avx512_bf16 (prefill_bf16()); elsewhere (AVX2, AVX-512 without BF16) the call widens a bf16
+        # step's queries first and rotates them in float32, as the separate path there does (it widens
+        # every half-precision row before the attention)
+        q_read = q_read if kernel.prefill_bf16() else q_read.float()
         q_read = torch.empty_like(q_read).copy_(q_read)
         kernel.hadamard(q_read.view(-1, dim).clone(), q_read.view(-1, dim), 1 / kv_quant.rotation_block(dim))
     kernel.paged_decode(q_read.float(), kc1, vc1, pages, lengths, expected, ps, dim**-0.5, 0.0, window)
@@ -373,7 +375,7 @@ def test_decode_in_one_call_on_int8_pages_equals_the_separate_write_and_decode(d
     out = padded[:rows].view(rows, heads, dim)
     assert kernel.paged_decode_into(q, k, v, kc, vc, slots, pages, lengths, out, ps, dim**-0.5, 0.0, window, rotate)
     assert torch.equal(kc, kc1) and torch.equal(vc, vc1)  # the same bytes, scales included
-    if dtype == torch.float32 or not kernel.has_avx512():  # AVX2: paged_decode's item, its bits
+    if dtype == torch.float32 or not kernel.prefill_bf16():  # paged_decode's item, its bits
         assert torch.equal(out, expected.to(dtype))
     else:
         rounded = expected.to(dtype)

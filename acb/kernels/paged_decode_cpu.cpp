@@ -100,8 +100,8 @@ struct WideRow {
 };
 
 // dst <- src H * scale, a row of D values (float32 arithmetic, rounded once to T)
-template <typename T>
-static inline void rotate_row(const T* src, T* dst, int64_t D, float scale) {
+template <typename S, typename T>
+static inline void rotate_row(const S* src, T* dst, int64_t D, float scale) {
 #if defined(__AVX512F__)
   if (D % 16 == 0 && D <= 256) {
     __m512 x[16];
@@ -286,10 +286,10 @@ static inline void exp_rows(float* scores, int64_t n, float* denom) {
 
 // One (row, kv head): G query heads of DC*16 dims over n keys starting at position
 // `first`. Queries and the G x D accumulator live in registers (G, DC compile-time).
-template <int G, int DC, typename T, typename Q = float>
+template <int G, int DC, typename T, typename Q = float, typename O = Q>
 static void decode_item_avx512(const Q* qrow, const T* kbase, const T* vbase, const int64_t* pages,
                                int64_t page_size, int64_t first, int64_t n, float scale, float* scores,
-                               Q* out) {
+                               O* out) {
   constexpr int D = DC * 16;
   __m512 q[G * DC];
   for (int g = 0; g < G; ++g)
@@ -318,32 +318,33 @@ static void decode_item_avx512(const Q* qrow, const T* kbase, const T* vbase, co
   }
 }
 
-template <typename T, typename Q = float>
-using ItemFn = void (*)(const Q*, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, float, float*, Q*);
+// an item reading queries of Q and writing outputs of O (the model's dtype)
+template <typename T, typename Q = float, typename O = Q>
+using ItemFn = void (*)(const Q*, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, float, float*, O*);
 
-template <int DC, typename T, typename Q = float>
-static ItemFn<T, Q> pick_g(int64_t G) {
+template <int DC, typename T, typename Q = float, typename O = Q>
+static ItemFn<T, Q, O> pick_g(int64_t G) {
   switch (G) {
-    case 1: return decode_item_avx512<1, DC, T, Q>;
-    case 2: return decode_item_avx512<2, DC, T, Q>;
-    case 3: return decode_item_avx512<3, DC, T, Q>;
-    case 4: return decode_item_avx512<4, DC, T, Q>;
-    case 5: return decode_item_avx512<5, DC, T, Q>;
-    case 6: return decode_item_avx512<6, DC, T, Q>;
-    case 7: return decode_item_avx512<7, DC, T, Q>;
-    case 8: return decode_item_avx512<8, DC, T, Q>;
+    case 1: return decode_item_avx512<1, DC, T, Q, O>;
+    case 2: return decode_item_avx512<2, DC, T, Q, O>;
+    case 3: return decode_item_avx512<3, DC, T, Q, O>;
+    case 4: return decode_item_avx512<4, DC, T, Q, O>;
+    case 5: return decode_item_avx512<5, DC, T, Q, O>;
+    case 6: return decode_item_avx512<6, DC, T, Q, O>;
+    case 7: return decode_item_avx512<7, DC, T, Q, O>;
+    case 8: return decode_item_avx512<8, DC, T, Q, O>;
     default: return nullptr;
   }
 }
 
-template <typename T, typename Q = float>
-static ItemFn<T, Q> pick_item(int64_t G, int64_t D) {
+template <typename T, typename Q = float, typename O = Q>
+static ItemFn<T, Q, O> pick_item(int64_t G, int64_t D) {
   switch (D) {
-    case 16: return pick_g<1, T, Q>(G);
-    case 32: return pick_g<2, T, Q>(G);
-    case 64: return pick_g<4, T, Q>(G);
-    case 128: return pick_g<8, T, Q>(G);
-    case 256: return pick_g<16, T, Q>(G);
+    case 16: return pick_g<1, T, Q, O>(G);
+    case 32: return pick_g<2, T, Q, O>(G);
+    case 64: return pick_g<4, T, Q, O>(G);
+    case 128: return pick_g<8, T, Q, O>(G);
+    case 256: return pick_g<16, T, Q, O>(G);
     default: return nullptr;
   }
 }
@@ -648,7 +649,8 @@ void paged_decode(const torch::Tensor& q,        // [B, H, D] float32, contiguou
 template <typename T>
 struct IntoCall {
   using Page = T;  // the pages' element type
-  using Query = T;
+  using Query = T;  // the model's dtype: queries, new rows, output
+  using ItemQuery = T;  // the queries as the AVX-512 float item reads them (q_for)
   int64_t B, H, D, KVH, S, P, G, qs, ks, vs, os;
   const T *qp, *knp, *vnp;
   T *kp, *vp, *op;
@@ -686,7 +688,16 @@ struct IntoCall {
 template <typename Q>
 struct Into8Call {
   using Page = int8_t;
-  using Query = Q;
+  using Query = Q;  // the model's dtype: queries, new rows, output
+  // The queries as the AVX-512 float item reads them (q_for): the model's dtype, except a bf16
+  // model's on a CPU without avx512_bf16. There the separate path widens a bf16 step's rows before
+  // it rotates them (acb/attention.py), so here too they are widened and rotated in float32 (and
+  // the item writes bf16): otherwise the rotated queries were rounded to bf16 on one path only.
+#if defined(__AVX512BF16__)
+  using ItemQuery = Q;
+#else
+  using ItemQuery = float;
+#endif
   int64_t B, H, D, W, KVH, S, P, G, qs, ks, vs, os;
   const Q *qp, *knp, *vnp;
   int8_t *kp, *vp;
@@ -710,8 +721,13 @@ struct Into8Call {
   int64_t first(int64_t b) const { return window > 0 ? std::max<int64_t>(0, len[b] - window) : 0; }
   int64_t row() const { return W; }  // bytes per cached row: D values and the scale
   const Q* q_of(int64_t b, int64_t kh) const { return qp + b * qs + kh * G * D; }
-  const Q* q_for(int64_t b, int64_t kh, Q* buf) const {  // buf: G * D values
-    if (!rotate) return q_of(b, kh);
+  const ItemQuery* q_for(int64_t b, int64_t kh, ItemQuery* buf) const {  // buf: G * D values
+    if constexpr (std::is_same_v<ItemQuery, Q>) {
+      if (!rotate) return q_of(b, kh);
+    } else if (!rotate) {  // widened only
+      for (int64_t i = 0; i < G * D; ++i) buf[i] = static_cast<float>(q_of(b, kh)[i]);
+      return buf;
+    }
     const float over_block = 1.f / static_cast<float>(D & -D);
     for (int64_t g = 0; g < G; ++g) rotate_row(q_of(b, kh) + g * D, buf + g * D, D, over_block);
     return buf;
@@ -731,7 +747,7 @@ template <typename Call, typename Fn>
 static void decode_into_t(const Call& c, float scale, Fn fast) {
   at::parallel_for(0, c.B * c.KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<typename Call::Query> qbuf(c.G * c.D);  // rotated queries (int8 pages)
+    std::vector<typename Call::ItemQuery> qbuf(c.G * c.D);  // rotated queries (int8 pages)
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / c.KVH, kh = item % c.KVH;
       c.write(b, kh);
@@ -861,7 +877,7 @@ static void decode_into_ahead(const Call& c, float scale, Fn fast) {
   using Page = typename Call::Page;
   at::parallel_for(0, c.B * c.KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<typename Call::Query> qbuf(c.G * c.D);  // rotated queries (int8 pages)
+    std::vector<typename Call::ItemQuery> qbuf(c.G * c.D);  // rotated queries (int8 pages)
     std::vector<int64_t> cur, nxt;
     auto prepare = [&](int64_t item, std::vector<int64_t>& item_slots, AheadOf<Page>& ahead) {
       const int64_t b = item / c.KVH, kh = item % c.KVH, first = c.first(b), n = c.len[b] - first;
@@ -997,7 +1013,7 @@ static bool run_into(const Call& c, int64_t G, int64_t D, float scale) {
     if (const AheadItemFn<Page> fast = pick_ahead<Page>(G, D)) return decode_into_ahead(c, scale, fast), true;
   }
 #endif
-  const ItemFn<Page, Q> fast = pick_item<Page, Q>(G, D);
+  const ItemFn<Page, typename Call::ItemQuery, Q> fast = pick_item<Page, typename Call::ItemQuery, Q>(G, D);
   if (fast == nullptr) return false;
   decode_into_t(c, scale, fast);
   return true;
