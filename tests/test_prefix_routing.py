@@ -94,6 +94,20 @@ def test_an_overloaded_holder_falls_back_to_load():
     assert ranks == [["a", "b"]]  # the free-pages order: most free pages first
 
 
+def test_a_young_request_is_offered_to_the_holders_alone():
+    """PrefixAwareRouter's first holder_wait_s: Serve retries the holders (a probe that missed its
+    deadline, a queue it last saw full) instead of going on to a replica without the prefix."""
+    matches = {"a": 0, "b": 5, "c": 5}
+    loads = {"a": Load(0, 100), "b": Load(3, 10), "c": Load(1, 10)}
+    assert sorted(rank_replicas(matches, loads, holders_only=True)[0]) == ["b", "c"]
+    assert len(rank_replicas(matches, loads, holders_only=True)) == 1
+    assert rank_replicas(matches, loads)[1:] == [["a", "c"], ["b"]]  # later: the load ranks behind them
+    # no holder, or only overloaded ones: load decides at once, young or not
+    assert rank_replicas({"a": 0, "b": 0}, {"a": Load(0, 100), "b": IDLE}, holders_only=True) == [["a", "b"]]
+    overloaded = {"a": Load(0, 100), "b": Load(9, 10)}
+    assert rank_replicas({"a": 0, "b": 5}, overloaded, max_queue_gap=8, holders_only=True) == [["a", "b"]]
+
+
 def test_ties_go_to_every_holder_and_serve_picks_the_shorter_queue():
     matches = {"a": 3, "b": 3, "c": 1}
     loads = {"a": Load(2, 50), "b": Load(1, 60), "c": Load(0, 90)}

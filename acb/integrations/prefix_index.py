@@ -165,7 +165,7 @@ class Load:
 
 
 def rank_replicas(matches: dict[str, int | None], loads: dict[str, Load], *, max_queue_gap: int = 8,
-                  min_match_pages: int = 1) -> list[list[str]]:
+                  min_match_pages: int = 1, holders_only: bool = False) -> list[list[str]]:
     """Where to send a prompt, as Ray Serve's ranks (Serve takes the replica with the
     shortest queue in the first rank that has room, else tries the next rank).
 
@@ -173,7 +173,8 @@ def rank_replicas(matches: dict[str, int | None], loads: dict[str, Load], *, max
     least ``min_match_pages``), unless they are overloaded, i.e. their queue is more than
     ``max_queue_gap`` longer than the shortest; unknown replicas (None) never match. Then
     the load ranks: the two replicas with the most free pages (shorter queue on ties), then
-    the rest."""
+    the rest. ``holders_only``: the first rank alone when there is one (Serve then retries
+    it after a backoff instead of going on to replicas without the prefix)."""
     if max_queue_gap < 0:
         raise ValueError(f"max_queue_gap must be >= 0, got {max_queue_gap!r}")
     if min_match_pages < 1:
@@ -191,7 +192,7 @@ def rank_replicas(matches: dict[str, int | None], loads: dict[str, Load], *, max
                and loads[r].queue_depth - shortest <= max_queue_gap]
     if not holders:
         return ranks  # the holders are overloaded: load decides
-    return [holders, *ranks]
+    return [holders] if holders_only else [holders, *ranks]
 
 
 __all__ = ["Load", "PrefixIndex", "ReplicaPages", "rank_replicas", "wire_batch"]

@@ -29,6 +29,7 @@ import asyncio
 import itertools
 import logging
 import random
+import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -141,8 +142,15 @@ class PrefixAwareRouter(FIFOMixin, LocalityMixin, RequestRouter):
     Use it through ``build_app(model, request_router=PrefixAwareRouter)``, which deploys
     the front that gives the router the prompt's token ids and turns the replicas'
     ``kv_events`` on. ``request_router_kwargs``: ``max_queue_gap`` (default 8: a holder
-    whose queue is longer than the shortest by more than this is overloaded) and
-    ``min_match_pages`` (default 1).
+    whose queue is longer than the shortest by more than this is overloaded),
+    ``min_match_pages`` (default 1) and ``holder_wait_s`` (default 1.0).
+
+    A holder that is not overloaded by the replicas' own counts can still be passed over
+    by Serve: it skips a replica whose queue-length probe misses its deadline (0.1 s at
+    first) or whose last known queue is full, and takes the next rank. For its first
+    ``holder_wait_s`` a request is therefore offered to the holders alone, and Serve
+    retries them with its backoff (longer probe deadlines); after that the replicas
+    without the prefix are ranked behind them, by load.
 
     Example::
 
@@ -150,10 +158,13 @@ class PrefixAwareRouter(FIFOMixin, LocalityMixin, RequestRouter):
                   request_router_kwargs={"max_queue_gap": 16})
     """
 
-    def initialize_state(self, max_queue_gap: int = 8, min_match_pages: int = 1) -> None:
+    def initialize_state(self, max_queue_gap: int = 8, min_match_pages: int = 1, holder_wait_s: float = 1.0) -> None:
         rank_replicas({}, {}, max_queue_gap=max_queue_gap, min_match_pages=min_match_pages)  # checks them
+        if not holder_wait_s >= 0:
+            raise ValueError(f"holder_wait_s must be >= 0 (seconds), got {holder_wait_s!r}")
         self.max_queue_gap = max_queue_gap
         self.min_match_pages = min_match_pages
+        self.holder_wait_s = holder_wait_s
         self._index: Any = None
 
     def _index_actor(self) -> Any:
@@ -183,8 +194,11 @@ class PrefixAwareRouter(FIFOMixin, LocalityMixin, RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in replicas}
         token_ids = pending_request.kwargs.get(ROUTING_KWARG) if pending_request is not None else None
         matches = await self._matches(token_ids, list(by_id)) if token_ids else {}
+        # Serve's created_at is wall-clock time (time.time())
+        young = pending_request is not None and time.time() - pending_request.created_at < self.holder_wait_s
         ranks = rank_replicas(matches, {i: self._load(r) for i, r in by_id.items()},
-                              max_queue_gap=self.max_queue_gap, min_match_pages=self.min_match_pages)
+                              max_queue_gap=self.max_queue_gap, min_match_pages=self.min_match_pages,
+                              holders_only=young)
         return [[by_id[i] for i in rank] for rank in ranks if rank]
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
