@@ -60,47 +60,32 @@ inline void mask_storeu_epi8(void* p, uint16_t k, __m128i a) {
   for (int i = 0; i < 16; ++i)
     if ((k >> i) & 1) static_cast<int8_t*>(p)[i] = v[i];
 }
-inline __m256i cvtepi32_epi16(simde__m512i a) {  // vpmovdw: truncation
-  int32_t v[16];
-  int16_t r[16];
+// 16 lanes of a (elements From), each through f, as a vector R of 16 To
+template <typename R, typename To, typename From, typename A, typename F>
+inline R map16(const A& a, F f) {
+  From v[16];
+  To r[16];
   lanes(v, a);
-  for (int i = 0; i < 16; ++i) r[i] = static_cast<int16_t>(v[i]);
-  return vec<__m256i>(r);
+  for (int i = 0; i < 16; ++i) r[i] = f(v[i]);
+  return vec<R>(r);
+}
+inline __m256i cvtepi32_epi16(simde__m512i a) {  // vpmovdw: truncation
+  return map16<__m256i, int16_t, int32_t>(a, [](int32_t x) { return static_cast<int16_t>(x); });
 }
 inline __m128i cvtepi32_epi8(simde__m512i a) {  // vpmovdb: truncation
-  int32_t v[16];
-  int8_t r[16];
-  lanes(v, a);
-  for (int i = 0; i < 16; ++i) r[i] = static_cast<int8_t>(v[i]);
-  return vec<__m128i>(r);
+  return map16<__m128i, int8_t, int32_t>(a, [](int32_t x) { return static_cast<int8_t>(x); });
 }
 inline simde__m512 cvtepi32_ps(simde__m512i a) {
-  int32_t v[16];
-  float r[16];
-  lanes(v, a);
-  for (int i = 0; i < 16; ++i) r[i] = static_cast<float>(v[i]);
-  return vec<simde__m512>(r);
+  return map16<simde__m512, float, int32_t>(a, [](int32_t x) { return static_cast<float>(x); });
 }
 inline simde__m512i cvtps_epi32(simde__m512 a) {  // the current rounding mode: nearest, ties to even
-  float v[16];
-  int32_t r[16];
-  lanes(v, a);
-  for (int i = 0; i < 16; ++i) r[i] = static_cast<int32_t>(std::nearbyint(v[i]));
-  return vec<simde__m512i>(r);
+  return map16<simde__m512i, int32_t, float>(a, [](float x) { return static_cast<int32_t>(std::nearbyint(x)); });
 }
 inline simde__m512i cvtepi8_epi32(__m128i a) {
-  int8_t v[16];
-  int32_t r[16];
-  lanes(v, a);
-  for (int i = 0; i < 16; ++i) r[i] = v[i];
-  return vec<simde__m512i>(r);
+  return map16<simde__m512i, int32_t, int8_t>(a, [](int8_t x) { return static_cast<int32_t>(x); });
 }
 inline simde__m512i cvtepu16_epi32(__m256i a) {
-  uint16_t v[16];
-  int32_t r[16];
-  lanes(v, a);
-  for (int i = 0; i < 16; ++i) r[i] = v[i];
-  return vec<simde__m512i>(r);
+  return map16<simde__m512i, int32_t, uint16_t>(a, [](uint16_t x) { return static_cast<int32_t>(x); });
 }
 inline simde__m512 cvtph_ps(__m256i a) {
   float r[16];
