@@ -24,6 +24,23 @@ FILES=(tests/test_cpu_kernels.py tests/test_fused_forward.py tests/test_kv_int8.
   tests/test_lora_kernels.py tests/test_quantization.py tests/test_gguf_int8.py tests/test_dtype_defaults.py
   tests/test_adapters.py)
 for emulation in ${EMULATIONS:-avx512 avx512-vnni}; do
+  # built, and built as that kind of AVX-512: a kernel that failed to build would make its tests skip
+  echo "test-avx512-emulated: building the kernels with ACB_CPU_KERNEL_EMULATE=$emulation"
+  ACB_CPU_KERNEL_EMULATE=$emulation "$PY" - "$emulation" <<'EOF'
+import sys
+from acb.kernels import cpu
+kind = sys.argv[1]
+built = {g.__name__: g() for g in (cpu.fused_kernels, cpu.lora_kernels, cpu.int8_kernels, cpu.bf16_kernels,
+                                   cpu.paged_decode_kernel)}
+missing = [name for name, module in built.items() if module is None]
+assert not missing, f"{kind}: these kernels did not build (the log above says why): {missing}"
+decode, int8, bf16 = built["paged_decode_kernel"], built["int8_kernels"], built["bf16_kernels"]
+want_vnni, want_bf16 = kind != "avx512-base", kind == "avx512"
+assert decode.has_avx512() and built["lora_kernels"].available(), f"{kind}: the build has no AVX-512 paths"
+assert int8.has_vnni() == want_vnni, f"{kind}: the int8 GEMM's VNNI path is {'missing' if want_vnni else 'built'}"
+assert bf16.available() == want_bf16 == decode.prefill_bf16(), f"{kind}: the bf16 kernels do not match"
+print(f"test-avx512-emulated: {kind}: the five kernels built, VNNI {want_vnni}, BF16 {want_bf16}")
+EOF
   echo "test-avx512-emulated: ACB_CPU_KERNEL_EMULATE=$emulation python -m pytest -q ${FILES[*]} $* with $PY"
   ACB_CPU_KERNEL_EMULATE=$emulation "$PY" -m pytest -q "${FILES[@]}" "$@"
 done
