@@ -160,7 +160,10 @@ async def test_a_block_table_check_behind_a_step_waiting_for_its_grammar_masks_f
 
         async def check_while_masks_are_pending() -> None:
             while True:
-                await asyncio.sleep(0)
+                # not sleep(0): a loop that never blocks keeps the GIL from the step and mask
+                # threads (each torch call's release and retake waits a switch interval), and
+                # the steps took ~5 s each in half the runs. The window is a whole step long.
+                await asyncio.sleep(0.001)
                 last = steps._last_launched
                 if engine.stats().generated_tokens >= 9 and last is not None and last.masks is not None:
                     _corrupt_a_sent_entry(engine)
