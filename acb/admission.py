@@ -29,15 +29,22 @@ class Admission:
         # would start with the same page wait for it, then share it instead of
         # computing it again in the same step
         self.pending_first_page: dict[int, Sequence] = {}
+        self._held_back = 0  # set for one admit() call
 
-    def admit(self, plan: StepPlan, budget: int, max_requests: int) -> int:
-        """Admit from the head while the budget and the request cap allow; the budget left."""
+    def admit(self, plan: StepPlan, budget: int, max_requests: int, held_back: int = 0) -> int:
+        """Admit from the head while the budget and the request cap allow; the budget left.
+        ``held_back``: pages admission leaves free beside the safety margin while others run
+        (prefill_first: the pages the running sequences' rows of this step need)."""
         waiting = self.queues.waiting
-        while waiting and budget > 0 and len(plan.seqs) < max_requests:
-            left = self.admit_one(plan, waiting[0], budget)
-            if left is None:
-                break  # strictly in order: nothing overtakes the head
-            budget = left
+        self._held_back = held_back
+        try:
+            while waiting and budget > 0 and len(plan.seqs) < max_requests:
+                left = self.admit_one(plan, waiting[0], budget)
+                if left is None:
+                    break  # strictly in order: nothing overtakes the head
+                budget = left
+        finally:
+            self._held_back = 0
         return budget
 
     def admit_one(self, plan: StepPlan, seq: Sequence, budget: int, scheduled: set[int] | None = None) -> int | None:
@@ -104,7 +111,7 @@ class Admission:
         with rows in this plan) it preempts running sequences that rank after it, least
         urgent first, when their pages make it fit."""
         idle = not self.queues.running and not plan.seqs
-        reserve = 0.0 if idle else self.safety_margin * self.pages.kv.num_pages
+        reserve = 0.0 if idle else self.safety_margin * self.pages.kv.num_pages + self._held_back
         if self.pages.fits(need, reserve, swa_need):
             return True
         return scheduled is not None and self.preemption.make_room(plan, seq, need, swa_need, reserve, scheduled)

@@ -153,7 +153,10 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
         if self.speculation is not None:
             self.speculation.begin_plan(len(self.queues.running))
         if self.queues.policy == "prefill_first":
-            budget = self.admission.admit(plan, budget, self.max_requests)
+            # admission first, but not into the pages this step's running rows need: a running
+            # sequence left without them preempted itself, was admitted first in the next step
+            # and took the pages the other one then lacked, and the two took turns forever
+            budget = self.admission.admit(plan, budget, self.max_requests, self._running_need())
             self._continue_running(plan, budget)
         elif self.queues.policy == "priority":
             self._plan_by_rank(plan, budget)
@@ -162,6 +165,17 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
             self.admission.admit(plan, budget, self.max_requests)
         self.preemption.take_swap_outs(plan)
         return plan
+
+    def _running_need(self) -> int:
+        """Pages the running sequences' next rows take (each as if it got the whole budget:
+        a chunk of a long prompt included), copies of shared partial pages counted."""
+        kv, need = self.kv, 0
+        for seq in self.queues.running:
+            n = min(self._tokens_wanted(seq), self.max_batch_tokens)
+            if n > 0:
+                need += max(kv.pages_for(seq.num_computed + n) - len(seq.block_table), 0) + \
+                    self.pages.shares_partial_page(seq)
+        return need
 
     def _start(self, plan: StepPlan, seq: Sequence, n: int, start: int | None = None) -> None:
         """``seq`` starts running (admitted, resumed or forked) with its first row of ``n`` tokens."""
