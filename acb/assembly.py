@@ -81,11 +81,17 @@ def place(model: torch.nn.Module, config: EngineConfig, tokenizer=None) -> Engin
                 model.to(device)
             except (AssertionError, RuntimeError) as e:  # no such device in this process
                 raise ValueError(f"EngineConfig.device {config.device!r} cannot take the model: {e}") from None
-    if config.dtype not in (None, "auto") and param.dtype != getattr(torch, config.dtype):
-        log.info("acb: casting the model to %s (EngineConfig.dtype)", config.dtype)
-        model.to(getattr(torch, config.dtype))
     from . import quantization
 
+    if config.dtype not in (None, "auto") and param.dtype != getattr(torch, config.dtype):
+        if quantization.is_quantized(model):  # its scales and packed bf16 lm_head would be cast too
+            raise ValueError(
+                f"EngineConfig.dtype={config.dtype!r} cannot be applied: the model holds acb's int8 layers, "
+                f"quantized for {str(param.dtype).removeprefix('torch.')} activations, and is not cast after "
+                f"quantizing; pass the dense model with dtype={config.dtype!r} and quantization='int8' (or "
+                f"load(..., dtype={config.dtype!r}, quantization='int8')), or leave dtype unset")
+        log.info("acb: casting the model to %s (EngineConfig.dtype)", config.dtype)
+        model.to(getattr(torch, config.dtype))
     quantization.prepare(model, config, tokenizer)  # int8: quantized in place, once
     param = next(model.parameters())
     for name in config.inactive_settings(param.device, param.dtype):

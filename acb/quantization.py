@@ -65,6 +65,7 @@ weight-change detection keep working: acb's forward reads the modules' own tenso
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -749,9 +750,17 @@ def prepare(model: torch.nn.Module, config, tokenizer=None) -> None:
     """The engine's hook: check that ``config.quantization`` can run where ``model`` is,
     and quantize the model in place (once: a model already quantized is taken as it is;
     ``tokenizer`` reads the smoothing's calibration text). ValueError naming
-    ``EngineConfig.quantization`` otherwise."""
+    ``EngineConfig.quantization`` otherwise. A model that already holds int8 layers (an
+    earlier engine quantized this model object, or ``acb.loading.load(quantization="int8")``)
+    is checked as if ``quantization="int8"`` were set: it runs nowhere else."""
     if config.quantization is None:
-        return
+        if not is_quantized(model):
+            return
+        try:
+            config = dataclasses.replace(config, quantization="int8")
+        except ValueError as e:
+            raise ValueError(f"the model holds acb's int8 layers (quantized in place by an earlier engine, or "
+                             f"loaded with quantization='int8'), so it runs only where int8 can: {e}") from None
     param = next(model.parameters())
     if param.device.type != "cpu":
         raise ValueError(f"EngineConfig.quantization='int8' runs on the CPU only (acb's VNNI kernels); the model is "

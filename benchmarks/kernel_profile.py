@@ -7,8 +7,9 @@
 
 Runs SmolLM2 through an Engine on the first N prompts of a workload (standard unless named) (one generate_batch,
 after a warm-up pass), with the fused forward's kernel modules wrapped so every call into them (int8 GEMMs,
-quantization, RMSNorm, RoPE, acb's bf16 GEMMs) and ``attention.paged_attention`` is timed; oneDNN's GEMMs
-(fp32, and bf16 with ``ACB_CPU_BF16_GEMM=0``; called directly) fall in "(rest of forward)". Prints the wall
+quantization, RMSNorm, RoPE, acb's bf16 GEMMs), the ``lm_head`` module and ``attention.paged_attention`` are
+timed (the native attention calls inside it indented); oneDNN's GEMMs of the layers (fp32, and bf16 with
+``ACB_CPU_BF16_GEMM=0``; called directly) fall in "(rest of forward)". Prints the wall
 time, the forward's share of it (the rest is scheduling, sampling and host work), and per step kind the time
 of each call. The wrappers cost ~1 us a call: compare shares, not absolute figures, with bench.py's. Run it
 under the exclusive lock on a quiet machine (results recorded in docs/performance.md, int8 section).
@@ -68,6 +69,7 @@ def instrument(decode_rows: int) -> None:
                     self.q8 = Proxy(self.q8, "q8.")
                 if getattr(self, "bf16", None) is not None:  # acb's bf16 GEMMs (acb/kernels/bf16_cpu.cpp)
                     self.bf16 = Proxy(self.bf16, "bf16.")
+                self.lm_head = timed("lm_head", self.lm_head)  # when not on the bf16 GEMMs' own
             rows = input_ids.shape[-1]
             kind[0] = "decode" if rows <= decode_rows else "prefill"
             t0 = time.perf_counter()
@@ -95,7 +97,7 @@ def report(variant: str, n_prompts: int, new: int, wall: float, steps: int) -> N
                        reverse=True)
         for v, n in items:
             print(f"   {n:<22} {v:7.3f} s {v / f:6.1%}  {C[(kd, n)]:6d} calls {1e6 * v / C[(kd, n)]:8.1f} us")
-        rest = f - sum(v for v, _ in items)
+        rest = f - sum(v for v, n in items if not n.startswith(" "))  # indented: inside paged_attention's
         print(f"   {'(rest of forward)':<22} {rest:7.3f} s {rest / f:6.1%}")
 
 

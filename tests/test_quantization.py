@@ -477,6 +477,33 @@ async def test_weights_edited_in_place_are_seen_under_int8():
     assert no_mlp != before
 
 
+async def test_a_model_quantized_by_an_earlier_engine_runs_again_and_is_refused_where_int8_cannot_run():
+    """An engine quantizes the caller's model in place: a later engine over the same object runs
+    it as int8 (the same tokens), and refuses by name what int8 cannot do (a step used to fail
+    on every request instead: the cast reached the float32 scales, or no int8 path was there)."""
+    _q8()
+    model = tiny_model("qwen3", seed=2)
+    prompt = random_prompts(1, 12, 12, seed=3)[0]
+
+    def config(**fields):
+        return EngineConfig(num_blocks=64, page_size=8, **fields)
+
+    async with Engine(model, tokenizer=tiny_tokenizer(), config=config(quantization="int8")) as engine:
+        first = (await engine.generate(prompt, max_new_tokens=6, ignore_eos=True)).token_ids
+    async with Engine(model, tokenizer=tiny_tokenizer(), config=config()) as engine:
+        assert (engine.stats().quantization, engine.stats().forward_path) == ("int8", "fused")
+        assert (await engine.generate(prompt, max_new_tokens=6, ignore_eos=True)).token_ids == first
+    for fields, needle in [(dict(dtype="bfloat16"), r"EngineConfig.dtype='bfloat16' cannot be applied: the model "
+                            r"holds acb's int8 layers"),
+                           (dict(cpu_kernels=False), r"holds acb's int8 layers .* needs cpu_kernels"),
+                           (dict(cpu_fused_forward=False), r"holds acb's int8 layers .* needs cpu_kernels and "
+                            r"cpu_fused_forward")]:
+        with pytest.raises(ValueError, match=needle):
+            Engine(model, tokenizer=tiny_tokenizer(), config=config(**fields))
+    scale = model.model.layers[0].mlp.down_proj.weight_scale
+    assert scale.dtype == torch.float32 and next(model.parameters()).dtype == torch.float32  # nothing was cast
+
+
 @pytest.mark.parametrize("fields,needle", [
     (dict(quantization="int4"), "must be None or 'int8'"),
     (dict(quantization="int8", tensor_parallel_size=2), "tensor_parallel_size"),
