@@ -64,7 +64,8 @@ class SamplingParams:
     logits), ``repetition_penalty`` (1 = off; over prompt and output, as transformers),
     ``presence_penalty`` / ``frequency_penalty`` (0 = off; over the output, as OpenAI and
     vLLM), ``min_new_tokens`` (EOS and ``stop_token_ids`` masked until then, and ``stop``
-    strings not looked for in those tokens' text, as vLLM's ``min_tokens``). Output:
+    strings not looked for in those tokens' text, as vLLM's ``min_tokens``; a structured
+    output's grammar, once complete, ends the request before it). Output:
     ``logprobs`` (the chosen token's), ``top_logprobs`` (k alternatives per token), ``n``
     (choices forked from one prompt). Structured output (at most one): ``json_schema``
     (dict or JSON string), ``regex``, ``choice`` (list of strings). ``timeout_s``: a

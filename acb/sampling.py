@@ -137,15 +137,22 @@ def process(logits: torch.Tensor, c: Controls, prev_sampled: torch.Tensor | None
     if c.penalized:
         rows = torch.tensor(c.penalized, device=dev)
         logits[rows] = _penalize(logits.index_select(0, rows), c, prev_sampled)
-    if c.banned:
-        rows, toks = zip(*c.banned, strict=True)
-        logits[torch.tensor(rows, device=dev), torch.tensor(toks, device=dev)] = float("-inf")
     if c.token_mask is not None:
         masked = c.token_mask()
         if masked is not None and masked[0]:
             rows = torch.tensor(masked[0], device=dev)
             allowed = unpack_bitmask(masked[1].to(dev), logits.shape[1])
             logits[rows] = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))
+    if c.banned:  # min_new_tokens holds back the stop tokens
+        rows, toks = (torch.tensor(v, device=dev) for v in zip(*c.banned, strict=True))
+        held = logits[rows, toks]
+        logits[rows, toks] = float("-inf")
+        if c.token_mask is not None:
+            # not where a grammar allows nothing else: it is complete, and any other token would
+            # break it (the row sampled token 0); the grammar's end wins over min_new_tokens
+            lifted = (logits.index_select(0, rows) == float("-inf")).all(dim=1)
+            if bool(lifted.any()):
+                logits[rows[lifted], toks[lifted]] = held[lifted]
     return logits
 
 

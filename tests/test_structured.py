@@ -76,6 +76,24 @@ async def test_a_completed_grammar_ends_the_request_even_with_ignore_eos():
     assert regex.finish_reason == "stop" and re.fullmatch(r"[a-c]{2}", regex.text)
 
 
+async def test_a_completed_grammar_ends_the_request_before_min_new_tokens(caplog):
+    """min_new_tokens holds back EOS, and a complete grammar allows nothing but EOS: the
+    grammar's end wins (the rows used to sample token 0, outside the grammar, until the
+    minimum was reached), sampled and greedy, one choice or several."""
+    async with tiny_engine() as engine:
+        outs = [await engine.generate(PROMPTS[0], choice=["yes", "no"], min_new_tokens=6, max_new_tokens=16),
+                await engine.generate(PROMPTS[1], regex=r"[a-c]{2}", min_new_tokens=9, max_new_tokens=16,
+                                      temperature=1.0, seed=3),
+                *(await engine.generate(PROMPTS[2], json_schema=SCHEMA, min_new_tokens=60, max_new_tokens=64,
+                                        n=2, temperature=1.0, seed=5)).choices]
+    for c in outs:
+        assert 0 not in c.token_ids and c.finish_reason in ("eos", "stop"), (c.token_ids, c.finish_reason)
+    assert outs[0].text in ("yes", "no") and re.fullmatch(r"[a-c]{2}", outs[1].text)
+    for c in outs[2:]:
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+    assert "breaks its grammar" not in caplog.text
+
+
 async def test_bad_grammars_are_refused_by_name():
     async with tiny_engine() as engine:
         with pytest.raises(acb.InvalidRequestError) as e:
