@@ -288,7 +288,10 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
         if seq.status is not RUNNING or id(seq) in scheduled:
             return budget
         drafts = 0  # speculative proposals (a decode row whose last token is known)
-        if seq.spec is not None and self.speculation is not None and self._tokens_wanted(seq) == 1:
+        # not the row that ends a prompt its other choices fork from: they start from its
+        # prompt, not from what it proposes (their rows computed past the prompt and stalled)
+        if seq.spec is not None and self.speculation is not None and self._tokens_wanted(seq) == 1 and \
+                not seq.forks:
             drafts = self._propose(seq, budget - 1, self.pages.shares_partial_page(seq))
         if not drafts and self._plain_decode and self._decode_row(plan, seq):
             scheduled.add(id(seq))

@@ -41,6 +41,10 @@ from .step import StepOutput, StepPlan
 log = logging.getLogger("acb")
 
 _POLL_INTERVAL = 0.0002  # s between polls of a step queued on the device
+# With requests queued or running, no step in flight and nothing the scheduler will plan, only a
+# new request or a cancel changes anything: a scheduler fault. After this long the loop fails
+# the stuck requests by name (they would never end) instead of spinning on them for good.
+STALL_S = 2.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -139,6 +143,7 @@ class StepLoop:
     async def _run(self) -> None:
         inflight: Launched | None = None
         cancelled = anyio.get_cancelled_exc_class()
+        stalled_since: float | None = None
         try:
             while not self.life.halting:
                 if self.table.deadlines:
@@ -163,7 +168,15 @@ class StepLoop:
                 if self.kv_events is not None:
                     self.kv_events.flush()  # this iteration's: what schedule() evicted, update() stored
                 if inflight is not None:
+                    stalled_since = None
                     await anyio.sleep(0)  # let consumers and submitters run
+                elif self.scheduler.has_work():  # nothing planned, nothing in flight (see STALL_S)
+                    now = time.monotonic()
+                    stalled_since = stalled_since or now
+                    if now - stalled_since >= STALL_S:
+                        self._fail_stalled(now - stalled_since)
+                        stalled_since = None
+                    await anyio.sleep(0.001)
                 elif not await self._idle():
                     break
         except BaseException as e:
@@ -176,6 +189,22 @@ class StepLoop:
                 raise
         finally:
             await self._wind_down(inflight)
+
+    def _fail_stalled(self, seconds: float) -> None:
+        """Fail the requests the scheduler has planned nothing for in ``seconds`` (see
+        ``STALL_S``), naming it; the engine goes on serving new ones."""
+        sched = self.scheduler
+        stuck = [(seq.seq_id, seq.status.name, seq.num_computed, seq.num_tokens, len(seq.block_table))
+                 for seq in [*sched.running, *sched.waiting]]
+        log.error("acb: the scheduler planned no step for %.1f s with %d requests live and none in flight "
+                  "(id, status, computed, tokens, pages: %s): failing them (a bug in acb, please report it)",
+                  seconds, len(stuck), stuck[:8])
+        stuck_ids = {seq.seq_id for seq in [*sched.running, *sched.waiting]}
+        for req in [r for r in self.table.live.values() if r.seq.seq_id in stuck_ids]:
+            if req.request_id in self.table.live:  # not failed with another choice of its request
+                self.outputs.fail(req, RequestFailedError(
+                    f"request {req.request_id}: acb planned no step for it in {seconds:.1f} s (a scheduler fault, "
+                    f"logged; the engine goes on serving)", req.request_id))
 
     def _wait_before_plan(self, inflight: Launched) -> bool:
         """Whether the next plan waits for the step in flight instead of overlapping it:

@@ -219,6 +219,49 @@ async def test_failed_step_fails_only_its_requests_and_the_engine_serves_on(stag
         engine.check_integrity()
 
 
+async def test_requests_the_scheduler_never_plans_fail_by_name_and_the_loop_stays_free(monkeypatch, caplog) -> None:
+    """A scheduler fault that leaves requests unplanned with no step in flight (as the forks of
+    a prompt that ended in proposals were) fails those requests after STALL_S, naming it, while
+    the event loop keeps running other tasks; the engine then serves new requests. The loop
+    used to spin on them without ever awaiting: every coroutine of the process stopped."""
+    from acb import step_loop
+    from acb.step import StepPlan
+
+    monkeypatch.setattr(step_loop, "STALL_S", 0.3)
+    async with tiny_engine(num_blocks=64, page_size=8) as engine:
+        sched = engine.scheduler
+        real = sched.schedule
+        blocked = {"on": True}
+
+        def schedule():
+            if blocked["on"]:  # plans nothing, whatever waits: a stuck scheduler
+                return StepPlan(index=sched.plan_index)
+            return real()
+
+        monkeypatch.setattr(sched, "schedule", schedule)
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        tick = asyncio.ensure_future(ticker())
+        t0 = time.monotonic()
+        with pytest.raises(acb.RequestFailedError, match="planned no step for it in .* scheduler fault"):
+            await engine.generate(PROMPTS[0], n=2, max_new_tokens=4, ignore_eos=True)
+        waited = time.monotonic() - t0
+        tick.cancel()
+        assert 0.3 <= waited < 5 and ticks >= 10, (waited, ticks)  # the loop ran the ticker meanwhile
+        assert "the scheduler planned no step" in caplog.text
+        blocked["on"] = False
+        after = await engine.generate(PROMPTS[1], max_new_tokens=6, ignore_eos=True)
+        assert after.token_ids == expected(PROMPTS[1], 6)
+        await until(lambda: idle_and_free(engine))
+        engine.check_integrity()
+
+
 @pytest.mark.parametrize("offload", [0.0, 0.01])  # preemption recomputes, or goes through the CPU offload pool
 @pytest.mark.parametrize("async_batching", [True, False])
 async def test_random_faults_under_preemption_fail_only_their_requests_and_leak_no_page(async_batching: bool,

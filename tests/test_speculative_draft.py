@@ -152,6 +152,31 @@ async def test_features_compose_with_a_draft():
     assert 0 < stats.spec_accepted_tokens < stats.spec_proposed_tokens
 
 
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+async def test_choices_fork_from_a_prompt_whose_last_chunk_is_one_token(method):
+    """A prompt of 15 tokens in chunks of 7: its last row is one token, where a lone request
+    would propose. With n > 1 the other choices fork from that row, so it carries no
+    proposals: the forks took the leader's proposals as computed, ran one past their prompt
+    and were never planned again (the loop spun, the request never ended)."""
+    model = tiny_model("qwen3")
+    prompt = random_prompts(1, 15, 15, seed=7)[0]
+    if method == "ngram":  # a prompt whose tail repeats, so the n-gram lookup proposes at its end
+        prompt = prompt[:9] + prompt[3:9]
+    want = reference_greedy(model, prompt, 10)
+    config = dict(page_size=8, num_blocks=128, max_batch_tokens=7, debug_checks=True)
+    engine = draft_engine(model, noisy_copy(model, 0.3), **config) if method == "draft" else \
+        acb.Engine(model, config=acb.EngineConfig(speculative_method="ngram", **config))
+    if method == "ngram":
+        speculate_always(engine)
+    async with engine:
+        async with asyncio.timeout(60):
+            done = await engine.generate(prompt, n=3, max_new_tokens=10, ignore_eos=True)
+            alone = await engine.generate(prompt, max_new_tokens=10, ignore_eos=True)
+        stats = engine.stats()
+    assert [c.token_ids for c in done.choices] == [want] * 3 and alone.token_ids == want
+    assert stats.spec_proposed_tokens > 0 or method == "ngram"  # random outputs repeat no n-gram after the prompt
+
+
 async def test_prefix_caching_and_cpu_offload_with_a_draft():
     """A prefix-cache hit starts from pages whose draft KV an earlier request's mirror
     wrote; preempted requests offloaded to the host come back with their draft KV too:
