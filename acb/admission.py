@@ -29,30 +29,26 @@ class Admission:
         # would start with the same page wait for it, then share it instead of
         # computing it again in the same step
         self.pending_first_page: dict[int, Sequence] = {}
-        self._held_back = 0  # set for one admit() call
 
     def admit(self, plan: StepPlan, budget: int, max_requests: int, held_back: int = 0) -> int:
         """Admit from the head while the budget and the request cap allow; the budget left.
         ``held_back``: pages admission leaves free beside the safety margin while others run
         (prefill_first: the pages the running sequences' rows of this step need)."""
         waiting = self.queues.waiting
-        self._held_back = held_back
-        try:
-            while waiting and budget > 0 and len(plan.seqs) < max_requests:
-                left = self.admit_one(plan, waiting[0], budget)
-                if left is None:
-                    break  # strictly in order: nothing overtakes the head
-                budget = left
-        finally:
-            self._held_back = 0
+        while waiting and budget > 0 and len(plan.seqs) < max_requests:
+            left = self.admit_one(plan, waiting[0], budget, held_back=held_back)
+            if left is None:
+                break  # strictly in order: nothing overtakes the head
+            budget = left
         return budget
 
-    def admit_one(self, plan: StepPlan, seq: Sequence, budget: int, scheduled: set[int] | None = None) -> int | None:
+    def admit_one(self, plan: StepPlan, seq: Sequence, budget: int, scheduled: set[int] | None = None,
+                  held_back: int = 0) -> int | None:
         """Admit ``seq``, the head of the waiting queue, with its first row; the budget
         left, or None if it cannot be admitted now (under ``priority``, ``scheduled`` given,
         after preempting what ranks after it if that is enough)."""
         if seq.host_table is not None:
-            return self._admit_offloaded(plan, seq, budget, scheduled)
+            return self._admit_offloaded(plan, seq, budget, scheduled, held_back)
         kv = self.pages.kv
         matched: list[int] = []
         first_hash = None
@@ -69,7 +65,7 @@ class Admission:
         need = kv.pages_for(len(matched) * kv.page_size + n) - len(matched)
         # Below the safety margin only running sequences grow; an idle engine
         # still admits, or a request that needs most of the cache would wait forever.
-        if not self._room(plan, seq, need, None, scheduled):
+        if not self._room(plan, seq, need, None, scheduled, held_back):
             kv.release(matched)
             return None
         self.queues.waiting.popleft()
@@ -88,7 +84,8 @@ class Admission:
         self._start(plan, seq, n)
         return budget - n
 
-    def _admit_offloaded(self, plan: StepPlan, seq: Sequence, budget: int, scheduled: set[int] | None) -> int | None:
+    def _admit_offloaded(self, plan: StepPlan, seq: Sequence, budget: int, scheduled: set[int] | None,
+                         held_back: int) -> int | None:
         """Resume an offloaded sequence into fresh pages; None if they are not free."""
         kv = self.pages.kv
         slots = sum(1 for s in seq.host_table if s >= 0)
@@ -96,7 +93,7 @@ class Admission:
         extra = kv.pages_for(seq.num_offloaded_tokens + n) - len(seq.host_table)
         need = slots + extra
         swa_need = sum(seq.host_swa) + extra if seq.host_swa is not None else 0
-        if not self._room(plan, seq, need, swa_need, scheduled):
+        if not self._room(plan, seq, need, swa_need, scheduled, held_back):
             return None
         self.queues.waiting.popleft()
         plan.admitted.append(seq)
@@ -105,13 +102,13 @@ class Admission:
         return budget - n
 
     def _room(self, plan: StepPlan, seq: Sequence, need: int, swa_need: int | None,
-              scheduled: set[int] | None) -> bool:
+              scheduled: set[int] | None, held_back: int) -> bool:
         """Whether waiting ``seq`` can take ``need`` pages now (keeping the safety margin
         unless the engine is idle). Under ``priority`` (``scheduled`` given: the sequences
         with rows in this plan) it preempts running sequences that rank after it, least
         urgent first, when their pages make it fit."""
         idle = not self.queues.running and not plan.seqs
-        reserve = 0.0 if idle else self.safety_margin * self.pages.kv.num_pages + self._held_back
+        reserve = 0.0 if idle else self.safety_margin * self.pages.kv.num_pages + held_back
         if self.pages.fits(need, reserve, swa_need):
             return True
         return scheduled is not None and self.preemption.make_room(plan, seq, need, swa_need, reserve, scheduled)

@@ -156,7 +156,8 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
             # admission first, but not into the pages this step's running rows need: a running
             # sequence left without them preempted itself, was admitted first in the next step
             # and took the pages the other one then lacked, and the two took turns forever
-            budget = self.admission.admit(plan, budget, self.max_requests, self._running_need())
+            held_back = self._running_need() if self.queues.waiting else 0
+            budget = self.admission.admit(plan, budget, self.max_requests, held_back)
             self._continue_running(plan, budget)
         elif self.queues.policy == "priority":
             self._plan_by_rank(plan, budget)

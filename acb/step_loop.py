@@ -193,13 +193,12 @@ class StepLoop:
     def _fail_stalled(self, seconds: float) -> None:
         """Fail the requests the scheduler has planned nothing for in ``seconds`` (see
         ``STALL_S``), naming it; the engine goes on serving new ones."""
-        sched = self.scheduler
-        stuck = [(seq.seq_id, seq.status.name, seq.num_computed, seq.num_tokens, len(seq.block_table))
-                 for seq in [*sched.running, *sched.waiting]]
+        stuck = [*self.scheduler.running, *self.scheduler.waiting]
         log.error("acb: the scheduler planned no step for %.1f s with %d requests live and none in flight "
                   "(id, status, computed, tokens, pages: %s): failing them (a bug in acb, please report it)",
-                  seconds, len(stuck), stuck[:8])
-        stuck_ids = {seq.seq_id for seq in [*sched.running, *sched.waiting]}
+                  seconds, len(stuck), [(seq.seq_id, seq.status.name, seq.num_computed, seq.num_tokens,
+                                         len(seq.block_table)) for seq in stuck[:8]])
+        stuck_ids = {seq.seq_id for seq in stuck}
         for req in [r for r in self.table.live.values() if r.seq.seq_id in stuck_ids]:
             if req.request_id in self.table.live:  # not failed with another choice of its request
                 self.outputs.fail(req, RequestFailedError(
