@@ -6,8 +6,9 @@ writes k/v into acb's pages at the step's slot mapping, then attends:
 
 - decode rows (one query token each) together, in one batched matmul over their
   gathered pages (the gather index is built once per step and shared by all layers);
-- prefill rows: a fresh prompt attends to its own k/v (no gather), a continued one
-  (chunked prefill, prefix hit) gathers its context pages. On CPU models the
+- prefill rows: a fresh prompt attends to its own k/v (no gather; int8 pages: its rows
+  read back as stored), a continued one (chunked prefill, prefix hit) gathers its context
+  pages. On CPU models the
   native kernel (``paged_decode_cpu.cpp``: causal register tiles, only the key blocks
   a row can see) takes all fresh prompts of a step in one call and each continued
   one in its own; elsewhere PyTorch's SDPA, row by row. The native kernels read
@@ -211,7 +212,7 @@ def paged_attention(
     v_new = value[0]
     q_all = query[0]  # [H, T, d]
     # int8 pages hold rotated keys (acb.kv_quant): keys are rotated as they are written, queries
-    # where they read the pages; a fresh prompt attends to its own keys as they are
+    # as they read them (a fresh prompt's too: it attends to its own keys as stored)
     rotated = k_cache.dtype == torch.int8
     if (meta.kernel == "native" and not meta.prefills and meta.decode is not None and meta.decode.kernel == "native"
             and k_cache.dtype in (query.dtype, torch.int8)):
@@ -236,6 +237,11 @@ def paged_attention(
         # float32 or bf16 rows (fp16 was widened); the keys rotated as they are rounded
         for new, cache, rotate in ((k_new, k_cache, True), (v_new, v_cache, False)):
             write(new if new.stride(2) == 1 else new.contiguous(), cache, pool.slot_mapping, rotate)
+        if any(span.past == 0 for span in meta.prefills):
+            # a fresh prompt attends to its own keys and values as stored (rotated, rounded), as
+            # its later chunks and every later step read them: its logits do not depend on how
+            # the prompt was chunked, so on what else shared its steps
+            k_new, v_new = (_stored_rows(cache, pool.slot_mapping, q_all.dtype) for cache in (k_cache, v_cache))
     else:
         k_cache.index_copy_(1, pool.slot_mapping, k_new.to(k_cache.dtype))
         v_cache.index_copy_(1, pool.slot_mapping, v_new.to(v_cache.dtype))
@@ -254,6 +260,13 @@ def paged_attention(
             acb_out.copy_(out)  # rounds to the model's dtype when the kernels ran in float32
         return acb_out.unsqueeze(0), None
     return (out.to(query.dtype) if half else out).unsqueeze(0), None
+
+
+def _stored_rows(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The rows just written to int8 ``cache`` at ``slots`` read back as a continued chunk reads
+    its context: dequantized to float32, rounded to bf16 for a bf16 step's kernel."""
+    rows = kv_quant.dequantize(cache.index_select(1, slots))
+    return rows.to(dtype) if dtype == torch.bfloat16 else rows
 
 
 def bf16_prefill() -> bool:
@@ -306,18 +319,17 @@ def _prefill_rows(meta: StepAttention, pool: PagePool, q_all: torch.Tensor, k_ne
     """The prefill rows (native or PyTorch path): q_all [H, T, d] and the new k/v
     [kvh, T, d] -> their tokens' rows of ``out`` [T, H, d]. In a half-precision step the
     native kernel gets float32 or bf16 inputs (all alike), PyTorch's attention float32.
-    ``rotated``: the pages hold rotated keys (int8), so the rows of a chunk that reads them
-    (one with context) are rotated; a fresh prompt attends to its own keys as they are."""
+    ``rotated``: the pages hold rotated keys (int8), so every chunk's queries are rotated (a
+    fresh prompt's ``k_new``/``v_new`` are then its own rows as stored: ``_stored_rows``)."""
     kernel = KERNELS["native"] if meta.kernel == "native" else None
     cap = softcap or 0.0
-    fresh_done = meta.fresh_spans is not None and kernel.prefill_attention(
-        q_all, k_new, v_new, meta.fresh_spans, out, scaling, cap, sliding_window or 0)
-    q_read = q_all  # the queries of the chunks that read their context from the pages
-    if rotated and any(span.past > 0 for span in meta.prefills):
+    q_read = q_all  # the queries as they read the keys
+    if rotated:  # every prompt chunk reads rotated keys (a fresh one its own, as stored)
         q_read = q_all.clone()
         for span in meta.prefills:
-            if span.past > 0:
-                q_read[:, span.q_start: span.q_end] = _rotate_queries(q_all[:, span.q_start: span.q_end])
+            q_read[:, span.q_start: span.q_end] = _rotate_queries(q_all[:, span.q_start: span.q_end])
+    fresh_done = meta.fresh_spans is not None and kernel.prefill_attention(
+        q_read, k_new, v_new, meta.fresh_spans, out, scaling, cap, sliding_window or 0)
     q32 = None  # q_read in float32, made once if a context chunk's pages read as float32 (int8 pages)
     for span, context_pages in zip(meta.prefills, pool.context_pages, strict=True):
         qs, qe, past = span.q_start, span.q_end, span.past
@@ -341,7 +353,7 @@ def _prefill_rows(meta: StepAttention, pool: PagePool, q_all: torch.Tensor, k_ne
                     q_read if k.dtype == q_read.dtype else q32, k, v, span.kernel_row, out, scaling, cap,
                     sliding_window or 0):
                 continue
-        q = (q_read if past else q_all)[:, qs:qe]
+        q = q_read[:, qs:qe]
         if half:  # PyTorch's attention on float32 inputs, as the kernels compute
             q, k, v = q.float(), k.float(), v.float()
         out[qs:qe] = _prefill_torch(q, k, v, past, scaling, sliding_window, softcap).transpose(0, 1).to(out.dtype)

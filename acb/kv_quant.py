@@ -15,8 +15,11 @@ reads int8 rows and widens ``q * scale`` to float32 (a bf16 model's keys to bf16
 ``vdpbf16ps``; scores, softmax and accumulators stay float32); a continued prompt chunk
 (chunked prefill, prefix hit) attends to its context dequantized (and, in a bf16 model, rounded
 to bf16 as bf16 pages would hold it, for the bf16 prefill kernel). A fresh prompt's own
-tokens attend to each other's exact keys and values in that step (its new k/v, before
-they are stored), as the float caches do; every later step reads them quantized.
+tokens attend to each other's keys and values as stored too (its new rows read back from
+the pages, dequantized): every position of a prompt sees the same keys however the prompt
+was chunked, so its logits, to the bit, do not depend on what else shared its steps. (Until
+2026-12-05 a fresh prompt attended to its exact keys: a prompt split over two steps then
+read its first chunk's keys rounded and sampled differently, found by ``benchmarks/fuzz.py``.)
 
 Keys are stored **rotated**: each key row is multiplied by a Walsh-Hadamard matrix (entries +-1,
 block-diagonal in blocks of the largest power of two dividing ``head_dim``) before it is rounded,
@@ -31,9 +34,8 @@ from 96.66 to 96.90 % beside int8 weights (bf16 pages: 97.13 %). Values are stor
 (they cost 0.1-0.4 %). Keys are rotated as they are written (the native ``write_kv_int8`` and
 ``paged_decode_into`` rotate each key row in registers before rounding it), queries where they read
 the pages (inside ``paged_decode_into``; the native ``hadamard`` for decode rows on the other paths
-and for a prompt chunk with context, ``acb.attention``); a fresh prompt attends to its own exact
-keys. The rotation costs the one-call decode kernel 2-5 % (45 rows x 370 keys, SmolLM2's heads: 232
--> 235-255 us). Every page move (copy-on-write, offload, prefix reuse) carries ordinary int8 rows.
+and for every prompt chunk, ``acb.attention``). The rotation costs the one-call decode kernel 2-5 %
+(45 rows x 370 keys, SmolLM2's heads: 232 -> 235-255 us). Every page move (copy-on-write, offload, prefix reuse) carries ordinary int8 rows.
 :func:`rotate_keys` / :func:`rotate_queries` are the reference the kernels are tested against.
 
 Only acb's native CPU attention reads int8 pages: on CUDA (Triton), with the PyTorch

@@ -6,7 +6,7 @@
 transformers' own forward runs SmolLM2 with an attention function (registered through
 ``AttentionInterface``) that rounds each layer's keys and values (after RoPE) to int8 and back
 before attending: a simulation of int8 pages, not acb's kernels (here the current token's own
-key is rounded too; in acb a fresh prompt attends to its exact keys). It reports top-1 next-token
+key is rounded too, as in acb). It reports top-1 next-token
 agreement with the unrounded forward and perplexity over 12k held-out tokens (quality.py's
 text), per scheme for keys (K) and values (V):
 

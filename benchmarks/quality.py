@@ -14,8 +14,8 @@ bf16 costs on the same text: the context for acb's bf16 figures). A name ending 
 (``bfloat16_kv8``, ``int8_bf16_kv8``, ...) runs with int8 KV pages (``EngineConfig.kv_cache_dtype=
 "int8"``), and its teacher-forced scores come from decode steps (every window's positions one
 token a step, all windows batched), so that each position reads every earlier one from the
-int8 pages, as generation does: a fresh prefill attends to its exact keys and values and
-would show nothing of the pages' precision.
+int8 pages, as generation does (a prefill reads its own keys as stored too, but through the
+prefill kernel rather than the decode one generation runs).
 
     python benchmarks/quality.py --dtypes float32,bfloat16,vllm_bfloat16 --vllm-venv /work/vllm-venv
 

@@ -6,6 +6,7 @@ with a stated tolerance, not pretended exact) and every refusal by name."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
@@ -226,10 +227,11 @@ async def _greedy(arch, prompts, **fields):
 
 # Greedy tokens of the tiny random models with int8 pages against float32 pages: NOT
 # expected equal (a quantized key moves scores by up to half a step of its row's scale,
-# and one flipped argmax changes everything after it). Measured 2026-12-04 with rotated keys
-# (6 prompts x 20 tokens): llama 0.78, gemma2 0.93, gemma3 1.0 of the tokens equal (0.79 /
-# 0.97 / 0.88 unrotated); the bound leaves room for thread-count differences, and random
-# pages (no quantization) give ~0.01.
+# and one flipped argmax changes everything after it). Measured 2026-12-05 with rotated keys,
+# every prompt attending to its own keys as stored (6 prompts x 20 tokens): llama 0.78, gemma2
+# 0.77, gemma3 1.0 of the tokens equal (0.78 / 0.93 / 1.0 when a fresh prompt read its exact
+# keys); the bound leaves room for thread-count differences, and random pages (no quantization)
+# give ~0.01.
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3"])
 async def test_int8_pages_agree_with_float_pages_on_most_greedy_tokens(arch):
     _kernel()
@@ -237,16 +239,15 @@ async def test_int8_pages_agree_with_float_pages_on_most_greedy_tokens(arch):
     want, dtype, _ = await _greedy(arch, prompts)
     got, dtype8, _ = await _greedy(arch, prompts, kv_cache_dtype="int8")
     assert dtype == torch.float32 and dtype8 == torch.int8
-    assert _agreement(got, want) >= 0.7, _agreement(got, want)
-    assert all(g[0] == w[0] for g, w in zip(got, want, strict=True))  # the first token: prefill, exact k/v
+    assert _agreement(got, want) >= 0.6, _agreement(got, want)
 
 
 @torch.inference_mode()
 def test_decode_logits_on_int8_pages_stay_close_to_float_pages():
     """One prefill then one decode step through the fused forward, a float32 cache and an
-    int8 one: the decode logits differ by the quantization only (stated bound: 5 % of the
-    logits' range; measured ~1 %), and the prefill's not at all (fresh prompts attend to
-    their exact k/v)."""
+    int8 one: the logits differ by the quantization only (stated bound: 5 % of the logits'
+    range; measured ~1 %), the prefill's too (a fresh prompt attends to its keys and values
+    as the pages hold them)."""
     _kernel()
     model = tiny_model("llama", seed=3)
     prompts = random_prompts(3, 5, 40, seed=7)
@@ -269,10 +270,52 @@ def test_decode_logits_on_int8_pages_stay_close_to_float_pages():
         finally:
             runner.release()
     (p32, d32), (p8, d8) = logits
-    torch.testing.assert_close(p8, p32, rtol=1e-5, atol=1e-5)
-    spread = (d32.max() - d32.min()).item()
-    assert (d8 - d32).abs().max().item() < 0.05 * spread
-    assert not torch.equal(d8, d32)  # the int8 pages were read
+    for got, want in ((p8, p32), (d8, d32)):
+        spread = (want.max() - want.min()).item()
+        assert (got - want).abs().max().item() < 0.05 * spread
+        assert not torch.equal(got, want)  # the int8 pages were read
+
+
+# A prompt cut at every place the scheduler may cut it: first chunk of one token, chunks of
+# seven, a last chunk of two, and whole beside another prompt in the same step
+_CUTS = ([7, 7, 5], [1, 18], [17, 2], [5, 14])
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_a_prompts_logits_on_int8_pages_do_not_depend_on_how_it_was_chunked(arch, dtype):
+    """Every chunk of a prompt attends to its keys and values as the int8 pages hold them,
+    its own too: the last position's logits are the same bits whether the prompt ran whole
+    (beside another prompt) or in chunks, so a request's tokens do not change with what
+    shares its steps (found by benchmarks/fuzz.py: seeded twins differed when one was
+    chunked and read the earlier chunk's keys rounded, its own exact). gemma3: a sliding
+    window of 8 and the hybrid pools."""
+    _kernel()
+    if dtype == torch.bfloat16 and not native_bf16():
+        pytest.skip("no bf16 fused path here")
+    model = tiny_model(arch, seed=3).to(dtype)
+    prompt, other = random_prompts(2, 19, 19, seed=7)
+
+    def last_logits(cuts, beside=()):
+        runner = ModelRunner(model, 64, 8, kv_cache_dtype="int8")
+        runner.configure_fast_paths(EngineConfig(), 16)
+        try:
+            assert runner.fast_paths.fused is not None
+            start = 0
+            for cut in cuts:
+                rows = [(prompt[start:start + cut], start, [0, 1, 2, 3])]
+                rows += [(p, 0, [4 + 4 * i + j for j in range(4)]) for i, p in enumerate(beside)]
+                out = _logits(runner, runner.fast_paths.fused, rows)
+                start += cut
+            return out[0]
+        finally:
+            runner.release()
+
+    whole = last_logits([19], beside=[other])
+    assert torch.equal(whole, last_logits([19]))
+    for cuts in _CUTS:
+        assert torch.equal(last_logits(cuts), whole), cuts
 
 
 async def test_prefix_hits_and_preemption_with_offload_run_on_int8_pages():
@@ -505,7 +548,8 @@ def _nearest_rows(cached: torch.Tensor, scales: torch.Tensor, want: torch.Tensor
 @pytest.mark.parametrize("dtype,fused", [("float32", True), ("float32", False), ("bfloat16", True)])
 async def test_int8_pages_hold_each_key_rotated_and_each_value_as_it_is(dtype, fused):
     """A prompt's cached int8 rows dequantize to transformers' own post-RoPE keys times the
-    Hadamard matrix (within half a step of each row's scale; bf16: four), not
+    Hadamard matrix (within half a step of each row's scale at the first layer; bf16: four;
+    later layers: eight), not
     to the keys themselves, and to its values as they are; through acb's fused forward (float32
     and bf16) and through transformers' forward."""
     _kernel()
@@ -516,8 +560,11 @@ async def test_int8_pages_hold_each_key_rotated_and_each_value_as_it_is(dtype, f
     # residual stream and rounds less than transformers' bf16 one)
     want = _post_rope_kv(tiny_model("llama").to(getattr(torch, dtype)).float(), prompt)
     # bf16: the activations' roundings move keys by 1-3 of int8's steps (measured up to 2.8), while
-    # the unrotated keys lie ~100 steps from the rotated ones
+    # the unrotated keys lie ~100 steps from the rotated ones. Past the first layer the prompt's
+    # attention has read its keys and values rounded (as the pages hold them), which the float
+    # reference did not: measured up to 5.7 steps at layer 1 (float32 and bf16)
     slack = 0.5 if dtype == "float32" else 4.0
+    later = 8.0
     async with tiny_engine("llama", num_blocks=16, kv_cache_dtype="int8", cpu_fused_forward=fused,
                            dtype=dtype) as engine:
         await engine.generate(prompt, max_new_tokens=1)
@@ -531,7 +578,22 @@ async def test_int8_pages_hold_each_key_rotated_and_each_value_as_it_is(dtype, f
                 target = kv_quant.rotate_keys(rows) if rotated else rows
                 for h in range(rows.shape[0]):
                     steps, slots = _nearest_rows(cached[h], scales[h], target[h])
-                    assert (steps <= slack).all(), (layer, h, steps.max())
+                    assert (steps <= (slack if layer == 0 else later)).all(), (layer, h, steps.max())
                     if rotated:  # the same slots do not hold the unrotated keys
                         off = (cached[h, slots] - rows[h]).abs().amax(-1) / scales[h, slots]
                         assert (off > 4).all(), (layer, h, off.min())
+
+
+async def test_seeded_twins_on_int8_pages_sample_alike_when_one_is_chunked():
+    """Two requests with the same prompt and seed, sent together under a 33-token budget: the
+    first runs its 19 tokens whole, the second in two chunks. They sample the same tokens (1 of
+    these 4 pairs differed when a fresh prompt attended to its own keys exact: the fuzz's
+    finding, engine seed 1)."""
+    _kernel()
+    prompts = random_prompts(4, 19, 19, seed=1)
+    async with tiny_engine("llama", page_size=8, num_blocks=40, max_batch_tokens=33,
+                           kv_cache_dtype="int8") as engine:
+        for i, prompt in enumerate(prompts):
+            a, b = await asyncio.gather(*(engine.generate(prompt, temperature=0.8, seed=i, max_new_tokens=16,
+                                                          ignore_eos=True) for _ in range(2)))
+            assert a.token_ids == b.token_ids, i
