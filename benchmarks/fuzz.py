@@ -7,10 +7,12 @@ random (often malformed) bodies against the OpenAI endpoints. Exit status 1 on a
 ``engine``: each round builds an engine over a fresh tiny model of a random architecture with
 random settings (page size, a cache of 12-128 pages, token budget, request cap, the three
 schedulers, prefix caching, CPU offload, async batching, n-gram or draft speculation, the native
-kernels or fused forward off, bf16, int8 weights, int8 pages) and sends it 4-16 concurrent
-requests sharing prefixes, each by a random route: greedy, ``n=2``, cancelled after two chunks, a
-stream left with ``break``, sampled, seeded twice, a regex, logprobs. It checks that greedy tokens
-(every choice, every stream's prefix) equal transformers' ``generate`` in float32, that seeded twins
+kernels or fused forward off, bf16, int8 weights, int8 pages, two LoRA adapters loaded with one
+of them unloaded mid-round) and sends it 4-16 concurrent requests sharing prefixes, each by a
+random route: greedy, ``n=2``, cancelled after two chunks, a stream left with ``break``, sampled,
+seeded twice, a regex, logprobs; with adapters, each names one of them or the base model. It
+checks that greedy tokens (every choice, every stream's prefix) equal transformers' ``generate``
+in float32 (PEFT's model with that adapter active for an adapter's rows), that seeded twins
 are equal, that a regex output matches, that nothing fails but by refusal (``InvalidRequestError``,
 ``EngineOverloadedError``), that a round ends within ``--round-timeout`` (else: a hang, with the
 engine's stats), and that afterwards every page is free and ``check_integrity()`` passes.
@@ -46,6 +48,26 @@ ROUTES = {"greedy": 5, "n2": 1, "cancel": 1, "stream_break": 1, "sample": 1, "se
 REGEX = "[ab]{1,5}c"
 
 
+def peft_model(arch: str, seed: int, r: int):
+    """PEFT's LoRA model over a copy of the tiny ``arch`` model, every projection targeted, its
+    A and B random and non-zero (so the adapter changes the output); None without ``peft``."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        return None
+    import torch
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(tiny_model(arch), LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets,
+                                                        lora_dropout=0.0))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model.eval()
+
+
 def engine_settings(rnd: random.Random, arch: str) -> tuple[dict, bool]:
     """Random EngineConfig fields; whether greedy output must equal float32 ``generate``."""
     cfg: dict = dict(page_size=rnd.choice([4, 8, 16]), num_blocks=rnd.choice([12, 20, 40, 128]),
@@ -79,13 +101,24 @@ class EngineRound:
         self.rnd, self.index, self.refs = rnd, index, refs
         self.arch = rnd.choice(ARCHITECTURES)
         self.cfg, self.exact = engine_settings(rnd, self.arch)
+        self.adapters: dict = {}  # name -> PEFT model, loaded into the engine when the round starts
+        if rnd.random() < 0.3 and "quantization" not in self.cfg:
+            ranks = rnd.sample([2, 4, 8], 2)
+            self.cfg.update(max_adapters=2, max_adapter_rank=max(ranks))
+            self.adapters = {name: peft_model(self.arch, rnd.randrange(10**6), r)
+                             for name, r in zip(("a", "b"), ranks, strict=True)}
+            if any(m is None for m in self.adapters.values()):
+                self.adapters = {}
+        self.unloaded = asyncio.Event()
         self.findings: list[tuple] = []
         self.checked = 0
+        self.release_s = 0.0  # from the last request's end to every page free
 
-    def ref(self, prompt: list[int], n: int) -> list[int]:
-        key = (self.arch, tuple(prompt), n)
+    def ref(self, prompt: list[int], n: int, adapter: str | None = None) -> list[int]:
+        key = (self.arch, tuple(prompt), n, adapter, id(self.adapters.get(adapter)))
         if key not in self.refs:
-            self.refs[key] = reference_greedy(tiny_model(self.arch), prompt, n)
+            model = self.adapters[adapter] if adapter else tiny_model(self.arch)
+            self.refs[key] = reference_greedy(model, prompt, n)
         return self.refs[key]
 
     def jobs(self) -> list[tuple]:
@@ -97,16 +130,29 @@ class EngineRound:
             if rnd.random() < 0.5:
                 prompt += random_prompts(1, 1, 12, seed=rnd.randrange(10**6))[0]
             route = rnd.choices(list(ROUTES), list(ROUTES.values()))[0]
-            out.append((prompt, rnd.randint(1, 24), route, rnd.randint(0, 3), rnd.randrange(1000), rnd.random()))
+            adapter = rnd.choice([None, *self.adapters]) if self.adapters else None
+            out.append((prompt, rnd.randint(1, 24), route, rnd.randint(0, 3), rnd.randrange(1000), rnd.random(),
+                        adapter))
         return out
 
+    async def unload_later(self, engine: acb.Engine, delay: float) -> None:
+        """Unload adapter "b" while requests run: those naming it before are served, those after
+        refused by name."""
+        await asyncio.sleep(delay * 0.05)
+        self.unloaded.set()
+        await engine.unload_adapter("b")
+        if "b" in engine.adapters():
+            self.findings.append(("unload_adapter returned with the adapter still loaded", engine.adapters()))
+
     async def request(self, engine: acb.Engine, job: tuple) -> None:
-        prompt, n, route, priority, seed, delay = job
+        prompt, n, route, priority, seed, delay, adapter = job
         kw: dict = dict(max_new_tokens=n, ignore_eos=True)
         if self.cfg["scheduler"] == "priority":
             kw["priority"] = priority
+        if adapter is not None:
+            kw["adapter"] = adapter
         await asyncio.sleep(delay * 0.05)
-        want = self.ref(prompt, n) if self.exact else None
+        want = self.ref(prompt, n, adapter) if self.exact else None
         try:
             if route in ("greedy", "logprobs", "n2"):
                 extra = dict(n=2) if route == "n2" else dict(logprobs=True, top_logprobs=3) if route == "logprobs" \
@@ -136,8 +182,12 @@ class EngineRound:
             elif route == "sample":
                 await engine.generate(prompt, temperature=1.0, top_p=0.9, **kw)
             elif route == "seeded2":
+                # both awaited to the end even when one is refused (overload): then not compared
                 a, b = await asyncio.gather(*(engine.generate(prompt, temperature=0.8, seed=seed, **kw)
-                                              for _ in range(2)))
+                                              for _ in range(2)), return_exceptions=True)
+                for twin in (a, b):
+                    if isinstance(twin, BaseException):
+                        raise twin
                 # a prompt's logits do not depend on how it was chunked, in every dtype and page kind
                 if a.token_ids != b.token_ids:
                     self.findings.append(("seeded twins differ", prompt, n, a.token_ids, b.token_ids))
@@ -147,46 +197,66 @@ class EngineRound:
                                              if self.cfg.get("speculative_method") else None, **kw)
                 if done.finish_reason != "length" and not re.fullmatch(REGEX, done.text):
                     self.findings.append(("regex output does not match", done.text, done.finish_reason))
-        except (acb.InvalidRequestError, acb.EngineOverloadedError):
-            pass  # refused by name (a prompt that can never fit, a full queue)
+        except acb.InvalidRequestError as e:
+            if adapter == "b" and not self.unloaded.is_set() and "adapter" in str(e):
+                self.findings.append(("a loaded adapter was refused", route, str(e)[:300]))
+            # else refused by name (a prompt that can never fit, an unloaded adapter)
+        except acb.EngineOverloadedError:
+            pass  # a full queue
         except Exception as e:  # noqa: BLE001 - every other failure is a finding
             self.findings.append(("request failed", route, repr(e)[:300]))
 
     async def run(self, timeout: float) -> None:
         engine = acb.Engine(tiny_model(self.arch), tokenizer=tiny_tokenizer(), config=acb.EngineConfig(**self.cfg))
         async with engine:
+            for name, model in self.adapters.items():
+                await engine.load_adapter(model, name)
+            jobs = [self.request(engine, job) for job in self.jobs()]
+            if self.adapters and self.rnd.random() < 0.5:
+                jobs.append(self.unload_later(engine, self.rnd.random()))
             try:
                 async with asyncio.timeout(timeout):
-                    await asyncio.gather(*(self.request(engine, job) for job in self.jobs()))
+                    await asyncio.gather(*jobs)
             except TimeoutError:
                 self.findings.append(("hang: the round did not end", str(engine.stats())))
                 return
-            await asyncio.sleep(0.05)
+            # a cancelled request's pages come back at the loop's next step boundary: allow a second
+            t0 = time.monotonic()
+            while True:
+                st = engine.stats()
+                idle = st.free_blocks == st.total_blocks and not st.running and not st.waiting
+                if idle or time.monotonic() - t0 > 1.0:
+                    break
+                await asyncio.sleep(0.01)
+            self.release_s = time.monotonic() - t0
             engine.check_integrity()
-            st = engine.stats()
-            if st.free_blocks != st.total_blocks or st.running or st.waiting:
-                self.findings.append(("pages or requests left", str(st)))
+            if not idle:
+                self.findings.append(("pages or requests left after 1 s", str(st)))
 
     def describe(self) -> str:
         shown = {k: v for k, v in self.cfg.items() if k != "draft_model"}
+        if self.adapters:
+            shown["adapters"] = {name: m.peft_config["default"].r for name, m in self.adapters.items()}
         return f"round {self.index}: {self.arch} {shown}"
 
 
 async def fuzz_engine(args: argparse.Namespace) -> int:
     rnd = random.Random(args.seed)
     refs: dict = {}
-    t0, checked, findings = time.monotonic(), 0, 0
+    t0, checked, findings, release = time.monotonic(), 0, 0, 0.0
     for i in range(args.rounds):
         r = EngineRound(rnd, i, refs)
         await r.run(args.round_timeout)
         checked += r.checked
+        release = max(release, r.release_s)
         if r.findings:
             findings += len(r.findings)
             print(r.describe())
             for f in r.findings[:5]:
                 print("   ", f)
     print(f"engine fuzz, seed {args.seed}: {args.rounds} rounds, {checked} greedy requests compared, "
-          f"{findings} findings, {time.monotonic() - t0:.0f} s")
+          f"{findings} findings, {time.monotonic() - t0:.0f} s; pages all free at most {release * 1000:.0f} ms "
+          f"after a round's last request")
     return 1 if findings else 0
 
 
