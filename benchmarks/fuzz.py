@@ -10,10 +10,12 @@ schedulers, prefix caching, CPU offload, async batching, n-gram or draft specula
 kernels or fused forward off, bf16, int8 weights, int8 pages, two LoRA adapters loaded with one
 of them unloaded mid-round) and sends it 4-16 concurrent requests sharing prefixes, each by a
 random route: greedy, ``n=2``, cancelled after two chunks, a stream left with ``break``, sampled,
-seeded twice, a regex, logprobs; with adapters, each names one of them or the base model. It
-checks that greedy tokens (every choice, every stream's prefix) equal transformers' ``generate``
-in float32 (PEFT's model with that adapter active for an adapter's rows), that seeded twins
-are equal, that a regex output matches, that nothing fails but by refusal (``InvalidRequestError``,
+seeded twice, a regex, logprobs, a repetition penalty, a logit bias, prompt logprobs; with
+adapters, each names one of them or the base model. It checks that greedy tokens (every choice,
+every stream's prefix) equal transformers' ``generate`` in float32 (PEFT's model with that adapter
+active for an adapter's rows; the same penalty or bias through transformers' processors), that
+prompt logprobs are transformers' log-softmax within 1e-4, that seeded twins are equal, that a
+regex output matches, that nothing fails but by refusal (``InvalidRequestError``,
 ``EngineOverloadedError``), that a round ends within ``--round-timeout`` (else: a hang, with the
 engine's stats), and that afterwards every page is free and ``check_integrity()`` passes.
 
@@ -41,10 +43,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import acb  # noqa: E402
-from acb.testing import ARCHITECTURES, random_prompts, reference_greedy, tiny_model, tiny_tokenizer  # noqa: E402
+from acb.testing import (  # noqa: E402
+    ARCHITECTURES,
+    random_prompts,
+    reference_greedy,
+    reference_log_softmax,
+    tiny_model,
+    tiny_tokenizer,
+)
 
 ROUTES = {"greedy": 5, "n2": 1, "cancel": 1, "stream_break": 1, "sample": 1, "seeded2": 1, "regex": 1,
-          "logprobs": 1}
+          "logprobs": 1, "penalty": 1, "bias": 1, "prompt_logprobs": 1}
+PROMPT_LOGPROB_TOL = 1e-4  # tests/test_prompt_logprobs.py's: acb and transformers sum in other orders
 REGEX = "[ab]{1,5}c"
 
 
@@ -114,11 +124,13 @@ class EngineRound:
         self.checked = 0
         self.release_s = 0.0  # from the last request's end to every page free
 
-    def ref(self, prompt: list[int], n: int, adapter: str | None = None) -> list[int]:
-        key = (self.arch, tuple(prompt), n, adapter, id(self.adapters.get(adapter)))
+    def model(self, adapter: str | None):
+        return self.adapters[adapter] if adapter else tiny_model(self.arch)
+
+    def ref(self, prompt: list[int], n: int, adapter: str | None = None, **generate_kwargs) -> list[int]:
+        key = (self.arch, tuple(prompt), n, adapter, id(self.adapters.get(adapter)), repr(generate_kwargs))
         if key not in self.refs:
-            model = self.adapters[adapter] if adapter else tiny_model(self.arch)
-            self.refs[key] = reference_greedy(model, prompt, n)
+            self.refs[key] = reference_greedy(self.model(adapter), prompt, n, **generate_kwargs)
         return self.refs[key]
 
     def jobs(self) -> list[tuple]:
@@ -191,6 +203,29 @@ class EngineRound:
                 # a prompt's logits do not depend on how it was chunked, in every dtype and page kind
                 if a.token_ids != b.token_ids:
                     self.findings.append(("seeded twins differ", prompt, n, a.token_ids, b.token_ids))
+            elif route in ("penalty", "bias"):
+                # transformers' processors: RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
+                token = prompt[seed % len(prompt)]
+                mine, theirs = (dict(repetition_penalty=1.3), dict(repetition_penalty=1.3)) if route == "penalty" \
+                    else (dict(logit_bias={token: 4.0}), dict(sequence_bias={(token,): 4.0}))
+                done = await engine.generate(prompt, **kw, **mine)
+                if self.exact:
+                    want = self.ref(prompt, n, adapter, **theirs)
+                    if done.token_ids != want:
+                        self.findings.append((f"{route}: greedy tokens differ from generate", prompt, n, mine,
+                                              done.token_ids, want))
+                self.checked += 1
+            elif route == "prompt_logprobs":
+                done = await engine.generate(prompt, **kw, prompt_logprobs=1)
+                scores = done.prompt_logprobs
+                if scores is None or scores.token_ids != prompt or scores.logprobs[0] is not None:
+                    self.findings.append(("prompt_logprobs missing or malformed", prompt, repr(scores)[:200]))
+                elif self.exact:
+                    ref = reference_log_softmax(self.model(adapter), prompt)
+                    worst = max((abs(scores.logprobs[p] - ref[p - 1, prompt[p]].item())
+                                 for p in range(1, len(prompt))), default=0.0)
+                    if worst > PROMPT_LOGPROB_TOL:
+                        self.findings.append(("prompt logprobs differ from transformers' forward", prompt, worst))
             elif route == "regex":
                 kw.pop("ignore_eos")
                 done = await engine.generate(prompt, regex=REGEX, speculative=False
