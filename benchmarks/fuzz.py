@@ -10,14 +10,17 @@ schedulers, prefix caching, CPU offload, async batching, n-gram or draft specula
 kernels or fused forward off, bf16, int8 weights, int8 pages, two LoRA adapters loaded with one
 of them unloaded mid-round) and sends it 4-16 concurrent requests sharing prefixes, each by a
 random route: greedy, ``n=2``, cancelled after two chunks, a stream left with ``break``, sampled,
-seeded twice, a regex, logprobs, a repetition penalty, a logit bias, prompt logprobs; with
-adapters, each names one of them or the base model. It checks that greedy tokens (every choice,
-every stream's prefix) equal transformers' ``generate`` in float32 (PEFT's model with that adapter
-active for an adapter's rows; the same penalty or bias through transformers' processors), that
-prompt logprobs are transformers' log-softmax within 1e-4, that seeded twins are equal, that a
-regex output matches, that nothing fails but by refusal (``InvalidRequestError``,
-``EngineOverloadedError``), that a round ends within ``--round-timeout`` (else: a hang, with the
-engine's stats), and that afterwards every page is free and ``check_integrity()`` passes.
+seeded twice, a regex, logprobs, a repetition penalty, a logit bias, prompt logprobs, a stop
+token and a stop string, a deadline; with adapters, each names one of them or the base model.
+It checks that greedy tokens (every choice, every stream's prefix) equal transformers'
+``generate`` in float32 (PEFT's model with that adapter active for an adapter's rows; the same
+penalty or bias through transformers' processors), that prompt logprobs are transformers'
+log-softmax within 1e-4, that a stop token or string taken from the greedy output ends the
+request right there, that a deadline ends one with "timeout" (its tokens generate's), that
+seeded twins are equal, that a regex output matches, that nothing fails but by refusal
+(``InvalidRequestError``, ``EngineOverloadedError``), that a round ends within
+``--round-timeout`` (else: a hang, with the engine's stats), and that afterwards every page is
+free and ``check_integrity()`` passes.
 
 ``server``: the aiohttp app of ``acb serve`` over a tiny engine; each request is a random body for
 ``/v1/completions`` or ``/v1/chat/completions`` (valid fields, wrong types, out-of-range values,
@@ -53,7 +56,7 @@ from acb.testing import (  # noqa: E402
 )
 
 ROUTES = {"greedy": 5, "n2": 1, "cancel": 1, "stream_break": 1, "sample": 1, "seeded2": 1, "regex": 1,
-          "logprobs": 1, "penalty": 1, "bias": 1, "prompt_logprobs": 1}
+          "logprobs": 1, "penalty": 1, "bias": 1, "prompt_logprobs": 1, "stop": 1, "timeout": 1}
 PROMPT_LOGPROB_TOL = 1e-4  # tests/test_prompt_logprobs.py's: acb and transformers sum in other orders
 REGEX = "[ab]{1,5}c"
 
@@ -226,6 +229,34 @@ class EngineRound:
                                  for p in range(1, len(prompt))), default=0.0)
                     if worst > PROMPT_LOGPROB_TOL:
                         self.findings.append(("prompt logprobs differ from transformers' forward", prompt, worst))
+            elif route == "stop":
+                # a stop token id (kept in the output) and a stop string (cut from the text) taken
+                # from the request's own greedy output: both must end it right there
+                free = await engine.generate(prompt, **kw)
+                if want is not None and free.token_ids != want:
+                    self.findings.append(("greedy tokens differ from generate", route, prompt, n, free.token_ids,
+                                          want))
+                stop_id = free.token_ids[seed % len(free.token_ids)]
+                first = free.token_ids.index(stop_id)
+                by_id = await engine.generate(prompt, **kw, stop_token_ids=[stop_id])
+                if by_id.token_ids != free.token_ids[: first + 1] or by_id.finish_reason != "stop":
+                    self.findings.append(("stop_token_ids did not end the request at the token", prompt, stop_id,
+                                          by_id.token_ids, by_id.finish_reason, free.token_ids))
+                at = seed % max(1, len(free.text) - 1)
+                needle = free.text[at: at + 2]
+                if needle and "\ufffd" not in needle:
+                    by_str = await engine.generate(prompt, **kw, stop=[needle])
+                    if by_str.text != free.text[: free.text.index(needle)] or by_str.finish_reason != "stop":
+                        self.findings.append(("a stop string did not cut the text there", prompt, needle,
+                                              by_str.text, by_str.finish_reason, free.text))
+                self.checked += 1
+            elif route == "timeout":
+                done = await engine.generate(prompt, **kw, timeout_s=0.005 + 0.05 * (seed % 4))
+                if done.finish_reason not in ("timeout", "length"):
+                    self.findings.append(("a deadline ended a request otherwise", done.finish_reason))
+                if want is not None and done.token_ids != want[: len(done.token_ids)]:
+                    self.findings.append(("a timed-out request's tokens are not generate's", prompt,
+                                          done.token_ids, want))
             elif route == "regex":
                 kw.pop("ignore_eos")
                 done = await engine.generate(prompt, regex=REGEX, speculative=False
