@@ -35,8 +35,9 @@ from 96.66 to 96.90 % beside int8 weights (bf16 pages: 97.13 %). Values are stor
 ``paged_decode_into`` rotate each key row in registers before rounding it), queries where they read
 the pages (inside ``paged_decode_into``; the native ``hadamard`` for decode rows on the other paths
 and for every prompt chunk, ``acb.attention``). The rotation costs the one-call decode kernel 2-5 %
-(45 rows x 370 keys, SmolLM2's heads: 232 -> 235-255 us). Every page move (copy-on-write, offload, prefix reuse) carries ordinary int8 rows.
-:func:`rotate_keys` / :func:`rotate_queries` are the reference the kernels are tested against.
+(45 rows x 370 keys, SmolLM2's heads: 232 -> 235-255 us). Every page move (copy-on-write, offload,
+prefix reuse) carries ordinary int8 rows. :func:`rotate_keys` / :func:`rotate_queries` are the
+reference the kernels are tested against.
 
 Only acb's native CPU attention reads int8 pages: on CUDA (Triton), with the PyTorch
 backend, or with the native kernels off, the engine refuses ``kv_cache_dtype="int8"``

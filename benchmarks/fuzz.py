@@ -51,6 +51,7 @@ from acb.testing import (  # noqa: E402
     random_prompts,
     reference_greedy,
     reference_log_softmax,
+    tiny_lora_model,
     tiny_model,
     tiny_tokenizer,
 )
@@ -62,23 +63,12 @@ REGEX = "[ab]{1,5}c"
 
 
 def peft_model(arch: str, seed: int, r: int):
-    """PEFT's LoRA model over a copy of the tiny ``arch`` model, every projection targeted, its
-    A and B random and non-zero (so the adapter changes the output); None without ``peft``."""
+    """PEFT's LoRA model over the tiny ``arch`` model, every projection targeted, A and B random
+    (``acb.testing.tiny_lora_model``); None without ``peft``."""
     try:
-        from peft import LoraConfig, get_peft_model
+        return tiny_lora_model(arch, seed, r, 2 * r)
     except ImportError:
         return None
-    import torch
-
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    model = get_peft_model(tiny_model(arch), LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets,
-                                                        lora_dropout=0.0))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    return model.eval()
 
 
 def engine_settings(rnd: random.Random, arch: str) -> tuple[dict, bool]:

@@ -16,22 +16,24 @@ from peft import LoraConfig, get_peft_model
 import acb
 from acb.errors import InvalidRequestError
 from acb.fused import native_bf16
-from acb.testing import ARCHITECTURES, random_prompts, reference_greedy, runner_of, tiny_model, tiny_tokenizer
+from acb.testing import (
+    ARCHITECTURES,
+    LORA_TARGETS,
+    random_prompts,
+    reference_greedy,
+    runner_of,
+    tiny_lora_model,
+    tiny_model,
+    tiny_tokenizer,
+)
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = list(LORA_TARGETS)
 
 
 def peft_model(arch: str, seed: int, r: int = 4, alpha: float = 8, targets=TARGETS, **config):
-    """PEFT's model over a copy of the tiny ``arch`` model, its LoRA weights random and
-    non-zero (B too) so that the adapter changes the greedy output."""
-    model = get_peft_model(copy.deepcopy(tiny_model(arch)),
-                           LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0, **config))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    return model.eval()
+    """PEFT's model over a fresh tiny ``arch`` model, its LoRA weights random and non-zero
+    (``acb.testing.tiny_lora_model``)."""
+    return tiny_lora_model(arch, seed, r, alpha, targets, **config)
 
 
 def config(**fields):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -172,6 +173,28 @@ def reference_log_softmax(model: torch.nn.Module, prompt_ids: list[int]) -> torc
     return torch.log_softmax(logits.float(), dim=-1).cpu()
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def tiny_lora_model(arch: str = "llama", seed: int = 0, r: int = 4, alpha: float = 8,
+                    targets: Sequence[str] = LORA_TARGETS, **lora_config: Any) -> torch.nn.Module:
+    """PEFT's LoRA model over a fresh tiny ``arch`` model (needs ``peft``), its A and B weights
+    random and non-zero so that the adapter changes the greedy output: what
+    ``Engine.load_adapter`` takes (or, saved with ``save_pretrained``, a PEFT folder), and the
+    reference for ``reference_greedy`` with that adapter active. ``lora_config``: more
+    ``peft.LoraConfig`` fields (``use_rslora=True``, ...)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_model(arch), LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
+                                                        lora_dropout=0.0, **lora_config))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model.eval()
+
+
 def _reference_copy(model: torch.nn.Module) -> torch.nn.Module:
     ref = getattr(model, "_acb_reference", None)
     if ref is None:
@@ -191,7 +214,7 @@ def _reference_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 __all__ = [
-    "ARCHITECTURES", "BOS_ID", "EOS_ID", "PAD_ID", "VOCAB_SIZE", "StepCounts", "random_prompts", "reference_greedy",
-    "reference_log_softmax",
+    "ARCHITECTURES", "BOS_ID", "EOS_ID", "LORA_TARGETS", "PAD_ID", "VOCAB_SIZE", "StepCounts", "random_prompts",
+    "reference_greedy", "reference_log_softmax", "tiny_lora_model",
     "runner_of", "speculate_always", "step_counts", "tiny_config", "tiny_engine", "tiny_model", "tiny_tokenizer",
 ]
