@@ -8,10 +8,9 @@ writes k/v into acb's pages at the step's slot mapping, then attends:
   gathered pages (the gather index is built once per step and shared by all layers);
 - prefill rows: a fresh prompt attends to its own k/v (no gather; int8 pages: its rows
   read back as stored), a continued one (chunked prefill, prefix hit) gathers its context
-  pages. On CPU models the
-  native kernel (``paged_decode_cpu.cpp``: causal register tiles, only the key blocks
-  a row can see) takes all fresh prompts of a step in one call and each continued
-  one in its own; elsewhere PyTorch's SDPA, row by row. The native kernels read
+  pages. On CPU models the native kernel (``paged_decode_cpu.cpp``: causal register tiles,
+  only the key blocks a row can see) takes all fresh prompts of a step in one call and each
+  continued one in its own; elsewhere PyTorch's SDPA, row by row. The native kernels read
   float32, bfloat16 or float16 pages and compute in float32.
 
 That is the ``native`` and ``torch`` backends. The ``triton`` backend (CUDA; see
