@@ -236,7 +236,7 @@ def paged_attention(
         # float32 or bf16 rows (fp16 was widened); the keys rotated as they are rounded
         for new, cache, rotate in ((k_new, k_cache, True), (v_new, v_cache, False)):
             write(new if new.stride(2) == 1 else new.contiguous(), cache, pool.slot_mapping, rotate)
-        if any(span.past == 0 for span in meta.prefills):
+        if meta.fresh_spans is not None:  # int8 pages run the native kernels only
             # a fresh prompt attends to its own keys and values as stored (rotated, rounded), as
             # its later chunks and every later step read them: its logits do not depend on how
             # the prompt was chunked, so on what else shared its steps

@@ -27,14 +27,6 @@ from acb.testing import (
     tiny_tokenizer,
 )
 
-TARGETS = list(LORA_TARGETS)
-
-
-def peft_model(arch: str, seed: int, r: int = 4, alpha: float = 8, targets=TARGETS, **config):
-    """PEFT's model over a fresh tiny ``arch`` model, its LoRA weights random and non-zero
-    (``acb.testing.tiny_lora_model``)."""
-    return tiny_lora_model(arch, seed, r, alpha, targets, **config)
-
 
 def config(**fields):
     fields.setdefault("num_blocks", 256)
@@ -51,8 +43,8 @@ def native_kernels() -> bool:
 
 
 async def _mixed_batch(arch, tmp_path, monkeypatch=None, native=True):
-    a = peft_model(arch, seed=1, r=4)
-    b = peft_model(arch, seed=2, r=8, alpha=16, use_rslora=True)
+    a = tiny_lora_model(arch, seed=1, r=4)
+    b = tiny_lora_model(arch, seed=2, r=8, alpha=16, use_rslora=True)
     a.save_pretrained(tmp_path / "a")
     prompts = random_prompts(6, 4, 20, seed=5)
     names = [None, "a", "b", "a", None, "b"]
@@ -93,7 +85,7 @@ async def test_mixed_adapters_without_the_native_kernels(tmp_path):
 async def test_one_adapter_on_every_row(native):
     """Every row on one adapter (prompt chunks and decode rows, side by side): one run of rows,
     no gather, on the native kernels and on the PyTorch path."""
-    a = peft_model("llama", seed=4, r=8, alpha=16)
+    a = tiny_lora_model("llama", seed=4, r=8, alpha=16)
     prompts = random_prompts(5, 3, 40, seed=29)
     async with acb.Engine(tiny_model("llama"), config=config(max_adapters=2, max_adapter_rank=8)) as engine:
         await engine.load_adapter(a, "a")
@@ -126,17 +118,17 @@ async def test_unknown_adapter_is_refused_by_name():
     (dict(targets=["q_proj", "lm_head"]), "lm_head"),
 ])
 async def test_unsupported_peft_features_are_refused(kwargs, match):
-    source = peft_model("llama", seed=3, **kwargs)
+    source = tiny_lora_model("llama", seed=3, **kwargs)
     async with acb.Engine(tiny_model("llama"), config=config()) as engine:
         with pytest.raises(InvalidRequestError, match=match):
             await engine.load_adapter(source, "x")
         assert engine.adapters() == []
-        await engine.load_adapter(peft_model("llama", seed=3), "x")  # the slot was given back
+        await engine.load_adapter(tiny_lora_model("llama", seed=3), "x")  # the slot was given back
         assert len((await engine.generate([5, 6, 7], adapter="x", max_new_tokens=2)).token_ids) == 2
 
 
 async def test_bad_shapes_rank_and_slots_are_refused():
-    other = peft_model("llama", seed=4)
+    other = tiny_lora_model("llama", seed=4)
     cfg, state = other.peft_config["default"], {k: v for k, v in _state(other).items()}
     key = next(k for k in state if "q_proj.lora_A" in k)
     bad = dict(state, **{key: torch.zeros(4, 32)})
@@ -144,7 +136,7 @@ async def test_bad_shapes_rank_and_slots_are_refused():
         with pytest.raises(InvalidRequestError, match=r"q_proj: lora_A \[4, 32\]"):
             await engine.load_adapter((cfg, bad), "bad")
         with pytest.raises(InvalidRequestError, match="max_adapter_rank=4") as e:
-            await engine.load_adapter(peft_model("llama", seed=4, r=8), "big")
+            await engine.load_adapter(tiny_lora_model("llama", seed=4, r=8), "big")
         assert e.value.param == "max_adapter_rank"
         await engine.load_adapter((cfg, state), "one")
         with pytest.raises(InvalidRequestError, match="max_adapters"):
@@ -167,11 +159,11 @@ async def test_settings_that_cannot_run_adapters_are_named():
         acb.EngineConfig(max_adapters=-1)
     async with acb.Engine(tiny_model("llama"), config=config(max_adapters=0)) as engine:
         with pytest.raises(ValueError, match="max_adapters=0"):
-            await engine.load_adapter(peft_model("llama", seed=1), "a")
+            await engine.load_adapter(tiny_lora_model("llama", seed=1), "a")
 
 
 async def test_prefix_cache_is_keyed_by_adapter():
-    a = peft_model("llama", seed=1)
+    a = tiny_lora_model("llama", seed=1)
     prompt = random_prompts(1, 40, 40, seed=9)[0]
     async with acb.Engine(tiny_model("llama"), config=config()) as engine:
         await engine.load_adapter(a, "a")
@@ -188,7 +180,7 @@ async def test_kv_events_carry_the_adapters_lora_id():
     """An adapter's registered pages are published with its lora_id (``engine.adapter_ids()``),
     as they are registered and in a resync; the base model's with None; the hashes are those
     ``prefix_page_hashes`` gives under that lora_id."""
-    a, b = peft_model("llama", seed=1), peft_model("llama", seed=2)
+    a, b = tiny_lora_model("llama", seed=1), tiny_lora_model("llama", seed=2)
     prompt = random_prompts(1, 40, 40, seed=9)[0]
     async with acb.Engine(tiny_model("llama"), config=config(kv_events=True, max_adapters=2)) as engine:
         stream = engine.kv_events()
@@ -218,7 +210,7 @@ def test_prefix_page_hashes_base_unchanged_and_adapter_apart():
 
 
 async def test_load_and_unload_while_streams_run():
-    a, b = peft_model("llama", seed=1), peft_model("llama", seed=2)
+    a, b = tiny_lora_model("llama", seed=1), tiny_lora_model("llama", seed=2)
     prompts = random_prompts(6, 5, 15, seed=11)
     async with acb.Engine(tiny_model("llama"), config=config(max_adapters=2)) as engine:
         await engine.load_adapter(a, "a")
@@ -242,7 +234,7 @@ async def test_load_and_unload_while_streams_run():
 async def test_adapters_with_choices_preemption_and_offload():
     """n > 1 forks run the request's adapter; rows preempted (their KV offloaded to the host
     and restored) resume with theirs."""
-    a = peft_model("llama", seed=1)
+    a = tiny_lora_model("llama", seed=1)
     prompts = random_prompts(6, 10, 30, seed=13)
     names = ["a", None, "a", "a", None, "a"]
     cfg = config(page_size=4, num_blocks=24, max_batch_tokens=24, max_requests_per_batch=8, safety_margin=0.0,
@@ -267,7 +259,7 @@ async def test_smollm2_mixed_adapters_match_peft_generate():
     model, tok = load(*smollm2(), dtype="float32")
     adapters = {}
     for name, seed in (("a", 1), ("b", 2)):
-        peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
+        peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=8, lora_alpha=16, target_modules=list(LORA_TARGETS)))
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for key, p in peft.named_parameters():
@@ -291,7 +283,7 @@ async def test_smollm2_mixed_adapters_match_peft_generate():
 async def test_structured_output_with_an_adapter():
     pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (acb[structured])")
     async with acb.Engine(tiny_model("llama"), tokenizer=tiny_tokenizer(), config=config()) as engine:
-        await engine.load_adapter(peft_model("llama", seed=1), "a")
+        await engine.load_adapter(tiny_lora_model("llama", seed=1), "a")
         out = await engine.generate("Pick one:", adapter="a", choice=["yes", "no"], max_new_tokens=8)
     assert out.text in ("yes", "no")
 
@@ -308,9 +300,9 @@ def test_engines_that_cannot_run_adapters_name_the_setting(fields, name):
 async def test_a_reused_slot_holds_only_its_new_adapter():
     """Unloaded, a rank-8 adapter on every projection leaves its slot to a rank-2 one on q/v only:
     nothing of the first remains in the batched path's view of the whole stack."""
-    big = peft_model("llama", seed=1, r=8)
-    small = peft_model("llama", seed=2, r=2, targets=["q_proj", "v_proj"])
-    other = peft_model("llama", seed=3)
+    big = tiny_lora_model("llama", seed=1, r=8)
+    small = tiny_lora_model("llama", seed=2, r=2, targets=["q_proj", "v_proj"])
+    other = tiny_lora_model("llama", seed=3)
     prompts = random_prompts(4, 5, 12, seed=17)
     names = ["small", "other", "small", "other"]
     async with acb.Engine(tiny_model("llama"), config=config(max_adapters=2, max_adapter_rank=8)) as engine:
@@ -327,7 +319,7 @@ async def test_a_reused_slot_holds_only_its_new_adapter():
 async def test_adapters_run_in_bfloat16():
     """bf16 (what Engine.from_pretrained picks on CPUs with native bf16): the adapter's weights
     are cast to the model's dtype and change the output; its first tokens match PEFT's in bf16."""
-    a = peft_model("llama", seed=1)
+    a = tiny_lora_model("llama", seed=1)
     prompts = random_prompts(4, 5, 12, seed=19)
     names = ["a", None, "a", None]
     engine = acb.Engine(tiny_model("llama"), config=config(dtype="bfloat16"))
@@ -349,7 +341,7 @@ async def test_adapters_run_in_bfloat16():
 
 async def test_attention_only_adapters_keep_the_fused_mlp():
     """PEFT's default targets for Llama (q_proj, v_proj): the MLP keeps its fused epilogues."""
-    a = peft_model("llama", seed=6, targets=["q_proj", "v_proj"])
+    a = tiny_lora_model("llama", seed=6, targets=["q_proj", "v_proj"])
     prompts = random_prompts(4, 5, 20, seed=23)
     names = ["a", None, "a", "a"]
     async with acb.Engine(tiny_model("llama"), config=config()) as engine:
@@ -366,7 +358,7 @@ async def test_adapters_with_speculation_match_peft_generate():
     were made and both accepted and rejected."""
     from acb.testing import speculate_always
 
-    a, b = peft_model("llama", seed=1, r=4), peft_model("llama", seed=2, r=8)
+    a, b = tiny_lora_model("llama", seed=1, r=4), tiny_lora_model("llama", seed=2, r=8)
     loop = random_prompts(2, 6, 10, seed=9)
     prompts = [[5, 6, 7] * 4, loop[0] + loop[0][:-2], [17] * 11, loop[1] + loop[1][:-3]]
     names = ["a", "b", None, "a"]

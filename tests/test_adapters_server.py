@@ -7,12 +7,11 @@ from __future__ import annotations
 import aiohttp
 import pytest
 from http_helpers import running_app, sse_json
-from test_adapters import peft_model
 
 from acb.cli import build_parser, main
 from acb.integrations.aiohttp import ENGINE_KEY
 from acb.server import ServerConfig, create_app
-from acb.testing import tiny_engine
+from acb.testing import tiny_engine, tiny_lora_model
 
 KEY = {"Authorization": "Bearer k"}
 PROMPT = [40, 41, 42, 43, 44, 45]
@@ -22,7 +21,7 @@ PROMPT = [40, 41, 42, 43, 44, 45]
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
     for name, seed in (("a", 1), ("b", 2)):
-        peft_model("llama", seed=seed).save_pretrained(root / name)
+        tiny_lora_model("llama", seed=seed).save_pretrained(root / name)
     return root
 
 
@@ -86,7 +85,7 @@ def test_bad_adapter_flags_exit_2(argv, capsys, folders):
 def test_serve_sizes_adapter_slots_for_its_start_up_adapters(folders, tmp_path):
     from acb.cli import _model_source
 
-    peft_model("llama", seed=5, r=32).save_pretrained(tmp_path / "big")
+    tiny_lora_model("llama", seed=5, r=32).save_pretrained(tmp_path / "big")
     parser = build_parser()
     args = parser.parse_args(["serve", "--tiny"] + [f"--adapter=a{i}={folders / 'a'}" for i in range(5)]
                              + [f"--adapter=big={tmp_path / 'big'}"])
