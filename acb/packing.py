@@ -116,9 +116,10 @@ class DeviceIds:
 @dataclass(slots=True)
 class Packed:
     """A step's rows as flat lists (what :func:`pack` returns). Decode rows are those of
-    one token; ``prefill_rows`` holds (first packed token, tokens, past tokens) per
-    prefill row. Page tables are named by block-table row (``acb.block_tables``): the
-    KV slots of the tokens and the rows' page tables are gathered from the store."""
+    one token but a prompt's (``StepInput.prompt_singles``); ``prefill_rows`` holds (first
+    packed token, tokens, past tokens) per prefill row. Page tables are named by block-table
+    row (``acb.block_tables``): the KV slots of the tokens and the rows' page tables are
+    gathered from the store."""
 
     tokens: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
@@ -139,6 +140,7 @@ def pack(step: StepInput) -> Packed:
     t_off, rows, carry, sample = step.token_offsets, step.table_rows, step.carry_from, step.sample
     positions, token_rows, keep = p.positions, p.token_rows, p.keep
     drafts = step.drafts
+    singles = step.prompt_singles  # one-token prompt rows: prefill rows (usually none)
     for i, start in enumerate(step.starts):
         q0 = t_off[i]
         n = t_off[i + 1] - q0
@@ -155,7 +157,7 @@ def pack(step: StepInput) -> Packed:
                 keep += range(q0 + n - 1 - drafts[i], q0 + n)
             else:
                 keep.append(q0 + n - 1)
-        if n == 1:
+        if n == 1 and not (singles and i in singles):
             positions.append(start)
             token_rows.append(row)
             p.decode_q.append(q0)

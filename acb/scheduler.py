@@ -214,7 +214,8 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
         plan.epochs.append(seq.epoch)
         inp = plan.input
         self.pages.send(inp, seq)
-        inp.add_table_row(tokens, start, seq.table_row, carry_from, sample, seq.adapter, d)
+        inp.add_table_row(tokens, start, seq.table_row, carry_from, sample, seq.adapter, d,
+                          start < len(seq.prompt_ids))
         if sample:
             seq.sampled_plan = plan.index
             seq.sampled_row = plan.num_sampled
@@ -225,15 +226,15 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
         seq.num_computed += n
 
     def _decode_row(self, plan: StepPlan, seq: Sequence) -> bool:
-        """The common row, planned in one go: one token, the sampled one before it known or
-        in flight, at most one new page and none shared (no copy-on-write), no sliding
+        """The common row, planned in one go: one token, a sampled one (known or in
+        flight), at most one new page and none shared (no copy-on-write), no sliding
         window, no choices to fork. False (and nothing done) for any other row: the caller
         takes the general path. What it plans is what that path would."""
         c = seq.num_computed
         out = seq.output_ids
         generated = len(out) + seq.num_inflight
-        if len(seq.prompt_ids) + generated - c != 1 or generated >= seq.max_new_tokens or seq.forks:
-            return False
+        if len(seq.prompt_ids) + generated - c != 1 or not 0 < generated < seq.max_new_tokens or seq.forks:
+            return False  # (none generated: the prompt's last token, a prefill row: StepInput.prompt_singles)
         kv = self.kv
         table = seq.block_table
         i = c // kv.page_size
@@ -253,7 +254,7 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
             inp.add_table_row(_PLACEHOLDER, c, seq.table_row,
                               seq.sampled_row if seq.sampled_plan == plan.index - 1 else -1, True, seq.adapter)
         else:
-            inp.add_table_row((out[-1] if out else seq.prompt_ids[-1],), c, seq.table_row, -1, True, seq.adapter)
+            inp.add_table_row((out[-1],), c, seq.table_row, -1, True, seq.adapter)
         plan.seqs.append(seq)
         plan.epochs.append(seq.epoch)
         seq.sampled_plan = plan.index

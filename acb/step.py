@@ -72,8 +72,11 @@ class StepInput:
     (a row of no tokens samples from the row before it: a forked choice). ``drafts[i]``:
     the row's last ``drafts[i]`` tokens are speculative proposals (acb.speculative), and
     it samples at each of its last ``drafts[i] + 1`` positions (that many sampled entries,
-    in order). Safe to hand to another thread: nothing here is mutated once the step is
-    launched."""
+    in order). ``prompt_singles``: the rows of one token that compute a prompt token (a
+    prompt cut so that a chunk holds one token, or what a prefix hit leaves of it); they run
+    as prefill rows, as that token would in a longer chunk, so a prompt's logits are the
+    same bits however it was chunked (any other row of one token is a decode row). Safe to
+    hand to another thread: nothing here is mutated once the step is launched."""
 
     starts: list[int] = field(default_factory=list)
     carry_from: list[int] = field(default_factory=list)
@@ -101,23 +104,27 @@ class StepInput:
     # per row, the LoRA adapter slot it runs with (-1: the base model; acb.lora); not in the
     # tensor-parallel message: adapters are refused with tensor_parallel_size > 1
     adapters: list[int] = field(default_factory=list)
+    prompt_singles: list[int] = field(default_factory=list)  # rows, ascending (usually none)
 
     def add_row(self, tokens: Sequence[int], start: int, pages: Sequence[int], carry_from: int = -1,
                 sample: bool = True, swa_pages: Sequence[int] = (), adapter: int = -1,
-                table_row: int | None = None, drafts: int = 0) -> None:
+                table_row: int | None = None, drafts: int = 0, prompt: bool = False) -> None:
         """Append one row with its whole page table ``pages`` (and ``swa_pages``), sent as
         deltas to store row ``table_row`` (default: the row's index): for steps made by
         hand (tests, benchmarks); the scheduler sends only what changed (:meth:`send_table`).
         ``tokens``' last id is a placeholder when ``carry_from`` >= 0; ``adapter``: its LoRA
-        slot, -1 for none; its last ``drafts`` ids are proposals to verify."""
+        slot, -1 for none; its last ``drafts`` ids are proposals to verify; ``prompt``: its
+        tokens are a prompt's (a row of one runs as a prefill row: ``prompt_singles``)."""
         row = len(self.starts) if table_row is None else table_row
         self.send_table(row, 0, pages, swa_pages if swa_pages else None)
-        self.add_table_row(tokens, start, row, carry_from, sample, adapter, drafts)
+        self.add_table_row(tokens, start, row, carry_from, sample, adapter, drafts, prompt)
 
     def add_table_row(self, tokens: Sequence[int], start: int, table_row: int, carry_from: int = -1,
-                      sample: bool = True, adapter: int = -1, drafts: int = 0) -> None:
+                      sample: bool = True, adapter: int = -1, drafts: int = 0, prompt: bool = False) -> None:
         """Append one row whose page table is store row ``table_row`` as it stands (its last
-        ``drafts`` ids are proposals to verify)."""
+        ``drafts`` ids are proposals to verify; ``prompt``: its tokens are a prompt's)."""
+        if prompt and len(tokens) == 1:
+            self.prompt_singles.append(len(self.starts))
         self.starts.append(start)
         self.carry_from.append(carry_from)
         self.sample.append(sample)

@@ -43,11 +43,12 @@ def _runner(model, pages=64, page_size=8):
     return runner
 
 
-def _logits(runner, forward, rows):
-    """The logits of a step of ``rows`` (tokens, start, pages), every row sampled."""
+def _logits(runner, forward, rows, prompt=False):
+    """The logits of a step of ``rows`` (tokens, start, pages), every row sampled; ``prompt``:
+    the rows are prompt chunks (one of one token is then a prefill row, as the scheduler marks it)."""
     step = StepInput()
     for tokens, start, pages in rows:
-        step.add_row(tokens, start, pages)
+        step.add_row(tokens, start, pages, prompt=prompt)
     runner.kv.update_tables(step)  # the block-table deltas, as ModelRunner.execute applies them first
     input_ids, position_ids, keep, meta = runner._build(step)
     attention.set_step(meta)
@@ -215,6 +216,51 @@ async def test_decode_only_steps_attend_in_one_native_call(arch, dtype, monkeypa
             assert result.token_ids == reference_greedy(engine.model, prompt, 10)
     else:
         assert all(len(r.token_ids) == 10 for r in got)
+
+
+# A prompt cut at every place the scheduler may cut it: a first chunk of one token, chunks of
+# seven, a last chunk of two, one-token chunks in the middle and at the end, and whole beside
+# another prompt in the same step
+_CUTS = ([7, 7, 5], [1, 18], [17, 2], [5, 14], [18, 1], [9, 9, 1], [16, 1, 2])
+
+
+@pytest.mark.parametrize("kv", [None, "int8"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_a_prompts_logits_do_not_depend_on_how_it_was_chunked(arch, dtype, kv):
+    """The last position's logits are the same bits whether the prompt ran whole (beside
+    another prompt) or in chunks, so a request's tokens do not change with what shares its
+    steps. int8 pages: every chunk attends to its keys and values as the pages hold them,
+    its own too (found by benchmarks/fuzz.py: seeded twins differed when one was chunked and
+    read the earlier chunk's keys rounded, its own exact). A chunk of one token runs as a
+    prefill row (``StepInput.prompt_singles``; as a decode row, the decode kernel's float32
+    sums moved its logits by ~4e-6). gemma3: a sliding window of 8 and the hybrid pools."""
+    _kernels_or_skip()
+    if dtype == torch.bfloat16 and not native_bf16():
+        pytest.skip("no bf16 fused path here")
+    model = tiny_model(arch, seed=3).to(dtype)
+    prompt, other = random_prompts(2, 19, 19, seed=7)
+
+    def last_logits(cuts, beside=()):
+        runner = ModelRunner(model, 64, 8, kv_cache_dtype=kv)
+        runner.configure_fast_paths(EngineConfig(), 16)
+        try:
+            assert runner.fast_paths.fused is not None
+            start = 0
+            for cut in cuts:
+                rows = [(prompt[start:start + cut], start, [0, 1, 2, 3])]
+                rows += [(p, 0, [4 + 4 * i + j for j in range(4)]) for i, p in enumerate(beside)]
+                out = _logits(runner, runner.fast_paths.fused, rows, prompt=True)
+                start += cut
+            return out[0]
+        finally:
+            runner.release()
+
+    whole = last_logits([19], beside=[other])
+    assert torch.equal(whole, last_logits([19]))
+    for cuts in _CUTS:
+        assert torch.equal(last_logits(cuts), whole), cuts
 
 
 def test_native_rms_norm_matches_transformers():

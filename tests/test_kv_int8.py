@@ -276,48 +276,6 @@ def test_decode_logits_on_int8_pages_stay_close_to_float_pages():
         assert not torch.equal(got, want)  # the int8 pages were read
 
 
-# A prompt cut at every place the scheduler may cut it: first chunk of one token, chunks of
-# seven, a last chunk of two, and whole beside another prompt in the same step
-_CUTS = ([7, 7, 5], [1, 18], [17, 2], [5, 14])
-
-
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@torch.inference_mode()
-def test_a_prompts_logits_on_int8_pages_do_not_depend_on_how_it_was_chunked(arch, dtype):
-    """Every chunk of a prompt attends to its keys and values as the int8 pages hold them,
-    its own too: the last position's logits are the same bits whether the prompt ran whole
-    (beside another prompt) or in chunks, so a request's tokens do not change with what
-    shares its steps (found by benchmarks/fuzz.py: seeded twins differed when one was
-    chunked and read the earlier chunk's keys rounded, its own exact). gemma3: a sliding
-    window of 8 and the hybrid pools."""
-    _kernel()
-    if dtype == torch.bfloat16 and not native_bf16():
-        pytest.skip("no bf16 fused path here")
-    model = tiny_model(arch, seed=3).to(dtype)
-    prompt, other = random_prompts(2, 19, 19, seed=7)
-
-    def last_logits(cuts, beside=()):
-        runner = ModelRunner(model, 64, 8, kv_cache_dtype="int8")
-        runner.configure_fast_paths(EngineConfig(), 16)
-        try:
-            assert runner.fast_paths.fused is not None
-            start = 0
-            for cut in cuts:
-                rows = [(prompt[start:start + cut], start, [0, 1, 2, 3])]
-                rows += [(p, 0, [4 + 4 * i + j for j in range(4)]) for i, p in enumerate(beside)]
-                out = _logits(runner, runner.fast_paths.fused, rows)
-                start += cut
-            return out[0]
-        finally:
-            runner.release()
-
-    whole = last_logits([19], beside=[other])
-    assert torch.equal(whole, last_logits([19]))
-    for cuts in _CUTS:
-        assert torch.equal(last_logits(cuts), whole), cuts
-
-
 async def test_prefix_hits_and_preemption_with_offload_run_on_int8_pages():
     """A prefix hit attends to its context dequantized; a request preempted to the host
     pool resumes from its int8 pages copied back bit for bit: same tokens as without

@@ -8,8 +8,10 @@ import asyncio
 import zlib
 
 import pytest
+import torch
 
 import acb
+from acb.fused import native_bf16
 from acb.testing import ARCHITECTURES, random_prompts, reference_greedy, step_counts, tiny_model
 
 
@@ -112,3 +114,39 @@ async def test_max_blocks_per_request_bounds_the_decode_fast_path(max_blocks):
         assert fast == 0
     else:
         assert 0 < fast < steps - 2
+
+
+
+@pytest.mark.parametrize("kv", [None, "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+async def test_a_prompts_logprobs_are_the_same_bits_however_it_was_cut(arch, dtype, kv):
+    """On the native kernels a prompt's logits do not depend on how it was chunked. A
+    prompt of 17 tokens on pages of 8 runs whole; again, where a prefix hit leaves its last
+    token alone in its step (llama: the hybrid pools of gemma3 cache no prefixes); and under
+    budgets that cut it 8 / 8 / 1 and 16 / 1: the generated tokens' logprobs and
+    alternatives are the same bits. A one-token chunk of a prompt runs as a prefill row
+    (``StepInput.prompt_singles``): as a decode row it went through the decode kernel, whose
+    float32 sums run in another order, and the logprobs moved by ~1e-6, enough to flip a
+    greedy or seeded draw between two near-equal candidates. (PyTorch's and Triton's
+    attention do not promise this: their sums change with the cut, by ~1e-6.)"""
+    if dtype == torch.bfloat16 and native_bf16() is None:
+        pytest.skip("no bf16 fused path here")
+    model = tiny_model(arch).to(dtype)
+    prompt = random_prompts(1, 17, 17, seed=31)[0]
+    kw = dict(max_new_tokens=4, ignore_eos=True, logprobs=True, top_logprobs=3)
+
+    def config(budget):
+        return acb.EngineConfig(page_size=8, num_blocks=64, max_batch_tokens=budget, kv_cache_dtype=kv)
+
+    async with acb.Engine(model, config=config(64)) as engine:
+        assert engine.stats().attn_backend == "native", "the native CPU kernels did not build"
+        whole = await engine.generate(prompt, **kw)
+        runs = [await engine.generate(prompt, **kw)]
+        assert (engine.stats().prefix_hit_rate > 0) == (arch == "llama")
+    for budget in (8, 16):
+        async with acb.Engine(model, config=config(budget)) as engine:
+            runs.append(await engine.generate(prompt, **kw))
+    for r in runs:
+        assert r.token_ids == whole.token_ids
+        assert r.logprobs == whole.logprobs and r.top_logprobs == whole.top_logprobs

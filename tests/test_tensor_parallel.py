@@ -212,7 +212,7 @@ def test_non_dividing_size_is_refused_before_any_rank_starts():
 def _columns(step: StepInput) -> dict:
     return {name: getattr(step, name) for name in ("starts", "carry_from", "sample", "token_ids", "token_offsets",
                                                    "table_rows", "delta_rows", "delta_cols", "delta_pages",
-                                                   "delta_swa", "plain", "refresh")} | {
+                                                   "delta_swa", "plain", "refresh", "prompt_singles")} | {
         name: getattr(step, name).entries() for name in ("swap_out", "swap_in", "copy_pages", "copy_swa_pages")}
 
 
@@ -224,6 +224,7 @@ def test_step_input_packs_into_one_int32_tensor_and_back_with_carried_tokens_wri
     step.send_table(7, 2, [2, 6], [0, 1])  # a page replaced (copy-on-write) and a new one
     step.add_table_row([], 31, table_row=8)  # a forked choice: no tokens
     step.send_table(8, 0, [8, -1, 2, 6], [-1, -1, 0, 1])
+    step.add_row([11], 16, [9, 10], swa_pages=[-1, 3], prompt=True)  # a prompt's last token, after a prefix hit
     step.swap_out.add(3, 1)
     step.swap_in.add(0, 7, 2)
     step.copy_pages.add(5, 9)
@@ -232,7 +233,8 @@ def test_step_input_packs_into_one_int32_tensor_and_back_with_carried_tokens_wri
     assert packed.dtype == torch.int32 and packed.dim() == 1
     back = protocol.unpack_step(packed)
     assert _columns(back) == _columns(step) and back.sampling is None
-    assert back.counts() == [3, 2, 1, 0] and back.table_rows == [0, 1, 7, 8]
+    assert back.counts() == [3, 2, 1, 0, 1] and back.table_rows == [0, 1, 7, 8, 4]
+    assert back.prompt_singles == [4]
     tables = back.tables()
     assert tables[7] == ({2: 2, 3: 6}, {2: 0, 3: 1}) and tables[1] == ({0: 1, 1: 4, 2: 2}, {0: -1, 1: 4, 2: 5})
     assert tables[8][0] == {0: 8, 1: -1, 2: 2, 3: 6}
@@ -241,7 +243,7 @@ def test_step_input_packs_into_one_int32_tensor_and_back_with_carried_tokens_wri
     assert sources == [1, 0] and [int(packed[p]) for p in positions] == [0, 0]
     sampled = torch.tensor([41, 42])
     packed[positions] = sampled[sources].to(torch.int32)
-    assert protocol.unpack_step(packed).token_ids == [5, 6, 7, 9, 42, 41]
+    assert protocol.unpack_step(packed).token_ids == [5, 6, 7, 9, 42, 41, 11]
 
 
 async def test_tp2_in_bf16_computes_what_one_rank_does():

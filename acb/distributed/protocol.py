@@ -7,12 +7,12 @@ ints of its own::
     or the packed tables to check (OP_CHECK: see :func:`pack_tables`)
 
 The packed step: a header (rows, tokens, block-table deltas, sliding deltas, swap-outs,
-swap-ins, copies, sliding copies, flags), then the columns of ``acb.step.StepInput``:
-starts, carry sources, sample flags, block-table rows, token offsets (rows + 1), token
-ids, the block-table deltas (rows, columns, pages, sliding pages), and the page moves
-(src, dst, swa columns of each). Page tables travel as deltas only: each rank's
-block-table store (``acb.block_tables``) applies them, as rank 0's does. Its sampling
-batch and prompt-logprob rows stay on rank 0.
+swap-ins, copies, sliding copies, flags, one-token prompt rows), then the columns of
+``acb.step.StepInput``: starts, carry sources, sample flags, block-table rows, token
+offsets (rows + 1), token ids, the block-table deltas (rows, columns, pages, sliding
+pages), the page moves (src, dst, swa columns of each) and the one-token prompt rows.
+Page tables travel as deltas only: each rank's block-table store (``acb.block_tables``)
+applies them, as rank 0's does. Its sampling batch and prompt-logprob rows stay on rank 0.
 
 A token that rank 0 carries over from the previous step's sampling (it never reached
 the host) is written into the message from rank 0's sampled ids, on its device, so the
@@ -31,18 +31,19 @@ from ..step import PageMoves, StepInput
 
 OP_IDLE, OP_STEP, OP_STOP, OP_RESIZE, OP_CHECK = 0, 1, 2, 3, 4
 HEADER = 2
-STEP_HEADER = 9  # the packed step's own header
+STEP_HEADER = 10  # the packed step's own header
 
 
 def pack_step(step: StepInput) -> torch.Tensor:
     """``step`` (not its sampling batch) as one flat int32 tensor on the host."""
     moves = (step.swap_out, step.swap_in, step.copy_pages, step.copy_swa_pages)
     header = [step.num_rows, len(step.token_ids), len(step.delta_rows), len(step.delta_swa),
-              *(len(m) for m in moves), step.plain | step.refresh << 1]
+              *(len(m) for m in moves), step.plain | step.refresh << 1, len(step.prompt_singles)]
     flat = header + step.starts + step.carry_from + step.sample + step.table_rows + step.token_offsets \
         + step.token_ids + step.delta_rows + step.delta_cols + step.delta_pages + step.delta_swa
     for m in moves:
         flat += m.src + m.dst + m.swa
+    flat += step.prompt_singles
     return torch.tensor(flat, dtype=torch.int32)
 
 
@@ -59,7 +60,7 @@ def carried_positions(step: StepInput) -> tuple[list[int], list[int]]:
 def unpack_step(packed: torch.Tensor | list[int]) -> StepInput:
     """The step :func:`pack_step` made (its sampling batch None)."""
     flat = packed.tolist() if hasattr(packed, "tolist") else list(packed)
-    rows, n_tokens, n_deltas, n_swa, n_out, n_in, n_copy, n_copy_swa, flags = flat[:STEP_HEADER]
+    rows, n_tokens, n_deltas, n_swa, n_out, n_in, n_copy, n_copy_swa, flags, n_singles = flat[:STEP_HEADER]
     it = _Cursor(flat, STEP_HEADER)
     step = StepInput(starts=it.take(rows), carry_from=it.take(rows), sample=[bool(s) for s in it.take(rows)],
                      table_rows=it.take(rows), token_offsets=it.take(rows + 1), token_ids=it.take(n_tokens),
@@ -67,6 +68,7 @@ def unpack_step(packed: torch.Tensor | list[int]) -> StepInput:
                      delta_swa=it.take(n_swa), plain=bool(flags & 1), refresh=bool(flags & 2))
     step.swap_out, step.swap_in, step.copy_pages, step.copy_swa_pages = (
         PageMoves(it.take(n), it.take(n), it.take(n)) for n in (n_out, n_in, n_copy, n_copy_swa))
+    step.prompt_singles = it.take(n_singles)
     return step
 
 
