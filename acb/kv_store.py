@@ -12,6 +12,8 @@ deltas keep current.
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -34,7 +36,7 @@ class KVStore:
 
     def __init__(self, config, dtype: torch.dtype, device: torch.device, num_pages: int, page_size: int,
                  to_device: Callable[[list[int]], torch.Tensor], host_pages: int = 0, swa_pages: int = 0,
-                 swa_layers: frozenset[int] = frozenset()) -> None:
+                 swa_layers: frozenset[int] = frozenset(), zero_on_first_use: bool | None = None) -> None:
         shape = ModelShape.of(config)
         self.page_size = page_size
         self.num_pages = num_pages
@@ -46,19 +48,27 @@ class KVStore:
         # pool of ``swa_pages`` pages (and their own zero page at its end).
         self.swa_pages = swa_pages
         self.swa_layers = swa_layers if swa_pages else frozenset()
-        # torch.empty: on CPU the pages are only backed by memory once written.
+        # On CPU each tensor is a fresh anonymous mapping: the kernel backs its pages with memory
+        # only once written, and hands them out zeroed, so no page is ever zeroed here (an
+        # allocator may hand back used memory: torch.empty makes no such promise). Elsewhere
+        # torch.empty, and each page is zeroed on first use (``zero_new_pages``).
+        self.first_use_zeroing = device.type != "cpu" if zero_on_first_use is None else zero_on_first_use
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         for layer in range(shape.layers):
             slots = ((swa_pages if layer in self.swa_layers else num_pages) + 1) * page_size
             for caches in (self.k_cache, self.v_cache):
-                caches.append(torch.empty(shape.kv_heads, slots, kv_quant.row_width(shape.head_dim, dtype), dtype=dtype,
-                                          device=device))
-                caches[-1][:, slots - page_size :].zero_()
+                size = (shape.kv_heads, slots, kv_quant.row_width(shape.head_dim, dtype))
+                if device.type == "cpu":
+                    caches.append(zeroed_host_tensor(size, dtype))
+                else:
+                    caches.append(torch.empty(size, dtype=dtype, device=device))
+                    caches[-1][:, slots - page_size :].zero_()
         # Attention reads whole pages, so the unwritten tail of a row's last page is read
         # too (and masked). Masked scores are -inf, but a NaN bit pattern in never-written
-        # memory would still poison ``weights @ V``: each page is zeroed on first use.
-        # (acb.packing.pack marks the pages a step writes; :meth:`zero` zeroes them.)
+        # memory would still poison ``weights @ V``: each page is zeroed on first use, unless
+        # the memory came zeroed (CPU, above). (The step's deltas bring in the pages it
+        # writes; :meth:`zero_new_pages` zeroes those never written.)
         self.zeroed = bytearray(num_pages)
         self.zeroed_swa = bytearray(swa_pages)
         self.tables = BlockTables(device, page_size, num_pages, to_device, swa_pages if self.swa_layers else None)
@@ -82,7 +92,7 @@ class KVStore:
         """Zero the pages the step's deltas bring in that were never written (after its page
         moves, which write theirs whole): every page a row writes came in by a delta, so
         none is read before it is zeroed or written whole."""
-        if step.delta_rows:
+        if step.delta_rows and self.first_use_zeroing:
             self.zero(_first_use(step.delta_pages, self.zeroed),
                       _first_use(step.delta_swa, self.zeroed_swa) if self.swa_layers else [])
 
@@ -144,3 +154,15 @@ def _first_use(pages: list[int], written: bytearray) -> list[int]:
             written[page] = 1
             fresh.append(page)
     return fresh
+
+
+def zeroed_host_tensor(size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros over a fresh anonymous mapping: zero-filled by the kernel page
+    by page as it is first touched, so it takes memory only where written (``torch.zeros``
+    would write, and so back, all of it). The tensor keeps the mapping alive; it is unmapped
+    when the last view of it goes."""
+    count = math.prod(size)
+    if not hasattr(mmap, "MAP_ANONYMOUS"):  # (not a POSIX system)
+        return torch.zeros(size, dtype=dtype)
+    buf = mmap.mmap(-1, max(count * dtype.itemsize, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=dtype, count=count).view(size)
