@@ -57,6 +57,7 @@ class FastPaths:
         self.varlen_forward = model
         self.decode_forward = model
         self.fused = None  # acb.fused.FusedForward, when it stands in for the model's forward
+        self.sampling_kernels = None  # acb/kernels/fused_cpu.cpp, for greedy rows' argmax (acb.sampling.greedy)
         self.decode_padding: cuda_graphs.DecodePadding | None = None
         self.decode_graphs: cuda_graphs.DecodeGraphs | None = None
         self._want_fused = False
@@ -211,6 +212,7 @@ class FastPaths:
             FusedForward, why_not = quantization.Int8Forward, quantization.why_not_forward  # noqa: N806
 
         kernels = fused_kernels() if self.kernels else None
+        self.sampling_kernels = kernels
         self.fused = FusedForward.build(self.model, self.packed, kernels, self.row_reduce) if self.fused_allowed \
             else None
         self.varlen_forward = self.decode_forward = self.fused or self.model

@@ -208,7 +208,8 @@ class ModelRunner:
                 from .draft import fill_penalty_history
 
                 fill_penalty_history(step, self._proposed_ids.index_select(0, self._proposals).tolist())
-            ids, logprobs = sample(logits, step.sampling, self.generator, self.prev_sampled)
+            ids, logprobs = sample(logits, step.sampling, self.generator, self.prev_sampled,
+                                   self.fast_paths.sampling_kernels)
         top = top_alternatives(logits, step.sampling.top_logprobs) if step.sampling.top_logprobs else None
         self.prev_sampled = ids
         proposals = self._take_proposals()

@@ -80,16 +80,17 @@ def mix_seed(seed: int, index: int) -> int:
 
 def sample(
     logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None,
-    prev_sampled: torch.Tensor | None = None,
+    prev_sampled: torch.Tensor | None = None, kernels=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Return (token ids [B], logprobs of those ids [B] or None). Logprobs are the
     model's (before any processor or warper), as vLLM and OpenAI report them.
-    ``prev_sampled`` is the previous step's sampled ids (for in-flight history)."""
+    ``prev_sampled`` is the previous step's sampled ids (for in-flight history);
+    ``kernels``: acb's CPU kernels for the greedy ids (:func:`greedy`), or None."""
     logits = logits.float()
     raw = logits
     if batch.controls is not None:
         logits = process(logits, batch.controls, prev_sampled)
-    ids = logits.argmax(dim=-1)
+    ids = greedy(logits, kernels)
     # Below MIN_TEMPERATURE sampling is greedy: logits / 1e-40 overflow float32 to inf/NaN.
     sampled_rows = [i for i, t in enumerate(batch.temperature) if t >= MIN_TEMPERATURE]
     if sampled_rows:
@@ -117,6 +118,17 @@ def sample(
     if batch.want_logprobs:
         logprobs = torch.log_softmax(raw, dim=-1).gather(1, ids.unsqueeze(1)).squeeze(1)
     return ids, logprobs
+
+
+def greedy(logits: torch.Tensor, kernels=None) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of float32 ``logits`` [B, V]: the first index of each row's
+    largest value (of its first NaN, as PyTorch). With ``kernels`` (acb/kernels/fused_cpu.cpp's
+    module) CPU rows go through its ``argmax_rows``: the same ids, ~1.7 ms -> ~0.1 ms for 48
+    rows of a 49,152-token vocabulary on a 2-core host, a step's critical path."""
+    if kernels is not None and logits.device.type == "cpu" and logits.dim() == 2 and logits.stride(-1) == 1 \
+            and logits.shape[-1] > 0:
+        return kernels.argmax_rows(logits)
+    return logits.argmax(dim=-1)
 
 
 def top_alternatives(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ from acb import EngineConfig, attention
 from acb.fused import native_bf16
 from acb.kernels.cpu import fused_kernels, paged_decode_kernel
 from acb.runner import ModelRunner
+from acb.sampling import greedy
 from acb.step import StepInput
 from acb.testing import random_prompts, reference_greedy, runner_of, tiny_engine, tiny_model
 
@@ -261,6 +262,62 @@ def test_a_prompts_logits_do_not_depend_on_how_it_was_chunked(arch, dtype, kv):
     assert torch.equal(whole, last_logits([19]))
     for cuts in _CUTS:
         assert torch.equal(last_logits(cuts), whole), cuts
+
+
+def test_native_argmax_is_torchs_argmax():
+    """acb.sampling.greedy through the kernel: the first index of each row's maximum, of its
+    first NaN (PyTorch takes NaN as the largest), over ties, infinities, signed zeros, widths
+    that are no multiple of 8 lanes and strided rows."""
+    _kernels_or_skip()
+    k = fused_kernels()
+    g = torch.Generator().manual_seed(3)
+    for width in (1, 7, 8, 9, 37, 4096, 49152):
+        x = torch.randn(13, width, generator=g)
+        assert torch.equal(k.argmax_rows(x), x.argmax(dim=-1)), width
+    y = torch.randn(9, 37, generator=g)
+    y[0, 5] = y[0, 9] = float("nan")
+    y[1] = 0.0
+    y[1, 3] = -0.0
+    y[2] = float("-inf")
+    y[3, 30] = y[3, 36] = float("inf")
+    y[4, 36] = float("nan")  # in the scalar tail
+    y[5] = 1.0  # all tied
+    y[6, 2] = y[6, 35] = 1e30  # tied in the vector part and the tail
+    y[7, 0] = float("nan")
+    y[8, 12] = y[8, 20] = 4.0  # tied in two lanes of different vectors
+    assert k.argmax_rows(y).tolist() == y.argmax(dim=-1).tolist() == [5, 0, 0, 30, 36, 0, 2, 0, 12]
+    wide = torch.randn(6, 100, generator=g)[:, 3:53]  # strided rows
+    assert torch.equal(k.argmax_rows(wide), wide.argmax(dim=-1))
+    assert torch.equal(greedy(wide, k), greedy(wide))
+    with pytest.raises(RuntimeError, match="float32"):
+        k.argmax_rows(wide.bfloat16())
+
+
+async def test_the_engine_takes_greedy_ids_from_the_native_argmax(monkeypatch):
+    _kernels_or_skip()
+    calls = []
+
+    class Counting:
+        def __init__(self, module):
+            self.module = module
+
+        def __getattr__(self, name):
+            return getattr(self.module, name)
+
+        def argmax_rows(self, x):
+            calls.append(tuple(x.shape))
+            return self.module.argmax_rows(x)
+
+    model = tiny_model("llama")
+    prompts = random_prompts(3, 4, 12, seed=5)
+    expected = [reference_greedy(model, p, 5) for p in prompts]
+    async with tiny_engine() as engine:
+        fast_paths = runner_of(engine).fast_paths
+        assert fast_paths.sampling_kernels is not None
+        monkeypatch.setattr(fast_paths, "sampling_kernels", Counting(fast_paths.sampling_kernels))
+        results = await engine.generate_batch(prompts, max_new_tokens=5, ignore_eos=True)
+    assert [r.token_ids for r in results] == expected
+    assert calls and all(rows <= 3 for rows, _ in calls)
 
 
 def test_native_rms_norm_matches_transformers():

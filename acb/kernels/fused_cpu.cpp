@@ -203,6 +203,60 @@ torch::Tensor glu(const torch::Tensor& gu, int64_t act) {
   return out;
 }
 
+// torch.argmax(x, dim=-1) of float32 rows x [B, V] (rows may be strided), as int64 [B]: the
+// first index of each row's maximum, or of its first NaN (PyTorch takes NaN as the largest).
+// Two passes a row: its maximum (8 lanes, NaNs flagged apart: max_ps drops them), then the
+// first index holding it. PyTorch's reduction ran ~20x slower on a 49,152-token vocabulary.
+static int64_t argmax_row(const float* x, int64_t n) {
+  int64_t i = 0;
+  float m = -INFINITY;
+  bool nan = false;
+#ifdef __AVX2__
+  __m256 vm = _mm256_set1_ps(-INFINITY), vn = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    vn = _mm256_or_ps(vn, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    vm = _mm256_max_ps(vm, v);
+  }
+  nan = _mm256_movemask_ps(vn) != 0;
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vm);
+  for (float l : lanes) m = l > m ? l : m;
+#endif
+  for (; i < n; ++i) {
+    nan |= x[i] != x[i];
+    m = x[i] > m ? x[i] : m;
+  }
+  if (nan) {
+    for (int64_t j = 0; j < n; ++j)
+      if (x[j] != x[j]) return j;
+  }
+  i = 0;
+#ifdef __AVX2__
+  const __m256 vmax = _mm256_set1_ps(m);
+  for (; i + 8 <= n; i += 8) {
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), vmax, _CMP_EQ_OQ));
+    if (hit) return i + __builtin_ctz(hit);
+  }
+#endif
+  for (; i < n; ++i)
+    if (x[i] == m) return i;
+  return 0;  // (n == 0: PyTorch refuses an empty row before it gets here)
+}
+
+torch::Tensor argmax_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "x must be float32");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0, "x must be a 2-D tensor with contiguous, non-empty rows");
+  const int64_t B = x.size(0), V = x.size(1), xs = x.stride(0);
+  auto out = torch::empty({B}, x.options().dtype(torch::kInt64));
+  const float* src = ptr<float>(x);
+  int64_t* dst = ptr<int64_t>(out);
+  at::parallel_for(0, B, std::max<int64_t>(1, 32768 / V), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) dst[r] = argmax_row(src + r * xs, V);
+  });
+  return out;
+}
+
 // The GIL is released while a kernel runs: the event loop's thread keeps serving.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over rows (float32 or bfloat16)", py::call_guard<py::gil_scoped_release>());
@@ -211,4 +265,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("glu", &glu, "act(gate) * up over one GEMM's [T, 2N] output (float32 or bfloat16)",
         py::call_guard<py::gil_scoped_release>());
   m.def("rope_", &rope_, "rotary embedding in place (float32 or bfloat16)", py::call_guard<py::gil_scoped_release>());
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of float32 rows, int64",
+        py::call_guard<py::gil_scoped_release>());
 }
