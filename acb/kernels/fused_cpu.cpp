@@ -206,7 +206,7 @@ torch::Tensor glu(const torch::Tensor& gu, int64_t act) {
 // torch.argmax(x, dim=-1) of float32 rows x [B, V] (rows may be strided), as int64 [B]: the
 // first index of each row's maximum, or of its first NaN (PyTorch takes NaN as the largest).
 // Two passes a row: its maximum (8 lanes, NaNs flagged apart: max_ps drops them), then the
-// first index holding it. PyTorch's reduction ran ~20x slower on a 49,152-token vocabulary.
+// first index holding it. PyTorch's reduction ran ~8x slower over 48 rows of a 49,152-token vocabulary.
 static int64_t argmax_row(const float* x, int64_t n) {
   int64_t i = 0;
   float m = -INFINITY;
@@ -246,7 +246,8 @@ static int64_t argmax_row(const float* x, int64_t n) {
 
 torch::Tensor argmax_rows(const torch::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, "x must be float32");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0, "x must be a 2-D tensor with contiguous, non-empty rows");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0,
+              "x must be a 2-D tensor with contiguous, non-empty rows");
   const int64_t B = x.size(0), V = x.size(1), xs = x.stride(0);
   auto out = torch::empty({B}, x.options().dtype(torch::kInt64));
   const float* src = ptr<float>(x);
