@@ -122,7 +122,7 @@ class FastPaths:
         varlen, decode = compiling.path_levels(config.compile_level, config.varlen_compile_level,
                                                config.decode_compile_level)
         self.varlen_forward = self.decode_forward = self.model
-        self.fused = None
+        self.fused = self.sampling_kernels = None  # (set again by _build_fused where it builds)
         quantized = quantization.is_quantized(self.model)  # int8: acb.quantization's forward, no prepacking
         native = self._native_bf16()  # bf16: acb's own GEMMs pack the weights (oneDNN's prepacking not needed)
         self._want_fused = not (varlen or decode) and (self.prepacked or quantized or native) and \

@@ -126,7 +126,8 @@ def paged_decode_kernel():
 
 
 def fused_kernels():
-    """The compiled fused elementwise module (``fused_cpu.cpp``: RMSNorm, RoPE), or None.
+    """The compiled fused elementwise module (``fused_cpu.cpp``: RMSNorm, RoPE, the gated
+    activation, greedy argmax), or None.
     No fast-math: its results must match transformers' modules."""
     return _build("acb_fused_cpu", "fused_cpu.cpp", ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"])
 
