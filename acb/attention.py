@@ -233,14 +233,20 @@ def paged_attention(
         q_all, k_new, v_new = q_all.float(), k_new.float(), v_new.float()
     if k_cache.dtype == torch.int8:  # kv_cache_dtype="int8": quantized as written (acb.kv_quant)
         write = KERNELS["native"].write_kv_int8
+        # a fresh prompt attends to its own keys and values as stored (rotated, rounded), as its
+        # later chunks and every later step read them: its logits do not depend on how the prompt
+        # was chunked, so on what else shared its steps. The kernel hands the rows back as it
+        # writes them (dequantized in float32, rounded once to a bf16 step's dtype), the bits
+        # kv_quant.dequantize would read out of the pages (int8 pages run the native kernels only)
+        back = q_all.dtype if q_all.dtype == torch.bfloat16 else torch.float32
+        stored = []
         # float32 or bf16 rows (fp16 was widened); the keys rotated as they are rounded
         for new, cache, rotate in ((k_new, k_cache, True), (v_new, v_cache, False)):
-            write(new if new.stride(2) == 1 else new.contiguous(), cache, pool.slot_mapping, rotate)
-        if meta.fresh_spans is not None:  # int8 pages run the native kernels only
-            # a fresh prompt attends to its own keys and values as stored (rotated, rounded), as
-            # its later chunks and every later step read them: its logits do not depend on how
-            # the prompt was chunked, so on what else shared its steps
-            k_new, v_new = (_stored_rows(cache, pool.slot_mapping, q_all.dtype) for cache in (k_cache, v_cache))
+            rows = torch.empty(new.shape, dtype=back) if meta.fresh_spans is not None else None
+            write(new if new.stride(2) == 1 else new.contiguous(), cache, pool.slot_mapping, rotate, rows)
+            stored.append(rows)
+        if meta.fresh_spans is not None:
+            k_new, v_new = stored
     else:
         k_cache.index_copy_(1, pool.slot_mapping, k_new.to(k_cache.dtype))
         v_cache.index_copy_(1, pool.slot_mapping, v_new.to(v_cache.dtype))
@@ -259,13 +265,6 @@ def paged_attention(
             acb_out.copy_(out)  # rounds to the model's dtype when the kernels ran in float32
         return acb_out.unsqueeze(0), None
     return (out.to(query.dtype) if half else out).unsqueeze(0), None
-
-
-def _stored_rows(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The rows just written to int8 ``cache`` at ``slots`` read back as a continued chunk reads
-    its context: dequantized to float32, rounded to bf16 for a bf16 step's kernel."""
-    rows = kv_quant.dequantize(cache.index_select(1, slots))
-    return rows.to(dtype) if dtype == torch.bfloat16 else rows
 
 
 def bf16_prefill() -> bool:
@@ -319,14 +318,14 @@ def _prefill_rows(meta: StepAttention, pool: PagePool, q_all: torch.Tensor, k_ne
     [kvh, T, d] -> their tokens' rows of ``out`` [T, H, d]. In a half-precision step the
     native kernel gets float32 or bf16 inputs (all alike), PyTorch's attention float32.
     ``rotated``: the pages hold rotated keys (int8), so every chunk's queries are rotated (a
-    fresh prompt's ``k_new``/``v_new`` are then its own rows as stored: ``_stored_rows``)."""
+    fresh prompt's ``k_new``/``v_new`` are then its own rows as stored, ``write_kv_int8``'s readback)."""
     kernel = KERNELS["native"] if meta.kernel == "native" else None
     cap = softcap or 0.0
     q_read = q_all  # the queries as they read the keys
-    if rotated:  # every prompt chunk reads rotated keys (a fresh one its own, as stored)
-        q_read = q_all.clone()
-        for span in meta.prefills:
-            q_read[:, span.q_start: span.q_end] = _rotate_queries(q_all[:, span.q_start: span.q_end])
+    if rotated:  # every prompt chunk reads rotated keys (a fresh one its own, as stored): all the
+        # step's queries rotated in one pass, [T, H, d] as the projection wrote them (a decode row's
+        # too, which nothing reads: the decode kernels rotate their own)
+        q_read = _rotate_queries(q_all.transpose(0, 1)).transpose(0, 1)
     fresh_done = meta.fresh_spans is not None and kernel.prefill_attention(
         q_read, k_new, v_new, meta.fresh_spans, out, scaling, cap, sliding_window or 0)
     q32 = None  # q_read in float32, made once if a context chunk's pages read as float32 (int8 pages)

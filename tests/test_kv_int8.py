@@ -66,6 +66,36 @@ def test_write_kernel_equals_the_reference_quantizer():
         kernel.write_kv_int8(x, torch.empty(3, 25, 64, dtype=torch.int8), slots)
 
 
+
+@pytest.mark.parametrize("d", [64, 24])  # the vector readback, and the scalar one
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+def test_the_write_hands_back_the_rows_as_stored(d, src_dtype):
+    """write_kv_int8's readback (what a fresh prompt's attention reads: acb.attention) holds
+    each row as the pages now hold it: the bits of dequantizing the cache at those slots
+    (float32), rounded once for a bf16 readback; with or without the rotation, whatever
+    the source's strides; a readback of the wrong shape is refused by name."""
+    kernel = _kernel()
+    g = torch.Generator().manual_seed(d)
+    x = (torch.randn(20, 3, d, generator=g) * torch.linspace(0.01, 30, 20)[:, None, None]).to(src_dtype)
+    x[4, 1] = 0  # a row of zeros: scale 0
+    x = x.transpose(0, 1)  # [kvh, T, d], strided as the step's views
+    slots = torch.randperm(25, generator=g)[:20]
+    for rotate in (False, True):
+        cache = torch.zeros(3, 25, d + 4, dtype=torch.int8)
+        back32, back16 = torch.full((3, 20, d), 7.0), torch.full((3, 20, d), 7.0, dtype=torch.bfloat16)
+        kernel.write_kv_int8(x, cache, slots, rotate, back32)
+        again = torch.zeros_like(cache)
+        kernel.write_kv_int8(x, again, slots, rotate, back16)
+        assert torch.equal(again, cache)  # the readback does not change what is stored
+        want = kv_quant.dequantize(cache.index_select(1, slots))
+        assert torch.equal(back32, want)
+        assert torch.equal(back16, want.bfloat16())
+        assert torch.equal(back32[1, 4], torch.zeros(d))
+    with pytest.raises(RuntimeError, match="readback must be"):
+        kernel.write_kv_int8(x, cache, slots, True, torch.empty(3, 19, d))
+    with pytest.raises(RuntimeError, match="readback must be"):
+        kernel.write_kv_int8(x, cache, slots, True, torch.empty(3, 20, d, dtype=torch.float16))
+
 def _reference(q, k, v, pages, lengths, page_size, scale, softcap, window):
     """float64 paged decode attention over [kvh, slots, d] float64 k/v."""
     b, heads, d = q.shape

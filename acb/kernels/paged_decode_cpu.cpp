@@ -1844,7 +1844,26 @@ bool prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const tor
 // (kv head, token) row gets scale = max|x| * (1/127) and q = round(x * 127 / max|x|) (ties to
 // even; an all-zero row: scale 0, q 0), the scale stored as the row's last 4 bytes.
 // src: float32 or bfloat16 (a bf16 model's new rows, quantized from their bf16 values)
-void write_kv_int8(const torch::Tensor& src, torch::Tensor& cache, const torch::Tensor& slots, bool rotate) {
+// readback (optional, [KVH, T, D] float32 or bfloat16, contiguous): each row as stored, read back
+// (q * scale in float32, rounded once to readback's dtype): what a later chunk reads from the
+// pages, the bits of kv_quant.dequantize over the written slots (then .to(bfloat16)), without
+// gathering them back out of the cache.
+template <typename R>
+static inline void read_back_row(const int8_t* row, int64_t D, R* dst) {
+  float scale;
+  std::memcpy(&scale, row + D, sizeof scale);
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int64_t c = 0; c < D; c += 16) store16(dst + c, _mm512_mul_ps(load16(row + c), s));
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<R>(static_cast<float>(row[d]) * scale);
+}
+
+void write_kv_int8(const torch::Tensor& src, torch::Tensor& cache, const torch::Tensor& slots, bool rotate,
+                   const c10::optional<torch::Tensor>& readback) {
   TORCH_CHECK((src.scalar_type() == torch::kFloat32 || src.scalar_type() == torch::kBFloat16) && src.dim() == 3 &&
                   src.stride(2) == 1,
               "write_kv_int8: src must be float32 or bfloat16 [KVH, T, D] with a contiguous last dim");
@@ -1858,18 +1877,34 @@ void write_kv_int8(const torch::Tensor& src, torch::Tensor& cache, const torch::
   const int64_t* sl = slots.data_ptr<int64_t>();
   const int64_t sh = src.stride(0), st = src.stride(1);
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "write_kv_int8: slot ", sl[t], " out of range");
-  auto run = [&](const auto* x) {
+  if (readback)
+    TORCH_CHECK((readback->scalar_type() == torch::kFloat32 || readback->scalar_type() == torch::kBFloat16) &&
+                    readback->is_contiguous() && readback->dim() == 3 && readback->size(0) == KVH &&
+                    readback->size(1) == T && readback->size(2) == D,
+                "write_kv_int8: readback must be a contiguous float32 or bfloat16 [KVH, T, D]");
+  auto run = [&](const auto* x, auto* back) {
     at::parallel_for(0, KVH * T, 64, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
         const int64_t h = item / T, t = item % T;
-        quantize_kv_row(x + h * sh + t * st, D, c + (h * S + sl[t]) * W, rotate);
+        int8_t* row = c + (h * S + sl[t]) * W;
+        quantize_kv_row(x + h * sh + t * st, D, row, rotate);
+        if constexpr (!std::is_same_v<std::remove_pointer_t<decltype(back)>, void>)
+          read_back_row(row, D, back + item * D);
       }
     });
   };
+  auto with = [&](const auto* x) {
+    if (!readback)
+      run(x, static_cast<void*>(nullptr));
+    else if (readback->scalar_type() == torch::kFloat32)
+      run(x, readback->data_ptr<float>());
+    else
+      run(x, readback->data_ptr<at::BFloat16>());
+  };
   if (src.scalar_type() == torch::kFloat32)
-    run(src.data_ptr<float>());
+    with(src.data_ptr<float>());
   else
-    run(src.data_ptr<at::BFloat16>());
+    with(src.data_ptr<at::BFloat16>());
 }
 
 // Rows x [N, D] (float32 or bfloat16, contiguous) -> out (the same) = x H * scale: rotate_row, as
@@ -1902,7 +1937,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("pages"), py::arg("lengths"), py::arg("out"), py::arg("page_size"), py::arg("scale"),
         py::arg("softcap"), py::arg("window"), py::arg("rotate") = false, py::call_guard<py::gil_scoped_release>());
   m.def("write_kv_int8", &write_kv_int8, "quantize new keys/values into int8 pages (CPU)", py::arg("src"),
-        py::arg("cache"), py::arg("slots"), py::arg("rotate") = false, py::call_guard<py::gil_scoped_release>());
+        py::arg("cache"), py::arg("slots"), py::arg("rotate") = false, py::arg("readback") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("hadamard", &hadamard, "rows x [N, D] -> out = x H * scale (acb/kv_quant.py's key rotation) (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("has_avx512", []() {
