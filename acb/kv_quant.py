@@ -16,8 +16,9 @@ reads int8 rows and widens ``q * scale`` to float32 (a bf16 model's keys to bf16
 (chunked prefill, prefix hit) attends to its context dequantized (and, in a bf16 model, rounded
 to bf16 as bf16 pages would hold it, for the bf16 prefill kernel). A fresh prompt's own
 tokens attend to each other's keys and values as stored too (its new rows as the pages now
-hold them, dequantized: ``write_kv_int8`` hands them back as it writes them): every position of a prompt sees the same keys however the prompt
-was chunked, so its logits, to the bit, do not depend on what else shared its steps. (Until
+hold them, dequantized: ``write_kv_int8`` hands them back as it writes them): every position
+of a prompt sees the same keys however the prompt was chunked, so its logits, to the bit, do
+not depend on what else shared its steps. (Until
 2026-12-05 a fresh prompt attended to its exact keys: a prompt split over two steps then
 read its first chunk's keys rounded and sampled differently, found by ``benchmarks/fuzz.py``.)
 
