@@ -2,7 +2,9 @@
 # The native kernels' AVX-512 paths (the float32, bf16 and int8 attention and GEMM kernels an
 # AVX-512 CPU runs) tested on a CPU without AVX-512: built against SIMDe's portable intrinsics
 # (acb/kernels/avx512_emulated.h, ACB_CPU_KERNEL_EMULATE) and run through the kernel tests, which
-# compare them with references (and, where they must, with each other bit for bit). Two kinds of
+# compare them with references (and, where they must, with each other bit for bit). The builds
+# target AVX2 + FMA on any CPU (acb.kernels.cpu.EMULATION_ARCH), an AVX-512 one too, so each kind
+# is the one named, not this CPU's own. Two kinds of
 # AVX-512 by default: with VNNI and BF16 (Sapphire Rapids, Zen 4) and without BF16 (Cascade Lake,
 # Ice Lake); EMULATIONS="avx512-base" (Skylake-X) or any list of them chooses. Correctness only:
 # emulated kernels are slow, and each kind builds the five kernels again (~6 min on 2 cores) in

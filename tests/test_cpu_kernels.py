@@ -4,6 +4,8 @@ and the oneDNN-prepacked linear layers (restored bit for bit)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -307,3 +309,37 @@ def test_an_emulated_build_has_folders_of_its_own_and_a_bad_emulation_is_refused
     monkeypatch.setenv("ACB_CPU_KERNEL_EMULATE", "avx1024")
     with pytest.raises(ValueError, match="ACB_CPU_KERNEL_EMULATE='avx1024'"):
         cpu.extension_name("acb_fused_cpu")
+
+
+@pytest.mark.parametrize("emulation,left_out", [("", []), ("avx512", []), ("avx512-vnni", ["-DACB_EMULATE_NO_BF16"])])
+def test_an_emulated_build_targets_avx2_whatever_this_cpu_has(tmp_path, monkeypatch, emulation, left_out):
+    """An emulated build compiles for AVX2 + FMA (EMULATION_ARCH), not -march=native: on an AVX-512
+    CPU with BF16 the native flags defined the ISA macros the emulation leaves out, so the
+    'without BF16' kind built (and tested) the BF16 kernels. A native build keeps -march=native.
+    torch's compiler is replaced by a fake that records the flags."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    from acb.kernels import cpu
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("ACB_CPU_KERNEL_EMULATE", emulation)
+    monkeypatch.setattr(cpu, "_modules", {})
+    monkeypatch.setattr(cpu, "_failed", set())
+    monkeypatch.setattr(cpu, "_locks", {})
+    flags = {}
+
+    def fake_load(name, extra_cflags, **kwargs):
+        flags[name] = extra_cflags
+        return object()
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    for getter in (cpu.fused_kernels, cpu.int8_kernels, cpu.bf16_kernels, cpu.lora_kernels, cpu.paged_decode_kernel):
+        assert getter() is not None
+    assert len(flags) == 5
+    for name, cflags in flags.items():
+        if emulation:
+            assert "-march=native" not in cflags and cpu.EMULATION_ARCH in cflags, (name, cflags)
+            assert cflags[-2:] == ["-include", str(Path(cpu.__file__).with_name("avx512_emulated.h"))]
+            assert [f for f in cflags if f.startswith("-DACB_EMULATE")] == left_out
+        else:
+            assert "-march=native" in cflags and cpu.EMULATION_ARCH not in cflags and "-include" not in cflags

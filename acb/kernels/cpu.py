@@ -77,6 +77,9 @@ def _build(name: str, source: str, cflags: list[str]):
                 ext = extension_name(name)
                 emulation = _emulation()
                 if emulation:
+                    # AVX2 + FMA whatever this CPU has: on an AVX-512 CPU, -march=native would define the
+                    # ISA macros the emulation chooses (BF16, VNNI) natively, and build the native kernels
+                    cflags = [EMULATION_ARCH if f == "-march=native" else f for f in cflags]
                     cflags = [*cflags, *emulation[1], "-include", str(src.with_name("avx512_emulated.h"))]
                 with _builder_lock(ext):
                     _modules[name] = load(name=ext, sources=[str(src)], extra_cflags=cflags,
@@ -88,7 +91,9 @@ def _build(name: str, source: str, cflags: list[str]):
 
 
 # ACB_CPU_KERNEL_EMULATE's values: (build-folder suffix, the features left out); the CPU kinds each
-# stands for are in avx512_emulated.h
+# stands for are in avx512_emulated.h. An emulated build targets EMULATION_ARCH (AVX2 and FMA, no
+# AVX-512), not this CPU: the AVX-512 macros then come from avx512_emulated.h alone.
+EMULATION_ARCH = "-march=x86-64-v3"
 _EMULATIONS = {
     "avx512": ("_emu512", []),
     "avx512-vnni": ("_emu512vnni", ["-DACB_EMULATE_NO_BF16"]),
