@@ -66,7 +66,6 @@ def test_write_kernel_equals_the_reference_quantizer():
         kernel.write_kv_int8(x, torch.empty(3, 25, 64, dtype=torch.int8), slots)
 
 
-
 @pytest.mark.parametrize("d", [64, 24])  # the vector readback, and the scalar one
 @pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
 def test_the_write_hands_back_the_rows_as_stored(d, src_dtype):
@@ -95,6 +94,7 @@ def test_the_write_hands_back_the_rows_as_stored(d, src_dtype):
         kernel.write_kv_int8(x, cache, slots, True, torch.empty(3, 19, d))
     with pytest.raises(RuntimeError, match="readback must be"):
         kernel.write_kv_int8(x, cache, slots, True, torch.empty(3, 20, d, dtype=torch.float16))
+
 
 def _reference(q, k, v, pages, lengths, page_size, scale, softcap, window):
     """float64 paged decode attention over [kvh, slots, d] float64 k/v."""
