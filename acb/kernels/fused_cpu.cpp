@@ -11,6 +11,7 @@
 // when the model is bf16: RMSNorm rounds the normalised row, then the product with its
 // weight; RoPE rounds each of its two products and their sum.
 #include "torch_min.h"
+#include "entry_points.h"
 #include "bf16_scalar.h"
 #include <cmath>
 #include <cstdint>
@@ -268,4 +269,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotary embedding in place (float32 or bfloat16)", py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of float32 rows, int64",
         py::call_guard<py::gil_scoped_release>());
+  static_assert(std::is_same_v<decltype(&rope_), acb_entry::RopeFn>, "entry_points.h: rope_'s type");
+  m.def("_address", []() { return reinterpret_cast<int64_t>(&rope_); },
+        "rope_'s address, for the int8 module's decode loop (entry_points.h)");
 }

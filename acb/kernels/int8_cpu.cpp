@@ -21,6 +21,7 @@
 // Tiles: 6 rows x 32 columns (12 zmm accumulators); the threads split (column tile, row
 // chunk) pairs, column tiles outermost so each thread keeps its weight panels in its L2.
 #include "torch_min.h"
+#include "entry_points.h"
 #include "bf16_scalar.h"
 #include <immintrin.h>
 #include "vec_math.h"
@@ -767,6 +768,110 @@ torch::Tensor glu(const torch::Tensor& xq, const torch::Tensor& xscale, const to
   return out;
 }
 
+// A decode-only step's layers in one call: acb.quantization.Int8Forward's loop for the models it
+// takes whole here (q/k/v joined in one GEMM, no Gemma norms, no q/k norms, one rotary embedding,
+// no soft-capping), with the same kernel calls, in the same order, on the same tensors as that
+// Python loop, so the same outputs bit for bit. From Python the loop cost ~1.3-1.7 ms of a ~25 ms
+// SmolLM2 decode step (~330 calls through pybind11, each taking the GIL back between kernels while
+// the event loop's thread plans the next step); here the GIL stays released for the whole step.
+// RoPE and the decode attention are the other modules' functions, by address (entry_points.h).
+class DecodeLoop {
+ public:
+  DecodeLoop(int64_t rope, int64_t decode_into, torch::ScalarType dtype)
+      : rope_(reinterpret_cast<acb_entry::RopeFn>(rope)),
+        decode_into_(reinterpret_cast<acb_entry::DecodeIntoFn>(decode_into)),
+        dtype_(dtype) {
+    TORCH_CHECK(rope != 0 && decode_into != 0, "DecodeLoop: the RoPE and decode-attention kernels' addresses");
+    TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "DecodeLoop: the model's dtype must be "
+                "float32 or bfloat16");
+  }
+
+  // One layer, in order: its norms (weight, eps; norm 0 before attention, 1 before the MLP), the
+  // four GEMM inputs' quantization (group, smoothing multiplier or none, rotated), the five packed
+  // weights (q/k/v joined, o, gate, up, down: packed, scales, bias or none), then the attention's
+  // shape (query and key columns of the joined output, heads, kv heads, head dim), its scale and
+  // sliding window (0: none), and the MLP's activation (0 SiLU, 1 GELU-tanh).
+  void add_layer(const std::vector<torch::Tensor>& norms, const std::vector<double>& eps,
+                 const std::vector<int64_t>& groups, const std::vector<c10::optional<torch::Tensor>>& mults,
+                 const std::vector<bool>& rotated, const std::vector<torch::Tensor>& weights,
+                 const std::vector<torch::Tensor>& scales, const std::vector<c10::optional<torch::Tensor>>& biases,
+                 int64_t nq, int64_t nk, int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling,
+                 int64_t window, int64_t act) {
+    TORCH_CHECK(norms.size() == 2 && eps.size() == 2 && groups.size() == 4 && mults.size() == 4 &&
+                    rotated.size() == 4 && weights.size() == 5 && scales.size() == 5 && biases.size() == 5,
+                "DecodeLoop.add_layer: 2 norms and eps, 4 groups, multipliers and rotations, 5 weights, scales "
+                "and biases");
+    TORCH_CHECK(nq == heads * head_dim && nk == kv_heads * head_dim && weights[0].size(0) * 16 == nq + 2 * nk,
+                "DecodeLoop.add_layer: the joined q/k/v columns do not match the heads");
+    Layer l;
+    for (int i = 0; i < 2; ++i) l.norm[i] = norms[i], l.eps[i] = eps[i];
+    for (int i = 0; i < 4; ++i) l.group[i] = groups[i], l.mult[i] = mults[i], l.rot[i] = rotated[i];
+    for (int i = 0; i < 5; ++i) l.w[i] = weights[i], l.s[i] = scales[i], l.b[i] = biases[i];
+    l.nq = nq, l.nk = nk, l.heads = heads, l.kv_heads = kv_heads, l.d = head_dim, l.scaling = scaling;
+    l.window = window, l.act = act;
+    layers_.push_back(std::move(l));
+  }
+
+  int64_t size() const { return static_cast<int64_t>(layers_.size()); }
+
+  // x [T, hidden] float32 (the residual stream after the embedding) through every layer of a
+  // decode-only step: the caches per layer, each row's new slot, its pages and context length
+  // (paged_decode_into's). Returns the stream after the last layer, or None where the one-call
+  // attention declines the step (it then did nothing, and the layers' first GEMM's output is
+  // dropped: nothing else was written); a decline after the first layer is an error, since
+  // nothing in a step changes between layers what it takes.
+  c10::optional<torch::Tensor> run(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                   std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
+                                   const torch::Tensor& slots, const torch::Tensor& pages,
+                                   const torch::Tensor& lengths, int64_t page_size, bool rotate) {
+    const int64_t L = size();
+    TORCH_CHECK(static_cast<int64_t>(k_caches.size()) >= L && static_cast<int64_t>(v_caches.size()) >= L,
+                "DecodeLoop.run: a key and a value cache per layer");
+    const c10::optional<torch::Tensor> none;
+    const int64_t T = x.size(0);
+    for (int64_t i = 0; i < L; ++i) {
+      const Layer& l = layers_[i];
+      auto h = quantize_rows(x, l.norm[0], false, l.eps[0], l.group[0], l.mult[0], l.rot[0]);
+      torch::Tensor qkv = linear(h[0], h[1], h[2], l.w[0], l.s[0], l.b[0], none, dtype_);
+      torch::Tensor q = qkv.narrow(1, 0, l.nq), k = qkv.narrow(1, l.nq, l.nk), v = qkv.narrow(1, l.nq + l.nk, l.nk);
+      rope_(q, cos, sin, l.d);
+      rope_(k, cos, sin, l.d);
+      torch::Tensor a = torch::empty({T, l.heads * l.d}, qkv.options());
+      torch::Tensor a3 = a.view({T, l.heads, l.d});
+      if (!decode_into_(q.view({T, l.heads, l.d}), k.view({T, l.kv_heads, l.d}), v.view({T, l.kv_heads, l.d}),
+                        k_caches[i], v_caches[i], slots, pages, lengths, a3, page_size, l.scaling, 0.0, l.window,
+                        rotate)) {
+        TORCH_CHECK(i == 0, "DecodeLoop.run: the decode attention declined layer ", i, " after taking layer 0");
+        return c10::nullopt;
+      }
+      h = quantize_rows(a, none, false, 1e-6, l.group[1], l.mult[1], l.rot[1]);
+      x = linear(h[0], h[1], h[2], l.w[1], l.s[1], l.b[1], x, torch::kFloat32);  // the residual add fused
+      h = quantize_rows(x, l.norm[1], false, l.eps[1], l.group[2], l.mult[2], l.rot[2]);
+      torch::Tensor m = glu(h[0], h[1], h[2], l.w[2], l.s[2], l.b[2], l.w[3], l.s[3], l.b[3], l.act, torch::kFloat32);
+      h = quantize_rows(m, none, false, 1e-6, l.group[3], l.mult[3], l.rot[3]);
+      x = linear(h[0], h[1], h[2], l.w[4], l.s[4], l.b[4], x, torch::kFloat32);
+    }
+    return x;
+  }
+
+ private:
+  struct Layer {
+    c10::optional<torch::Tensor> norm[2];
+    double eps[2];
+    int64_t group[4];
+    c10::optional<torch::Tensor> mult[4];
+    bool rot[4];
+    torch::Tensor w[5], s[5];
+    c10::optional<torch::Tensor> b[5];
+    int64_t nq, nk, heads, kv_heads, d, window, act;
+    double scaling;
+  };
+  acb_entry::RopeFn rope_;
+  acb_entry::DecodeIntoFn decode_into_;
+  torch::ScalarType dtype_;
+  std::vector<Layer> layers_;
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_vnni", &has_vnni, "whether the GEMMs were built with AVX-512 VNNI");
   m.def("available", &available, "whether the GEMMs were built (AVX-512 VNNI, or AVX2)");
@@ -778,4 +883,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w"), py::arg("scale"), py::arg("bias") = py::none(), py::arg("other") = py::none(),
         py::arg("dtype") = torch::kFloat32, py::call_guard<py::gil_scoped_release>());
   m.def("glu", &glu, "W8A8 act(x Wg) * (x Wu)", py::call_guard<py::gil_scoped_release>());
+  py::class_<DecodeLoop>(m, "DecodeLoop", "a decode-only step's layers in one call (Int8Forward's loop)")
+      .def(py::init<int64_t, int64_t, torch::ScalarType>(), py::arg("rope"), py::arg("decode_into"), py::arg("dtype"))
+      .def("add_layer", &DecodeLoop::add_layer)
+      .def("__len__", &DecodeLoop::size)
+      .def("run", &DecodeLoop::run, py::call_guard<py::gil_scoped_release>());
 }

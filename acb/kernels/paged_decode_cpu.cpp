@@ -18,6 +18,7 @@
 // row in registers before rounding it, paged_decode_into rotates its queries; `hadamard` rotates
 // the queries of every other path that reads the pages).
 #include "torch_min.h"
+#include "entry_points.h"
 #include <cstring>
 #include <algorithm>
 #include <climits>
@@ -1972,4 +1973,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "whether prefill_attention takes bfloat16 q/k/v (built with avx512_bf16)");
   m.def("prefill_attention", &prefill_attention, "causal prefill attention of prompt chunks (CPU)",
         py::call_guard<py::gil_scoped_release>());
+  static_assert(std::is_same_v<decltype(&paged_decode_into), acb_entry::DecodeIntoFn>,
+                "entry_points.h: paged_decode_into's type");
+  m.def("_address", []() { return reinterpret_cast<int64_t>(&paged_decode_into); },
+        "paged_decode_into's address, for the int8 module's decode loop (entry_points.h)");
 }
