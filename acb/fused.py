@@ -131,6 +131,11 @@ class _Layer:
 
 # The dtypes the fused forward runs in (the native kernels' and oneDNN's prepacked ones)
 DTYPES = (torch.float32, torch.bfloat16)
+# Decode-only steps run their layers in one native call (DecodeLoop in bf16_cpu.cpp and int8_cpu.cpp:
+# the same kernels in the same order as the Python loops below, without returning to Python, and
+# taking the GIL back, ~330 times a step) where the model's layers allow it: acb's bf16 GEMMs and the
+# int8 forward. benchmarks/kernel_profile.py turns it off to time each kernel from Python.
+NATIVE_DECODE_LOOP = True
 
 
 def _norm(module: torch.nn.Module) -> Norm | None:
@@ -162,6 +167,7 @@ class FusedForward(LoraLayers):
         self.row_reduce = row_reduce
         self.bf16 = None  # the native bf16 GEMMs (``native_bf16``), when they compute this forward
         self.head = None  # the lm_head packed for them: (weight, columns, bias)
+        self.loop = None  # the decode-only steps' layers as one native call (_native_loop), or None
 
     @classmethod
     def build(cls, model: torch.nn.Module, packed, kernels, row_reduce=None) -> FusedForward | None:
@@ -191,7 +197,48 @@ class FusedForward(LoraLayers):
         forward = cls(model, layers, kernels, row_reduce)
         if native is not None:
             forward.bf16, forward.head = native, _pack((model.lm_head,), native)
+            forward.loop = forward._native_loop()
         return forward
+
+    def _native_loop(self):
+        """bf16_cpu.cpp's DecodeLoop over these layers: on acb's bf16 GEMMs, on one device, where
+        :func:`loop_kernels` finds the layers it takes and the kernels it calls, q/k/v and gate/up
+        joined; else None."""
+        decode = loop_kernels(self)
+        if decode is None or self.bf16 is None or self.row_reduce is not None or not hasattr(self.bf16, "DecodeLoop"):
+            return None
+        for layer in self.layers:
+            nq, nk = layer.heads * layer.head_dim, layer.kv_heads * layer.head_dim
+            if (layer.qkv is None or tuple(layer.qkv_split) != (nq, nk, nk) or layer.gate_up is None
+                    or layer.gate_up[1] % 32 != 0):
+                return None
+        loop = self.bf16.DecodeLoop(self.k._address(), decode._address())
+        for layer in self.layers:
+            weights = (layer.qkv, layer.o, layer.gate_up, layer.down)
+            loop.add_layer([layer.ln1[0], layer.ln2[0]], [layer.ln1[1], layer.ln2[1]], [w[0] for w in weights],
+                           [w[1] for w in weights], [w[2] for w in weights], layer.heads * layer.head_dim,
+                           layer.kv_heads * layer.head_dim, layer.heads, layer.kv_heads, layer.head_dim,
+                           layer.scaling, layer.window or 0, layer.act_code)
+        return loop
+
+    def _decode_layers(self, x: torch.Tensor, ropes: dict, dtype: torch.dtype) -> torch.Tensor | None:
+        """The float32 residual stream ``x`` through every layer in one native call (``self.loop``)
+        for a decode-only step on the native one-call attention over pages of ``dtype`` (the
+        model's) or int8; None where the step is not one (the Python loop then runs it)."""
+        meta = attention.current_step()
+        if (meta.kernel != "native" or meta.prefills or meta.decode is None or meta.decode.kernel != "native"
+                or meta.sliding is not None or attention.KERNELS.get("native") is None):
+            return None
+        pool = meta.pool
+        rotate = pool.k_cache[0].dtype == torch.int8
+        if not rotate and pool.k_cache[0].dtype != dtype:
+            return None
+        cos, sin = ropes[None]
+        out = self.loop.run(x, cos, sin, pool.k_cache, pool.v_cache, pool.slot_mapping, pool.decode_pages,
+                            meta.decode.lengths, meta.page_size, rotate)
+        if out is None:  # the one-call attention does not take this model here (declined, nothing written)
+            self.loop = None
+        return out
 
     def _rms(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
         weight, eps, gemma = norm
@@ -230,7 +277,10 @@ class FusedForward(LoraLayers):
         else:  # a step with LoRA rows: their deltas are bf16, so is everything between the GEMMs
             rows = total
             ropes = self._ropes(x, position_ids)
-        for i, layer in enumerate(self.layers):
+        done = None
+        if adapters is None and self.loop is not None and NATIVE_DECODE_LOOP:
+            done = self._decode_layers(x, ropes, torch.bfloat16)
+        for i, layer in enumerate(self.layers if done is None else ()):
             cos, sin = ropes[layer.rope]
             if adapters is not None:  # the layer without the epilogues the LoRA deltas land inside
                 x = self._lora_layer(layer, i, x, rows, total, cos, sin, adapters)
@@ -248,6 +298,7 @@ class FusedForward(LoraLayers):
                 x = self._add_projection(m, x, layer.down)
             else:
                 x = x + self._rms(self._projection(m, layer.down), layer.post_mlp)
+        x = x if done is None else done
         h = self._rms(kept_rows(x[:total], logits_to_keep), self.norm)
         # float32 logits from bf16 (the lm_head's bf16 output rounded them to steps of 0.125 at 16-32)
         logits = self.lm_head(h) if self.head is None else self.bf16.linear(h, *self.head, dtype=torch.float32)
@@ -372,6 +423,23 @@ def native_bf16():
 
     module = bf16_kernels()
     return module if module is not None and module.available() else None
+
+
+def loop_kernels(forward: FusedForward):
+    """The decode-attention module a DecodeLoop over ``forward``'s layers calls, where every layer is
+    one the loops take whole (no Gemma norms, no q/k norms, no soft-capping, one rotary embedding,
+    layer i reading cache i) and the kernels export their addresses; else None."""
+    from .kernels.cpu import paged_decode_kernel
+
+    if forward.rope_types or not hasattr(forward.k, "_address"):
+        return None
+    for i, layer in enumerate(forward.layers):
+        if (layer.post_attn is not None or layer.post_mlp is not None or layer.q_norm is not None
+                or layer.softcap is not None or layer.ln1[2] or layer.ln2[2]
+                or getattr(layer.attn, "layer_idx", None) != i):
+            return None
+    decode = paged_decode_kernel()
+    return decode if decode is not None and hasattr(decode, "_address") else None
 
 
 def kept_rows(x: torch.Tensor, logits_to_keep: torch.Tensor | int | None) -> torch.Tensor:

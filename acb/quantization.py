@@ -71,7 +71,7 @@ from pathlib import Path
 
 import torch
 
-from . import attention, fused
+from . import fused
 from .fused import FusedForward, _Layer, _Logits, kept_rows
 
 log = logging.getLogger("acb")
@@ -104,10 +104,6 @@ SMOOTHING = 0.5
 ROTATION = True
 
 CALIBRATION = Path(__file__).parent / "data" / "calibration.txt"
-# Decode-only steps run their layers in one native call (int8_cpu.cpp's DecodeLoop: the same kernels
-# in the same order as Int8Forward's Python loop, without ~330 returns to Python a step) where the
-# model's layers allow it; benchmarks/kernel_profile.py turns it off to time each kernel from Python.
-NATIVE_DECODE_LOOP = True
 CALIBRATION_WINDOW = 512  # tokens per calibration forward
 
 
@@ -649,20 +645,13 @@ class Int8Forward(FusedForward):
         self.loop = self._native_loop()  # int8_cpu.cpp's DecodeLoop over these layers, or None
 
     def _native_loop(self):
-        """The decode-only steps' layers as one native call, where every layer is one the loop
-        takes (q/k/v joined, no Gemma norms, no q/k norms, no soft-capping, one rotary
-        embedding, layer i reading cache i) and the kernels it calls were built; else None."""
-        from .kernels.cpu import paged_decode_kernel
-
-        decode = paged_decode_kernel()
-        if (not hasattr(self.q8, "DecodeLoop") or not hasattr(self.k, "_address") or decode is None
-                or not hasattr(decode, "_address") or self.rope_types):
+        """int8_cpu.cpp's DecodeLoop over these layers (:meth:`FusedForward._native_loop`: where every
+        layer is one it takes and the kernels it calls were built, q/k/v joined), or None."""
+        decode = fused.loop_kernels(self)
+        if decode is None or not hasattr(self.q8, "DecodeLoop"):
             return None
-        for i, (layer, qkv) in enumerate(zip(self.layers, self.qkv, strict=True)):
-            if (qkv is None or layer.post_attn is not None or layer.post_mlp is not None or layer.q_norm is not None
-                    or layer.softcap is not None or layer.ln1[2] or layer.ln2[2]
-                    or getattr(layer.attn, "layer_idx", None) != i
-                    or layer.q[0].shape[0] * 16 != layer.heads * layer.head_dim
+        for layer, qkv in zip(self.layers, self.qkv, strict=True):
+            if (qkv is None or layer.q[0].shape[0] * 16 != layer.heads * layer.head_dim
                     or layer.k[0].shape[0] * 16 != layer.kv_heads * layer.head_dim):
                 return None
         loop = self.q8.DecodeLoop(self.k._address(), decode._address(), self.dtype)
@@ -675,25 +664,6 @@ class Int8Forward(FusedForward):
                            layer.heads, layer.kv_heads, layer.head_dim, layer.scaling, layer.window or 0,
                            layer.act_code)
         return loop
-
-    def _decode_layers(self, x: torch.Tensor, ropes: dict) -> torch.Tensor | None:
-        """x through every layer in one native call, for a decode-only step on the native
-        one-call attention (:meth:`_native_loop`); None where the step is not one (the Python
-        loop runs it)."""
-        meta = attention.current_step()
-        if (meta.kernel != "native" or meta.prefills or meta.decode is None or meta.decode.kernel != "native"
-                or meta.sliding is not None or attention.KERNELS.get("native") is None):
-            return None
-        pool = meta.pool
-        rotate = pool.k_cache[0].dtype == torch.int8
-        if not rotate and pool.k_cache[0].dtype != self.dtype:
-            return None
-        cos, sin = ropes[None]
-        out = self.loop.run(x, cos, sin, pool.k_cache, pool.v_cache, pool.slot_mapping, pool.decode_pages,
-                            meta.decode.lengths, meta.page_size, rotate)
-        if out is None:  # the one-call attention does not take this model here (declined, nothing written)
-            self.loop = None
-        return out
 
     @classmethod
     def build(cls, model: torch.nn.Module, packed, kernels, row_reduce=None) -> Int8Forward | None:
@@ -747,7 +717,7 @@ class Int8Forward(FusedForward):
         # epilogue, the quantization reads it): with a bf16 stream SmolLM2's int8_bf16 agreed with
         # float32 on 96.78 % of next tokens, with this one 97.20 % (benchmarks/quality.py, 2026-12-04)
         x = x.float()
-        done = self._decode_layers(x, ropes) if self.loop is not None and NATIVE_DECODE_LOOP else None
+        done = self._decode_layers(x, ropes, self.dtype) if self.loop is not None and fused.NATIVE_DECODE_LOOP else None
         x = self._layers(x, ropes) if done is None else done
         logits = self._head(kept_rows(x, logits_to_keep))
         if self.final_softcap is not None:

@@ -11,9 +11,10 @@ quantization, RMSNorm, RoPE, acb's bf16 GEMMs), the ``lm_head`` module and ``att
 timed (the native attention calls inside it indented); oneDNN's GEMMs of the layers (fp32, and bf16 with
 ``ACB_CPU_BF16_GEMM=0``; called directly) fall in "(rest of forward)". Prints the wall
 time, the forward's share of it (the rest is scheduling, sampling and host work), and per step kind the time
-of each call (int8 decode steps through Int8Forward's Python loop, ``quantization.NATIVE_DECODE_LOOP`` off, so
-their calls are seen: the engine runs them in one native call). The wrappers cost ~1 us a call: compare shares, not absolute figures, with bench.py's. Run it
-under the exclusive lock on a quiet machine (results recorded in docs/performance.md, int8 section).
+of each call (decode steps through the forwards' Python loops, ``fused.NATIVE_DECODE_LOOP`` off, so their
+calls are seen: the engine runs them in one native call). The wrappers cost ~1 us a call: compare shares, not
+absolute figures, with bench.py's. Run it under the exclusive lock on a quiet machine (results recorded in
+docs/performance.md, int8 section).
 """
 # ruff: noqa: E402
 import asyncio
@@ -62,9 +63,9 @@ class Proxy:
 
 
 def instrument(decode_rows: int) -> None:
-    # decode steps through Int8Forward's Python loop, so each of their kernel calls is timed too (the
-    # engine runs them in one native call, int8_cpu.cpp's DecodeLoop: ~1.6 ms a SmolLM2 decode step less)
-    quantization.NATIVE_DECODE_LOOP = False
+    # decode steps through the Python loops, so each of their kernel calls is timed too (the
+    # engine runs them in one native call, the DecodeLoops: ~1.6 ms a SmolLM2 int8 decode step less)
+    fused.NATIVE_DECODE_LOOP = False
     for cls in (quantization.Int8Forward, fused.FusedForward):
         def call(self, input_ids, *a, _orig=cls.__call__, **k):
             if not isinstance(self.k, Proxy):

@@ -343,3 +343,22 @@ def test_an_emulated_build_targets_avx2_whatever_this_cpu_has(tmp_path, monkeypa
             assert [f for f in cflags if f.startswith("-DACB_EMULATE")] == left_out
         else:
             assert "-march=native" in cflags and cpu.EMULATION_ARCH not in cflags and "-include" not in cflags
+
+
+def test_every_native_kernel_builds_and_loads_beside_the_others():
+    """On an x86 CPU with AVX2 and FMA and a C++ compiler, every CPU kernel module builds and loads
+    into one process: the other tests skip where a module is missing, so a module that stopped
+    building (or clashed with another on loading: each module's DecodeLoop is a pybind11 type of its
+    own) would otherwise only show as more skips."""
+    import shutil
+
+    from acb.kernels import cpu
+
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    if not {"avx2", "fma"} <= set(flags) or shutil.which("c++") is None:
+        pytest.skip("not an x86 CPU with AVX2 and FMA and a C++ compiler")
+    modules = {getter.__name__: getter() for getter in (cpu.paged_decode_kernel, cpu.fused_kernels, cpu.int8_kernels,
+                                                        cpu.bf16_kernels, cpu.lora_kernels)}
+    assert None not in modules.values(), [name for name, module in modules.items() if module is None]
+    assert modules["int8_kernels"].available() and modules["bf16_kernels"].available()
+    assert hasattr(modules["int8_kernels"], "DecodeLoop") and hasattr(modules["bf16_kernels"], "DecodeLoop")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from acb import EngineConfig, attention
+from acb import EngineConfig, attention, fused
 from acb.fused import native_bf16
 from acb.kernels.cpu import fused_kernels, paged_decode_kernel
 from acb.runner import ModelRunner
@@ -59,6 +59,61 @@ def _logits(runner, forward, rows, prompt=False):
                            attention_mask=None, use_cache=False, logits_to_keep=keep).logits[0]
     finally:
         attention.set_step(None)
+
+
+# The architectures whose layers a DecodeLoop takes whole (Qwen3's q/k norms and Gemma's four norms keep
+# the Python loop)
+NATIVE_LOOP_ARCHS = ("llama", "qwen2", "mistral")
+
+
+def decode_both_ways(runner, forward_cls, monkeypatch, label: str) -> None:
+    """Three decode steps after a prefill, each run through the forward's Python loop and then through
+    its native DecodeLoop (the same new keys and values written twice): the same logits to the bit,
+    the native loop taking every step where the architecture and the one-call attention allow it."""
+    native = []
+    decode_layers = forward_cls._decode_layers
+
+    def counted(self, *args):
+        out = decode_layers(self, *args)
+        native.append(out is not None)
+        return out
+
+    monkeypatch.setattr(forward_cls, "_decode_layers", counted)
+    forward = runner.fast_paths.fused
+    assert type(forward) is forward_cls
+    arch_ok = runner.model.config.model_type in NATIVE_LOOP_ARCHS
+    assert (forward.loop is not None) == arch_ok, label
+    takes = arch_ok and paged_decode_kernel().decode_into()
+    prompts = random_prompts(4, 5, 30, seed=7)
+    rows, pages, nxt = [], [], 0
+    for p in prompts:
+        need = (len(p) + 8 + 7) // 8
+        pages.append(list(range(nxt, nxt + need)))
+        nxt += need
+        rows.append((p, 0, pages[-1]))
+    tokens = _logits(runner, forward, rows).argmax(-1).tolist()
+    for step in range(3):
+        decode = [([t], len(p) + step, pg) for t, p, pg in zip(tokens, prompts, pages, strict=True)]
+        monkeypatch.setattr(fused, "NATIVE_DECODE_LOOP", False)
+        want = _logits(runner, forward, decode)
+        monkeypatch.setattr(fused, "NATIVE_DECODE_LOOP", True)
+        native.clear()
+        got = _logits(runner, forward, decode)
+        assert native == [True] if takes else True not in native, label  # the native loop ran the step (or not)
+        assert torch.equal(got, want), f"{label}: step {step}"
+        tokens = got.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("kv", [None, "int8"])
+@pytest.mark.parametrize("arch", FUSED_ARCHS)
+def test_a_bf16_decode_step_runs_its_layers_in_one_native_call_with_the_same_bits(arch, kv, monkeypatch):
+    _bf16_fused_or_skip()
+    runner = ModelRunner(tiny_model(arch, seed=3).to(torch.bfloat16), 64, 8, kv_cache_dtype=kv)
+    runner.configure_fast_paths(EngineConfig(), 16)
+    try:
+        decode_both_ways(runner, fused.FusedForward, monkeypatch, f"{arch} {kv}")
+    finally:
+        runner.release()
 
 
 @pytest.mark.parametrize("arch", FUSED_ARCHS)
@@ -202,6 +257,9 @@ async def test_decode_only_steps_attend_in_one_native_call(arch, dtype, monkeypa
     layers over their own pool included; Gemma 2's soft-capping is declined there and takes
     the separate path. In float32 the tokens are generate's either way."""
     _one_call_or_skip()
+    # the Python loop's calls, counted here (a DecodeLoop calls the kernel by address, and takes every
+    # decode-only step or none: test_a_bf16_decode_step_runs_its_layers_in_one_native_call_with_the_same_bits)
+    monkeypatch.setattr(fused, "NATIVE_DECODE_LOOP", False)
     prompts = random_prompts(5, 3, 40, seed=13)
     async with tiny_engine(arch, seed=2, dtype=dtype) as engine:
         assert runner_of(engine).fast_paths.fused is not None

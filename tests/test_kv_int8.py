@@ -429,13 +429,16 @@ async def test_decode_only_steps_on_int8_pages_attend_in_one_native_call(dtype, 
     separate path's: float32 identical (the same kernel items, the same bytes written); bf16
     through its own kernel (keys as bf16, another order of float32 sums), so measured:
     identical here, bound stated at 0.95 of the tokens for thread-count differences."""
-    from acb import attention
+    from acb import attention, fused
 
     if not _kernel().decode_into():
         pytest.skip("paged_decode_into runs with AVX-512 or AVX2 + FMA only")
     prompts = random_prompts(5, 3, 40, seed=13)
     tokens = {}
     for decline in (False, True):
+        # the Python loop's calls, counted (a DecodeLoop calls the kernel by address: tests/test_fused_forward.py's
+        # decode_both_ways checks it takes every decode-only step, with the same bits)
+        monkeypatch.setattr(fused, "NATIVE_DECODE_LOOP", False)
         async with tiny_engine("llama", seed=2, dtype=dtype, num_blocks=64, kv_cache_dtype="int8") as engine:
             assert runner_of(engine).fast_paths.fused is not None
             kernels = _CountingKernels(attention.KERNELS["native"], decline=decline)

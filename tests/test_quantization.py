@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fused_forward import _logits, _runner
+from test_fused_forward import _logits, _runner, decode_both_ways
 
 from acb import Engine, EngineConfig, attention, kv_quant, quantization
 from acb.kernels.cpu import int8_kernels
@@ -388,47 +388,14 @@ def test_int8_fused_forward_computes_what_the_quantized_model_computes(arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_decode_step_runs_its_layers_in_one_native_call_with_the_same_bits(arch, dtype, kv, monkeypatch):
     """A decode-only step's layers in int8_cpu.cpp's DecodeLoop: the kernels the Python loop calls, in
-    its order, so the same logits to the bit; the layers it does not take (Qwen3's q/k norms, Gemma's
-    four norms) keep the Python loop."""
-    from acb.kernels.cpu import paged_decode_kernel
-
+    its order, so the same logits to the bit (test_fused_forward.decode_both_ways)."""
     _q8()
     model = tiny_model(arch, seed=3).to(dtype)
     quantization.quantize_(model)
     runner = ModelRunner(model, 64, 8, kv_cache_dtype=kv)
     runner.configure_fast_paths(EngineConfig(), 16)
-    native = []
-    decode_layers = quantization.Int8Forward._decode_layers
-
-    def counted(self, x, ropes):
-        out = decode_layers(self, x, ropes)
-        native.append(out is not None)
-        return out
-
-    monkeypatch.setattr(quantization.Int8Forward, "_decode_layers", counted)
     try:
-        forward = runner.fast_paths.fused
-        assert isinstance(forward, quantization.Int8Forward)
-        takes = arch in ("llama", "qwen2", "mistral") and paged_decode_kernel().decode_into()
-        assert (forward.loop is not None) == (arch in ("llama", "qwen2", "mistral"))
-        prompts = random_prompts(4, 5, 30, seed=7)
-        rows, pages, nxt = [], [], 0
-        for p in prompts:
-            need = (len(p) + 8 + 7) // 8
-            pages.append(list(range(nxt, nxt + need)))
-            nxt += need
-            rows.append((p, 0, pages[-1]))
-        tokens = _logits(runner, forward, rows).argmax(-1).tolist()
-        for step in range(3):  # three decode steps, each run both ways (the same new keys written twice)
-            decode = [([t], len(p) + step, pg) for t, p, pg in zip(tokens, prompts, pages, strict=True)]
-            monkeypatch.setattr(quantization, "NATIVE_DECODE_LOOP", False)
-            want = _logits(runner, forward, decode)
-            monkeypatch.setattr(quantization, "NATIVE_DECODE_LOOP", True)
-            native.clear()
-            got = _logits(runner, forward, decode)
-            assert native == [True] if takes else True not in native  # the native loop ran the step (or not)
-            assert torch.equal(got, want), f"{arch} {dtype} {kv}: step {step}"
-            tokens = got.argmax(-1).tolist()
+        decode_both_ways(runner, quantization.Int8Forward, monkeypatch, f"{arch} {dtype} {kv}")
     finally:
         runner.release()
 

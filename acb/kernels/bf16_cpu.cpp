@@ -18,6 +18,7 @@
 //   7 x 48 ~1,000, 6 x 64 ~980, 12 x 32 and 9 x 48 ~600 (spilled): benchmarks/int8_gemm.py's
 //   shapes, 46 and 1,667 rows.
 #include "torch_min.h"
+#include "entry_points.h"
 #include "bf16_scalar.h"
 #include "vec_math.h"
 #include "tile_prefetch.h"
@@ -473,6 +474,98 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   return out;
 }
 
+// A decode-only step's layers in one call: acb.fused.FusedForward's loop on acb's bf16 GEMMs for the
+// models it takes whole here (q/k/v and gate/up joined, no Gemma norms, no q/k norms, one rotary
+// embedding, no soft-capping, no LoRA rows, one device), with the same calls, in the same order, on
+// the same tensors as that Python loop, so the same outputs bit for bit, without returning to Python
+// (and taking the GIL back) between kernels: int8_cpu.cpp's DecodeLoop, for bf16. RoPE and the
+// decode attention are the other modules' functions, by address (entry_points.h).
+namespace acb_bf16_loop {  // int8_cpu.cpp has a DecodeLoop too: pybind11 knows types by name
+class DecodeLoop {
+ public:
+  DecodeLoop(int64_t rope, int64_t decode_into)
+      : rope_(reinterpret_cast<acb_entry::RopeFn>(rope)),
+        decode_into_(reinterpret_cast<acb_entry::DecodeIntoFn>(decode_into)) {
+    TORCH_CHECK(rope != 0 && decode_into != 0, "DecodeLoop: the RoPE and decode-attention kernels' addresses");
+  }
+
+  // One layer: its two norms' weights and eps (before attention, before the MLP), its three packed
+  // weights (q/k/v joined, o, gate/up joined: packed, columns, bias or none) and down's, the
+  // attention's shape (query and key columns of the joined output, heads, kv heads, head dim), its
+  // scale and sliding window (0: none), and the MLP's activation (0 SiLU, 1 GELU-tanh).
+  void add_layer(const std::vector<torch::Tensor>& norms, const std::vector<double>& eps,
+                 const std::vector<torch::Tensor>& weights, const std::vector<int64_t>& columns,
+                 const std::vector<c10::optional<torch::Tensor>>& biases, int64_t nq, int64_t nk, int64_t heads,
+                 int64_t kv_heads, int64_t head_dim, double scaling, int64_t window, int64_t act) {
+    TORCH_CHECK(norms.size() == 2 && eps.size() == 2 && weights.size() == 4 && columns.size() == 4 &&
+                    biases.size() == 4,
+                "DecodeLoop.add_layer: 2 norms and eps, 4 weights, column counts and biases");
+    TORCH_CHECK(nq == heads * head_dim && nk == kv_heads * head_dim && columns[0] == nq + 2 * nk &&
+                    columns[2] % 32 == 0,
+                "DecodeLoop.add_layer: the joined q/k/v or gate/up columns do not match");
+    Layer l;
+    for (int i = 0; i < 2; ++i) l.norm[i] = norms[i], l.eps[i] = eps[i];
+    for (int i = 0; i < 4; ++i) l.w[i] = weights[i], l.n[i] = columns[i], l.b[i] = biases[i];
+    l.nq = nq, l.nk = nk, l.heads = heads, l.kv_heads = kv_heads, l.d = head_dim, l.scaling = scaling;
+    l.window = window, l.act = act;
+    layers_.push_back(std::move(l));
+  }
+
+  int64_t size() const { return static_cast<int64_t>(layers_.size()); }
+
+  // x [T, hidden] float32 (the residual stream) through every layer of a decode-only step, as
+  // int8_cpu.cpp's DecodeLoop.run: None where the one-call attention declines the step (at the first
+  // layer, having written nothing).
+  c10::optional<torch::Tensor> run(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                   std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
+                                   const torch::Tensor& slots, const torch::Tensor& pages,
+                                   const torch::Tensor& lengths, int64_t page_size, bool rotate) {
+    const int64_t L = size();
+    TORCH_CHECK(static_cast<int64_t>(k_caches.size()) >= L && static_cast<int64_t>(v_caches.size()) >= L,
+                "DecodeLoop.run: a key and a value cache per layer");
+    const c10::optional<torch::Tensor> none;
+    const int64_t T = x.size(0);
+    for (int64_t i = 0; i < L; ++i) {
+      const Layer& l = layers_[i];
+      torch::Tensor h = rms_norm(x, l.norm[0], l.eps[0], false);
+      torch::Tensor qkv = linear(h, l.w[0], l.n[0], l.b[0], none, torch::kFloat32);
+      torch::Tensor q = qkv.narrow(1, 0, l.nq), k = qkv.narrow(1, l.nq, l.nk), v = qkv.narrow(1, l.nq + l.nk, l.nk);
+      rope_(q, cos, sin, l.d);  // in float32, then each rounded once for the bf16 attention and pages
+      rope_(k, cos, sin, l.d);
+      q = q.to(torch::kBFloat16), k = k.to(torch::kBFloat16), v = v.to(torch::kBFloat16);
+      torch::Tensor a = torch::empty({T, l.heads * l.d}, q.options());
+      torch::Tensor a3 = a.view({T, l.heads, l.d});
+      if (!decode_into_(q.view({T, l.heads, l.d}), k.view({T, l.kv_heads, l.d}), v.view({T, l.kv_heads, l.d}),
+                        k_caches[i], v_caches[i], slots, pages, lengths, a3, page_size, l.scaling, 0.0, l.window,
+                        rotate)) {
+        TORCH_CHECK(i == 0, "DecodeLoop.run: the decode attention declined layer ", i, " after taking layer 0");
+        return c10::nullopt;
+      }
+      x = linear(a, l.w[1], l.n[1], l.b[1], x, torch::kFloat32);  // the residual add fused
+      h = rms_norm(x, l.norm[1], l.eps[1], false);
+      torch::Tensor m = glu(h, l.w[2], l.n[2] / 2, l.b[2], l.act, torch::kBFloat16);
+      x = linear(m, l.w[3], l.n[3], l.b[3], x, torch::kFloat32);
+    }
+    return x;
+  }
+
+ private:
+  struct Layer {
+    torch::Tensor norm[2];
+    double eps[2];
+    torch::Tensor w[4];
+    int64_t n[4];
+    c10::optional<torch::Tensor> b[4];
+    int64_t nq, nk, heads, kv_heads, d, window, act;
+    double scaling;
+  };
+  acb_entry::RopeFn rope_;
+  acb_entry::DecodeIntoFn decode_into_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace acb_bf16_loop
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether the GEMMs were built (AVX-512 BF16, or AVX2: widened to float32)");
   m.def("native", &native, "whether they were built with AVX-512 BF16 (vdpbf16ps), not widened");
@@ -486,4 +579,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("dtype") = torch::kBFloat16, py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows into bfloat16", py::arg("x"), py::arg("w"), py::arg("eps"),
         py::arg("gemma") = false, py::call_guard<py::gil_scoped_release>());
+  py::class_<acb_bf16_loop::DecodeLoop>(m, "DecodeLoop", py::module_local(),
+      "a decode-only step's layers in one call (FusedForward's loop, bf16)")
+      .def(py::init<int64_t, int64_t>(), py::arg("rope"), py::arg("decode_into"))
+      .def("add_layer", &acb_bf16_loop::DecodeLoop::add_layer)
+      .def("__len__", &acb_bf16_loop::DecodeLoop::size)
+      .def("run", &acb_bf16_loop::DecodeLoop::run, py::call_guard<py::gil_scoped_release>());
 }

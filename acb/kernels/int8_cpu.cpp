@@ -775,6 +775,7 @@ torch::Tensor glu(const torch::Tensor& xq, const torch::Tensor& xscale, const to
 // SmolLM2 decode step (~330 calls through pybind11, each taking the GIL back between kernels while
 // the event loop's thread plans the next step); here the GIL stays released for the whole step.
 // RoPE and the decode attention are the other modules' functions, by address (entry_points.h).
+namespace acb_int8_loop {  // bf16_cpu.cpp has a DecodeLoop too: pybind11 knows types by name
 class DecodeLoop {
  public:
   DecodeLoop(int64_t rope, int64_t decode_into, torch::ScalarType dtype)
@@ -872,6 +873,8 @@ class DecodeLoop {
   std::vector<Layer> layers_;
 };
 
+}  // namespace acb_int8_loop
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_vnni", &has_vnni, "whether the GEMMs were built with AVX-512 VNNI");
   m.def("available", &available, "whether the GEMMs were built (AVX-512 VNNI, or AVX2)");
@@ -883,9 +886,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w"), py::arg("scale"), py::arg("bias") = py::none(), py::arg("other") = py::none(),
         py::arg("dtype") = torch::kFloat32, py::call_guard<py::gil_scoped_release>());
   m.def("glu", &glu, "W8A8 act(x Wg) * (x Wu)", py::call_guard<py::gil_scoped_release>());
-  py::class_<DecodeLoop>(m, "DecodeLoop", "a decode-only step's layers in one call (Int8Forward's loop)")
+  py::class_<acb_int8_loop::DecodeLoop>(m, "DecodeLoop", py::module_local(),
+      "a decode-only step's layers in one call (Int8Forward's loop)")
       .def(py::init<int64_t, int64_t, torch::ScalarType>(), py::arg("rope"), py::arg("decode_into"), py::arg("dtype"))
-      .def("add_layer", &DecodeLoop::add_layer)
-      .def("__len__", &DecodeLoop::size)
-      .def("run", &DecodeLoop::run, py::call_guard<py::gil_scoped_release>());
+      .def("add_layer", &acb_int8_loop::DecodeLoop::add_layer)
+      .def("__len__", &acb_int8_loop::DecodeLoop::size)
+      .def("run", &acb_int8_loop::DecodeLoop::run, py::call_guard<py::gil_scoped_release>());
 }
