@@ -483,11 +483,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 namespace acb_bf16_loop {  // int8_cpu.cpp has a DecodeLoop too: pybind11 knows types by name
 class DecodeLoop {
  public:
-  DecodeLoop(int64_t rope, int64_t decode_into)
-      : rope_(reinterpret_cast<acb_entry::RopeFn>(rope)),
-        decode_into_(reinterpret_cast<acb_entry::DecodeIntoFn>(decode_into)) {
-    TORCH_CHECK(rope != 0 && decode_into != 0, "DecodeLoop: the RoPE and decode-attention kernels' addresses");
-  }
+  DecodeLoop(int64_t rope, int64_t decode_into) : attend_(rope, decode_into) {}
 
   // One layer: its two norms' weights and eps (before attention, before the MLP), its three packed
   // weights (q/k/v joined, o, gate/up joined: packed, columns, bias or none) and down's, the
@@ -506,41 +502,29 @@ class DecodeLoop {
     Layer l;
     for (int i = 0; i < 2; ++i) l.norm[i] = norms[i], l.eps[i] = eps[i];
     for (int i = 0; i < 4; ++i) l.w[i] = weights[i], l.n[i] = columns[i], l.b[i] = biases[i];
-    l.nq = nq, l.nk = nk, l.heads = heads, l.kv_heads = kv_heads, l.d = head_dim, l.scaling = scaling;
-    l.window = window, l.act = act;
+    l.attn = {nq, nk, heads, kv_heads, head_dim, window, scaling};
+    l.act = act;
     layers_.push_back(std::move(l));
   }
 
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
 
   // x [T, hidden] float32 (the residual stream) through every layer of a decode-only step, as
-  // int8_cpu.cpp's DecodeLoop.run: None where the one-call attention declines the step (at the first
-  // layer, having written nothing).
+  // int8_cpu.cpp's DecodeLoop.run: None where the one-call attention declines the step.
   c10::optional<torch::Tensor> run(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                                    std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
                                    const torch::Tensor& slots, const torch::Tensor& pages,
                                    const torch::Tensor& lengths, int64_t page_size, bool rotate) {
-    const int64_t L = size();
-    TORCH_CHECK(static_cast<int64_t>(k_caches.size()) >= L && static_cast<int64_t>(v_caches.size()) >= L,
-                "DecodeLoop.run: a key and a value cache per layer");
+    const acb_entry::DecodeStep step{slots, pages, lengths, page_size, rotate, k_caches, v_caches};
+    acb_entry::DecodeAttention::check(step, size());
     const c10::optional<torch::Tensor> none;
-    const int64_t T = x.size(0);
-    for (int64_t i = 0; i < L; ++i) {
+    for (int64_t i = 0; i < size(); ++i) {
       const Layer& l = layers_[i];
       torch::Tensor h = rms_norm(x, l.norm[0], l.eps[0], false);
-      torch::Tensor qkv = linear(h, l.w[0], l.n[0], l.b[0], none, torch::kFloat32);
-      torch::Tensor q = qkv.narrow(1, 0, l.nq), k = qkv.narrow(1, l.nq, l.nk), v = qkv.narrow(1, l.nq + l.nk, l.nk);
-      rope_(q, cos, sin, l.d);  // in float32, then each rounded once for the bf16 attention and pages
-      rope_(k, cos, sin, l.d);
-      q = q.to(torch::kBFloat16), k = k.to(torch::kBFloat16), v = v.to(torch::kBFloat16);
-      torch::Tensor a = torch::empty({T, l.heads * l.d}, q.options());
-      torch::Tensor a3 = a.view({T, l.heads, l.d});
-      if (!decode_into_(q.view({T, l.heads, l.d}), k.view({T, l.kv_heads, l.d}), v.view({T, l.kv_heads, l.d}),
-                        k_caches[i], v_caches[i], slots, pages, lengths, a3, page_size, l.scaling, 0.0, l.window,
-                        rotate)) {
-        TORCH_CHECK(i == 0, "DecodeLoop.run: the decode attention declined layer ", i, " after taking layer 0");
-        return c10::nullopt;
-      }
+      // RoPE in float32, then q, k and v each rounded once for the bf16 attention and pages
+      const torch::Tensor a = attend_(i, linear(h, l.w[0], l.n[0], l.b[0], none, torch::kFloat32), l.attn, cos, sin,
+                                      step, torch::kBFloat16);
+      if (!a.defined()) return c10::nullopt;
       x = linear(a, l.w[1], l.n[1], l.b[1], x, torch::kFloat32);  // the residual add fused
       h = rms_norm(x, l.norm[1], l.eps[1], false);
       torch::Tensor m = glu(h, l.w[2], l.n[2] / 2, l.b[2], l.act, torch::kBFloat16);
@@ -556,14 +540,12 @@ class DecodeLoop {
     torch::Tensor w[4];
     int64_t n[4];
     c10::optional<torch::Tensor> b[4];
-    int64_t nq, nk, heads, kv_heads, d, window, act;
-    double scaling;
+    acb_entry::AttentionShape attn;
+    int64_t act;
   };
-  acb_entry::RopeFn rope_;
-  acb_entry::DecodeIntoFn decode_into_;
+  acb_entry::DecodeAttention attend_;
   std::vector<Layer> layers_;
 };
-
 }  // namespace acb_bf16_loop
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

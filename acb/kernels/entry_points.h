@@ -1,15 +1,78 @@
-// The kernels one module calls in another, by address: the int8 module's decode loop
-// (int8_cpu.cpp's DecodeLoop) runs a whole decode-only step's layers in C++ and calls RoPE
-// (fused_cpu.cpp) and the one-call decode attention (paged_decode_cpu.cpp) through these
-// pointers. Each module hands out its function's address as an int (`_address`), and checks
-// here, at compile time, that its function has exactly this type; all three are built against
+// The kernels one module calls in another, by address, and the decode loops' shared attention step.
+// The int8 and bf16 modules' DecodeLoops (int8_cpu.cpp, bf16_cpu.cpp) run a whole decode-only step's
+// layers in C++ and call RoPE (fused_cpu.cpp) and the one-call decode attention (paged_decode_cpu.cpp)
+// through these pointers. Each module hands out its function's address as an int (`_address`), and
+// checks here, at compile time, that its function has exactly this type; all of them are built against
 // the same PyTorch in the same process, so their torch::Tensor is one type.
 #pragma once
 #include "torch_min.h"
+#include <vector>
 
 namespace acb_entry {
 using RopeFn = void (*)(torch::Tensor, const torch::Tensor&, const torch::Tensor&, int64_t);
 using DecodeIntoFn = bool (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, torch::Tensor&,
                               torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                               torch::Tensor&, int64_t, double, double, int64_t, bool);
+
+// A layer's attention shape: the query and key columns of its joined q/k/v projection, its heads, kv
+// heads and head dim, its sliding window (0: none) and its scale
+struct AttentionShape {
+  int64_t nq, nk, heads, kv_heads, d, window;
+  double scaling;
+};
+
+// A decode-only step's rows as paged_decode_into takes them: each row's new slot, its pages and its
+// context length, the page size, whether the pages hold rotated keys (int8 pages), and the caches
+struct DecodeStep {
+  const torch::Tensor& slots;
+  const torch::Tensor& pages;
+  const torch::Tensor& lengths;
+  int64_t page_size;
+  bool rotate;
+  std::vector<torch::Tensor>& k_caches;
+  std::vector<torch::Tensor>& v_caches;
+};
+
+// One layer's attention in a decode loop, as the Python forwards run it: RoPE in place on q and k (column
+// views of the joined projection qkv [T, nq + 2 nk]), each of q, k, v rounded to `round_to` where given
+// (the bf16 forward's float32 projection), then the one-call decode attention: the rows' keys and values
+// written into layer i's caches, the output a new [T, heads * d] of q's dtype. An undefined tensor where
+// the attention declines (at layer 0 only, having written nothing: nothing that decides it changes
+// between a step's layers).
+class DecodeAttention {
+ public:
+  DecodeAttention(int64_t rope, int64_t decode_into)
+      : rope_(reinterpret_cast<RopeFn>(rope)), decode_into_(reinterpret_cast<DecodeIntoFn>(decode_into)) {
+    TORCH_CHECK(rope != 0 && decode_into != 0, "DecodeLoop: the RoPE and decode-attention kernels' addresses");
+  }
+
+  static void check(const DecodeStep& s, int64_t layers) {
+    TORCH_CHECK(static_cast<int64_t>(s.k_caches.size()) >= layers &&
+                    static_cast<int64_t>(s.v_caches.size()) >= layers,
+                "DecodeLoop.run: a key and a value cache per layer");
+  }
+
+  torch::Tensor operator()(int64_t i, const torch::Tensor& qkv, const AttentionShape& a, const torch::Tensor& cos,
+                           const torch::Tensor& sin, const DecodeStep& s,
+                           c10::optional<torch::ScalarType> round_to = c10::nullopt) const {
+    const int64_t T = qkv.size(0);
+    torch::Tensor q = qkv.narrow(1, 0, a.nq), k = qkv.narrow(1, a.nq, a.nk), v = qkv.narrow(1, a.nq + a.nk, a.nk);
+    rope_(q, cos, sin, a.d);
+    rope_(k, cos, sin, a.d);
+    if (round_to) q = q.to(*round_to), k = k.to(*round_to), v = v.to(*round_to);
+    torch::Tensor out = torch::empty({T, a.heads * a.d}, q.options());
+    torch::Tensor out3 = out.view({T, a.heads, a.d});
+    if (!decode_into_(q.view({T, a.heads, a.d}), k.view({T, a.kv_heads, a.d}), v.view({T, a.kv_heads, a.d}),
+                      s.k_caches[i], s.v_caches[i], s.slots, s.pages, s.lengths, out3, s.page_size, a.scaling, 0.0,
+                      a.window, s.rotate)) {
+      TORCH_CHECK(i == 0, "DecodeLoop.run: the decode attention declined layer ", i, " after taking layer 0");
+      return torch::Tensor();
+    }
+    return out;
+  }
+
+ private:
+  RopeFn rope_;
+  DecodeIntoFn decode_into_;
+};
 }  // namespace acb_entry

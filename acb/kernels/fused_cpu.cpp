@@ -271,5 +271,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   static_assert(std::is_same_v<decltype(&rope_), acb_entry::RopeFn>, "entry_points.h: rope_'s type");
   m.def("_address", []() { return reinterpret_cast<int64_t>(&rope_); },
-        "rope_'s address, for the int8 module's decode loop (entry_points.h)");
+        "rope_'s address, for the int8 and bf16 modules' decode loops (entry_points.h)");
 }

@@ -778,11 +778,7 @@ torch::Tensor glu(const torch::Tensor& xq, const torch::Tensor& xscale, const to
 namespace acb_int8_loop {  // bf16_cpu.cpp has a DecodeLoop too: pybind11 knows types by name
 class DecodeLoop {
  public:
-  DecodeLoop(int64_t rope, int64_t decode_into, torch::ScalarType dtype)
-      : rope_(reinterpret_cast<acb_entry::RopeFn>(rope)),
-        decode_into_(reinterpret_cast<acb_entry::DecodeIntoFn>(decode_into)),
-        dtype_(dtype) {
-    TORCH_CHECK(rope != 0 && decode_into != 0, "DecodeLoop: the RoPE and decode-attention kernels' addresses");
+  DecodeLoop(int64_t rope, int64_t decode_into, torch::ScalarType dtype) : attend_(rope, decode_into), dtype_(dtype) {
     TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "DecodeLoop: the model's dtype must be "
                 "float32 or bfloat16");
   }
@@ -808,8 +804,8 @@ class DecodeLoop {
     for (int i = 0; i < 2; ++i) l.norm[i] = norms[i], l.eps[i] = eps[i];
     for (int i = 0; i < 4; ++i) l.group[i] = groups[i], l.mult[i] = mults[i], l.rot[i] = rotated[i];
     for (int i = 0; i < 5; ++i) l.w[i] = weights[i], l.s[i] = scales[i], l.b[i] = biases[i];
-    l.nq = nq, l.nk = nk, l.heads = heads, l.kv_heads = kv_heads, l.d = head_dim, l.scaling = scaling;
-    l.window = window, l.act = act;
+    l.attn = {nq, nk, heads, kv_heads, head_dim, window, scaling};
+    l.act = act;
     layers_.push_back(std::move(l));
   }
 
@@ -818,33 +814,21 @@ class DecodeLoop {
   // x [T, hidden] float32 (the residual stream after the embedding) through every layer of a
   // decode-only step: the caches per layer, each row's new slot, its pages and context length
   // (paged_decode_into's). Returns the stream after the last layer, or None where the one-call
-  // attention declines the step (it then did nothing, and the layers' first GEMM's output is
-  // dropped: nothing else was written); a decline after the first layer is an error, since
-  // nothing in a step changes between layers what it takes.
+  // attention declines the step (entry_points.h: it then wrote nothing, and the first layer's GEMM
+  // output is dropped).
   c10::optional<torch::Tensor> run(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                                    std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
                                    const torch::Tensor& slots, const torch::Tensor& pages,
                                    const torch::Tensor& lengths, int64_t page_size, bool rotate) {
-    const int64_t L = size();
-    TORCH_CHECK(static_cast<int64_t>(k_caches.size()) >= L && static_cast<int64_t>(v_caches.size()) >= L,
-                "DecodeLoop.run: a key and a value cache per layer");
+    const acb_entry::DecodeStep step{slots, pages, lengths, page_size, rotate, k_caches, v_caches};
+    acb_entry::DecodeAttention::check(step, size());
     const c10::optional<torch::Tensor> none;
-    const int64_t T = x.size(0);
-    for (int64_t i = 0; i < L; ++i) {
+    for (int64_t i = 0; i < size(); ++i) {
       const Layer& l = layers_[i];
       auto h = quantize_rows(x, l.norm[0], false, l.eps[0], l.group[0], l.mult[0], l.rot[0]);
-      torch::Tensor qkv = linear(h[0], h[1], h[2], l.w[0], l.s[0], l.b[0], none, dtype_);
-      torch::Tensor q = qkv.narrow(1, 0, l.nq), k = qkv.narrow(1, l.nq, l.nk), v = qkv.narrow(1, l.nq + l.nk, l.nk);
-      rope_(q, cos, sin, l.d);
-      rope_(k, cos, sin, l.d);
-      torch::Tensor a = torch::empty({T, l.heads * l.d}, qkv.options());
-      torch::Tensor a3 = a.view({T, l.heads, l.d});
-      if (!decode_into_(q.view({T, l.heads, l.d}), k.view({T, l.kv_heads, l.d}), v.view({T, l.kv_heads, l.d}),
-                        k_caches[i], v_caches[i], slots, pages, lengths, a3, page_size, l.scaling, 0.0, l.window,
-                        rotate)) {
-        TORCH_CHECK(i == 0, "DecodeLoop.run: the decode attention declined layer ", i, " after taking layer 0");
-        return c10::nullopt;
-      }
+      const torch::Tensor a = attend_(i, linear(h[0], h[1], h[2], l.w[0], l.s[0], l.b[0], none, dtype_), l.attn,
+                                      cos, sin, step);
+      if (!a.defined()) return c10::nullopt;
       h = quantize_rows(a, none, false, 1e-6, l.group[1], l.mult[1], l.rot[1]);
       x = linear(h[0], h[1], h[2], l.w[1], l.s[1], l.b[1], x, torch::kFloat32);  // the residual add fused
       h = quantize_rows(x, l.norm[1], false, l.eps[1], l.group[2], l.mult[2], l.rot[2]);
@@ -864,15 +848,13 @@ class DecodeLoop {
     bool rot[4];
     torch::Tensor w[5], s[5];
     c10::optional<torch::Tensor> b[5];
-    int64_t nq, nk, heads, kv_heads, d, window, act;
-    double scaling;
+    acb_entry::AttentionShape attn;
+    int64_t act;
   };
-  acb_entry::RopeFn rope_;
-  acb_entry::DecodeIntoFn decode_into_;
+  acb_entry::DecodeAttention attend_;
   torch::ScalarType dtype_;
   std::vector<Layer> layers_;
 };
-
 }  // namespace acb_int8_loop
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

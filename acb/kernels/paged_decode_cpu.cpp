@@ -2008,5 +2008,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   static_assert(std::is_same_v<decltype(&paged_decode_into), acb_entry::DecodeIntoFn>,
                 "entry_points.h: paged_decode_into's type");
   m.def("_address", []() { return reinterpret_cast<int64_t>(&paged_decode_into); },
-        "paged_decode_into's address, for the int8 module's decode loop (entry_points.h)");
+        "paged_decode_into's address, for the int8 and bf16 modules' decode loops (entry_points.h)");
 }
