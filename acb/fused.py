@@ -224,10 +224,13 @@ class FusedForward(LoraLayers):
     def _decode_layers(self, x: torch.Tensor, ropes: dict, dtype: torch.dtype) -> torch.Tensor | None:
         """The float32 residual stream ``x`` through every layer in one native call (``self.loop``)
         for a decode-only step on the native one-call attention over pages of ``dtype`` (the
-        model's) or int8; None where the step is not one (the Python loop then runs it)."""
+        model's) or int8; None where there is no loop or the step is not one (the Python loop then
+        runs it)."""
+        if self.loop is None or not NATIVE_DECODE_LOOP:
+            return None
         meta = attention.current_step()
         if (meta.kernel != "native" or meta.prefills or meta.decode is None or meta.decode.kernel != "native"
-                or meta.sliding is not None or attention.KERNELS.get("native") is None):
+                or meta.sliding is not None):
             return None
         pool = meta.pool
         rotate = pool.k_cache[0].dtype == torch.int8
@@ -277,9 +280,7 @@ class FusedForward(LoraLayers):
         else:  # a step with LoRA rows: their deltas are bf16, so is everything between the GEMMs
             rows = total
             ropes = self._ropes(x, position_ids)
-        done = None
-        if adapters is None and self.loop is not None and NATIVE_DECODE_LOOP:
-            done = self._decode_layers(x, ropes, torch.bfloat16)
+        done = self._decode_layers(x, ropes, torch.bfloat16) if adapters is None else None
         for i, layer in enumerate(self.layers if done is None else ()):
             cos, sin = ropes[layer.rope]
             if adapters is not None:  # the layer without the epilogues the LoRA deltas land inside

@@ -717,7 +717,7 @@ class Int8Forward(FusedForward):
         # epilogue, the quantization reads it): with a bf16 stream SmolLM2's int8_bf16 agreed with
         # float32 on 96.78 % of next tokens, with this one 97.20 % (benchmarks/quality.py, 2026-12-04)
         x = x.float()
-        done = self._decode_layers(x, ropes, self.dtype) if self.loop is not None and fused.NATIVE_DECODE_LOOP else None
+        done = self._decode_layers(x, ropes, self.dtype)
         x = self._layers(x, ropes) if done is None else done
         logits = self._head(kept_rows(x, logits_to_keep))
         if self.final_softcap is not None:

@@ -182,7 +182,7 @@ def test_the_bf16_fused_forward_keeps_float32_between_its_bf16_gemms(arch):
     rounding it drops moved SmolLM2's top-1 next token against float32 (benchmarks/bf16_sensitivity.py:
     the logits' 1.5 %, RoPE's 0.5 %, gate's and up's 0.2 %); the engine's top-1 agreement went
     97.27 -> 98.79 %."""
-    from test_fused_forward import _logits
+    from test_fused_forward import _logits, fresh_rows
 
     _native_or_skip()
     model = tiny_model(arch, seed=3).to(torch.bfloat16)
@@ -196,12 +196,7 @@ def test_the_bf16_fused_forward_keeps_float32_between_its_bf16_gemms(arch):
         fused = runner.fast_paths.fused
         assert fused is not None and fused.bf16 is not None, arch
         fused.bf16, fused.k = _Spy(fused.bf16, calls, "bf16."), _Spy(fused.k, calls)
-        rows, next_page = [], 0
-        for p in prompts:
-            need = (len(p) + 1 + 7) // 8
-            rows.append((p, 0, list(range(next_page, next_page + need))))
-            next_page += need
-        ours = _logits(runner, fused, rows)
+        ours = _logits(runner, fused, fresh_rows(prompts))
     finally:
         runner.release()
     layers = model.config.num_hidden_layers

@@ -44,6 +44,17 @@ def _runner(model, pages=64, page_size=8):
     return runner
 
 
+def fresh_rows(prompts, spare=1, page_size=8):
+    """One packed step's rows (tokens, start, pages) for fresh ``prompts``, each on pages of its own
+    (numbered on from 0) with room for ``spare`` more tokens."""
+    rows, nxt = [], 0
+    for p in prompts:
+        need = (len(p) + spare + page_size - 1) // page_size
+        rows.append((p, 0, list(range(nxt, nxt + need))))
+        nxt += need
+    return rows
+
+
 def _logits(runner, forward, rows, prompt=False):
     """The logits of a step of ``rows`` (tokens, start, pages), every row sampled; ``prompt``:
     the rows are prompt chunks (one of one token is then a prefill row, as the scheduler marks it)."""
@@ -84,16 +95,10 @@ def decode_both_ways(runner, forward_cls, monkeypatch, label: str) -> None:
     arch_ok = runner.model.config.model_type in NATIVE_LOOP_ARCHS
     assert (forward.loop is not None) == arch_ok, label
     takes = arch_ok and paged_decode_kernel().decode_into()
-    prompts = random_prompts(4, 5, 30, seed=7)
-    rows, pages, nxt = [], [], 0
-    for p in prompts:
-        need = (len(p) + 8 + 7) // 8
-        pages.append(list(range(nxt, nxt + need)))
-        nxt += need
-        rows.append((p, 0, pages[-1]))
+    rows = fresh_rows(random_prompts(4, 5, 30, seed=7), spare=8)
     tokens = _logits(runner, forward, rows).argmax(-1).tolist()
     for step in range(3):
-        decode = [([t], len(p) + step, pg) for t, p, pg in zip(tokens, prompts, pages, strict=True)]
+        decode = [([t], len(p) + step, pg) for t, (p, _, pg) in zip(tokens, rows, strict=True)]
         monkeypatch.setattr(fused, "NATIVE_DECODE_LOOP", False)
         want = _logits(runner, forward, decode)
         monkeypatch.setattr(fused, "NATIVE_DECODE_LOOP", True)
@@ -123,20 +128,13 @@ def test_fused_forward_computes_the_models_logits(arch):
     runner = _runner(model)
     try:
         assert runner.fast_paths.fused is not None, f"{arch}: the fused forward should stand in for transformers'"
-        prompts = random_prompts(3, 5, 40, seed=7)
-        rows, pages, next_page = [], [], 0
-        for p in prompts:  # three fresh prompts in one packed step, each on its own pages
-            need = (len(p) + 1 + 7) // 8
-            pages.append(list(range(next_page, next_page + need)))
-            next_page += need
-            rows.append((p, 0, pages[-1]))
+        rows = fresh_rows(random_prompts(3, 5, 40, seed=7))  # three fresh prompts in one packed step
         want = _logits(runner, runner.model, rows)
         got = _logits(runner, runner.fast_paths.fused, rows)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         # then a decode step over the cache the prefill wrote
         nxt = want.argmax(-1).tolist()
-        rows = [([t], len(p), pg)
-                for t, p, pg in zip(nxt, prompts, pages, strict=True)]
+        rows = [([t], len(p), pg) for t, (p, _, pg) in zip(nxt, rows, strict=True)]
         want = _logits(runner, runner.model, rows)
         got = _logits(runner, runner.fast_paths.fused, rows)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -462,12 +460,7 @@ def test_fused_forward_in_bf16_agrees_with_transformers_bf16_forward(arch):
     runner = _runner(model)
     try:
         assert runner.fast_paths.fused is not None and runner.attn_backend == "native", arch
-        rows, next_page = [], 0
-        for p in prompts:
-            need = (len(p) + 1 + 7) // 8
-            rows.append((p, 0, list(range(next_page, next_page + need))))
-            next_page += need
-        got = _logits(runner, runner.fast_paths.fused, rows)
+        got = _logits(runner, runner.fast_paths.fused, fresh_rows(prompts))
         assert got.dtype == torch.float32  # logits handed to sampling are float32
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=0, atol=BF16_ATOL)

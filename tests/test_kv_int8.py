@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_fused_forward import _CountingKernels, _logits
+from test_fused_forward import _CountingKernels, _logits, fresh_rows
 
 import acb
 from acb import EngineConfig, kv_quant, sizing
@@ -286,16 +286,11 @@ def test_decode_logits_on_int8_pages_stay_close_to_float_pages():
         runner = ModelRunner(model, 64, 8, kv_cache_dtype=kv)
         runner.configure_fast_paths(EngineConfig(), 16)
         try:
-            rows, pages, nxt = [], [], 0
-            for p in prompts:
-                need = (len(p) + 1 + 7) // 8
-                pages.append(list(range(nxt, nxt + need)))
-                nxt += need
-                rows.append((p, 0, pages[-1]))
+            rows = fresh_rows(prompts)
             prefill = _logits(runner, runner.fast_paths.fused, rows)
             tokens = prefill.argmax(-1).tolist()
             decode = _logits(runner, runner.fast_paths.fused,
-                             [([t], len(p), pg) for t, p, pg in zip(tokens, prompts, pages, strict=True)])
+                             [([t], len(p), pg) for t, (p, _, pg) in zip(tokens, rows, strict=True)])
             logits.append((prefill, decode))
         finally:
             runner.release()

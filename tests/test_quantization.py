@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fused_forward import _logits, _runner, decode_both_ways
+from test_fused_forward import _logits, _runner, decode_both_ways, fresh_rows
 
 from acb import Engine, EngineConfig, attention, kv_quant, quantization
 from acb.kernels.cpu import int8_kernels
@@ -366,12 +366,7 @@ def test_int8_fused_forward_computes_what_the_quantized_model_computes(arch):
     runner = _runner(model)
     try:
         assert isinstance(runner.fast_paths.fused, quantization.Int8Forward)
-        prompts = random_prompts(3, 5, 40, seed=7)
-        rows, start = [], 0
-        for p in prompts:
-            need = (len(p) + 1 + 7) // 8
-            rows.append((p, 0, list(range(start, start + need))))
-            start += need
+        rows = fresh_rows(random_prompts(3, 5, 40, seed=7))
         want = _logits(runner, runner.model, rows)
         got = _logits(runner, runner.fast_paths.fused, rows)
         # the fused RMSNorm + quantization sums its squares in another order (and takes 1 / sqrt

@@ -481,9 +481,19 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 // (and taking the GIL back) between kernels: int8_cpu.cpp's DecodeLoop, for bf16. RoPE and the
 // decode attention are the other modules' functions, by address (entry_points.h).
 namespace acb_bf16_loop {  // int8_cpu.cpp has a DecodeLoop too: pybind11 knows types by name
-class DecodeLoop {
+struct Layer {
+  torch::Tensor norm[2];
+  double eps[2];
+  torch::Tensor w[4];
+  int64_t n[4];
+  c10::optional<torch::Tensor> b[4];
+  acb_entry::AttentionShape attn;
+  int64_t act;
+};
+
+class DecodeLoop : public acb_entry::DecodeLayers<DecodeLoop, Layer> {
  public:
-  DecodeLoop(int64_t rope, int64_t decode_into) : attend_(rope, decode_into) {}
+  DecodeLoop(int64_t rope, int64_t decode_into) : DecodeLayers(rope, decode_into) {}
 
   // One layer: its two norms' weights and eps (before attention, before the MLP), its three packed
   // weights (q/k/v joined, o, gate/up joined: packed, columns, bias or none) and down's, the
@@ -507,44 +517,20 @@ class DecodeLoop {
     layers_.push_back(std::move(l));
   }
 
-  int64_t size() const { return static_cast<int64_t>(layers_.size()); }
-
-  // x [T, hidden] float32 (the residual stream) through every layer of a decode-only step, as
-  // int8_cpu.cpp's DecodeLoop.run: None where the one-call attention declines the step.
-  c10::optional<torch::Tensor> run(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
-                                   std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
-                                   const torch::Tensor& slots, const torch::Tensor& pages,
-                                   const torch::Tensor& lengths, int64_t page_size, bool rotate) {
-    const acb_entry::DecodeStep step{slots, pages, lengths, page_size, rotate, k_caches, v_caches};
-    acb_entry::DecodeAttention::check(step, size());
+  // Layer i of run() (entry_points.h's DecodeLayers): the stream x [T, hidden] float32 after it
+  torch::Tensor layer(int64_t i, const Layer& l, torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                      const acb_entry::DecodeStep& step) const {
     const c10::optional<torch::Tensor> none;
-    for (int64_t i = 0; i < size(); ++i) {
-      const Layer& l = layers_[i];
-      torch::Tensor h = rms_norm(x, l.norm[0], l.eps[0], false);
-      // RoPE in float32, then q, k and v each rounded once for the bf16 attention and pages
-      const torch::Tensor a = attend_(i, linear(h, l.w[0], l.n[0], l.b[0], none, torch::kFloat32), l.attn, cos, sin,
-                                      step, torch::kBFloat16);
-      if (!a.defined()) return c10::nullopt;
-      x = linear(a, l.w[1], l.n[1], l.b[1], x, torch::kFloat32);  // the residual add fused
-      h = rms_norm(x, l.norm[1], l.eps[1], false);
-      torch::Tensor m = glu(h, l.w[2], l.n[2] / 2, l.b[2], l.act, torch::kBFloat16);
-      x = linear(m, l.w[3], l.n[3], l.b[3], x, torch::kFloat32);
-    }
-    return x;
+    torch::Tensor h = rms_norm(x, l.norm[0], l.eps[0], false);
+    // RoPE in float32, then q, k and v each rounded once for the bf16 attention and pages
+    const torch::Tensor a = attend_(i, linear(h, l.w[0], l.n[0], l.b[0], none, torch::kFloat32), l.attn, cos, sin,
+                                    step, torch::kBFloat16);
+    if (!a.defined()) return a;
+    x = linear(a, l.w[1], l.n[1], l.b[1], x, torch::kFloat32);  // the residual add fused
+    h = rms_norm(x, l.norm[1], l.eps[1], false);
+    torch::Tensor m = glu(h, l.w[2], l.n[2] / 2, l.b[2], l.act, torch::kBFloat16);
+    return linear(m, l.w[3], l.n[3], l.b[3], x, torch::kFloat32);
   }
-
- private:
-  struct Layer {
-    torch::Tensor norm[2];
-    double eps[2];
-    torch::Tensor w[4];
-    int64_t n[4];
-    c10::optional<torch::Tensor> b[4];
-    acb_entry::AttentionShape attn;
-    int64_t act;
-  };
-  acb_entry::DecodeAttention attend_;
-  std::vector<Layer> layers_;
 };
 }  // namespace acb_bf16_loop
 

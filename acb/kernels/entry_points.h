@@ -75,4 +75,33 @@ class DecodeAttention {
   RopeFn rope_;
   DecodeIntoFn decode_into_;
 };
+
+// What the two DecodeLoops share: the layers they hold (Layer: each loop's own), the attention step, and
+// run(): the float32 residual stream x [T, hidden] through every layer of a decode-only step, each by
+// Derived::layer(i, layer, x, cos, sin, step), which returns the stream after it, or an undefined tensor
+// where the attention declined (at layer 0, having written nothing): run then returns None.
+template <typename Derived, typename Layer>
+class DecodeLayers {
+ public:
+  DecodeLayers(int64_t rope, int64_t decode_into) : attend_(rope, decode_into) {}
+
+  int64_t size() const { return static_cast<int64_t>(layers_.size()); }
+
+  c10::optional<torch::Tensor> run(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                   std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
+                                   const torch::Tensor& slots, const torch::Tensor& pages,
+                                   const torch::Tensor& lengths, int64_t page_size, bool rotate) const {
+    const DecodeStep step{slots, pages, lengths, page_size, rotate, k_caches, v_caches};
+    DecodeAttention::check(step, size());
+    for (int64_t i = 0; i < size(); ++i) {
+      x = static_cast<const Derived&>(*this).layer(i, layers_[i], x, cos, sin, step);
+      if (!x.defined()) return c10::nullopt;
+    }
+    return x;
+  }
+
+ protected:
+  DecodeAttention attend_;
+  std::vector<Layer> layers_;
+};
 }  // namespace acb_entry

@@ -776,9 +776,22 @@ torch::Tensor glu(const torch::Tensor& xq, const torch::Tensor& xscale, const to
 // the event loop's thread plans the next step); here the GIL stays released for the whole step.
 // RoPE and the decode attention are the other modules' functions, by address (entry_points.h).
 namespace acb_int8_loop {  // bf16_cpu.cpp has a DecodeLoop too: pybind11 knows types by name
-class DecodeLoop {
+struct Layer {
+  c10::optional<torch::Tensor> norm[2];
+  double eps[2];
+  int64_t group[4];
+  c10::optional<torch::Tensor> mult[4];
+  bool rot[4];
+  torch::Tensor w[5], s[5];
+  c10::optional<torch::Tensor> b[5];
+  acb_entry::AttentionShape attn;
+  int64_t act;
+};
+
+class DecodeLoop : public acb_entry::DecodeLayers<DecodeLoop, Layer> {
  public:
-  DecodeLoop(int64_t rope, int64_t decode_into, torch::ScalarType dtype) : attend_(rope, decode_into), dtype_(dtype) {
+  DecodeLoop(int64_t rope, int64_t decode_into, torch::ScalarType dtype)
+      : DecodeLayers(rope, decode_into), dtype_(dtype) {
     TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "DecodeLoop: the model's dtype must be "
                 "float32 or bfloat16");
   }
@@ -809,51 +822,24 @@ class DecodeLoop {
     layers_.push_back(std::move(l));
   }
 
-  int64_t size() const { return static_cast<int64_t>(layers_.size()); }
-
-  // x [T, hidden] float32 (the residual stream after the embedding) through every layer of a
-  // decode-only step: the caches per layer, each row's new slot, its pages and context length
-  // (paged_decode_into's). Returns the stream after the last layer, or None where the one-call
-  // attention declines the step (entry_points.h: it then wrote nothing, and the first layer's GEMM
-  // output is dropped).
-  c10::optional<torch::Tensor> run(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
-                                   std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
-                                   const torch::Tensor& slots, const torch::Tensor& pages,
-                                   const torch::Tensor& lengths, int64_t page_size, bool rotate) {
-    const acb_entry::DecodeStep step{slots, pages, lengths, page_size, rotate, k_caches, v_caches};
-    acb_entry::DecodeAttention::check(step, size());
+  // Layer i of run() (entry_points.h's DecodeLayers): the stream x [T, hidden] float32 after it
+  torch::Tensor layer(int64_t i, const Layer& l, torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                      const acb_entry::DecodeStep& step) const {
     const c10::optional<torch::Tensor> none;
-    for (int64_t i = 0; i < size(); ++i) {
-      const Layer& l = layers_[i];
-      auto h = quantize_rows(x, l.norm[0], false, l.eps[0], l.group[0], l.mult[0], l.rot[0]);
-      const torch::Tensor a = attend_(i, linear(h[0], h[1], h[2], l.w[0], l.s[0], l.b[0], none, dtype_), l.attn,
-                                      cos, sin, step);
-      if (!a.defined()) return c10::nullopt;
-      h = quantize_rows(a, none, false, 1e-6, l.group[1], l.mult[1], l.rot[1]);
-      x = linear(h[0], h[1], h[2], l.w[1], l.s[1], l.b[1], x, torch::kFloat32);  // the residual add fused
-      h = quantize_rows(x, l.norm[1], false, l.eps[1], l.group[2], l.mult[2], l.rot[2]);
-      torch::Tensor m = glu(h[0], h[1], h[2], l.w[2], l.s[2], l.b[2], l.w[3], l.s[3], l.b[3], l.act, torch::kFloat32);
-      h = quantize_rows(m, none, false, 1e-6, l.group[3], l.mult[3], l.rot[3]);
-      x = linear(h[0], h[1], h[2], l.w[4], l.s[4], l.b[4], x, torch::kFloat32);
-    }
-    return x;
+    auto h = quantize_rows(x, l.norm[0], false, l.eps[0], l.group[0], l.mult[0], l.rot[0]);
+    const torch::Tensor a = attend_(i, linear(h[0], h[1], h[2], l.w[0], l.s[0], l.b[0], none, dtype_), l.attn, cos,
+                                    sin, step);
+    if (!a.defined()) return a;
+    h = quantize_rows(a, none, false, 1e-6, l.group[1], l.mult[1], l.rot[1]);
+    x = linear(h[0], h[1], h[2], l.w[1], l.s[1], l.b[1], x, torch::kFloat32);  // the residual add fused
+    h = quantize_rows(x, l.norm[1], false, l.eps[1], l.group[2], l.mult[2], l.rot[2]);
+    torch::Tensor m = glu(h[0], h[1], h[2], l.w[2], l.s[2], l.b[2], l.w[3], l.s[3], l.b[3], l.act, torch::kFloat32);
+    h = quantize_rows(m, none, false, 1e-6, l.group[3], l.mult[3], l.rot[3]);
+    return linear(h[0], h[1], h[2], l.w[4], l.s[4], l.b[4], x, torch::kFloat32);
   }
 
  private:
-  struct Layer {
-    c10::optional<torch::Tensor> norm[2];
-    double eps[2];
-    int64_t group[4];
-    c10::optional<torch::Tensor> mult[4];
-    bool rot[4];
-    torch::Tensor w[5], s[5];
-    c10::optional<torch::Tensor> b[5];
-    acb_entry::AttentionShape attn;
-    int64_t act;
-  };
-  acb_entry::DecodeAttention attend_;
   torch::ScalarType dtype_;
-  std::vector<Layer> layers_;
 };
 }  // namespace acb_int8_loop
 
