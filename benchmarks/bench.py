@@ -8,8 +8,12 @@
     python benchmarks/bench.py --systems acb_fp32,acb_bf16,acb_int8,acb_int8_bf16  # + int8 weights
     python benchmarks/bench.py --systems acb_bf16,acb_bf16_kv8,acb_int8_bf16_kv8  # + int8 KV pages
     python benchmarks/bench.py --systems acb --limit 16 # quick look
+    python benchmarks/bench.py --systems acb_fp32,acb_int8_bf16 --rounds 3  # ratios, rounds interleaved
 
-Each system runs in its own process, so peak RSS is its own. Prints a table,
+Each system runs in its own process, so peak RSS is its own. With --rounds N the systems run N times
+in turn (A B A B ...: a host's drift between minutes lands on every system alike); each system's row is
+its median round, and each round's tok/s over the first system's in the same round is printed (a ratio
+between two systems read from one run each moved by ~5 % either way here). Prints a table,
 writes JSON (default bench-results/<workload>.json, every TTFT and ITL sample
 included) and renders its plots next to it (bench-results/img/<workload>/, see
 plots.py; docs/img/ is rendered from the recorded runs in benchmarks/results/).
@@ -125,6 +129,41 @@ def run_in_subprocess(system: str, argv: list[str]) -> dict | None:
     return res
 
 
+def median_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """Each system's median round (by tok/s; the lower middle of an even count), in the order they ran,
+    with every round's tok/s as ``rounds_tok_per_s`` where there was more than one."""
+    by_system: dict[str, list[dict]] = {}
+    for results in rounds:
+        for r in results:
+            by_system.setdefault(r["system"], []).append(r)
+    out = []
+    for runs in by_system.values():
+        ranked = sorted(runs, key=lambda r: r["tok_per_s"])
+        pick = dict(ranked[(len(ranked) - 1) // 2])
+        if len(runs) > 1:
+            pick["rounds_tok_per_s"] = [r["tok_per_s"] for r in runs]
+        out.append(pick)
+    return out
+
+
+def round_ratios(rounds: list[list[dict]]) -> str:
+    """Each system's tok/s over the first system's, round by round (rounds where both ran)."""
+    first = rounds[0][0]["system"] if rounds and rounds[0] else None
+    lines = [f"tok/s over {first}'s in the same round:"]
+    names = list(dict.fromkeys(r["system"] for results in rounds for r in results if r["system"] != first))
+    for name in names:
+        ratios = []
+        for results in rounds:
+            base = next((r for r in results if r["system"] == first), None)
+            this = next((r for r in results if r["system"] == name), None)
+            if base and this:
+                ratios.append(this["tok_per_s"] / base["tok_per_s"])
+        if ratios:
+            lines.append(f"  {name:<20} " + " ".join(f"{x:.2f}" for x in ratios)
+                         + f"   (median {sorted(ratios)[(len(ratios) - 1) // 2]:.2f})")
+    return "\n".join(lines)
+
+
 def fmt(v, spec=".1f") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -163,6 +202,7 @@ def main() -> None:
     p.add_argument("--vllm-venv", default=os.environ.get("ACB_VLLM_VENV"))
     p.add_argument("--hf-batch-size", type=int, default=8)
     p.add_argument("--acb-config", default=None, help="JSON of EngineConfig fields for acb")
+    p.add_argument("--rounds", type=int, default=1, help="run the systems N times in turn; rows: each's median")
     p.add_argument("--out", default=None)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
@@ -178,14 +218,17 @@ def main() -> None:
         systems = ["acb", "hf_generate_batch", "hf_generate"] + (["vllm"] if args.vllm_venv else [])
         if args.workload == "stream":
             systems = ["acb"]  # the peers here have no streaming arrival API comparable in one process
-    results = [r for s in systems if (r := run_in_subprocess(s, argv)) is not None]
+    rounds = [[r for s in systems if (r := run_in_subprocess(s, argv)) is not None] for _ in range(args.rounds)]
+    results = median_rounds(rounds)
     ceiling = run_in_subprocess("ceiling", argv)
     print(table(results, ceiling))
+    if args.rounds > 1:
+        print(round_ratios(rounds))
     out = Path(args.out or f"bench-results/{args.workload}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     data = {
         "date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "workload": args.workload, "limit": args.limit, "results": results, "ceiling": ceiling,
+        "workload": args.workload, "limit": args.limit, "rounds": args.rounds, "results": results, "ceiling": ceiling,
         "source": "python benchmarks/bench.py " + " ".join(sys.argv[1:]),
     }
     out.write_text(json.dumps(data, indent=2))
