@@ -247,6 +247,10 @@ def paged_attention(
             stored.append(rows)
         if meta.fresh_spans is not None:
             k_new, v_new = stored
+    elif meta.kernel == "native" and k_new.dtype == k_cache.dtype and k_new.stride(2) == v_new.stride(2) == 1:
+        # row by row in the kernel: index_copy_ indexed each element (~0.13 ms a cache for a 2,048-row bf16 step)
+        KERNELS["native"].write_kv(k_new, k_cache, pool.slot_mapping)
+        KERNELS["native"].write_kv(v_new, v_cache, pool.slot_mapping)
     else:
         k_cache.index_copy_(1, pool.slot_mapping, k_new.to(k_cache.dtype))
         v_cache.index_copy_(1, pool.slot_mapping, v_new.to(v_cache.dtype))

@@ -185,6 +185,27 @@ def test_native_decode_kernel_refuses_what_it_cannot_read():
                             0.0, 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_prompt_steps_page_writes_put_each_row_where_index_copy_would(dtype):
+    kernel = paged_decode_kernel()
+    if kernel is None:
+        pytest.skip("the native CPU kernel did not build here")
+    torch.manual_seed(0)
+    kvh, t, d, slots_in_pool = 3, 300, 64, 1024
+    cache = torch.randn(kvh, slots_in_pool, d).to(dtype)
+    slots = torch.randperm(slots_in_pool)[:t]
+    src = torch.randn(t, kvh, d).to(dtype).transpose(0, 1)  # [kvh, T, d] as the projection's view lies
+    want = cache.clone().index_copy_(1, slots, src)
+    kernel.write_kv(src, cache, slots)
+    assert torch.equal(cache, want)  # every row in its slot, the rest of the pool untouched
+    with pytest.raises(RuntimeError, match="slot 1024 out of range"):
+        kernel.write_kv(src, cache, torch.cat([slots[:-1], torch.tensor([slots_in_pool])]))
+    with pytest.raises(RuntimeError, match="cache must be a contiguous"):
+        kernel.write_kv(src.double(), cache, slots)
+    with pytest.raises(RuntimeError, match="slots must be int64"):
+        kernel.write_kv(src, cache, slots[:-1])
+
+
 @torch.inference_mode()
 def test_prepacked_linears_compute_the_same_and_restore_the_weights_exactly():
     if not cpu_linear.available(torch.float32):
