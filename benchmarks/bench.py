@@ -146,9 +146,8 @@ def median_rounds(rounds: list[list[dict]]) -> list[dict]:
     return out
 
 
-def round_ratios(rounds: list[list[dict]]) -> str:
-    """Each system's tok/s over the first system's, round by round (rounds where both ran)."""
-    first = rounds[0][0]["system"] if rounds and rounds[0] else None
+def round_ratios(rounds: list[list[dict]], first: str) -> str:
+    """Each system's tok/s over system ``first``'s, round by round (the rounds where both ran)."""
     lines = [f"tok/s over {first}'s in the same round:"]
     names = list(dict.fromkeys(r["system"] for results in rounds for r in results if r["system"] != first))
     for name in names:
@@ -207,6 +206,8 @@ def main() -> None:
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.child:
         Path(args.child_out).write_text(json.dumps(child(args.child, args)))
         return
@@ -223,7 +224,7 @@ def main() -> None:
     ceiling = run_in_subprocess("ceiling", argv)
     print(table(results, ceiling))
     if args.rounds > 1:
-        print(round_ratios(rounds))
+        print(round_ratios(rounds, systems[0]))
     out = Path(args.out or f"bench-results/{args.workload}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     data = {

@@ -51,7 +51,9 @@ def test_bench_rounds_keep_each_systems_median_round_and_print_ratios_round_by_r
         ("acb_fp32", 290.0, 3.0), ("acb_int8_bf16", 720.0, 0.3)]
     assert rows[1]["rounds_tok_per_s"] == [690.0, 770.0, 720.0]
     assert "rounds_tok_per_s" not in bench.median_rounds(rounds[:1])[0]
-    text = bench.round_ratios(rounds)
+    text = bench.round_ratios(rounds, "acb_fp32")
     assert "over acb_fp32's" in text
     # 690/300, 770/280, 720/290 in round order, and their median
     assert "2.30 2.75 2.48   (median 2.48)" in text
+    # a round where the first system failed gives no ratio (the others' rounds keep theirs)
+    assert "2.75 2.48   (median 2.48)" in bench.round_ratios([rounds[0][1:], *rounds[1:]], "acb_fp32")

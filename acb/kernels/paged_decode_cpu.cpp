@@ -1912,14 +1912,13 @@ void write_kv(const torch::Tensor& src, torch::Tensor& cache, const torch::Tenso
   const int64_t KVH = src.size(0), T = src.size(1), D = src.size(2), S = cache.size(1);
   const int64_t* sl = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "write_kv: slot ", sl[t], " out of range");
-  const int64_t bytes = D * static_cast<int64_t>(src.element_size()), sh = src.stride(0), st = src.stride(1);
+  const int64_t es = src.element_size(), bytes = D * es, sh = src.stride(0) * es, st = src.stride(1) * es;
   const char* x = static_cast<const char*>(src.data_ptr());
   char* c = static_cast<char*>(cache.data_ptr());
-  const int64_t es = src.element_size();
   at::parallel_for(0, KVH * T, 256, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / T, t = item % T;
-      std::memcpy(c + (h * S + sl[t]) * bytes, x + (h * sh + t * st) * es, bytes);
+      std::memcpy(c + (h * S + sl[t]) * bytes, x + h * sh + t * st, bytes);
     }
   });
 }
