@@ -1274,6 +1274,69 @@ static inline bool softmax_block(const float* s, int64_t kb, int64_t pos, int64_
   return true;
 }
 
+// softmax_block for the R rows of a tile at once (the bf16 kernel's): each row's block max first,
+// then every row's new running max and its accumulators' factor in one vector exp (where
+// softmax_block took a scalar expf per row, a chain of reductions and a call one row after
+// another), then each row's weights into ex[r * KB ...] (zeros where it sees no key of the block:
+// its max, sum and factor 1 left as they were).
+static inline void softmax_rows(float* s, int64_t kb, int R, const int64_t* pos, const int64_t* lo, float scale,
+                                float cap, float* m, float* l, float* corr, float* ex) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i key0 = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(kb)));
+  const __m512i key1 = _mm512_add_epi32(key0, _mm512_set1_epi32(16));
+  const __m512 vscale = _mm512_set1_ps(scale), lowest = _mm512_set1_ps(-3.0e38f);
+  __mmask16 v0[RB], v1[RB];
+  alignas(64) float bm[16] = {};
+  __mmask16 seen = 0;  // the rows that see a key of this block
+  for (int r = 0; r < R; ++r) {
+    const __m512i hi = _mm512_set1_epi32(static_cast<int>(pos[r])), low = _mm512_set1_epi32(static_cast<int>(lo[r]));
+    v0[r] = _mm512_cmple_epi32_mask(key0, hi) & _mm512_cmpge_epi32_mask(key0, low);
+    v1[r] = _mm512_cmple_epi32_mask(key1, hi) & _mm512_cmpge_epi32_mask(key1, low);
+    if ((v0[r] | v1[r]) == 0) continue;
+    seen |= static_cast<__mmask16>(1u << r);
+    float* sr = s + r * KB;
+    __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(sr), vscale), x1 = _mm512_mul_ps(_mm512_loadu_ps(sr + 16), vscale);
+    if (cap > 0.f) {
+      alignas(64) float t[KB];
+      _mm512_store_ps(t, x0);
+      _mm512_store_ps(t + 16, x1);
+      for (int j = 0; j < KB; ++j) t[j] = tanhf(t[j] / cap) * cap;
+      x0 = _mm512_load_ps(t);
+      x1 = _mm512_load_ps(t + 16);
+    }
+    _mm512_storeu_ps(sr, x0);  // scaled (and capped) in place, for the weights below
+    _mm512_storeu_ps(sr + 16, x1);
+    bm[r] = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(lowest, v0[r], x0),
+                                               _mm512_mask_mov_ps(lowest, v1[r], x1)));
+  }
+  const __mmask16 rows = static_cast<__mmask16>((1u << R) - 1);
+  const __m512 mo = _mm512_maskz_loadu_ps(rows, m), lo_ = _mm512_maskz_loadu_ps(rows, l);
+  const __m512 bmv = _mm512_load_ps(bm);
+  const __mmask16 first = _mm512_cmp_ps_mask(lo_, _mm512_setzero_ps(), _CMP_EQ_OQ);
+  const __m512 m_new = _mm512_mask_mov_ps(_mm512_max_ps(mo, bmv), first, bmv);
+  // not first: exp(m - m_new); first: 0; a row that sees nothing here: 1, its max unchanged
+  __m512 c = _mm512_maskz_mov_ps(static_cast<__mmask16>(~first), exp16(_mm512_sub_ps(mo, m_new)));
+  c = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), seen, c);
+  _mm512_mask_storeu_ps(corr, rows, c);
+  _mm512_mask_storeu_ps(m, static_cast<__mmask16>(rows & seen), m_new);
+  alignas(64) float mn[16];
+  _mm512_store_ps(mn, m_new);
+  for (int r = 0; r < R; ++r) {
+    float* e = ex + r * KB;
+    if (!(seen >> r & 1)) {
+      _mm512_store_ps(e, _mm512_setzero_ps());
+      _mm512_store_ps(e + 16, _mm512_setzero_ps());
+      continue;
+    }
+    const __m512 mv = _mm512_set1_ps(mn[r]);
+    const __m512 p0 = _mm512_maskz_mov_ps(v0[r], exp16(_mm512_sub_ps(_mm512_loadu_ps(s + r * KB), mv)));
+    const __m512 p1 = _mm512_maskz_mov_ps(v1[r], exp16(_mm512_sub_ps(_mm512_loadu_ps(s + r * KB + 16), mv)));
+    l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+    _mm512_store_ps(e, p0);
+    _mm512_store_ps(e + 16, p1);
+  }
+}
+
 // out rows = acc / l, DC * 16 dims each
 template <int DC, typename Q>
 static inline void store(const Rows<Q>& t, float* out, int64_t o_tok, int64_t o_head, int64_t t0, const float* acc) {
@@ -1493,13 +1556,11 @@ static void run_item16(const Args16& a, int64_t t0, int64_t past, int64_t kh, in
     for (int64_t kb = lo_min / KB * KB; kb <= hi_max; kb += KB) {
       qk16_rows(qr, kt + kb, ldk, D, s, R);
       const int nk = static_cast<int>(std::min<int64_t>(KB, hi_max + 1 - kb));
+      alignas(64) float ex[RB * KB];  // the rows' weights, relative to their new running max
+      softmax_rows(s, kb, R, pos, lo, a.scale, a.cap, m, l, corr, ex);
       for (int r = 0; r < R; ++r) {
         uint32_t* pr = p16 + r * KB;
-        __m512 p0, p1;
-        if (!softmax_block(s + r * KB, kb, pos[r], lo[r], a.scale, a.cap, m[r], l[r], corr[r], p0, p1)) {
-          std::fill(pr, pr + KB, 0u);
-          continue;
-        }
+        const __m512 p0 = _mm512_load_ps(ex + r * KB), p1 = _mm512_load_ps(ex + r * KB + 16);
         // 32 bf16 weights in key order: pair j = (p[2j], p[2j+1]); then what rounding them left out,
         // also bf16 (rounding p to bf16 alone cost SmolLM2 ~0.1 point of top-1 agreement with float32)
         const __m512i hi = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0));
