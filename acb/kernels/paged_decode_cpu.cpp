@@ -1237,21 +1237,21 @@ namespace prefill {
 // when cap > 0, masked to the keys lo..pos the row sees. p0/p1: the block's weights (0 where
 // masked), relative to the row's running max m; corr: the factor for its accumulators; m, l: its
 // running max and sum, updated. False (corr = 1, nothing updated) where the row sees no key here.
-static inline bool softmax_block(const float* s, int64_t kb, int64_t pos, int64_t lo, float scale, float cap,
-                                 float& m, float& l, float& corr, __m512& p0, __m512& p1) {
+// Which of a block's KB keys (kb..kb+31) a row at position pos sees (lo..pos): v0 the first 16, v1 the rest
+static inline void block_keys(int64_t kb, int64_t pos, int64_t lo, __mmask16& v0, __mmask16& v1) {
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i key0 = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(kb)));
   const __m512i key1 = _mm512_add_epi32(key0, _mm512_set1_epi32(16));
   const __m512i hi = _mm512_set1_epi32(static_cast<int>(pos)), low = _mm512_set1_epi32(static_cast<int>(lo));
-  const __mmask16 v0 = _mm512_cmple_epi32_mask(key0, hi) & _mm512_cmpge_epi32_mask(key0, low);
-  const __mmask16 v1 = _mm512_cmple_epi32_mask(key1, hi) & _mm512_cmpge_epi32_mask(key1, low);
-  if ((v0 | v1) == 0) {
-    corr = 1.f;
-    return false;
-  }
+  v0 = _mm512_cmple_epi32_mask(key0, hi) & _mm512_cmpge_epi32_mask(key0, low);
+  v1 = _mm512_cmple_epi32_mask(key1, hi) & _mm512_cmpge_epi32_mask(key1, low);
+}
+
+// A row's KB scores s times scale, soft-capped when cap > 0: x0 the first 16, x1 the rest
+static inline void scaled_scores(const float* s, float scale, float cap, __m512& x0, __m512& x1) {
   const __m512 vscale = _mm512_set1_ps(scale);
-  __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(s), vscale);
-  __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(s + 16), vscale);
+  x0 = _mm512_mul_ps(_mm512_loadu_ps(s), vscale);
+  x1 = _mm512_mul_ps(_mm512_loadu_ps(s + 16), vscale);
   if (cap > 0.f) {
     alignas(64) float t[KB];
     _mm512_store_ps(t, x0);
@@ -1260,6 +1260,18 @@ static inline bool softmax_block(const float* s, int64_t kb, int64_t pos, int64_
     x0 = _mm512_load_ps(t);
     x1 = _mm512_load_ps(t + 16);
   }
+}
+
+static inline bool softmax_block(const float* s, int64_t kb, int64_t pos, int64_t lo, float scale, float cap,
+                                 float& m, float& l, float& corr, __m512& p0, __m512& p1) {
+  __mmask16 v0, v1;
+  block_keys(kb, pos, lo, v0, v1);
+  if ((v0 | v1) == 0) {
+    corr = 1.f;
+    return false;
+  }
+  __m512 x0, x1;
+  scaled_scores(s, scale, cap, x0, x1);
   const __m512 lowest = _mm512_set1_ps(-3.0e38f);  // masked lanes (no infinities: -ffast-math)
   const float bm = _mm512_reduce_max_ps(
       _mm512_max_ps(_mm512_mask_mov_ps(lowest, v0, x0), _mm512_mask_mov_ps(lowest, v1, x1)));
@@ -1281,29 +1293,17 @@ static inline bool softmax_block(const float* s, int64_t kb, int64_t pos, int64_
 // its max, sum and factor 1 left as they were).
 static inline void softmax_rows(float* s, int64_t kb, int R, const int64_t* pos, const int64_t* lo, float scale,
                                 float cap, float* m, float* l, float* corr, float* ex) {
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i key0 = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(kb)));
-  const __m512i key1 = _mm512_add_epi32(key0, _mm512_set1_epi32(16));
-  const __m512 vscale = _mm512_set1_ps(scale), lowest = _mm512_set1_ps(-3.0e38f);
+  const __m512 lowest = _mm512_set1_ps(-3.0e38f);
   __mmask16 v0[RB], v1[RB];
   alignas(64) float bm[16] = {};
   __mmask16 seen = 0;  // the rows that see a key of this block
   for (int r = 0; r < R; ++r) {
-    const __m512i hi = _mm512_set1_epi32(static_cast<int>(pos[r])), low = _mm512_set1_epi32(static_cast<int>(lo[r]));
-    v0[r] = _mm512_cmple_epi32_mask(key0, hi) & _mm512_cmpge_epi32_mask(key0, low);
-    v1[r] = _mm512_cmple_epi32_mask(key1, hi) & _mm512_cmpge_epi32_mask(key1, low);
+    block_keys(kb, pos[r], lo[r], v0[r], v1[r]);
     if ((v0[r] | v1[r]) == 0) continue;
     seen |= static_cast<__mmask16>(1u << r);
     float* sr = s + r * KB;
-    __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(sr), vscale), x1 = _mm512_mul_ps(_mm512_loadu_ps(sr + 16), vscale);
-    if (cap > 0.f) {
-      alignas(64) float t[KB];
-      _mm512_store_ps(t, x0);
-      _mm512_store_ps(t + 16, x1);
-      for (int j = 0; j < KB; ++j) t[j] = tanhf(t[j] / cap) * cap;
-      x0 = _mm512_load_ps(t);
-      x1 = _mm512_load_ps(t + 16);
-    }
+    __m512 x0, x1;
+    scaled_scores(sr, scale, cap, x0, x1);
     _mm512_storeu_ps(sr, x0);  // scaled (and capped) in place, for the weights below
     _mm512_storeu_ps(sr + 16, x1);
     bm[r] = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(lowest, v0[r], x0),
