@@ -1262,6 +1262,12 @@ static inline void scaled_scores(const float* s, float scale, float cap, __m512&
   }
 }
 
+// The largest of a row's scores x0, x1 over the keys it sees (v0, v1; at least one)
+static inline float seen_max(__mmask16 v0, __mmask16 v1, __m512 x0, __m512 x1) {
+  const __m512 lowest = _mm512_set1_ps(-3.0e38f);  // masked lanes (no infinities: -ffast-math)
+  return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(lowest, v0, x0), _mm512_mask_mov_ps(lowest, v1, x1)));
+}
+
 static inline bool softmax_block(const float* s, int64_t kb, int64_t pos, int64_t lo, float scale, float cap,
                                  float& m, float& l, float& corr, __m512& p0, __m512& p1) {
   __mmask16 v0, v1;
@@ -1272,9 +1278,7 @@ static inline bool softmax_block(const float* s, int64_t kb, int64_t pos, int64_
   }
   __m512 x0, x1;
   scaled_scores(s, scale, cap, x0, x1);
-  const __m512 lowest = _mm512_set1_ps(-3.0e38f);  // masked lanes (no infinities: -ffast-math)
-  const float bm = _mm512_reduce_max_ps(
-      _mm512_max_ps(_mm512_mask_mov_ps(lowest, v0, x0), _mm512_mask_mov_ps(lowest, v1, x1)));
+  const float bm = seen_max(v0, v1, x0, x1);
   const bool first = l == 0.f;
   const float m_new = first ? bm : std::max(m, bm);
   corr = first ? 0.f : expf(m - m_new);
@@ -1293,7 +1297,6 @@ static inline bool softmax_block(const float* s, int64_t kb, int64_t pos, int64_
 // its max, sum and factor 1 left as they were).
 static inline void softmax_rows(float* s, int64_t kb, int R, const int64_t* pos, const int64_t* lo, float scale,
                                 float cap, float* m, float* l, float* corr, float* ex) {
-  const __m512 lowest = _mm512_set1_ps(-3.0e38f);
   __mmask16 v0[RB], v1[RB];
   alignas(64) float bm[16] = {};
   __mmask16 seen = 0;  // the rows that see a key of this block
@@ -1306,8 +1309,7 @@ static inline void softmax_rows(float* s, int64_t kb, int R, const int64_t* pos,
     scaled_scores(sr, scale, cap, x0, x1);
     _mm512_storeu_ps(sr, x0);  // scaled (and capped) in place, for the weights below
     _mm512_storeu_ps(sr + 16, x1);
-    bm[r] = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(lowest, v0[r], x0),
-                                               _mm512_mask_mov_ps(lowest, v1[r], x1)));
+    bm[r] = seen_max(v0[r], v1[r], x0, x1);
   }
   const __mmask16 rows = static_cast<__mmask16>((1u << R) - 1);
   const __m512 mo = _mm512_maskz_loadu_ps(rows, m), lo_ = _mm512_maskz_loadu_ps(rows, l);
