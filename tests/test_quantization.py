@@ -106,6 +106,29 @@ def test_activations_are_quantized_per_token_and_group_with_the_norm_fused(group
         assert (xs[:, 1:] < xs[:, :1] / 4).all()
 
 
+@pytest.mark.parametrize("k,group", [(1536, 64), (1536, 32), (576, 64), (48, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_group_of_a_wide_row_gets_exactly_its_own_scale_bytes_and_offset(k, group, dtype):
+    """Rows of many groups (the kernel reduces sixteen groups' maxima and sums at a time: 1,536 / 32
+    is three batches, the last one full; 1,536 / 64 two, the second half empty): each group's scale
+    max|v| / 127, bytes round(v * (127 / max|v|)) (to nearest even) and offset 128 * sum(q) * scale,
+    all float32, equal bit for bit to the formula; a group of zeros gives zeros."""
+    q8 = _q8()
+    x = (torch.randn(7, k) * torch.rand(1, k).mul(8).exp()).to(dtype)
+    x[2, group: 2 * group] = 0  # a group of zeros
+    x[4, -group:] = 0  # the last group of a batch
+    xq, xs, xo = _quantize(q8, x, group)
+    v = x.float().view(7, k // group, group)
+    top = v.abs().amax(2)
+    assert torch.equal(xs, top / 127)
+    # a tensor over a tensor: torch takes a number over a tensor as 127 * (1 / top), a last bit off 127 / top
+    qs = torch.where(top > 0, torch.full_like(top, 127) / top, torch.zeros_like(top))
+    want = torch.round(v * qs[:, :, None]).clamp(-128, 127).to(torch.int8).view(7, k)
+    assert torch.equal(xq, want)
+    assert torch.equal(xo, 128 * want.float().view(7, k // group, group).sum(2) * xs)
+    assert xs[2, 1] == 0 and xo[2, 1] == 0 and xs[4, -1] == 0 and (xq[4, -group:] == 0).all()
+
+
 def test_the_smoothing_multiplier_applies_after_the_norm():
     """mult (the smoothing's 1/s) multiplies the normed row, as the model's forward multiplies
     the norm's output; without a norm, the row itself."""

@@ -439,29 +439,52 @@ inline void hadamard_row(float* x, int64_t k) {
       }
 }
 
-// One group of nv registers' values -> q (16 nv signed bytes), its scale max|v| / 127 and offset
-// 128 * sum(q) * scale (round to nearest even, as nearbyint)
-inline void quantize_group(const __m512* v, int64_t nv, int8_t* q, float* scale, float* off) {
-  __m512 amax = _mm512_setzero_ps();
-  for (int64_t j = 0; j < nv; ++j) amax = _mm512_max_ps(amax, _mm512_abs_ps(v[j]));
-  const float top = _mm512_reduce_max_ps(amax), s = top / 127.f;
-  const __m512 qs = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
-  __m512i sum = _mm512_setzero_si512();
-  for (int64_t j = 0; j < nv; ++j) {
-    const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(v[j], qs));
-    sum = _mm512_add_epi32(sum, r);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * j), _mm512_cvtsepi32_epi8(r));
+// A row's values quantized group by group (groups of 16 nv values): vals, the row's k values (normed,
+// multiplied, rotated); amax (16 floats a group), each group's |max| so far lane by lane. Per group
+// q = round(v * 127 / max|v|) (signed bytes, to nearest even as nearbyint), scale max|v| / 127 and
+// offset 128 * sum(q) * scale. Sixteen groups at a time: their maxima reduced into one vector (a
+// tree of shuffles), their scales and 127 / max in one division each, each group's values rounded,
+// then their sums reduced alike. Group by group, two chains of shuffles and two divisions each
+// left a row's quantization waiting on their latency (1,667 x 576, smoothed and rotated: 145 us).
+inline void quantize_groups(const float* vals, int64_t k, int64_t nv, const float* amax, int8_t* q, float* scales,
+                            float* offs) {
+  const int64_t group = 16 * nv, ng = k / group;
+  for (int64_t g0 = 0; g0 < ng; g0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, ng - g0));
+    const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1);
+    __m512 t[16];
+    for (int i = 0; i < 16; ++i) t[i] = i < n ? _mm512_loadu_ps(amax + (g0 + i) * 16) : _mm512_setzero_ps();
+    const __m512 top = acb_vec::reduce16_max(t), s = _mm512_div_ps(top, _mm512_set1_ps(127.f));
+    const __m512 qs = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(top, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                          _mm512_div_ps(_mm512_set1_ps(127.f), top));
+    alignas(64) float qa[16];
+    _mm512_store_ps(qa, qs);
+    for (int i = 0; i < n; ++i) {
+      const __m512 f = _mm512_set1_ps(qa[i]);
+      const float* v = vals + (g0 + i) * group;
+      int8_t* qg = q + (g0 + i) * group;
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t j = 0; j < nv; ++j) {
+        const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + 16 * j), f));
+        sum = _mm512_add_epi32(sum, r);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qg + 16 * j), _mm512_cvtsepi32_epi8(r));
+      }
+      t[i] = _mm512_cvtepi32_ps(sum);  // integers of at most 127 nv: the float sums below are exact
+    }
+    for (int i = n; i < 16; ++i) t[i] = _mm512_setzero_ps();
+    const __m512 total = acb_vec::reduce16(t);
+    _mm512_mask_storeu_ps(scales + g0, lanes, s);
+    _mm512_mask_storeu_ps(offs + g0, lanes, _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(128.f), total), s));
   }
-  *scale = s;
-  *off = 128.f * static_cast<float>(_mm512_reduce_add_epi32(sum)) * s;
 }
 
 // quantize_row's rotated blocks of NB registers (b = 16 NB values; NB known at compile time, so the
 // block stays in registers): each loaded (normed with inv and w, times mult), rotated (hadamard16:
-// hadamard_row's sums in its order, so the same bits), then its groups of nv registers quantized
+// hadamard_row's sums in its order, so the same bits), then stored to buf with each group's |max|
+// (groups of nv registers) into amax, for quantize_groups.
 template <int NB, typename T>
-void rotated_blocks(const T* x, int64_t k, int64_t nv, const float* w, const float* mult, float inv, int8_t* q,
-                    float* scales, float* offs) {
+__attribute__((noinline)) void rotated_blocks(const T* x, int64_t k, int64_t nv, const float* w, const float* mult, float inv, float* buf,
+                    float* amax) {
   const __m512 vinv = _mm512_set1_ps(inv);
   const int64_t group = 16 * nv;
   for (int64_t b0 = 0; b0 < k; b0 += 16 * NB) {
@@ -475,8 +498,76 @@ void rotated_blocks(const T* x, int64_t k, int64_t nv, const float* w, const flo
       v[c] = u;
     }
     acb_vec::hadamard16(v, NB, 16 * NB);
-    for (int64_t g0 = 0; g0 < 16 * NB; g0 += group)
-      quantize_group(v + g0 / 16, nv, q + b0 + g0, scales + (b0 + g0) / group, offs + (b0 + g0) / group);
+    for (int64_t g0 = 0; g0 < 16 * NB; g0 += group) {
+      __m512 m = _mm512_setzero_ps();
+      for (int64_t j = 0; j < nv; ++j) {
+        const __m512 u = v[g0 / 16 + j];
+        _mm512_storeu_ps(buf + b0 + g0 + 16 * j, u);
+        m = _mm512_max_ps(m, _mm512_abs_ps(u));
+      }
+      _mm512_storeu_ps(amax + (b0 + g0) / group * 16, m);
+    }
+  }
+}
+
+// hadamard_row's stages across registers of len values and on, SPAN registers (log2 SPAN stages) at a
+// time: each (the row's values at p, k of them, blocks of SPAN len) loaded SPAN at a time len apart,
+// the stages in registers, stored back. The same sums in the same order, so the same bits.
+template <int SPAN>
+inline void cross_stages(float* p, int64_t k, int64_t len) {
+  for (int64_t base = 0; base < k; base += SPAN * len)
+    for (int64_t o = base; o < base + len; o += 16) {
+      __m512 v[SPAN];
+#pragma GCC unroll 8
+      for (int c = 0; c < SPAN; ++c) v[c] = _mm512_loadu_ps(p + o + c * len);
+#pragma GCC unroll 4
+      for (int st = 1; st < SPAN; st <<= 1)
+#pragma GCC unroll 8
+        for (int i = 0; i < SPAN; i += 2 * st)
+#pragma GCC unroll 8
+          for (int j = i; j < i + st; ++j) {
+            const __m512 u = v[j], t = v[j + st];
+            v[j] = _mm512_add_ps(u, t);
+            v[j + st] = _mm512_sub_ps(u, t);
+          }
+#pragma GCC unroll 8
+      for (int c = 0; c < SPAN; ++c) _mm512_storeu_ps(p + o + c * len, v[c]);
+    }
+}
+
+// quantize_row's rotation over blocks of b > 64 values (SmolLM2's down projection: 512): each 64
+// values loaded, normed and multiplied, rotated within (hadamard16 on four registers) and stored to
+// buf, then the stages across the 64-value chunks three at a time (cross_stages: eight registers),
+// then each group's |max| into amax, for quantize_groups. (The whole block in registers, 32 of them,
+// spilled: 1,667 x 1,536 smoothed and rotated took 352 us against 330 through hadamard_row.)
+template <typename T>
+__attribute__((noinline)) void rotated_wide(const T* x, int64_t k, int64_t b, int64_t nv, const float* w, const float* mult, float inv,
+                  float* buf, float* amax) {
+  const __m512 vinv = _mm512_set1_ps(inv);
+  for (int64_t i0 = 0; i0 < k; i0 += 64) {
+    __m512 v[4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const int64_t i = i0 + 16 * c;
+      __m512 u = load_row(x + i);
+      if (w) u = _mm512_mul_ps(_mm512_loadu_ps(w + i), _mm512_mul_ps(u, vinv));
+      if (mult) u = _mm512_mul_ps(u, _mm512_loadu_ps(mult + i));
+      v[c] = u;
+    }
+    acb_vec::hadamard16(v, 4, 64);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(buf + i0 + 16 * c, v[c]);
+  }
+  for (int64_t len = 64; len < b;) {
+    if (b / len >= 8) { cross_stages<8>(buf, k, len); len *= 8; }
+    else if (b / len == 4) { cross_stages<4>(buf, k, len); len *= 4; }
+    else { cross_stages<2>(buf, k, len); len *= 2; }
+  }
+  const int64_t group = 16 * nv;
+  for (int64_t g0 = 0; g0 < k; g0 += group) {
+    __m512 m = _mm512_setzero_ps();
+    for (int64_t i = g0; i < g0 + group; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(buf + i)));
+    _mm512_storeu_ps(amax + g0 / group * 16, m);
   }
 }
 
@@ -487,7 +578,7 @@ void rotated_blocks(const T* x, int64_t k, int64_t nv, const float* w, const flo
 // of `group` channels q = round(v * 127 / max|v|) (round to nearest even, as nearbyint), scale =
 // max|v| / 127 and offset = 128 * sum(q) * scale (see the GEMM above). rotate: v <- v H
 // (hadamard_row; acb.quantization's input rotation, the weight's columns rotated alike) before the
-// groups are quantized; the row then passes through buf ([k] floats).
+// groups are quantized. buf: 2 k floats (the row's values, then its groups' maxima).
 template <typename T>
 void quantize_row(const T* x, int64_t k, int64_t group, const float* w, const float* mult, float eps, int8_t* q,
                   float* scales, float* offs, float* buf, bool rotate = false) {
@@ -496,26 +587,34 @@ void quantize_row(const T* x, int64_t k, int64_t group, const float* w, const fl
     return static_cast<__mmask16>(end - i >= 16 ? 0xffff : (1u << (end - i)) - 1);
   };
   float inv = 1.f;
-  if (norm) {
-    __m512 ss = _mm512_setzero_ps();
-    for (int64_t i = 0; i < k; i += 16) {
+  if (norm) {  // four sums: one chain of k / 16 dependent FMAs was ~30 % of a 576-wide row's time
+    __m512 ss[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    int64_t i = 0;
+    for (; i + 64 <= k; i += 64)
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const __m512 v = load_row(x + i + 16 * c);
+        ss[c] = _mm512_fmadd_ps(v, v, ss[c]);
+      }
+    for (; i < k; i += 16) {
       const __m512 v = load_masked(x + i, mask(i, k));
-      ss = _mm512_fmadd_ps(v, v, ss);
+      ss[0] = _mm512_fmadd_ps(v, v, ss[0]);
     }
-    inv = 1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(k) + eps);
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(ss[0], ss[1]), _mm512_add_ps(ss[2], ss[3]));
+    inv = 1.f / std::sqrt(_mm512_reduce_add_ps(sum) / static_cast<float>(k) + eps);
   }
   const int64_t b = k & -k;  // the rotation's block
-  if (rotate && b % 16 == 0 && b <= 512 && group % 16 == 0 && b % group == 0) {  // in registers
+  if (rotate && b % 16 == 0 && group % 16 == 0 && b % group == 0) {
     const float* nw = norm ? w : nullptr;
     const int64_t nv = group / 16;
-    switch (b / 16) {
-      case 1: return rotated_blocks<1>(x, k, nv, nw, mult, inv, q, scales, offs);
-      case 2: return rotated_blocks<2>(x, k, nv, nw, mult, inv, q, scales, offs);
-      case 4: return rotated_blocks<4>(x, k, nv, nw, mult, inv, q, scales, offs);
-      case 8: return rotated_blocks<8>(x, k, nv, nw, mult, inv, q, scales, offs);
-      case 16: return rotated_blocks<16>(x, k, nv, nw, mult, inv, q, scales, offs);
-      default: return rotated_blocks<32>(x, k, nv, nw, mult, inv, q, scales, offs);
+    float* amax = buf + k;
+    switch (b / 16) {  // blocks of up to 64 values in registers
+      case 1: rotated_blocks<1>(x, k, nv, nw, mult, inv, buf, amax); break;
+      case 2: rotated_blocks<2>(x, k, nv, nw, mult, inv, buf, amax); break;
+      case 4: rotated_blocks<4>(x, k, nv, nw, mult, inv, buf, amax); break;
+      default: rotated_wide(x, k, b, nv, nw, mult, inv, buf, amax); break;
     }
+    return quantize_groups(buf, k, nv, amax, q, scales, offs);
   }
   if (rotate) {  // any other shape: through buf
     for (int64_t i = 0; i < k; i += 16) {
@@ -530,20 +629,21 @@ void quantize_row(const T* x, int64_t k, int64_t group, const float* w, const fl
     quantize_row<float>(buf, k, group, nullptr, nullptr, eps, q, scales, offs, buf);
     return;
   }
-  if (group % 16 == 0 && group <= 64) {  // the groups acb uses: each group's values stay in registers
-    const int64_t nv = group / 16;
+  if (group % 16 == 0) {  // the groups acb uses: the values through buf, each group's |max| into amax
     const __m512 vinv = _mm512_set1_ps(inv);
+    float* amax = buf + k;
     for (int64_t g0 = 0; g0 < k; g0 += group) {
-      __m512 v[4];
-      for (int64_t j = 0; j < nv; ++j) {
-        const int64_t i = g0 + 16 * j;
-        v[j] = load_row(x + i);
-        if (norm) v[j] = _mm512_mul_ps(_mm512_loadu_ps(w + i), _mm512_mul_ps(v[j], vinv));
-        if (mult) v[j] = _mm512_mul_ps(v[j], _mm512_loadu_ps(mult + i));
+      __m512 m = _mm512_setzero_ps();
+      for (int64_t i = g0; i < g0 + group; i += 16) {
+        __m512 v = load_row(x + i);
+        if (norm) v = _mm512_mul_ps(_mm512_loadu_ps(w + i), _mm512_mul_ps(v, vinv));
+        if (mult) v = _mm512_mul_ps(v, _mm512_loadu_ps(mult + i));
+        _mm512_storeu_ps(buf + i, v);
+        m = _mm512_max_ps(m, _mm512_abs_ps(v));
       }
-      quantize_group(v, nv, q + g0, scales + g0 / group, offs + g0 / group);
+      _mm512_storeu_ps(amax + g0 / group * 16, m);
     }
-    return;
+    return quantize_groups(buf, k, group / 16, amax, q, scales, offs);
   }
   for (int64_t g0 = 0; g0 < k; g0 += group) {
     const int64_t end = g0 + group;
@@ -686,7 +786,7 @@ std::vector<torch::Tensor> quantize_any(const torch::Tensor& x, const c10::optio
   const float* w = channel_weights(norm_w, k, "the norm weight", widened);
   const float* mp = channel_weights(mult, k, "mult", widened_mult);
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t b, int64_t e) {
-    std::vector<float> buf(k);
+    std::vector<float> buf(2 * k);  // the row's values, then (AVX-512) each group's |max| lanes
     for (int64_t t = b; t < e; ++t) {
       quantize_row(xp + t * xs, k, group, w, mp, static_cast<float>(eps), qp + t * k, sp + t * ng, op + t * ng,
                    buf.data(), rotate);

@@ -239,27 +239,7 @@ static inline void prefetch_item(const T* kp, const T* vp, const int64_t* pg, co
   prefetch_start(vp + kh * S * stride, pg + b * P, page_size, stride, first, m);
 }
 
-// 16 vectors -> one: lane j = the sum of v[j]'s lanes (a tree of 15 shuffle-adds, not 16
-// horizontal reductions). v is overwritten. Always inlined: GCC kept it a call, so the 16
-// accumulators went through the stack on every block of keys (the bf16 decode kernel over
-// pages read from memory, 45 rows x ~380 keys: 400 -> 372 us a call, 2026-12-06).
-__attribute__((always_inline)) static inline __m512 reduce16(__m512* v) {
-  __m512 s[8], t[4], u[2];
-  for (int i = 0; i < 8; ++i)  // lanes 0-7: v[2i]'s two halves added, 8-15: v[2i+1]'s
-    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int j = 0; j < 4; ++j)  // quarter k: v[4j + k]'s partial sums (4 lanes)
-    t[j] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], 0x88),
-                         _mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], 0xDD));
-  for (int j = 0; j < 2; ++j)
-    u[j] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  // lane 4k + l: the sum of v[4l + k]; put lane j at j
-  const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(order, w);
-}
+using acb_vec::reduce16;  // 16 vectors -> one vector of their sums (vec_math.h)
 
 // Scores of G query heads against keys [i0, i0 + nk) (nk <= 16): the keys are widened
 // once into kf (16 x D floats, L1), then each head's 16 dot products are reduced
