@@ -77,10 +77,12 @@ def _logits(runner, forward, rows, prompt=False):
 NATIVE_LOOP_ARCHS = ("llama", "qwen2", "mistral")
 
 
-def decode_both_ways(runner, forward_cls, monkeypatch, label: str) -> None:
+def decode_both_ways(runner, forward_cls, monkeypatch, label: str, prompts: int = 4, longest: int = 30) -> None:
     """Three decode steps after a prefill, each run through the forward's Python loop and then through
     its native DecodeLoop (the same new keys and values written twice): the same logits to the bit,
-    the native loop taking every step where the architecture and the one-call attention allow it."""
+    the native loop taking every step where the architecture and the one-call attention allow it. With
+    16 ``prompts`` or more, the DecodeLoop runs each step twice more: whole, and as two halves of rows on
+    two threads (``split_rows``, entry_points.h), both the same bits."""
     native = []
     decode_layers = forward_cls._decode_layers
 
@@ -95,28 +97,43 @@ def decode_both_ways(runner, forward_cls, monkeypatch, label: str) -> None:
     arch_ok = runner.model.config.model_type in NATIVE_LOOP_ARCHS
     assert (forward.loop is not None) == arch_ok, label
     takes = arch_ok and paged_decode_kernel().decode_into()
-    rows = fresh_rows(random_prompts(4, 5, 30, seed=7), spare=8)
+    rows = fresh_rows(random_prompts(prompts, 5, longest, seed=7), spare=8)
     tokens = _logits(runner, forward, rows).argmax(-1).tolist()
-    for step in range(3):
-        decode = [([t], len(p) + step, pg) for t, (p, _, pg) in zip(tokens, rows, strict=True)]
-        monkeypatch.setattr(fused, "NATIVE_DECODE_LOOP", False)
-        want = _logits(runner, forward, decode)
-        monkeypatch.setattr(fused, "NATIVE_DECODE_LOOP", True)
-        native.clear()
-        got = _logits(runner, forward, decode)
-        assert native == [True] if takes else True not in native, label  # the native loop ran the step (or not)
-        assert torch.equal(got, want), f"{label}: step {step}"
-        tokens = got.argmax(-1).tolist()
+    # (split_rows, whether the step runs as halves): the default, then whole and halves on two threads
+    ways = [(None, False)] if prompts < 16 or not takes else [(0, False), (2, True)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for step in range(3):
+            decode = [([t], len(p) + step, pg) for t, (p, _, pg) in zip(tokens, rows, strict=True)]
+            monkeypatch.setattr(fused, "NATIVE_DECODE_LOOP", False)
+            want = _logits(runner, forward, decode)
+            monkeypatch.setattr(fused, "NATIVE_DECODE_LOOP", True)
+            for split, halves in ways:
+                if split is not None:
+                    forward.loop.split_rows = split
+                    before = forward.loop.split_steps
+                native.clear()
+                got = _logits(runner, forward, decode)
+                assert native == [True] if takes else True not in native, label  # the native loop ran the step
+                assert torch.equal(got, want), f"{label}: step {step}, split_rows {split}"
+                if split is not None:
+                    assert forward.loop.split_steps == before + halves, f"{label}: split_rows {split}"
+            tokens = got.argmax(-1).tolist()
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("kv", [None, "int8"])
 @pytest.mark.parametrize("arch", FUSED_ARCHS)
 def test_a_bf16_decode_step_runs_its_layers_in_one_native_call_with_the_same_bits(arch, kv, monkeypatch):
     _bf16_fused_or_skip()
-    runner = ModelRunner(tiny_model(arch, seed=3).to(torch.bfloat16), 64, 8, kv_cache_dtype=kv)
+    runner = ModelRunner(tiny_model(arch, seed=3).to(torch.bfloat16), 128, 8, kv_cache_dtype=kv)
     runner.configure_fast_paths(EngineConfig(), 16)
     try:
         decode_both_ways(runner, fused.FusedForward, monkeypatch, f"{arch} {kv}")
+        if arch in NATIVE_LOOP_ARCHS:  # a step of 20 rows: whole, and as two halves on two threads
+            decode_both_ways(runner, fused.FusedForward, monkeypatch, f"{arch} {kv}, 20 rows", prompts=20, longest=20)
     finally:
         runner.release()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fused_forward import _logits, _runner, decode_both_ways, fresh_rows
+from test_fused_forward import NATIVE_LOOP_ARCHS, _logits, _runner, decode_both_ways, fresh_rows
 
 from acb import Engine, EngineConfig, attention, kv_quant, quantization
 from acb.kernels.cpu import int8_kernels
@@ -410,10 +410,13 @@ def test_a_decode_step_runs_its_layers_in_one_native_call_with_the_same_bits(arc
     _q8()
     model = tiny_model(arch, seed=3).to(dtype)
     quantization.quantize_(model)
-    runner = ModelRunner(model, 64, 8, kv_cache_dtype=kv)
+    runner = ModelRunner(model, 128, 8, kv_cache_dtype=kv)
     runner.configure_fast_paths(EngineConfig(), 16)
     try:
         decode_both_ways(runner, quantization.Int8Forward, monkeypatch, f"{arch} {dtype} {kv}")
+        if arch in NATIVE_LOOP_ARCHS:  # a step of 20 rows: whole, and as two halves on two threads
+            decode_both_ways(runner, quantization.Int8Forward, monkeypatch, f"{arch} {dtype} {kv}, 20 rows",
+                             prompts=20, longest=20)
     finally:
         runner.release()
 

@@ -552,5 +552,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, int64_t>(), py::arg("rope"), py::arg("decode_into"))
       .def("add_layer", &acb_bf16_loop::DecodeLoop::add_layer)
       .def("__len__", &acb_bf16_loop::DecodeLoop::size)
+      .def_property("split_rows", &acb_bf16_loop::DecodeLoop::split_rows, &acb_bf16_loop::DecodeLoop::set_split_rows,
+                    "the fewest rows a step runs as two halves, one per thread, on two threads (0: never)")
+      .def_property_readonly("split_steps", &acb_bf16_loop::DecodeLoop::split_steps, "the steps run as two halves so far")
       .def("run", &acb_bf16_loop::DecodeLoop::run, py::call_guard<py::gil_scoped_release>());
 }

@@ -7,6 +7,10 @@
 #pragma once
 #include "torch_min.h"
 #include <vector>
+#include <algorithm>
+#include <atomic>
+#include <ATen/Parallel.h>
+#include <ATen/ops/cat.h>
 
 namespace acb_entry {
 using RopeFn = void (*)(torch::Tensor, const torch::Tensor&, const torch::Tensor&, int64_t);
@@ -80,6 +84,17 @@ class DecodeAttention {
 // run(): the float32 residual stream x [T, hidden] through every layer of a decode-only step, each by
 // Derived::layer(i, layer, x, cos, sin, step), which returns the stream after it, or an undefined tensor
 // where the attention declined (at layer 0, having written nothing): run then returns None.
+//
+// On two threads, a step of at least split_rows() rows runs as two halves, one per thread, each through
+// every layer on its own (every kernel call inside runs on its thread alone: ATen runs a parallel_for
+// inline within a parallel region). A row's outputs do not depend on which other rows share its call
+// (the GEMMs, the quantization, RoPE and the attention compute row by row), so the halves give the same
+// bits as the whole. What it saves: each kernel call's fork and join and each call's wait for the slower
+// thread (~10 a layer), and the two threads' phases need not line up (one half's attention, bound by
+// memory, may run beside the other's GEMMs). SmolLM2 int8 at 45 rows a decode step, real-text prompts:
+// 25.4-28.4 -> 24.3-25.6 ms a step (benchmarks/kernel_profile.py, native loop; docs/performance.md).
+// The halves hold about equal work: a row costs its context length plus kSplitRowKeys (its GEMM work as
+// that many keys of attention, as measured there).
 template <typename Derived, typename Layer>
 class DecodeLayers {
  public:
@@ -87,12 +102,39 @@ class DecodeLayers {
 
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
 
+  // The fewest rows a step is split at (0: never); tests set it to cover both ways
+  int64_t split_rows() const { return split_rows_; }
+  void set_split_rows(int64_t rows) {
+    TORCH_CHECK(rows >= 0, "DecodeLoop.split_rows must be >= 0 (0: never split)");
+    split_rows_ = rows;
+  }
+  // The steps run as two halves so far
+  int64_t split_steps() const { return split_steps_.load(); }
+
   c10::optional<torch::Tensor> run(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                                    std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
                                    const torch::Tensor& slots, const torch::Tensor& pages,
                                    const torch::Tensor& lengths, int64_t page_size, bool rotate) const {
     const DecodeStep step{slots, pages, lengths, page_size, rotate, k_caches, v_caches};
     DecodeAttention::check(step, size());
+    const int64_t T = x.size(0);
+    if (split_rows_ > 0 && T >= std::max<int64_t>(split_rows_, 2) && at::get_num_threads() == 2 &&
+        !at::in_parallel_region() && lengths.numel() == T && slots.numel() == T && pages.size(0) == T)
+      return halves(x, cos, sin, step, T);
+    return rows(x, cos, sin, step);
+  }
+
+ protected:
+  DecodeAttention attend_;
+  std::vector<Layer> layers_;
+
+ private:
+  static constexpr int64_t kSplitRowKeys = 220;
+  int64_t split_rows_ = 16;
+  mutable std::atomic<int64_t> split_steps_{0};
+
+  c10::optional<torch::Tensor> rows(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                    const DecodeStep& step) const {
     for (int64_t i = 0; i < size(); ++i) {
       x = static_cast<const Derived&>(*this).layer(i, layers_[i], x, cos, sin, step);
       if (!x.defined()) return c10::nullopt;
@@ -100,8 +142,30 @@ class DecodeLayers {
     return x;
   }
 
- protected:
-  DecodeAttention attend_;
-  std::vector<Layer> layers_;
+  // The step as two halves of rows [0, h) and [h, T), one per thread (see above)
+  c10::optional<torch::Tensor> halves(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                      const DecodeStep& s, int64_t T) const {
+    const torch::Tensor len = s.lengths.to(torch::kInt64).contiguous();
+    const int64_t* l = len.data_ptr<int64_t>();
+    int64_t total = 0;
+    for (int64_t b = 0; b < T; ++b) total += l[b] + kSplitRowKeys;
+    int64_t h = 0;
+    for (int64_t before = 0; h < T && 2 * (before + l[h] + kSplitRowKeys) <= total; ++h) before += l[h] + kSplitRowKeys;
+    h = std::clamp<int64_t>(h, 1, T - 1);
+    c10::optional<torch::Tensor> out[2];
+    at::parallel_for(0, 2, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t part = begin; part < end; ++part) {
+        const int64_t first = part ? h : 0, n = part ? T - h : h;
+        const torch::Tensor slots = s.slots.narrow(0, first, n), pages = s.pages.narrow(0, first, n),
+                            lengths = s.lengths.narrow(0, first, n);
+        const DecodeStep step{slots, pages, lengths, s.page_size, s.rotate, s.k_caches, s.v_caches};
+        out[part] = rows(x.narrow(0, first, n), cos.narrow(cos.dim() - 2, first, n),
+                         sin.narrow(sin.dim() - 2, first, n), step);
+      }
+    });
+    if (!out[0] || !out[1]) return c10::nullopt;  // declined (at layer 0: the same for both halves)
+    ++split_steps_;
+    return at::cat({*out[0], *out[1]});
+  }
 };
 }  // namespace acb_entry

@@ -959,5 +959,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, int64_t, torch::ScalarType>(), py::arg("rope"), py::arg("decode_into"), py::arg("dtype"))
       .def("add_layer", &acb_int8_loop::DecodeLoop::add_layer)
       .def("__len__", &acb_int8_loop::DecodeLoop::size)
+      .def_property("split_rows", &acb_int8_loop::DecodeLoop::split_rows, &acb_int8_loop::DecodeLoop::set_split_rows,
+                    "the fewest rows a step runs as two halves, one per thread, on two threads (0: never)")
+      .def_property_readonly("split_steps", &acb_int8_loop::DecodeLoop::split_steps, "the steps run as two halves so far")
       .def("run", &acb_int8_loop::DecodeLoop::run, py::call_guard<py::gil_scoped_release>());
 }
