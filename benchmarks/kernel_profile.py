@@ -4,6 +4,8 @@
     python benchmarks/kernel_profile.py bf16 48 96 realtext  # bench.py's real-text prompts (prefill-heavy)
     python benchmarks/kernel_profile.py int8_bf16_kv8 48 96  # a _kv8 suffix: int8 KV pages
     PYTHONPATH=. python benchmarks/kernel_profile.py bf16  # from a worktree: its acb, not the installed one
+    python benchmarks/kernel_profile.py int8_bf16 48 96 realtext --native-loop  # decode as the engine runs it
+    python benchmarks/kernel_profile.py int8_bf16 48 96 realtext --native-loop --split-rows 0  # no halves
 
 Runs SmolLM2 through an Engine on the first N prompts of a workload (standard unless named) (one generate_batch,
 after a warm-up pass), with the fused forward's kernel modules wrapped so every call into them (int8 GEMMs,
@@ -12,9 +14,11 @@ timed (the native attention calls inside it indented); oneDNN's GEMMs of the lay
 ``ACB_CPU_BF16_GEMM=0``; called directly) fall in "(rest of forward)". Prints the wall
 time, the forward's share of it (the rest is scheduling, sampling and host work), and per step kind the time
 of each call (decode steps through the forwards' Python loops, ``fused.NATIVE_DECODE_LOOP`` off, so their
-calls are seen: the engine runs them in one native call). The wrappers cost ~1 us a call: compare shares, not
-absolute figures, with bench.py's. Run it under the exclusive lock on a quiet machine (results recorded in
-docs/performance.md, int8 section).
+calls are seen: the engine runs them in one native call). ``--native-loop`` runs decode steps as the engine
+does, in the DecodeLoops (each step then timed whole, its calls unseen); ``--split-rows N`` sets the loops'
+``split_rows`` (0: a step never runs as two halves; acb/kernels/entry_points.h). The wrappers cost ~1 us a
+call: compare shares, not absolute figures, with bench.py's. Run it under the exclusive lock on a quiet
+machine (results recorded in docs/performance.md, int8 section).
 """
 # ruff: noqa: E402
 import asyncio
@@ -62,10 +66,18 @@ class Proxy:
         return v
 
 
-def instrument(decode_rows: int) -> None:
+def instrument(decode_rows: int, native_loop: bool = False, split_rows: int | None = None) -> None:
     # decode steps through the Python loops, so each of their kernel calls is timed too (the
     # engine runs them in one native call, the DecodeLoops: ~1.6 ms a SmolLM2 int8 decode step less)
-    fused.NATIVE_DECODE_LOOP = False
+    fused.NATIVE_DECODE_LOOP = native_loop
+    if split_rows is not None:
+        for cls in (quantization.Int8Forward, fused.FusedForward):
+            def native(self, _orig=cls._native_loop):
+                loop = _orig(self)
+                if loop is not None:
+                    loop.split_rows = split_rows
+                return loop
+            cls._native_loop = native
     for cls in (quantization.Int8Forward, fused.FusedForward):
         def call(self, input_ids, *a, _orig=cls.__call__, **k):
             if not isinstance(self.k, Proxy):
@@ -107,6 +119,16 @@ def report(variant: str, n_prompts: int, new: int, wall: float, steps: int) -> N
 
 
 def main() -> None:
+    argv = list(sys.argv)
+    native_loop = "--native-loop" in argv
+    if native_loop:
+        argv.remove("--native-loop")
+    split_rows = None
+    if "--split-rows" in argv:
+        i = argv.index("--split-rows")
+        split_rows = int(argv[i + 1])
+        del argv[i: i + 2]
+    sys.argv = argv
     variant = sys.argv[1] if len(sys.argv) > 1 else "int8_bf16"  # int8_bf16 | int8 | bf16 | fp32, [_kv8]
     kv8 = variant.endswith("_kv8")
     variant = variant.removesuffix("_kv8")
@@ -117,7 +139,7 @@ def main() -> None:
     quant = "int8" if variant.startswith("int8") else None
     model, tok = load(*smollm2(), dtype=dtype, quantization=quant)
     model = model if quant else model.to(getattr(torch, dtype))
-    instrument(n_prompts)
+    instrument(n_prompts, native_loop, split_rows)
 
     async def run() -> tuple[float, int]:
         engine = acb.Engine(model, tokenizer=tok, config=acb.EngineConfig(
