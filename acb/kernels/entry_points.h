@@ -89,12 +89,12 @@ class DecodeAttention {
 // every layer on its own (every kernel call inside runs on its thread alone: ATen runs a parallel_for
 // inline within a parallel region). A row's outputs do not depend on which other rows share its call
 // (the GEMMs, the quantization, RoPE and the attention compute row by row), so the halves give the same
-// bits as the whole. What it saves: each kernel call's fork and join and each call's wait for the slower
-// thread (~10 a layer), and the two threads' phases need not line up (one half's attention, bound by
-// memory, may run beside the other's GEMMs). SmolLM2 int8 at 45 rows a decode step, real-text prompts:
-// 25.4-28.4 -> 24.3-25.6 ms a step (benchmarks/kernel_profile.py, native loop; docs/performance.md).
-// The halves hold about equal work: a row costs its context length plus kSplitRowKeys (its GEMM work as
-// that many keys of attention, as measured there).
+// bits as the whole. What it saves: each kernel call's fork and join and its wait for the slower thread
+// (~10 calls a layer). SmolLM2 at 45 rows a decode step: a few percent of an int8 step, nothing
+// measurable for bf16, whose GEMMs read twice the weight bytes and now read them once per half
+// (benchmarks/decode_halves.py; docs/performance.md). The halves hold about equal work: a row costs its
+// context length plus kSplitRowKeys, its GEMM work counted as keys of attention (SmolLM2 int8 on the
+// 2-core Zen 5 host: ~5 us of GEMMs a row and layer, ~23 ns of attention a key and layer).
 template <typename Derived, typename Layer>
 class DecodeLayers {
  public:
