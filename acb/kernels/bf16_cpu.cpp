@@ -554,6 +554,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__len__", &acb_bf16_loop::DecodeLoop::size)
       .def_property("split_rows", &acb_bf16_loop::DecodeLoop::split_rows, &acb_bf16_loop::DecodeLoop::set_split_rows,
                     "the fewest rows a step runs as two halves, one per thread, on two threads (0: never)")
-      .def_property_readonly("split_steps", &acb_bf16_loop::DecodeLoop::split_steps, "the steps run as two halves so far")
+      .def_property_readonly("split_steps", &acb_bf16_loop::DecodeLoop::split_steps,
+                             "the steps run as two halves so far")
       .def("run", &acb_bf16_loop::DecodeLoop::run, py::call_guard<py::gil_scoped_release>());
 }
