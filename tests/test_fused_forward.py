@@ -101,6 +101,9 @@ def decode_both_ways(runner, forward_cls, monkeypatch, label: str, prompts: int 
     tokens = _logits(runner, forward, rows).argmax(-1).tolist()
     # (split_rows, whether the step runs as halves): the default, then whole and halves on two threads
     ways = [(None, False)] if prompts < 16 or not takes else [(0, False), (2, True)]
+    if len(ways) > 1:
+        with pytest.raises(RuntimeError, match="split_rows must be >= 0"):
+            forward.loop.split_rows = -1
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
