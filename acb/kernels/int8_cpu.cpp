@@ -478,6 +478,16 @@ inline void quantize_groups(const float* vals, int64_t k, int64_t nv, const floa
   }
 }
 
+// 16 of a row's values from x + i, widened to float32, normed (w * (x * inv); w null: not normed) and
+// times the multiplier (null: none): what quantize_row's paths below compute before rotating or rounding
+template <typename T>
+inline __m512 prepared16(const T* x, int64_t i, const float* w, const float* mult, __m512 vinv) {
+  __m512 u = load_row(x + i);
+  if (w) u = _mm512_mul_ps(_mm512_loadu_ps(w + i), _mm512_mul_ps(u, vinv));
+  if (mult) u = _mm512_mul_ps(u, _mm512_loadu_ps(mult + i));
+  return u;
+}
+
 // quantize_row's rotated blocks of NB registers (b = 16 NB values; NB known at compile time, so the
 // block stays in registers): each loaded (normed with inv and w, times mult), rotated (hadamard16:
 // hadamard_row's sums in its order, so the same bits), then stored to buf with each group's |max|
@@ -492,13 +502,7 @@ __attribute__((noinline)) void rotated_blocks(const T* x, int64_t k, int64_t nv,
   for (int64_t b0 = 0; b0 < k; b0 += 16 * NB) {
     __m512 v[NB];
 #pragma GCC unroll 32
-    for (int c = 0; c < NB; ++c) {
-      const int64_t i = b0 + 16 * c;
-      __m512 u = load_row(x + i);
-      if (w) u = _mm512_mul_ps(_mm512_loadu_ps(w + i), _mm512_mul_ps(u, vinv));
-      if (mult) u = _mm512_mul_ps(u, _mm512_loadu_ps(mult + i));
-      v[c] = u;
-    }
+    for (int c = 0; c < NB; ++c) v[c] = prepared16(x, b0 + 16 * c, w, mult, vinv);
     acb_vec::hadamard16(v, NB, 16 * NB);
     for (int64_t g0 = 0; g0 < 16 * NB; g0 += group) {
       __m512 m = _mm512_setzero_ps();
@@ -549,13 +553,7 @@ __attribute__((noinline)) void rotated_wide(const T* x, int64_t k, int64_t b, in
   for (int64_t i0 = 0; i0 < k; i0 += 64) {
     __m512 v[4];
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {
-      const int64_t i = i0 + 16 * c;
-      __m512 u = load_row(x + i);
-      if (w) u = _mm512_mul_ps(_mm512_loadu_ps(w + i), _mm512_mul_ps(u, vinv));
-      if (mult) u = _mm512_mul_ps(u, _mm512_loadu_ps(mult + i));
-      v[c] = u;
-    }
+    for (int c = 0; c < 4; ++c) v[c] = prepared16(x, i0 + 16 * c, w, mult, vinv);
     acb_vec::hadamard16(v, 4, 64);
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(buf + i0 + 16 * c, v[c]);
@@ -607,14 +605,13 @@ void quantize_row(const T* x, int64_t k, int64_t group, const float* w, const fl
   }
   const int64_t b = k & -k;  // the rotation's block
   if (rotate && b % 16 == 0 && group % 16 == 0 && b % group == 0) {
-    const float* nw = norm ? w : nullptr;
     const int64_t nv = group / 16;
     float* amax = buf + k;
     switch (b / 16) {  // blocks of up to 64 values in registers
-      case 1: rotated_blocks<1>(x, k, nv, nw, mult, inv, buf, amax); break;
-      case 2: rotated_blocks<2>(x, k, nv, nw, mult, inv, buf, amax); break;
-      case 4: rotated_blocks<4>(x, k, nv, nw, mult, inv, buf, amax); break;
-      default: rotated_wide(x, k, b, nv, nw, mult, inv, buf, amax); break;
+      case 1: rotated_blocks<1>(x, k, nv, w, mult, inv, buf, amax); break;
+      case 2: rotated_blocks<2>(x, k, nv, w, mult, inv, buf, amax); break;
+      case 4: rotated_blocks<4>(x, k, nv, w, mult, inv, buf, amax); break;
+      default: rotated_wide(x, k, b, nv, w, mult, inv, buf, amax); break;
     }
     return quantize_groups(buf, k, nv, amax, q, scales, offs);
   }
@@ -637,9 +634,7 @@ void quantize_row(const T* x, int64_t k, int64_t group, const float* w, const fl
     for (int64_t g0 = 0; g0 < k; g0 += group) {
       __m512 m = _mm512_setzero_ps();
       for (int64_t i = g0; i < g0 + group; i += 16) {
-        __m512 v = load_row(x + i);
-        if (norm) v = _mm512_mul_ps(_mm512_loadu_ps(w + i), _mm512_mul_ps(v, vinv));
-        if (mult) v = _mm512_mul_ps(v, _mm512_loadu_ps(mult + i));
+        const __m512 v = prepared16(x, i, w, mult, vinv);
         _mm512_storeu_ps(buf + i, v);
         m = _mm512_max_ps(m, _mm512_abs_ps(v));
       }
