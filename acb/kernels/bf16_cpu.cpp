@@ -113,9 +113,13 @@ template <typename T, int MR, int NB>
 void tile(const Gemm& g, int64_t m0, int64_t b0, int pj0, int pj1) {
   const int64_t k2 = g.k / 2, panel = k2 * 32;
   __m512 acc[MR][NB];
-  dot_any<MR, NB>(g.x + m0 * g.xs, g.xs, g.w + b0 * panel, panel, k2, acc, pj0, pj1);
   const T* other = static_cast<const T*>(g.other);
   T* out = static_cast<T*>(g.out);
+  // the epilogue's residual and output rows, fetched while the dot products run (tile_prefetch.h)
+  const int64_t c1 = std::min(g.n, (b0 + NB) * 16);
+  if (other) acb_tiles::prefetch_rows(other, g.os, m0, MR, b0 * 16, c1, false);
+  acb_tiles::prefetch_rows(out, g.ostride, m0, MR, b0 * 16, c1, true);
+  dot_any<MR, NB>(g.x + m0 * g.xs, g.xs, g.w + b0 * panel, panel, k2, acc, pj0, pj1);
   for (int j = 0; j < NB; ++j) {
     const int64_t c = (b0 + j) * 16;
     const __mmask16 m = tail(g.n - c);
@@ -136,6 +140,7 @@ template <typename T, int MR, int NB>
 void glu_tile(const Gemm& g, int64_t up, int64_t act, int64_t m0, int64_t b0, int pj0, int pj1) {
   const int64_t k2 = g.k / 2, panel = k2 * 32;
   __m512 acc[MR][NB], v[MR][NB];
+  acb_tiles::prefetch_rows(static_cast<T*>(g.out), g.ostride, m0, MR, b0 * 16, (b0 + NB) * 16, true);
   dot_any<MR, NB>(g.x + m0 * g.xs, g.xs, g.w + b0 * panel, panel, k2, acc, pj0, pj1);
   for (int j = 0; j < NB; ++j) {
     const __m512 bias = g.bias ? _mm512_loadu_ps(g.bias + (b0 + j) * 16) : _mm512_setzero_ps();

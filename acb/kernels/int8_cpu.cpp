@@ -159,6 +159,9 @@ void tile(const Rows& x, const Weight& w, const Weight* up, int64_t act, int64_t
   const float* xs = x.scale + m0 * ng;
   const float* xo = x.off + m0 * ng;
   __m512 acc[MR][NB];
+  // the epilogue's residual and output rows, fetched while the tile's dot products run (tile_prefetch.h)
+  if (epi == kAdd) acb_tiles::prefetch_rows(other, other_stride, m0, MR, b0 * 16, (b0 + NB) * 16, false);
+  acb_tiles::prefetch_rows(out, out_stride, m0, MR, b0 * 16, (b0 + NB) * 16, true);
   auto dot = [&](const Weight& wt) {
     if (pj0 < pj1)
       dot_tile<MR, NB, true>(xq, k, wt.w + b0 * panel, panel, ng, g4, wt.scale + b0 * ng * 16, xs, xo, acc, pj0, pj1);
