@@ -590,6 +590,41 @@ def test_native_prefill_attention_in_bf16_matches_a_reference(heads, kv_heads, d
     assert not out.any()
 
 
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (37, 0.0), (0, 20.0)])
+def test_native_prefill_attention_writes_bf16_outputs_as_its_float32_ones_rounded(window, softcap):
+    """With a bf16 ``out`` (a bf16 step's prompt rows, acb.attention), the bf16 kernel rounds each
+    output as it writes it: exactly its float32 output rounded to bf16 (to nearest even, as PyTorch's
+    conversion), for fresh prompts and a continued chunk. float32 inputs with a bf16 out are declined."""
+    kernel = paged_decode_kernel()
+    if kernel is None or not kernel.prefill_bf16():
+        pytest.skip("the native CPU kernel has no avx512_bf16 build here")
+    torch.manual_seed(window + int(softcap))
+    heads, kv_heads, dim = 9, 3, 64
+    lengths = [1, 5, 31, 33, 100, 203]
+    total = sum(lengths) + 3
+    bf = torch.bfloat16
+    q = torch.randn(total, heads, dim).to(bf).transpose(0, 1)
+    k = torch.randn(total, kv_heads, dim).to(bf).transpose(0, 1)
+    v = torch.randn(total, kv_heads, dim).to(bf).transpose(0, 1)
+    spans = torch.tensor(_fresh_spans(lengths, 2))
+    out32 = torch.zeros(total, heads, dim)
+    out16 = torch.zeros(total, heads, dim, dtype=bf)
+    assert kernel.prefill_attention(q, k, v, spans, out32, dim**-0.5, softcap, window)
+    assert kernel.prefill_attention(q, k, v, spans, out16, dim**-0.5, softcap, window)
+    assert torch.equal(out16, out32.to(bf))
+    assert out16.float().abs().sum() > 0
+    past, n = 75, 40  # a continued chunk over a separate context
+    ctx_k = torch.randn(past + n, kv_heads, dim).to(bf).transpose(0, 1)
+    ctx_v = torch.randn(past + n, kv_heads, dim).to(bf).transpose(0, 1)
+    chunk = torch.tensor([[5, 5 + n, 0, past]])
+    assert kernel.prefill_attention(q, ctx_k, ctx_v, chunk, out32, dim**-0.5, softcap, window)
+    assert kernel.prefill_attention(q, ctx_k, ctx_v, chunk, out16, dim**-0.5, softcap, window)
+    assert torch.equal(out16, out32.to(bf))
+    untouched = torch.zeros(total, heads, dim, dtype=bf)
+    assert not kernel.prefill_attention(q.float(), k.float(), v.float(), spans, untouched, dim**-0.5, softcap, window)
+    assert not untouched.any()
+
+
 def test_native_prefill_attention_declines_what_it_does_not_cover():
     kernel = paged_decode_kernel()
     if kernel is None:

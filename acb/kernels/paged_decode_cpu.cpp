@@ -1319,14 +1319,15 @@ static inline void softmax_rows(float* s, int64_t kb, int R, const int64_t* pos,
   }
 }
 
-// out rows = acc / l, DC * 16 dims each
-template <int DC, typename Q>
-static inline void store(const Rows<Q>& t, float* out, int64_t o_tok, int64_t o_head, int64_t t0, const float* acc) {
+// out rows = acc / l, DC * 16 dims each: float32, or rounded to bfloat16 (to nearest even, as PyTorch's
+// conversion of the float32 rows would round them)
+template <int DC, typename Q, typename O>
+static inline void store(const Rows<Q>& t, O* out, int64_t o_tok, int64_t o_head, int64_t t0, const float* acc) {
   constexpr int D = DC * 16;
   for (int r = 0; r < t.R; ++r) {
-    float* o = out + (t0 + t.tok[r]) * o_tok + t.head[r] * o_head;
+    O* o = out + (t0 + t.tok[r]) * o_tok + t.head[r] * o_head;
     const __m512 inv = _mm512_set1_ps(1.f / t.l[r]);
-    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(o + c * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + c * 16), inv));
+    for (int c = 0; c < DC; ++c) store16(o + c * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + c * 16), inv));
   }
 }
 
@@ -1515,7 +1516,7 @@ static void qk16_rows(const at::BFloat16* const* qr, const uint32_t* kt, int64_t
 
 struct Args16 {
   const at::BFloat16* q; int64_t q_tok, q_head;
-  float* out; int64_t o_tok, o_head;
+  float* out; at::BFloat16* out16; int64_t o_tok, o_head;  // the output: float32 (out) or bf16 (out16)
   int64_t D, G;
   float scale, cap;
   int64_t window;
@@ -1556,7 +1557,8 @@ static void run_item16(const Args16& a, int64_t t0, int64_t past, int64_t kh, in
       }
       pv16_rows<DC>(acc, corr, p16, vt + (kb / 2) * D, (nk + 1) / 2, R);
     }
-    store<DC>(t, a.out, a.o_tok, a.o_head, t0, acc);
+    if (a.out16 != nullptr) store<DC>(t, a.out16, a.o_tok, a.o_head, t0, acc);
+    else store<DC>(t, a.out, a.o_tok, a.o_head, t0, acc);
   }
 }
 
@@ -1787,7 +1789,7 @@ static std::vector<std::vector<Item>> spread_items(const int64_t* sp, int64_t N,
 #endif
 
 #if defined(__AVX512BF16__)
-// The bf16 prefill (q, k, v all bfloat16; out float32): keys and values packed as pairs.
+// The bf16 prefill (q, k, v all bfloat16; out float32 or bfloat16): keys and values packed as pairs.
 static bool prefill_attention_bf16(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                    const torch::Tensor& spans, torch::Tensor& out, double scale, double softcap,
                                    int64_t window) {
@@ -1795,8 +1797,10 @@ static bool prefill_attention_bf16(const torch::Tensor& q, const torch::Tensor& 
   const int64_t H = q.size(0), D = q.size(2), KVH = k.size(0);
   const prefill::RunFn16 run = prefill::pick16(D);
   if (run == nullptr) return false;
-  prefill::Args16 a{q.data_ptr<at::BFloat16>(), q.stride(1), q.stride(0), out.data_ptr<float>(), out.stride(0),
-                    out.stride(1), D, H / KVH, static_cast<float>(scale), static_cast<float>(softcap), window};
+  const bool out16 = out.scalar_type() == torch::kBFloat16;
+  prefill::Args16 a{q.data_ptr<at::BFloat16>(), q.stride(1), q.stride(0), out16 ? nullptr : out.data_ptr<float>(),
+                    out16 ? out.data_ptr<at::BFloat16>() : nullptr, out.stride(0), out.stride(1), D, H / KVH,
+                    static_cast<float>(scale), static_cast<float>(softcap), window};
   const at::BFloat16 *kp = k.data_ptr<at::BFloat16>(), *vp = v.data_ptr<at::BFloat16>();
   const int64_t k_tok = k.stride(1), k_head = k.stride(0), v_tok = v.stride(1), v_head = v.stride(0);
   const int64_t N = spans.size(0);
@@ -1843,7 +1847,7 @@ static bool prefill_attention_bf16(const torch::Tensor& q, const torch::Tensor& 
 #endif
 
 // q [H, T, D], k/v [KVH, L, D] (any strides, the last dim contiguous), out [T, H, D]
-// float32 (last dim contiguous), spans [N, 4] int64, one row per prompt chunk: (first, end) its
+// float32, or bfloat16 with bf16 q, k and v (last dim contiguous), spans [N, 4] int64, one row per prompt chunk: (first, end) its
 // query rows in q/out, `key_first` where its keys start in k/v and `past` the position
 // of its first query: queries i in [0, end - first) sit at position past + i and see
 // keys j <= past + i (and > past + i - window), key j at k/v row key_first + j. A fresh
@@ -1856,10 +1860,13 @@ bool prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const tor
 #if defined(ACB_PREFILL_F32)
   const int64_t H = q.size(0), D = q.size(2), KVH = k.size(0);
   const bool shapes_ok = q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && out.stride(2) == 1 &&
-                         H % KVH == 0 && out.scalar_type() == torch::kFloat32 &&
-                         spans.scalar_type() == torch::kInt64 && spans.is_contiguous() && spans.dim() == 2 &&
-                         spans.size(1) == 4;
+                         H % KVH == 0 && spans.scalar_type() == torch::kInt64 && spans.is_contiguous() &&
+                         spans.dim() == 2 && spans.size(1) == 4;
   if (!shapes_ok) return false;
+  // out: float32, or bfloat16 where q, k and v are (rounded once as it is written)
+  if (out.scalar_type() != torch::kFloat32 &&
+      !(out.scalar_type() == torch::kBFloat16 && q.scalar_type() == torch::kBFloat16))
+    return false;
   if (q.scalar_type() == torch::kBFloat16) {
 #if defined(__AVX512BF16__)
     if (k.scalar_type() == torch::kBFloat16 && v.scalar_type() == torch::kBFloat16)
