@@ -85,6 +85,9 @@ class FastPaths:
             log.info("acb attention: decode fast path off (max_blocks_per_request=0); PyTorch decode path")
         self._configure_forwards(config)
         self._configure_graphs(config, max_rows, pad_on_cpu)
+        # the weight check in one C++ loop where acb's CPU kernels are built (acb.watch), else Python's
+        self.watch.native = getattr(self.sampling_kernels, "WeightWatch", None) if self.device.type == "cpu" \
+            else None
         self.watch.snapshot()  # the model as the fast paths now see it (prepacked or not)
         if self.device.type == "cpu":  # the packing's freed copies back to the OS, not kept by glibc
             from .kernels.cpu_linear import trim_heap

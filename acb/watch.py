@@ -5,7 +5,8 @@ module's ``__call__`` (so no hook runs), prepacked linears and CUDA graphs hold
 copies or addresses of the weights. They are right only while the model is the
 one they were built from. :class:`ModelWatch` checks that before every step, in
 about 40 plain comparisons' worth of C loops over lists made once (measured in
-docs/reliability.md): no forward or pre-forward hook on any module (but acb's own
+docs/reliability.md; the weights' part in one C++ loop where acb's CPU kernels are
+built, ``WeightWatch`` in acb/kernels/fused_cpu.cpp): no forward or pre-forward hook on any module (but acb's own
 LoRA hooks, ``acb.lora``) and none global, no ``forward`` replaced on an instance or a class, the module tree
 unchanged, and every parameter and buffer the same tensor, at the same address,
 with the same in-place version counter.
@@ -36,9 +37,13 @@ _GLOBAL_HOOKS = (_torch_module._global_forward_hooks, _torch_module._global_forw
 class ModelWatch:
     """A snapshot of a model's structure, hooks and weights, and the check against it."""
 
-    def __init__(self, model: torch.nn.Module, own_forward=lambda module: None) -> None:
+    def __init__(self, model: torch.nn.Module, own_forward=lambda module: None, native=None) -> None:
         self.model = model
         self.own_forward = own_forward  # module -> the instance forward acb set on it, or None
+        # acb/kernels/fused_cpu.cpp's WeightWatch class, when built: the weight check in one C++ loop
+        # (set by the runner's fast paths; None: the Python check below)
+        self.native = native
+        self._native = None
         self.snapshot()
 
     def snapshot(self) -> None:
@@ -67,6 +72,7 @@ class ModelWatch:
         self._versioned = [t for t in self._tensors if not t.is_inference()]  # others keep no counter
         self._versions = list(map(_VERSION, self._versioned))
         self._ptrs = list(map(_PTR, self._tensors))
+        self._native = self.native(self._owners, self._names, self._tensors) if self.native is not None else None
 
     def hooked(self) -> str | None:
         """Why the model's own forward must run this step (a hook, a replaced
@@ -85,6 +91,8 @@ class ModelWatch:
 
     def weights_changed(self) -> bool:
         """Whether any parameter or buffer was replaced, moved or edited in place."""
+        if self._native is not None:
+            return self._native.changed()
         return (not all(map(operator.is_, map(dict.get, self._owners, self._names), self._tensors))
                 or list(map(_VERSION, self._versioned)) != self._versions
                 or list(map(_PTR, self._tensors)) != self._ptrs)

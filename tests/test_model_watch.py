@@ -105,6 +105,8 @@ async def test_weights_loaded_or_edited_while_running_are_served_from_the_next_s
     other = tiny_model(seed=7).state_dict()
     async with acb.Engine(model, config=acb.EngineConfig(num_blocks=64, page_size=8)) as engine:
         before = await engine.generate(LONG, max_new_tokens=12, ignore_eos=True)
+        # the weight check runs in C++ where acb's CPU kernels are built (the Python one otherwise)
+        assert (runner_of(engine).fast_paths.watch._native is not None) == (_watch_kinds()[-1] is not None)
         assert before.token_ids == fresh_reference(model, LONG, 12)
         background = engine.submit(PROMPTS[0], max_new_tokens=200, ignore_eos=True)  # keeps steps going
 
@@ -153,3 +155,53 @@ async def test_users_generate_works_beside_a_running_engine():
     assert padded[1, 8:].tolist() == reference_greedy(ref, LONG[10:18], 6)
     assert served.token_ids == reference_greedy(ref, PROMPTS[1], 40)
     assert model.config._attn_implementation == own and type(model.config) is type(ref.config)
+
+
+def _watch_kinds():
+    from acb.kernels.cpu import fused_kernels
+
+    kernels = fused_kernels()
+    return [None] + ([kernels.WeightWatch] if kernels is not None else [])
+
+
+@pytest.mark.parametrize("native", _watch_kinds(), ids=lambda n: "python" if n is None else "native")
+def test_the_weight_check_sees_each_kind_of_change_and_nothing_else(native):
+    """ModelWatch.weights_changed, in Python and in acb's C++ loop (acb/kernels/fused_cpu.cpp's
+    WeightWatch, what the engine runs where its CPU kernels are built): a parameter edited in place,
+    replaced in its module, given new storage through ``.data``, or deleted; a buffer replaced; each
+    seen, and nothing once the watch takes the model as it is. An inference tensor keeps no version
+    counter, so only its replacement shows."""
+    from acb.watch import ModelWatch
+
+    model = tiny_model()
+    model.model.register_buffer("acb_test_frozen", _frozen(), persistent=False)
+    watch = ModelWatch(model, native=native)
+    assert (watch._native is not None) == (native is not None)
+    assert not watch.weights_changed()
+    assert not watch.weights_changed()  # checking changes nothing
+    up = model.model.layers[0].mlp.up_proj
+    edits = [
+        lambda: _in_place(up.weight),
+        lambda: setattr(up, "weight", torch.nn.Parameter(up.weight.detach().clone())),
+        lambda: setattr(up.weight, "data", up.weight.detach().clone()),
+        lambda: model.model.register_buffer("acb_test_frozen", _frozen(), persistent=False),
+        lambda: delattr(model.model.layers[1].mlp.down_proj, "weight"),
+    ]
+    for edit in edits:
+        edit()
+        assert watch.weights_changed()
+        watch.snapshot() if edit is edits[-1] else watch.snapshot_weights()
+        assert not watch.weights_changed()
+    with torch.inference_mode():
+        model.model.acb_test_frozen.add_(1.0)  # no version counter to see it by
+    assert not watch.weights_changed()
+
+
+def _frozen() -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.ones(4)
+
+
+def _in_place(weight: torch.nn.Parameter) -> None:
+    with torch.no_grad():
+        weight.mul_(-1.0)
