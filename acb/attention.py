@@ -254,10 +254,11 @@ def paged_attention(
     else:
         k_cache.index_copy_(1, pool.slot_mapping, k_new.to(k_cache.dtype))
         v_cache.index_copy_(1, pool.slot_mapping, v_new.to(v_cache.dtype))
-    # A bf16 step with prompt rows, whose every row the bf16 kernels (or PyTorch's path, in float32)
-    # compute, gets their outputs rounded to bf16 as each is written, the bits the copy of the float32
-    # output below would round (~0.14 ms a layer and a float32 buffer saved at 1,667 rows); a
-    # decode-only step's rows take the one-call kernel above, or else the float32 output and copy.
+    # A bf16 step with prompt rows gets its attention outputs rounded to bf16 as they are written: the
+    # bf16 prefill kernel, the native decode rows and PyTorch's float32 prompt path each round once, the
+    # bits the copy of a float32 output below gave (~0.14 ms a layer and a float32 buffer less at 1,667
+    # rows). Not with PyTorch's decode path (it computes in the output's dtype), nor for a decode-only
+    # step (the one-call kernel above, or else the float32 output and the copy).
     direct = (half and not widen and bool(meta.prefills)
               and (meta.decode is None or meta.decode.kernel == "native"))
     if acb_out is not None and (not half or direct):

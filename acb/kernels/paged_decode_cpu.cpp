@@ -1846,9 +1846,9 @@ static bool prefill_attention_bf16(const torch::Tensor& q, const torch::Tensor& 
 }
 #endif
 
-// q [H, T, D], k/v [KVH, L, D] (any strides, the last dim contiguous), out [T, H, D]
-// float32, or bfloat16 with bf16 q, k and v (last dim contiguous), spans [N, 4] int64, one row per prompt chunk: (first, end) its
-// query rows in q/out, `key_first` where its keys start in k/v and `past` the position
+// q [H, T, D], k/v [KVH, L, D] (any strides, the last dim contiguous), out [T, H, D] float32, or
+// bfloat16 with bf16 q, k and v (last dim contiguous), spans [N, 4] int64, one row per prompt chunk:
+// (first, end) its query rows in q/out, `key_first` where its keys start in k/v and `past` the position
 // of its first query: queries i in [0, end - first) sit at position past + i and see
 // keys j <= past + i (and > past + i - window), key j at k/v row key_first + j. A fresh
 // prompt is (first, end, first, 0). Returns false, touching nothing, where this build or shape has no fast
