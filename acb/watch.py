@@ -6,10 +6,10 @@ copies or addresses of the weights. They are right only while the model is the
 one they were built from. :class:`ModelWatch` checks that before every step, in
 about 40 plain comparisons' worth of C loops over lists made once (measured in
 docs/reliability.md; the weights' part in one C++ loop where acb's CPU kernels are
-built, ``WeightWatch`` in acb/kernels/fused_cpu.cpp): no forward or pre-forward hook on any module (but acb's own
-LoRA hooks, ``acb.lora``) and none global, no ``forward`` replaced on an instance or a class, the module tree
-unchanged, and every parameter and buffer the same tensor, at the same address,
-with the same in-place version counter.
+built, ``WeightWatch`` in acb/kernels/fused_cpu.cpp): no forward or pre-forward hook
+on any module (but acb's own LoRA hooks, ``acb.lora``) and none global, no ``forward``
+replaced on an instance or a class, the module tree unchanged, and every parameter and
+buffer the same tensor, at the same address, with the same in-place version counter.
 
 A hook, a replaced ``forward`` or a changed module tree sends the step through the
 model's own (transformers') forward; changed weights make the runner rebuild its
@@ -69,10 +69,13 @@ class ModelWatch:
         self._owners = [d for d, _, _ in pairs]
         self._names = [n for _, n, _ in pairs]
         self._tensors = [t for _, _, t in pairs]
+        if self.native is not None:  # the C++ check keeps its own versions and addresses
+            self._native = self.native(self._owners, self._names, self._tensors)
+            return
+        self._native = None
         self._versioned = [t for t in self._tensors if not t.is_inference()]  # others keep no counter
         self._versions = list(map(_VERSION, self._versioned))
         self._ptrs = list(map(_PTR, self._tensors))
-        self._native = self.native(self._owners, self._names, self._tensors) if self.native is not None else None
 
     def hooked(self) -> str | None:
         """Why the model's own forward must run this step (a hook, a replaced
