@@ -185,12 +185,15 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     acb_out: torch.Tensor | None = None,
+    acb_bf16_weights: bool = False,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention interface, for one layer of an acb step: q [1, H, T, d],
     new k/v [1, kvh, T, d] -> ([1, T, H, d], None). ``acb_out`` (acb's fused forwards): a
     [T, H, d] view in the query's dtype, heads contiguous, that receives the output (the
-    returned tensor is then a view of it)."""
+    returned tensor is then a view of it). ``acb_bf16_weights`` (acb's int8 forward): bf16 prompt
+    rows' value product takes the softmax weights rounded to bf16, as flash attention on GPUs
+    does (one product; the bf16 forward's takes them to ~16 bits, in two)."""
     meta = current_step()
     layer = module.layer_idx
     pool = meta.sliding if meta.sliding is not None and layer in meta.sliding_layers else meta.pool
@@ -271,7 +274,7 @@ def paged_attention(
                      rotated)
     if meta.prefills:
         _prefill_rows(meta, pool, q_all, k_new, v_new, k_cache, v_cache, half, scaling, sliding_window, softcap,
-                      out, rotated)
+                      out, rotated, acb_bf16_weights)
     if acb_out is not None:
         if out is not acb_out:
             acb_out.copy_(out)  # rounds to the model's dtype when the kernels ran in float32
@@ -325,12 +328,15 @@ def _decode_rows(meta: StepAttention, pool: PagePool, q_all: torch.Tensor, k_cac
 
 def _prefill_rows(meta: StepAttention, pool: PagePool, q_all: torch.Tensor, k_new: torch.Tensor,
                   v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, half: bool, scaling: float,
-                  sliding_window: int | None, softcap: float | None, out: torch.Tensor, rotated: bool = False) -> None:
+                  sliding_window: int | None, softcap: float | None, out: torch.Tensor, rotated: bool = False,
+                  bf16_weights: bool = False) -> None:
     """The prefill rows (native or PyTorch path): q_all [H, T, d] and the new k/v
     [kvh, T, d] -> their tokens' rows of ``out`` [T, H, d]. In a half-precision step the
     native kernel gets float32 or bf16 inputs (all alike), PyTorch's attention float32.
     ``rotated``: the pages hold rotated keys (int8), so every chunk's queries are rotated (a
-    fresh prompt's ``k_new``/``v_new`` are then its own rows as stored, ``write_kv_int8``'s readback)."""
+    fresh prompt's ``k_new``/``v_new`` are then its own rows as stored, ``write_kv_int8``'s readback).
+    ``bf16_weights``: the bf16 kernel's value product over bf16-rounded softmax weights
+    (:func:`paged_attention`'s ``acb_bf16_weights``)."""
     kernel = KERNELS["native"] if meta.kernel == "native" else None
     cap = softcap or 0.0
     q_read = q_all  # the queries as they read the keys
@@ -339,7 +345,7 @@ def _prefill_rows(meta: StepAttention, pool: PagePool, q_all: torch.Tensor, k_ne
         # too, which nothing reads: the decode kernels rotate their own)
         q_read = _rotate_queries(q_all.transpose(0, 1)).transpose(0, 1)
     fresh_done = meta.fresh_spans is not None and kernel.prefill_attention(
-        q_read, k_new, v_new, meta.fresh_spans, out, scaling, cap, sliding_window or 0)
+        q_read, k_new, v_new, meta.fresh_spans, out, scaling, cap, sliding_window or 0, bf16_weights)
     q32 = None  # q_read in float32, made once if a context chunk's pages read as float32 (int8 pages)
     for span, context_pages in zip(meta.prefills, pool.context_pages, strict=True):
         qs, qe, past = span.q_start, span.q_end, span.past
@@ -361,7 +367,7 @@ def _prefill_rows(meta: StepAttention, pool: PagePool, q_all: torch.Tensor, k_ne
                     q32 = q_read.float() if q32 is None else q32
             if kernel is not None and kernel.prefill_attention(
                     q_read if k.dtype == q_read.dtype else q32, k, v, span.kernel_row, out, scaling, cap,
-                    sliding_window or 0):
+                    sliding_window or 0, bf16_weights):
                 continue
         q = q_read[:, qs:qe]
         if half:  # PyTorch's attention on float32 inputs, as the kernels compute

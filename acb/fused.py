@@ -154,6 +154,10 @@ class FusedForward(LoraLayers):
     """Callable like the model for acb's runner: ``(input_ids=[1, T], position_ids=[1, T],
     attention_mask=None, use_cache=False, logits_to_keep=[K]) -> .logits [1, K, vocab]``."""
 
+    # bf16 prompt attention's value product over softmax weights rounded to bf16 (acb.attention's
+    # acb_bf16_weights): the int8 forward's choice, not the bf16 forward's (docs/performance.md)
+    bf16_weights = False
+
     def __init__(self, model: torch.nn.Module, layers: list[_Layer], kernels, row_reduce=None) -> None:
         base = model.model
         self.embed = base.embed_tokens  # Gemma's scales its output (the module's own forward)
@@ -344,7 +348,7 @@ class FusedForward(LoraLayers):
             kk.view(total, layer.kv_heads, d).transpose(0, 1).unsqueeze(0),
             v.view(total, layer.kv_heads, d).transpose(0, 1).unsqueeze(0),
             None, scaling=layer.scaling, sliding_window=layer.window, softcap=layer.softcap,
-            acb_out=out[:total].view(total, layer.heads, d),
+            acb_out=out[:total].view(total, layer.heads, d), acb_bf16_weights=self.bf16_weights,
         )
         return out
 

@@ -3,12 +3,15 @@
     python benchmarks/prefill_attention.py                       # bf16, 12 fresh prompts of 330 tokens
     python benchmarks/prefill_attention.py --dtype float32 --prompts 4 --tokens 1024
     python benchmarks/prefill_attention.py --dtype float32 --torch   # and PyTorch's path, alternated
+    python benchmarks/prefill_attention.py --bf16-weights    # bf16: the softmax weights rounded to bf16 too
 
 Times ``prefill_attention`` (acb/kernels/paged_decode_cpu.cpp) over random queries, keys and values,
 median of --repeats calls after three warm-ups; prints milliseconds a call and the attention's
 GFLOP/s (causal: the half of the score and value products each row sees). ``--torch`` also times
 what the engine runs where the kernel declines (acb.attention._prefill_torch per prompt: PyTorch's
-scaled_dot_product_attention, causal), the two calls alternated.
+scaled_dot_product_attention, causal), the two calls alternated. ``--bf16-weights`` (bf16) also times
+the kernel with its value product over the softmax weights rounded to bf16 (``bf16_weights=True``, what
+acb's int8 forward runs) beside hi + lo (bf16's), alternated, and prints how far the two outputs differ.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--torch", action="store_true", help="also time PyTorch's attention (the fallback)")
+    p.add_argument("--bf16-weights", action="store_true",
+                   help="also time the value product over bf16-rounded softmax weights (int8's)")
     args = p.parse_args()
     kernel = paged_decode_kernel()
     if kernel is None:
@@ -59,7 +64,18 @@ def main() -> None:
             out[first:end] = _prefill_torch(q[:, first:end].float(), k[:, first:end].float(),
                                             v[:, first:end].float(), 0, d**-0.5, None, None).transpose(0, 1)
 
-    calls = {"acb": native, "pytorch": pytorch} if args.torch else {"acb": native}
+    out16 = torch.zeros(total, h, d)
+
+    def native16():
+        kernel.prefill_attention(q, k, v, spans, out16, d**-0.5, 0.0, 0, bf16_weights=True)
+
+    calls = {"acb": native}
+    if args.bf16_weights:
+        if dtype != torch.bfloat16:
+            sys.exit("--bf16-weights: bf16 inputs only (--dtype bfloat16)")
+        calls["acb_bf16_weights"] = native16
+    if args.torch:
+        calls["pytorch"] = pytorch
     for call in calls.values():
         for _ in range(2):
             call()
@@ -69,6 +85,10 @@ def main() -> None:
             t = time.perf_counter()
             call()
             times[name].append(time.perf_counter() - t)
+    if args.bf16_weights:
+        diff = (out16 - out).abs()
+        print(f"bf16 weights against hi + lo: max |difference| {diff.max():.2e}, mean {diff.mean():.2e} "
+              f"(outputs' mean |x| {out.abs().mean():.2e})")
     flop = args.prompts * h * 2 * 2 * d * args.tokens * (args.tokens + 1) / 2
     for name, ts in times.items():
         ms = statistics.median(ts) * 1e3

@@ -590,6 +590,66 @@ def test_native_prefill_attention_in_bf16_matches_a_reference(heads, kv_heads, d
     assert not out.any()
 
 
+def _attention_with_bf16_weights(q, k, v, scale: float) -> torch.Tensor:
+    """Causal attention of a fresh prompt (q [H, n, d], k/v [kvh, n, d]) as the bf16 prefill kernel
+    computes it with ``bf16_weights``: each 32-key block's weights exp(s - m) taken against the row's
+    running max m at that block (online softmax) and rounded to bf16 for the value product, rescaled
+    as the max moves; the sum of the unrounded weights divides. float64 otherwise -> [n, H, d]."""
+    heads, n, _ = q.shape
+    groups = heads // k.shape[0]
+    kd, vd = k.double().repeat_interleave(groups, 0), v.double().repeat_interleave(groups, 0)
+    s = (q.double() @ kd.transpose(1, 2)) * scale  # [H, n, n]
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    out = torch.zeros(heads, n, q.shape[2], dtype=torch.float64)
+    m = torch.full((heads, n, 1), float("-inf"), dtype=torch.float64)
+    total = torch.zeros(heads, n, 1, dtype=torch.float64)
+    for kb in range(0, n, 32):
+        block = s[:, :, kb:kb + 32]
+        m_new = torch.maximum(m, block.amax(-1, keepdim=True))
+        seen = m_new > float("-inf")  # rows that have seen a key by this block
+        corr = torch.where(m > float("-inf"), (m - m_new).exp(), torch.zeros_like(m))
+        p = torch.where(seen, (block - torch.where(seen, m_new, 0)).exp(), torch.zeros_like(block))
+        out = torch.where(seen, out * corr + p.float().bfloat16().double() @ vd[:, kb:kb + 32], out)
+        total = torch.where(seen, total * corr + p.sum(-1, keepdim=True), total)
+        m = torch.where(seen, m_new, m)
+    return (out / total).transpose(0, 1).float()
+
+
+def test_native_prefill_attention_with_bf16_weights_rounds_the_softmax_weights_alone():
+    """``bf16_weights`` (acb's int8 forward): the value product takes each softmax weight rounded to
+    bf16 (one VDPBF16PS, as flash attention on GPUs), nothing else rounded: the kernel's outputs sit
+    on a float64 emulation of exactly that (each 32-key block rounded against the running max), far
+    closer than the exact attention is to it; without the flag the kernel keeps to the exact one."""
+    kernel = paged_decode_kernel()
+    if kernel is None or not kernel.prefill_bf16():
+        pytest.skip("the native CPU kernel has no avx512_bf16 build here")
+    torch.manual_seed(7)
+    heads, kv_heads, dim = 9, 3, 64
+    lengths = [5, 32, 70, 203]
+    total = sum(lengths) + 2
+    bf = torch.bfloat16
+    q = (2 * torch.randn(total, heads, dim)).to(bf).transpose(0, 1)  # peaked softmax rows, as real ones are
+    k = torch.randn(total, kv_heads, dim).to(bf).transpose(0, 1)
+    v = torch.randn(total, kv_heads, dim).to(bf).transpose(0, 1)
+    spans = _fresh_spans(lengths, 1)
+    out16 = torch.zeros(total, heads, dim)
+    out = torch.zeros(total, heads, dim)
+    assert kernel.prefill_attention(q, k, v, torch.tensor(spans), out16, dim**-0.5, 0.0, 0, bf16_weights=True)
+    assert kernel.prefill_attention(q, k, v, torch.tensor(spans), out, dim**-0.5, 0.0, 0, bf16_weights=False)
+    for first, end, _, _ in spans:
+        qs, ks, vs = q[:, first:end], k[:, first:end], v[:, first:end]
+        rounded = _attention_with_bf16_weights(qs, ks, vs, dim**-0.5)
+        exact = _attention_reference(qs.float(), ks.float(), vs.float(), 0, dim**-0.5, 0.0, 0)
+        apart = (rounded - exact).abs().mean().item()  # what rounding the weights moves
+        assert apart > 1e-4, apart
+        # measured: 2-3e-4 apart; the kernel 2e-8 to 1.3e-7 from its emulation, 3-4e-7 from the exact one
+        assert (out16[first:end] - rounded).abs().mean().item() < 0.01 * apart
+        assert (out[first:end] - exact).abs().mean().item() < 0.01 * apart
+        # at most a weight whose rounding went the other way (its exp's last bit): 3e-4 measured
+        torch.testing.assert_close(out16[first:end], rounded, rtol=0, atol=2e-3)
+    assert not out16[0].any() and not out16[-1].any()  # rows outside every span untouched
+
+
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (37, 0.0), (0, 20.0)])
 def test_native_prefill_attention_writes_bf16_outputs_as_its_float32_ones_rounded(window, softcap):
     """With a bf16 ``out`` (a bf16 step's prompt rows, acb.attention), the bf16 kernel rounds each

@@ -494,6 +494,40 @@ async def test_an_int8_engine_runs_the_int8_forward_and_says_so():
         assert agree >= 6 or result.token_ids[:4] == want[:4]
 
 
+@pytest.mark.parametrize("quant", ["int8", None])
+async def test_only_the_int8_forward_rounds_its_prompt_attentions_softmax_weights(monkeypatch, quant):
+    """A bf16 step's prompt rows go to the bf16 prefill kernel with ``bf16_weights`` set under int8
+    (the weights rounded to bf16 for the value product: measured no loss of int8's agreement) and
+    unset for a bf16 model (whose forward keeps ~16 bits of each weight, at its 99 % line)."""
+    from acb.kernels.cpu import paged_decode_kernel
+
+    _q8()
+    if paged_decode_kernel() is None or not paged_decode_kernel().prefill_bf16():
+        pytest.skip("the native kernels have no bf16 prefill here (no avx512_bf16)")
+    seen = []
+
+    class Spy:
+        def __init__(self, kernel) -> None:
+            self.kernel = kernel
+
+        def __getattr__(self, name):
+            return getattr(self.kernel, name)
+
+        def prefill_attention(self, q, k, v, spans, out, scale, cap, window, bf16_weights=False):
+            seen.append((q.dtype, bf16_weights))
+            return self.kernel.prefill_attention(q, k, v, spans, out, scale, cap, window, bf16_weights)
+
+    model = tiny_model("llama", seed=2)
+    engine = Engine(model, tokenizer=tiny_tokenizer(), config=EngineConfig(
+        num_blocks=128, page_size=8, dtype="bfloat16", quantization=quant, max_batch_tokens=32))
+    async with engine:
+        assert engine.stats().forward_path == "fused"
+        monkeypatch.setitem(attention.KERNELS, "native", Spy(attention.KERNELS["native"]))
+        await engine.generate_batch(random_prompts(3, 20, 40, seed=4), max_new_tokens=3, ignore_eos=True)
+    assert seen and all(dtype == torch.bfloat16 for dtype, _ in seen), seen
+    assert {flag for _, flag in seen} == {quant == "int8"}
+
+
 async def test_weights_edited_in_place_are_seen_under_int8():
     """The weight-change contract holds: the int8 forward reads the modules' own tensors."""
     _q8()

@@ -1439,7 +1439,8 @@ static void run_item(const Args& a, int64_t t0, int64_t k0, int64_t past, int64_
 // two keys; queries are read in place as pairs. Scores, the softmax, its sums and the
 // accumulators are float32; the softmax weights go into the second product as two bf16 parts
 // (p = hi + lo, two VDPBF16PS: ~16 bits of each weight, where flash attention on GPUs rounds p to
-// bf16's 8), their sum is taken before rounding.
+// bf16's 8), their sum is taken before rounding. With bf16_weights (acb's int8 forward) p is hi
+// alone: one VDPBF16PS.
 static inline __m512 dot(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
 }
@@ -1469,9 +1470,10 @@ static inline void qk16(const at::BFloat16* const* qr, const uint32_t* kt, int64
 }
 
 // acc[r] = acc[r] * corr[r] + sum_j p[r][j] v_j; p16: per row KB/2 uint32 pairs of the bf16
-// weights' high parts, then KB/2 pairs of their low parts (p = hi + lo, each bf16: ~16 bits of p),
+// weights' high parts, then (LO) KB/2 pairs of their low parts (p = hi + lo, each bf16: ~16 bits of
+// p; without LO p is its high part alone, rounded to bf16's 8 bits: one product, not two),
 // vt: [pairs][D] uint32 value pairs starting at this block
-template <int DC, int R>
+template <int DC, int R, bool LO>
 static inline void pv16(float* acc, const float* corr, const uint32_t* p16, const uint32_t* vt, int np) {
   constexpr int D = DC * 16;
   __m512 a[R * DC];
@@ -1484,21 +1486,28 @@ static inline void pv16(float* acc, const float* corr, const uint32_t* p16, cons
     for (int c = 0; c < DC; ++c) v[c] = _mm512_loadu_si512(vt + j * D + c * 16);
     for (int r = 0; r < R; ++r) {
       const __m512i w = _mm512_set1_epi32(static_cast<int>(p16[r * KB + j]));
-      const __m512i w_lo = _mm512_set1_epi32(static_cast<int>(p16[r * KB + KB / 2 + j]));
-      for (int c = 0; c < DC; ++c) a[r * DC + c] = dot(dot(a[r * DC + c], v[c], w), v[c], w_lo);
+      if constexpr (LO) {
+        const __m512i w_lo = _mm512_set1_epi32(static_cast<int>(p16[r * KB + KB / 2 + j]));
+        for (int c = 0; c < DC; ++c) a[r * DC + c] = dot(dot(a[r * DC + c], v[c], w), v[c], w_lo);
+      } else {
+        for (int c = 0; c < DC; ++c) a[r * DC + c] = dot(a[r * DC + c], v[c], w);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < DC; ++c) _mm512_storeu_ps(acc + r * D + c * 16, a[r * DC + c]);
 }
 
-template <int DC>
-static void pv16_rows(float* acc, const float* corr, const uint32_t* p16, const uint32_t* vt, int np, int rows) {
+// Not inlined into run_item16: inlined, GCC's code for the one-product (LO false) kernel ran ~4 % slower
+// than the two-product one, out of line ~13 % faster (benchmarks/prefill_attention.py --bf16-weights; the
+// two-product kernel the same or faster)
+template <int DC, bool LO>
+__attribute__((noinline)) static void pv16_rows(float* acc, const float* corr, const uint32_t* p16, const uint32_t* vt, int np, int rows) {
   constexpr int RP = DC >= 16 ? 1 : (16 / DC > RB ? RB : 16 / DC);
   constexpr int D = DC * 16;
   int r = 0;
-  for (; r + RP <= rows; r += RP) pv16<DC, RP>(acc + r * D, corr + r, p16 + r * KB, vt, np);
-  for (; r < rows; ++r) pv16<DC, 1>(acc + r * D, corr + r, p16 + r * KB, vt, np);
+  for (; r + RP <= rows; r += RP) pv16<DC, RP, LO>(acc + r * D, corr + r, p16 + r * KB, vt, np);
+  for (; r < rows; ++r) pv16<DC, 1, LO>(acc + r * D, corr + r, p16 + r * KB, vt, np);
 }
 
 static void qk16_rows(const at::BFloat16* const* qr, const uint32_t* kt, int64_t ldk, int64_t D, float* s, int rows) {
@@ -1522,8 +1531,9 @@ struct Args16 {
   int64_t window;
 };
 
-// As run_item, over packed bf16 keys kt ([D/2][ldk] pairs) and values vt ([ldk/2][D] pairs).
-template <int DC>
+// As run_item, over packed bf16 keys kt ([D/2][ldk] pairs) and values vt ([ldk/2][D] pairs); LO:
+// the value product takes the softmax weights as hi + lo (else rounded to bf16, as on GPUs).
+template <int DC, bool LO>
 static void run_item16(const Args16& a, int64_t t0, int64_t past, int64_t kh, int64_t i0, int64_t i1,
                        const uint32_t* kt, const uint32_t* vt, int64_t ldk, float* s, uint32_t* p16, float* acc) {
   constexpr int D = DC * 16;
@@ -1548,6 +1558,7 @@ static void run_item16(const Args16& a, int64_t t0, int64_t past, int64_t kh, in
         // also bf16 (rounding p to bf16 alone cost SmolLM2 ~0.1 point of top-1 agreement with float32)
         const __m512i hi = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0));
         _mm512_storeu_si512(pr, hi);
+        if constexpr (!LO) continue;
         // hi's low 256 bits are p0's 16 weights rounded, its high 256 bits p1's: widened back
         const __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hi)), 16));
         const __m512 h1 = _mm512_castsi512_ps(
@@ -1555,7 +1566,7 @@ static void run_item16(const Args16& a, int64_t t0, int64_t past, int64_t kh, in
         _mm512_storeu_si512(pr + KB / 2, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
             _mm512_sub_ps(p1, h1), _mm512_sub_ps(p0, h0))));
       }
-      pv16_rows<DC>(acc, corr, p16, vt + (kb / 2) * D, (nk + 1) / 2, R);
+      pv16_rows<DC, LO>(acc, corr, p16, vt + (kb / 2) * D, (nk + 1) / 2, R);
     }
     if (a.out16 != nullptr) store<DC>(t, a.out16, a.o_tok, a.o_head, t0, acc);
     else store<DC>(t, a.out, a.o_tok, a.o_head, t0, acc);
@@ -1565,13 +1576,14 @@ static void run_item16(const Args16& a, int64_t t0, int64_t past, int64_t kh, in
 using RunFn16 = void (*)(const Args16&, int64_t, int64_t, int64_t, int64_t, int64_t, const uint32_t*, const uint32_t*,
                          int64_t, float*, uint32_t*, float*);
 
+template <bool LO>
 static RunFn16 pick16(int64_t D) {
   switch (D) {
-    case 16: return run_item16<1>;
-    case 32: return run_item16<2>;
-    case 64: return run_item16<4>;
-    case 128: return run_item16<8>;
-    case 256: return run_item16<16>;
+    case 16: return run_item16<1, LO>;
+    case 32: return run_item16<2, LO>;
+    case 64: return run_item16<4, LO>;
+    case 128: return run_item16<8, LO>;
+    case 256: return run_item16<16, LO>;
     default: return nullptr;
   }
 }
@@ -1792,10 +1804,10 @@ static std::vector<std::vector<Item>> spread_items(const int64_t* sp, int64_t N,
 // The bf16 prefill (q, k, v all bfloat16; out float32 or bfloat16): keys and values packed as pairs.
 static bool prefill_attention_bf16(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                    const torch::Tensor& spans, torch::Tensor& out, double scale, double softcap,
-                                   int64_t window) {
+                                   int64_t window, bool bf16_weights) {
   using prefill::KB;
   const int64_t H = q.size(0), D = q.size(2), KVH = k.size(0);
-  const prefill::RunFn16 run = prefill::pick16(D);
+  const prefill::RunFn16 run = bf16_weights ? prefill::pick16<false>(D) : prefill::pick16<true>(D);
   if (run == nullptr) return false;
   const bool out16 = out.scalar_type() == torch::kBFloat16;
   prefill::Args16 a{q.data_ptr<at::BFloat16>(), q.stride(1), q.stride(0), out16 ? nullptr : out.data_ptr<float>(),
@@ -1854,9 +1866,13 @@ static bool prefill_attention_bf16(const torch::Tensor& q, const torch::Tensor& 
 // prompt is (first, end, first, 0). Returns false, touching nothing, where this build or shape has no fast
 // path (the caller then uses PyTorch's attention). q, k and v are all float32 (built with AVX-512
 // or AVX2 + FMA: ``prefill_f32()``), or all bfloat16 where the build has avx512_bf16 (``prefill_bf16()``).
+// bf16_weights (bf16 inputs): the value product takes the softmax weights rounded to bf16, one VDPBF16PS
+// (as flash attention on GPUs), where it otherwise takes them as hi + lo (~16 bits; two): ~13 % less time
+// (12 x 330-token prompts). SmolLM2's top-1 agreement with float32: int8 97.64 -> 97.63 % (acb's int8
+// forward asks for it), bf16 ~0.1 point lower (its forward, at its 99 % line, does not).
 bool prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                        const torch::Tensor& spans, torch::Tensor& out, double scale, double softcap,
-                       int64_t window) {
+                       int64_t window, bool bf16_weights) {
 #if defined(ACB_PREFILL_F32)
   const int64_t H = q.size(0), D = q.size(2), KVH = k.size(0);
   const bool shapes_ok = q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && out.stride(2) == 1 &&
@@ -1870,7 +1886,7 @@ bool prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const tor
   if (q.scalar_type() == torch::kBFloat16) {
 #if defined(__AVX512BF16__)
     if (k.scalar_type() == torch::kBFloat16 && v.scalar_type() == torch::kBFloat16)
-      return prefill_attention_bf16(q, k, v, spans, out, scale, softcap, window);
+      return prefill_attention_bf16(q, k, v, spans, out, scale, softcap, window, bf16_weights);
 #endif
     return false;
   }
@@ -2083,8 +2099,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   }, "whether prefill_attention takes bfloat16 q/k/v (built with avx512_bf16)");
-  m.def("prefill_attention", &prefill_attention, "causal prefill attention of prompt chunks (CPU)",
-        py::call_guard<py::gil_scoped_release>());
+  m.def("prefill_attention", &prefill_attention, "causal prefill attention of prompt chunks (CPU)", py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("spans"), py::arg("out"), py::arg("scale"), py::arg("softcap"),
+        py::arg("window"), py::arg("bf16_weights") = false, py::call_guard<py::gil_scoped_release>());
   static_assert(std::is_same_v<decltype(&paged_decode_into), acb_entry::DecodeIntoFn>,
                 "entry_points.h: paged_decode_into's type");
   m.def("_address", []() { return reinterpret_cast<int64_t>(&paged_decode_into); },
