@@ -267,6 +267,21 @@ class _CountingKernels:
         return took
 
 
+class _PrefillCalls:
+    """attention.KERNELS["native"] with its prefill_attention calls recorded in ``calls``, each as
+    (q, k, bf16_weights), and passed on."""
+
+    def __init__(self, module) -> None:
+        self.module, self.calls = module, []
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+    def prefill_attention(self, q, k, v, spans, out, scale, cap, window, bf16_weights=False):
+        self.calls.append((q, k, bf16_weights))
+        return self.module.prefill_attention(q, k, v, spans, out, scale, cap, window, bf16_weights)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "gemma2"])
 async def test_decode_only_steps_attend_in_one_native_call(arch, dtype, monkeypatch):

@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_fused_forward import _CountingKernels, _logits, fresh_rows
+from test_fused_forward import _CountingKernels, _logits, _PrefillCalls, fresh_rows
 
 import acb
 from acb import EngineConfig, kv_quant, sizing
@@ -457,29 +457,20 @@ async def test_a_bf16_models_continued_chunks_over_int8_pages_take_the_bf16_pref
 
     if not _kernel().prefill_bf16():
         pytest.skip("the native kernels have no bf16 prefill here (no avx512_bf16)")
-    seen = []
-
-    class Spy:
-        def __init__(self, module) -> None:
-            self.module = module
-
-        def __getattr__(self, name):
-            return getattr(self.module, name)
-
-        def prefill_attention(self, q, k, v, spans, *args):
-            seen.append((q.dtype, k.dtype, k.shape[1] > q.shape[1]))  # more keys than queries: a continued chunk
-            return self.module.prefill_attention(q, k, v, spans, *args)
-
+    calls = []
     prompts = random_prompts(3, 30, 40, seed=5)
     tokens = {}
     for kv in (None, "int8"):
         async with tiny_engine("llama", seed=2, dtype="bfloat16", num_blocks=64, page_size=4, max_batch_tokens=16,
                                kv_cache_dtype=kv) as engine:
-            monkeypatch.setitem(attention.KERNELS, "native", Spy(attention.KERNELS["native"]))
+            spy = _PrefillCalls(attention.KERNELS["native"])
+            monkeypatch.setitem(attention.KERNELS, "native", spy)
             done = await engine.generate_batch(prompts, max_new_tokens=6, ignore_eos=True)
             tokens[kv] = [d.token_ids for d in done]
+            calls += spy.calls
             monkeypatch.undo()
-    continued = [(q, k) for q, k, more in seen if more]
+    # more keys than queries: a continued chunk
+    continued = [(q.dtype, k.dtype) for q, k, _ in calls if k.shape[1] > q.shape[1]]
     assert continued and all(q == k == torch.bfloat16 for q, k in continued), continued
     assert _agreement(tokens["int8"], tokens[None]) >= 0.7
 

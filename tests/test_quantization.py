@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fused_forward import NATIVE_LOOP_ARCHS, _logits, _runner, decode_both_ways, fresh_rows
+from test_fused_forward import NATIVE_LOOP_ARCHS, _logits, _PrefillCalls, _runner, decode_both_ways, fresh_rows
 
 from acb import Engine, EngineConfig, attention, kv_quant, quantization
 from acb.kernels.cpu import int8_kernels
@@ -504,26 +504,15 @@ async def test_only_the_int8_forward_rounds_its_prompt_attentions_softmax_weight
     _q8()
     if paged_decode_kernel() is None or not paged_decode_kernel().prefill_bf16():
         pytest.skip("the native kernels have no bf16 prefill here (no avx512_bf16)")
-    seen = []
-
-    class Spy:
-        def __init__(self, kernel) -> None:
-            self.kernel = kernel
-
-        def __getattr__(self, name):
-            return getattr(self.kernel, name)
-
-        def prefill_attention(self, q, k, v, spans, out, scale, cap, window, bf16_weights=False):
-            seen.append((q.dtype, bf16_weights))
-            return self.kernel.prefill_attention(q, k, v, spans, out, scale, cap, window, bf16_weights)
-
     model = tiny_model("llama", seed=2)
     engine = Engine(model, tokenizer=tiny_tokenizer(), config=EngineConfig(
         num_blocks=128, page_size=8, dtype="bfloat16", quantization=quant, max_batch_tokens=32))
     async with engine:
         assert engine.stats().forward_path == "fused"
-        monkeypatch.setitem(attention.KERNELS, "native", Spy(attention.KERNELS["native"]))
+        spy = _PrefillCalls(attention.KERNELS["native"])
+        monkeypatch.setitem(attention.KERNELS, "native", spy)
         await engine.generate_batch(random_prompts(3, 20, 40, seed=4), max_new_tokens=3, ignore_eos=True)
+    seen = [(q.dtype, flag) for q, _, flag in spy.calls]
     assert seen and all(dtype == torch.bfloat16 for dtype, _ in seen), seen
     assert {flag for _, flag in seen} == {quant == "int8"}
 

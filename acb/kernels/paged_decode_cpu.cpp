@@ -1506,7 +1506,8 @@ static inline void pv16(float* acc, const float* corr, const uint32_t* p16, cons
 // than the two-product one, out of line ~13 % faster (benchmarks/prefill_attention.py --bf16-weights; the
 // two-product kernel the same or faster)
 template <int DC, bool LO>
-__attribute__((noinline)) static void pv16_rows(float* acc, const float* corr, const uint32_t* p16, const uint32_t* vt, int np, int rows) {
+__attribute__((noinline)) static void pv16_rows(float* acc, const float* corr, const uint32_t* p16, const uint32_t* vt,
+                                                int np, int rows) {
   constexpr int RP = DC >= 16 ? 1 : (16 / DC > RB ? RB : 16 / DC);
   constexpr int D = DC * 16;
   int r = 0;
