@@ -9,6 +9,7 @@
     python benchmarks/bench.py --systems acb_bf16,acb_bf16_kv8,acb_int8_bf16_kv8  # + int8 KV pages
     python benchmarks/bench.py --systems acb --limit 16 # quick look
     python benchmarks/bench.py --systems acb_fp32,acb_int8_bf16 --rounds 3  # ratios, rounds interleaved
+    python benchmarks/bench.py --workload realtext --seed 3 --systems acb_fp32,acb_int8_bf16  # other passages
 
 Each system runs in its own process, so peak RSS is its own. With --rounds N the systems run N times
 in turn (A B A B ...: a host's drift between minutes lands on every system alike); each system's row is
@@ -95,7 +96,7 @@ def matrix_ceiling(w: workloads.Workload) -> dict:
 def child(system: str, args: argparse.Namespace) -> dict:
     import systems
 
-    w = workloads.build(args.workload, args.workload_file, args.limit, args.rate)
+    w = workloads.build(args.workload, args.workload_file, args.limit, args.rate, args.seed)
     if system == "acb" or system.startswith("acb_"):
         config = json.loads(args.acb_config) if args.acb_config else {}
         if system.endswith("_kv8"):
@@ -197,6 +198,9 @@ def main() -> None:
     p.add_argument("--workload-file", default=None, help="standard-workload.json (default: ../shared/bench)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--rate", type=float, default=2.0, help="arrivals per second for --workload stream")
+    p.add_argument("--seed", type=int, default=0,
+                   help="--workload realtext: which passages (0, the default: the recorded prompts; others cut "
+                        "other windows of the same texts)")
     p.add_argument("--systems", default=None, help=f"comma list from {SYSTEMS}")
     p.add_argument("--vllm-venv", default=os.environ.get("ACB_VLLM_VENV"))
     p.add_argument("--hf-batch-size", type=int, default=8)
@@ -208,6 +212,8 @@ def main() -> None:
     args = p.parse_args()
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.seed != 0 and args.workload != "realtext":
+        p.error(f"--seed picks the realtext workload's passages; --workload {args.workload} has none to pick")
     if args.child:
         Path(args.child_out).write_text(json.dumps(child(args.child, args)))
         return
@@ -229,7 +235,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     data = {
         "date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "workload": args.workload, "limit": args.limit, "rounds": args.rounds, "results": results, "ceiling": ceiling,
+        "workload": args.workload, "seed": args.seed, "limit": args.limit, "rounds": args.rounds, "results": results,
+        "ceiling": ceiling,
         "source": "python benchmarks/bench.py " + " ".join(sys.argv[1:]),
     }
     out.write_text(json.dumps(data, indent=2))

@@ -66,7 +66,11 @@ def streaming(path: str | None = None, limit: int | None = None, rate: float = 2
                     notes=f"Poisson arrivals at {rate} req/s, every consumer streams")
 
 
-def build(name: str, path: str | None = None, limit: int | None = None, rate: float = 2.0) -> Workload:
+def build(name: str, path: str | None = None, limit: int | None = None, rate: float = 2.0, seed: int = 0) -> Workload:
+    """Workload ``name``; ``seed`` picks the real-text workload's passages (0: the recorded one; others
+    cut other windows of the same texts, prompts no run tuned on)."""
+    if seed != 0 and name != "realtext":
+        raise ValueError(f"seed picks the realtext workload's passages; {name!r} has none to pick")
     if name == "standard":
         return standard(path, limit)
     if name == "prefix":
@@ -78,7 +82,7 @@ def build(name: str, path: str | None = None, limit: int | None = None, rate: fl
 
         from acb.loading import _converted_gguf, smollm2
 
-        return real_text(AutoTokenizer.from_pretrained(str(_converted_gguf(*smollm2()))), limit=limit)
+        return real_text(AutoTokenizer.from_pretrained(str(_converted_gguf(*smollm2()))), seed=seed, limit=limit)
     raise ValueError(f"unknown workload {name!r}")
 
 
