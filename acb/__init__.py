@@ -14,22 +14,23 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-# Imported on first use (PEP 562), so `import acb.scheduler` and the rest of the
+# Imported on first use (PEP 562), so `import acb.core.scheduler` and the rest of the
 # torch-free core (scheduler, KV allocator, step types, requests, configs) load
 # without torch: the public names below come from their modules when first read.
 _LAZY = {
-    "EngineConfig": "config", "SamplingParams": "config",
-    "Engine": "engine",
-    "EngineStats": "request", "Chunk": "request", "Completion": "request", "RequestMetrics": "request",
-    "AcbError": "errors", "DeviceError": "errors", "EngineClosedError": "errors",
-    "EngineOverloadedError": "errors", "EngineStoppedError": "errors", "InvalidRequestError": "errors",
-    "RequestFailedError": "errors",
-    "ChunkStream": "handle", "RequestHandle": "handle",
-    "AllBlocksCleared": "kv_events", "BlockRemoved": "kv_events", "BlockStored": "kv_events",
-    "KVEventBatch": "kv_events", "KVEventStream": "kv_events",
-    "PromptLogprobs": "prompt_logprobs",
-    "generate_batch": "sync",
-    "prefix_page_hashes": "kv_cache",
+    "EngineConfig": "core.config", "SamplingParams": "core.config",
+    "Engine": "engine.engine",
+    "EngineStats": "core.outputs", "Chunk": "core.outputs", "Completion": "core.outputs",
+    "RequestMetrics": "core.outputs",
+    "AcbError": "core.errors", "DeviceError": "core.errors", "EngineClosedError": "core.errors",
+    "EngineOverloadedError": "core.errors", "EngineStoppedError": "core.errors", "InvalidRequestError": "core.errors",
+    "RequestFailedError": "core.errors",
+    "ChunkStream": "core.handle", "RequestHandle": "core.handle",
+    "AllBlocksCleared": "core.kv_events", "BlockRemoved": "core.kv_events", "BlockStored": "core.kv_events",
+    "KVEventBatch": "core.kv_events", "KVEventStream": "core.kv_events",
+    "PromptLogprobs": "core.prompt_logprobs",
+    "generate_batch": "engine.sync",
+    "prefix_page_hashes": "core.kv_cache",
 }
 # submodules that are part of the API: acb.distributed (run_worker() for torchrun's ranks),
 # acb.reasoning (the <think> split), acb.tools (OpenAI's tools checked, forced and parsed)
@@ -53,9 +54,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from . import distributed, reasoning, tools
-    from .config import EngineConfig, SamplingParams
-    from .engine import Engine
-    from .errors import (
+    from .core.config import EngineConfig, SamplingParams
+    from .core.errors import (
         AcbError,
         DeviceError,
         EngineClosedError,
@@ -64,12 +64,13 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         InvalidRequestError,
         RequestFailedError,
     )
-    from .handle import ChunkStream, RequestHandle
-    from .kv_cache import prefix_page_hashes
-    from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventStream
-    from .prompt_logprobs import PromptLogprobs
-    from .request import Chunk, Completion, EngineStats, RequestMetrics
-    from .sync import generate_batch
+    from .core.handle import ChunkStream, RequestHandle
+    from .core.kv_cache import prefix_page_hashes
+    from .core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventStream
+    from .core.outputs import Chunk, Completion, EngineStats, RequestMetrics
+    from .core.prompt_logprobs import PromptLogprobs
+    from .engine.engine import Engine
+    from .engine.sync import generate_batch
 
 __version__ = "0.1.0"
 

@@ -361,7 +361,7 @@ def body(rnd: random.Random, chat: bool, junk: float) -> str:
 async def fuzz_server(args: argparse.Namespace) -> int:
     from aiohttp.test_utils import TestClient, TestServer
 
-    from acb.server import ServerConfig, create_app
+    from acb.serving.server import ServerConfig, create_app
 
     rnd = random.Random(args.seed)
     statuses: collections.Counter = collections.Counter()

@@ -41,7 +41,7 @@ def tokenizer(tiny: bool):
         return tiny_tokenizer()
     from transformers import AutoTokenizer
 
-    from acb.loading import smollm2
+    from acb.model.loading import smollm2
 
     folder, gguf = smollm2()
     return AutoTokenizer.from_pretrained(folder, gguf_file=gguf)

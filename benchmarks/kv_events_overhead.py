@@ -18,10 +18,10 @@ import time
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
-from acb.kv_cache import KVCacheManager  # noqa: E402
-from acb.kv_events import AllBlocksCleared, BlockStored, KVEventPublisher  # noqa: E402
-from acb.scheduler import Scheduler, Sequence  # noqa: E402
-from acb.step import StepOutput  # noqa: E402
+from acb.core.kv_cache import KVCacheManager  # noqa: E402
+from acb.core.kv_events import AllBlocksCleared, BlockStored, KVEventPublisher  # noqa: E402
+from acb.core.scheduler import Scheduler, Sequence  # noqa: E402
+from acb.core.step import StepOutput  # noqa: E402
 
 
 def run(live: int, page_size: int, steps: int, events_on: bool) -> tuple[float, float]:

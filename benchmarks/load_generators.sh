@@ -36,10 +36,10 @@ MODEL_DIR=${1:-}
 if [[ -z $MODEL_DIR ]]; then  # SmolLM2's converted folder (config, weights, tokenizer)
     MODEL_DIR=$(python3 -c '
 import acb
-from acb.loading import smollm2
+from acb.model.loading import smollm2
 folder, name = smollm2()
 acb.Engine.from_pretrained(folder, gguf_file=name)
-from acb.loading import cache_dir
+from acb.model.files import cache_dir
 print(next(p for p in sorted((cache_dir() / "converted").glob("SmolLM2-135M-Instruct*"))))')
 fi
 

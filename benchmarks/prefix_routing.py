@@ -38,7 +38,7 @@ from ray import serve
 
 import acb
 from acb.integrations.ray import REPLICA_HEADER, FreePagesRouter, PrefixAwareRouter, build_app
-from acb.loading import smollm2
+from acb.model.loading import smollm2
 
 ROUTERS = {"free-pages": FreePagesRouter, "prefix": PrefixAwareRouter}
 

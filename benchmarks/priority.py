@@ -76,7 +76,7 @@ def main() -> None:
         def make_engine(config):
             return tiny_engine(config=acb.EngineConfig(**{**config.__dict__, "num_blocks": 1024, "page_size": 16}))
     else:
-        from acb.loading import smollm2
+        from acb.model.loading import smollm2
 
         folder, gguf = smollm2()
 

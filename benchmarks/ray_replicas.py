@@ -28,7 +28,7 @@ from ray import serve
 
 import acb
 from acb.integrations.ray import REPLICA_HEADER, build_app
-from acb.loading import smollm2
+from acb.model.loading import smollm2
 
 
 async def _one(session: aiohttp.ClientSession, url: str, prompt: list[int], new: int) -> tuple[float, str, int]:

@@ -3,7 +3,7 @@
     python benchmarks/sampling_cost.py                       # 64, 256 and 1024 rows, SmolLM2's vocabulary
     python benchmarks/sampling_cost.py --baseline d5ea2bb,HEAD   # also the sampler at other revisions
 
-Times ``acb.sampling.sample`` on random logits [rows, vocab] the way the runner calls
+Times ``acb.worker.sampling.sample`` on random logits [rows, vocab] the way the runner calls
 it (the ``SamplingBatch`` built from per-row tuples, ``Controls`` built from per-row
 lists as ``Outputs`` builds them), median of ``--reps`` calls after warm-up, in CPU
 time of the calling thread (torch runs on that one thread, ``--threads 1``), so a
@@ -36,7 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from acb import sampling  # noqa: E402
+from acb.worker import sampling  # noqa: E402
 
 
 def _load_revision(rev: str):

@@ -26,7 +26,7 @@ import plots  # noqa: E402
 
 
 async def run(engine, prompts: list[list[int]], new: int, label: str = "warm-up") -> dict:
-    from acb.progress import BatchProgress
+    from acb.core.progress import BatchProgress
 
     bar = BatchProgress(len(prompts), desc=label)
     s0 = engine.stats()

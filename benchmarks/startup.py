@@ -28,7 +28,7 @@ import time, sys
 t0 = time.perf_counter()
 import asyncio, json
 import acb
-from acb.loading import smollm2
+from acb.model.loading import smollm2
 t_import = time.perf_counter()
 async def main():
     folder, gguf = smollm2()

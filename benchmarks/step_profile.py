@@ -27,7 +27,7 @@ import workloads  # noqa: E402
 from systems import load_smollm2  # noqa: E402
 
 import acb  # noqa: E402
-from acb import attention  # noqa: E402
+from acb.attention import paged as attention  # noqa: E402
 from acb.testing import runner_of  # noqa: E402
 
 
@@ -79,7 +79,7 @@ def instrument(engine: acb.Engine, timers: Timers) -> None:
     if "native" in attention.KERNELS:
         attention.KERNELS["native"] = _KernelProxy(attention.KERNELS["native"], timers,
                                                    ["paged_decode", "prefill_attention"])
-    import acb.runner as runner_module
+    import acb.worker.runner as runner_module
 
     runner_module.sample = timers.wrap("sampling", runner_module.sample)
     if runner.fast_paths.fused is not None:

@@ -47,7 +47,7 @@ SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def load_smollm2():
-    from acb.loading import load, smollm2
+    from acb.model.loading import load, smollm2
 
     return load(*smollm2())
 
@@ -79,11 +79,11 @@ class LagTicker:
 def run_acb(w: Workload, config_kwargs: dict | None = None, dtype: str | None = None,
             quantization: str | None = None) -> dict:
     """acb over SmolLM2 in ``dtype`` (None: what ``Engine.from_pretrained`` picks here by default);
-    ``quantization="int8"``: the GGUF file read straight into int8 (acb.gguf_int8, cached conversion)."""
+    ``quantization="int8"``: the GGUF file read straight into int8 (acb.model.gguf_int8, cached conversion)."""
     import acb
-    from acb.loading import default_dtype, load, smollm2
-    from acb.progress import BatchProgress
-    from acb.quantization import weight_bytes
+    from acb.core.progress import BatchProgress
+    from acb.model.loading import default_dtype, load, smollm2
+    from acb.model.quantization import weight_bytes
 
     config = acb.EngineConfig(**(config_kwargs or {}))
     requested = config.dtype or dtype
@@ -251,7 +251,7 @@ def run_vllm(w: Workload, venv: str, dtype: str = "auto") -> dict:
     """vLLM's CPU engine, run by the venv's own python as a subprocess (never imported here).
     ``dtype="auto"`` is what ``vllm serve`` runs by default: on x86 CPUs it downcasts a
     float32 checkpoint to bfloat16."""
-    from acb.loading import _converted_gguf, smollm2
+    from acb.model.loading import _converted_gguf, smollm2
 
     model_dir = str(_converted_gguf(*smollm2()))
     py = Path(venv) / "bin" / "python"

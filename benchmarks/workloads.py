@@ -80,7 +80,7 @@ def build(name: str, path: str | None = None, limit: int | None = None, rate: fl
     if name == "realtext":
         from transformers import AutoTokenizer
 
-        from acb.loading import _converted_gguf, smollm2
+        from acb.model.loading import _converted_gguf, smollm2
 
         return real_text(AutoTokenizer.from_pretrained(str(_converted_gguf(*smollm2()))), seed=seed, limit=limit)
     raise ValueError(f"unknown workload {name!r}")

@@ -14,8 +14,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 import acb
-from acb.errors import InvalidRequestError
-from acb.fused import native_bf16
+from acb.core.errors import InvalidRequestError
+from acb.model.fused import native_bf16
 from acb.testing import (
     ARCHITECTURES,
     LORA_TARGETS,
@@ -254,7 +254,7 @@ async def test_adapters_with_choices_preemption_and_offload():
 @pytest.mark.extras  # ~20 s on a quiet machine: CI's second step (the default suite is near its budget)
 async def test_smollm2_mixed_adapters_match_peft_generate():
     """The real SmolLM2-135M (tied embeddings, 30 layers): two adapters and the base in one batch."""
-    from acb.loading import load, smollm2
+    from acb.model.loading import load, smollm2
 
     model, tok = load(*smollm2(), dtype="float32")
     adapters = {}
@@ -292,7 +292,7 @@ async def test_structured_output_with_an_adapter():
                                           (dict(tensor_parallel_size=2), "tensor_parallel_size"),
                                           (dict(quantization="int8"), "quantization")])
 def test_engines_that_cannot_run_adapters_name_the_setting(fields, name):
-    from acb import lora
+    from acb.model import lora
 
     assert name.split("_size")[0] in lora.why_not(tiny_model("llama"), acb.EngineConfig(**fields))
 

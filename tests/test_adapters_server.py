@@ -8,9 +8,9 @@ import aiohttp
 import pytest
 from http_helpers import running_app, sse_json
 
-from acb.cli import build_parser, main
 from acb.integrations.aiohttp import ENGINE_KEY
-from acb.server import ServerConfig, create_app
+from acb.serving.cli import build_parser, main
+from acb.serving.server import ServerConfig, create_app
 from acb.testing import tiny_engine, tiny_lora_model
 
 KEY = {"Authorization": "Bearer k"}
@@ -83,7 +83,7 @@ def test_bad_adapter_flags_exit_2(argv, capsys, folders):
 
 
 def test_serve_sizes_adapter_slots_for_its_start_up_adapters(folders, tmp_path):
-    from acb.cli import _model_source
+    from acb.serving.cli import _model_source
 
     tiny_lora_model("llama", seed=5, r=32).save_pretrained(tmp_path / "big")
     parser = build_parser()

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import acb
+from acb.engine.settings import inactive_settings
 from acb.testing import reference_greedy, runner_of, speculate_always, step_counts, tiny_engine, tiny_model
 
 PROMPT = [5, 17, 33, 60, 91, 120]
@@ -440,8 +441,8 @@ def _planned(name: str, overrides: dict) -> bool:
     """The setting changes how the engine's own scheduler plans (on an engine not started,
     its scheduler driven by hand): against the default, the same requests are planned
     differently."""
-    from acb.scheduler import Sequence
-    from acb.step import StepOutput
+    from acb.core.scheduler import Sequence
+    from acb.core.step import StepOutput
 
     def first_rows(**fields):
         scheduler = tiny_engine(num_blocks=12, page_size=4, max_batch_tokens=16, **fields).scheduler
@@ -560,13 +561,13 @@ async def test_every_engine_setting_has_an_effect_or_is_named_inactive(caplog):
     for name, (overrides, effect) in _EFFECTS.items():
         config = acb.EngineConfig(**overrides)
         if effect is None:
-            assert config.inactive_settings("cpu") == [name], name
+            assert inactive_settings(config, "cpu") == [name], name
             caplog.clear()
             with caplog.at_level("WARNING", logger="acb"):
                 tiny_engine(num_blocks=16, **overrides)
             assert f"EngineConfig.{name}=" in caplog.text and "no effect on cpu" in caplog.text, name
             continue
-        assert name not in config.inactive_settings("cpu", "float32"), name
+        assert name not in inactive_settings(config, "cpu", "float32"), name
         if isinstance(effect, str):
             if effect == "planned":
                 assert _planned(name, overrides), name
@@ -592,20 +593,20 @@ async def test_every_engine_setting_has_an_effect_or_is_named_inactive(caplog):
 def test_inactive_settings_fire_where_the_engine_runs():
     on_cpu = acb.EngineConfig(use_cuda_graph=True, kv_padding_interval_size=64, max_blocks_per_request=4,
                               num_blocks=32, max_memory_percent=0.2)
-    assert on_cpu.inactive_settings("cpu") == ["max_memory_percent", "use_cuda_graph", "kv_padding_interval_size"]
-    assert acb.EngineConfig(max_blocks_per_request=4, attn_backend="torch").inactive_settings("cuda") == \
+    assert inactive_settings(on_cpu, "cpu") == ["max_memory_percent", "use_cuda_graph", "kv_padding_interval_size"]
+    assert inactive_settings(acb.EngineConfig(max_blocks_per_request=4, attn_backend="torch"), "cuda") == \
         ["max_blocks_per_request"]
-    assert on_cpu.inactive_settings("cpu", "bfloat16") == on_cpu.inactive_settings("cpu")  # native kernels read bf16
-    assert acb.EngineConfig(max_blocks_per_request=4, attn_backend="torch").inactive_settings("cpu") == \
+    assert inactive_settings(on_cpu, "cpu", "bfloat16") == inactive_settings(on_cpu, "cpu")  # native kernels read bf16
+    assert inactive_settings(acb.EngineConfig(max_blocks_per_request=4, attn_backend="torch"), "cpu") == \
         ["max_blocks_per_request"]  # no native kernel
-    assert acb.EngineConfig(q_padding_interval_size=8, use_cuda_graph=False).inactive_settings("cuda") == \
+    assert inactive_settings(acb.EngineConfig(q_padding_interval_size=8, use_cuda_graph=False), "cuda") == \
         ["q_padding_interval_size"]
-    assert acb.EngineConfig(q_padding_interval_size=8).inactive_settings("cuda") == []
-    assert acb.EngineConfig().inactive_settings("cpu") == acb.EngineConfig().inactive_settings("cuda") == []
+    assert inactive_settings(acb.EngineConfig(q_padding_interval_size=8), "cuda") == []
+    assert inactive_settings(acb.EngineConfig(), "cpu") == inactive_settings(acb.EngineConfig(), "cuda") == []
 
 
 async def test_engine_serves_on_the_loop_under_test(anyio_backend):
-    from acb.eventloop import current_backend
+    from acb.core.eventloop import current_backend
 
     name, options = anyio_backend
     assert current_backend() == name

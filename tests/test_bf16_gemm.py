@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from acb import EngineConfig
-from acb.fused import native_bf16
 from acb.kernels import cpu_linear
 from acb.kernels.cpu import fused_kernels, paged_decode_kernel
-from acb.runner import ModelRunner
+from acb.model.fused import native_bf16
 from acb.testing import random_prompts, tiny_model
+from acb.worker.runner import ModelRunner
 
 
 def _native_or_skip():

@@ -14,12 +14,12 @@ import aiohttp
 import pytest
 from http_helpers import free_port, sse_events
 
-from acb.cli import main
+from acb.serving.cli import main
 
 
 def test_console_script_points_at_main():
     (script,) = [e for e in entry_points(group="console_scripts") if e.name == "acb"]
-    assert script.value == "acb.cli:main"
+    assert script.value == "acb.serving.cli:main"
 
 
 @pytest.mark.parametrize("argv", [[], ["serve", "--port", "70000"], ["serve", "--tiny", "some/dir"],
@@ -40,7 +40,7 @@ def test_bad_command_lines_exit_2(argv, capsys):
 
 
 def test_serve_options_reach_the_engine_config():
-    from acb.cli import _build_engine, build_parser
+    from acb.serving.cli import _build_engine, build_parser
 
     parser = build_parser()
     args = parser.parse_args(["serve", "--tiny", "--num-blocks", "40", "--cpu-offload-space", "0.001",

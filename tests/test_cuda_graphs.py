@@ -12,13 +12,14 @@ import pytest
 import torch
 
 import acb
-from acb import attention, compiling, cuda_graphs
-from acb.block_tables import BlockTables
-from acb.cuda_graphs import DecodePadding, bucket_for, decode_buckets, padded_kv_pages
-from acb.packing import DeviceIds, Packed
-from acb.runner import ModelRunner
-from acb.step import StepInput
+from acb.attention import paged as attention
+from acb.attention.block_tables import BlockTables
+from acb.attention.metadata import DeviceIds, Packed
+from acb.core.step import StepInput
 from acb.testing import random_prompts, reference_greedy, runner_of, step_counts, tiny_model
+from acb.worker import compiling, cuda_graphs
+from acb.worker.cuda_graphs import DecodePadding, bucket_for, decode_buckets, padded_kv_pages
+from acb.worker.runner import ModelRunner
 
 # ------------------------------------------------------------------ buckets and padding
 

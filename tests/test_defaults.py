@@ -1,4 +1,4 @@
-"""``acb.defaults.resolve``: every "None: choose" of an EngineConfig decided in one place,
+"""``acb.core.defaults.resolve``: every "None: choose" of an EngineConfig decided in one place,
 the environment's overrides applied there and nowhere else."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import acb
-from acb.defaults import ENV_OVERRIDES, resolve
+from acb.core.defaults import ENV_OVERRIDES, resolve
 from acb.testing import runner_of, tiny_engine, tiny_model
 
 # decided by resolve (the rest of the None defaults mean "none" / "no bound" on purpose)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from acb.detokenizer import Detokenizer, StopMatcher
+from acb.core.detokenizer import Detokenizer, StopMatcher
 from acb.testing import tiny_tokenizer
 
 

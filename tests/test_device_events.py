@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import acb
-from acb.runner import PendingOutput, StepOutput
 from acb.testing import random_prompts, reference_greedy, runner_of, tiny_model
+from acb.worker.runner import PendingOutput, StepOutput
 
 
 class FakeEvent:

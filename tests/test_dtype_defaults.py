@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from acb import Engine, EngineConfig
-from acb.loading import checkpoint_dtype, default_dtype
+from acb.model.loading import checkpoint_dtype, default_dtype
 from acb.testing import tiny_model, tiny_tokenizer
 
 

@@ -9,13 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from acb import EngineConfig, attention, fused
-from acb.fused import native_bf16
+from acb import EngineConfig
+from acb.attention import paged as attention
+from acb.core.step import StepInput
 from acb.kernels.cpu import fused_kernels, paged_decode_kernel
-from acb.runner import ModelRunner
-from acb.sampling import greedy
-from acb.step import StepInput
+from acb.model import fused
+from acb.model.fused import native_bf16
 from acb.testing import random_prompts, reference_greedy, runner_of, tiny_engine, tiny_model
+from acb.worker.runner import ModelRunner
+from acb.worker.sampling import greedy
 
 FUSED_ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"]
 
@@ -356,7 +358,7 @@ def test_a_prompts_logits_do_not_depend_on_how_it_was_chunked(arch, dtype, kv):
 
 
 def test_native_argmax_is_torchs_argmax():
-    """acb.sampling.greedy through the kernel: the first index of each row's maximum, of its
+    """acb.worker.sampling.greedy through the kernel: the first index of each row's maximum, of its
     first NaN (PyTorch takes NaN as the largest), over ties, infinities, signed zeros, widths
     that are no multiple of 8 lanes and strided rows."""
     _kernels_or_skip()
@@ -667,7 +669,7 @@ def test_native_prefill_attention_with_bf16_weights_rounds_the_softmax_weights_a
 
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (37, 0.0), (0, 20.0)])
 def test_native_prefill_attention_writes_bf16_outputs_as_its_float32_ones_rounded(window, softcap):
-    """With a bf16 ``out`` (a bf16 step's prompt rows, acb.attention), the bf16 kernel rounds each
+    """With a bf16 ``out`` (a bf16 step's prompt rows, acb.attention.paged), the bf16 kernel rounds each
     output as it writes it: exactly its float32 output rounded to bf16 (to nearest even, as PyTorch's
     conversion), for fresh prompts and a continued chunk. float32 inputs with a bf16 out are declined."""
     kernel = paged_decode_kernel()
@@ -754,7 +756,7 @@ async def test_the_engines_gemms_see_only_padded_row_counts_and_stay_exact(monke
 
 async def test_a_bf16_engine_runs_the_fused_forward_on_bf16_pages_and_says_so():
     _bf16_fused_or_skip()
-    from acb import sizing
+    from acb.worker import sizing
 
     fp32 = sizing.layout(tiny_model("llama"), EngineConfig(max_memory_percent=0.01))
     bf16 = sizing.layout(tiny_model("llama").to(torch.bfloat16), EngineConfig(max_memory_percent=0.01))

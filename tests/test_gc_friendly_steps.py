@@ -4,14 +4,14 @@ With a thousand live requests, every step holds a row per request for as long as
 runs; if each row were a GC-tracked object it would get promoted, and the full
 collections that follow (each over every object torch and transformers keep) make the
 engine's cost per request grow with the number of requests (benchmarks/overhead.py
-measures it). Steps are therefore columnar (acb.step): a few flat lists of ints.
+measures it). Steps are therefore columnar (acb.core.step): a few flat lists of ints.
 """
 
 from __future__ import annotations
 
 import gc
 
-from acb.step import StepInput, StepPlan
+from acb.core.step import StepInput, StepPlan
 from acb.testing import random_prompts, runner_of, tiny_engine
 
 

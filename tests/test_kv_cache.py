@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from acb.kv_cache import KVCacheManager, OutOfPagesError
+from acb.core.kv_cache import KVCacheManager, OutOfPagesError
 
 
 def test_allocate_and_release_round_trip():

@@ -15,10 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import acb
-from acb.kv_cache import KVCacheManager, chain_hash
-from acb.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher
-from acb.scheduler import FINISHED, Scheduler, Sequence
-from acb.step import StepOutput
+from acb.core.kv_cache import KVCacheManager, chain_hash
+from acb.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher
+from acb.core.scheduler import FINISHED, Scheduler, Sequence
+from acb.core.step import StepOutput
 from acb.testing import tiny_engine
 
 
@@ -185,7 +185,7 @@ async def test_the_stream_ends_when_the_engine_stops():
 
 # -- acb serve ----------------------------------------------------------------------------
 async def test_the_sse_route_streams_the_events_behind_the_api_key():
-    from acb.server import ServerConfig, create_app
+    from acb.serving.server import ServerConfig, create_app
 
     engine = tiny_engine(kv_events=True)
     async with running_app(create_app(engine, ServerConfig(model_name="tiny", api_key="k"))) as url:
@@ -211,7 +211,7 @@ async def test_the_sse_route_streams_the_events_behind_the_api_key():
 
 
 async def test_the_sse_route_needs_kv_events():
-    from acb.server import ServerConfig, create_app
+    from acb.serving.server import ServerConfig, create_app
 
     async with running_app(create_app(tiny_engine(), ServerConfig(model_name="tiny"))) as url:
         async with aiohttp.ClientSession() as session:

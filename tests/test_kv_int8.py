@@ -1,4 +1,4 @@
-"""int8 KV pages (``EngineConfig(kv_cache_dtype="int8")``, acb.kv_quant): the write kernel
+"""int8 KV pages (``EngineConfig(kv_cache_dtype="int8")``, acb.attention.kv_quant): the write kernel
 against its torch reference, the native decode kernel against a float64 reference over
 the dequantized pages, page moves (copy-on-write, the CPU offload pool) carrying the
 scales, the sizing, the engine's greedy tokens against a float cache (agreement reported
@@ -14,12 +14,14 @@ import torch
 from test_fused_forward import _CountingKernels, _logits, _PrefillCalls, fresh_rows
 
 import acb
-from acb import EngineConfig, kv_quant, sizing
-from acb.fused import native_bf16
+from acb import EngineConfig
+from acb.attention import kv_quant
+from acb.core.step import PageMoves
 from acb.kernels.cpu import paged_decode_kernel
-from acb.runner import ModelRunner
-from acb.step import PageMoves
+from acb.model.fused import native_bf16
 from acb.testing import random_prompts, runner_of, tiny_engine, tiny_model
+from acb.worker import sizing
+from acb.worker.runner import ModelRunner
 
 
 def _kernel():
@@ -69,7 +71,7 @@ def test_write_kernel_equals_the_reference_quantizer():
 @pytest.mark.parametrize("d", [64, 24])  # the vector readback, and the scalar one
 @pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
 def test_the_write_hands_back_the_rows_as_stored(d, src_dtype):
-    """write_kv_int8's readback (what a fresh prompt's attention reads: acb.attention) holds
+    """write_kv_int8's readback (what a fresh prompt's attention reads: acb.attention.paged) holds
     each row as the pages now hold it: the bits of dequantizing the cache at those slots
     (float32), rounded once for a bf16 readback; with or without the rotation, whatever
     the source's strides; a readback of the wrong shape is refused by name."""
@@ -351,7 +353,7 @@ def test_int8_pages_are_refused_by_name_where_no_kernel_reads_them():
 
 
 def test_serve_flag_sets_the_kv_cache_dtype():
-    from acb.cli import _model_source, build_parser
+    from acb.serving.cli import _model_source, build_parser
 
     assert _model_source(build_parser().parse_args(["serve", "--tiny", "--kv-cache-dtype", "int8"]))[2] \
         .kv_cache_dtype == "int8"
@@ -424,7 +426,8 @@ async def test_decode_only_steps_on_int8_pages_attend_in_one_native_call(dtype, 
     separate path's: float32 identical (the same kernel items, the same bytes written); bf16
     through its own kernel (keys as bf16, another order of float32 sums), so measured:
     identical here, bound stated at 0.95 of the tokens for thread-count differences."""
-    from acb import attention, fused
+    from acb.attention import paged as attention
+    from acb.model import fused
 
     if not _kernel().decode_into():
         pytest.skip("paged_decode_into runs with AVX-512 or AVX2 + FMA only")
@@ -453,7 +456,7 @@ async def test_a_bf16_models_continued_chunks_over_int8_pages_take_the_bf16_pref
     pages rounded to bf16 (as bf16 pages would hold it), through the bf16 prefill kernel: the
     float32 one took ~25 % longer on 2-6k-token contexts. Greedy tokens against bf16 pages:
     not expected equal (the pages differ); measured 1.0 here, bound 0.7 as for float32."""
-    from acb import attention
+    from acb.attention import paged as attention
 
     if not _kernel().prefill_bf16():
         pytest.skip("the native kernels have no bf16 prefill here (no avx512_bf16)")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from acb.errors import EngineClosedError, EngineStoppedError
-from acb.lifecycle import EngineState, Lifecycle
+from acb.core.errors import EngineClosedError, EngineStoppedError
+from acb.core.lifecycle import EngineState, Lifecycle
 
 S = EngineState
 

@@ -1,4 +1,4 @@
-"""acb.loading's own parts that need no real model: the converted folder's tokenizer config."""
+"""acb.model.loading's own parts that need no real model: the converted folder's tokenizer config."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import shutil
 
 from transformers import AutoTokenizer
 
-from acb.loading import name_added_tokens
+from acb.model.files import name_added_tokens
 from acb.testing import tiny_tokenizer
 
 
@@ -65,7 +65,7 @@ def test_loaded_weights_are_the_processs_own_not_views_of_the_file(tmp_path):
     cast load's weights are already copies and are not copied again."""
     import torch
 
-    from acb.loading import _mapped_files, load
+    from acb.model.loading import _mapped_files, load
     from acb.testing import tiny_model
 
     tiny_model("llama").save_pretrained(tmp_path)

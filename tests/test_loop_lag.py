@@ -21,7 +21,7 @@ import pytest
 from http_helpers import running_app
 
 import acb
-from acb.server import ServerConfig, create_app
+from acb.serving.server import ServerConfig, create_app
 from acb.testing import tiny_engine
 
 pytest.importorskip("xgrammar", reason="structured outputs need xgrammar: pip install 'acb[structured]'")

@@ -171,7 +171,7 @@ def test_the_weight_check_sees_each_kind_of_change_and_nothing_else(native):
     replaced in its module, given new storage through ``.data``, or deleted; a buffer replaced; each
     seen, and nothing once the watch takes the model as it is. An inference tensor keeps no version
     counter, so only its replacement shows."""
-    from acb.watch import ModelWatch
+    from acb.model.watch import ModelWatch
 
     model = tiny_model()
     model.model.register_buffer("acb_test_frozen", _frozen(), persistent=False)

@@ -13,12 +13,12 @@ import torch
 from reliability_helpers import PROMPTS, expected, idle_and_free, until
 
 import acb
-from acb.kv_cache import HostPool, KVCacheManager
-from acb.model_shape import ModelShape
-from acb.runner import ModelRunner
-from acb.scheduler import WAITING, Scheduler, Sequence
-from acb.step import PageMoves, StepOutput
+from acb.core.kv_cache import HostPool, KVCacheManager
+from acb.core.model_shape import ModelShape
+from acb.core.scheduler import WAITING, Scheduler, Sequence
+from acb.core.step import PageMoves, StepOutput
 from acb.testing import random_prompts, reference_greedy, tiny_engine, tiny_model
+from acb.worker.runner import ModelRunner
 
 # 24 pages of 4 tokens, no safety margin: any one request fits, the running set does not.
 STARVED = dict(page_size=4, num_blocks=24, max_batch_tokens=24, max_requests_per_batch=8, safety_margin=0.0)

@@ -7,7 +7,7 @@ import time
 import pytest
 from http_helpers import running_app
 
-from acb.server import ServerConfig, create_app
+from acb.serving.server import ServerConfig, create_app
 from acb.testing import tiny_engine
 
 openai = pytest.importorskip("openai", reason="the openai client comes with acb[test]")

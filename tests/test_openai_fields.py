@@ -1,4 +1,4 @@
-"""acb.server against what real OpenAI clients send: tolerant parsing, streaming as
+"""acb.serving.server against what real OpenAI clients send: tolerant parsing, streaming as
 clients time it, several prompts, echo, logprobs shapes and every sampling field."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from http_helpers import running_app, sse_json
 
 from acb.integrations.aiohttp import ENGINE_KEY
-from acb.server import ServerConfig, create_app
+from acb.serving.server import ServerConfig, create_app
 from acb.testing import tiny_engine
 
 CHAT = [{"role": "user", "content": "hello there"}]
@@ -55,7 +55,7 @@ async def test_unknown_fields_are_ignored_and_logged_once_per_name(server, caplo
     openai_protocol._warned_unknown.discard("frobnicate")
     body = {"prompt": "hi", "max_tokens": 2, "frobnicate": {"x": 1}, "temprature": 0.5}
     openai_protocol._warned_unknown.discard("temprature")
-    with caplog.at_level(logging.WARNING, logger="acb.server"):
+    with caplog.at_level(logging.WARNING, logger="acb.serving.server"):
         for _ in range(3):
             status, answer = await post(session, "/v1/completions", body)
             assert status == 200 and answer["usage"]["completion_tokens"] >= 1

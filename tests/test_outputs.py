@@ -9,15 +9,15 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from acb.config import SamplingParams
-from acb.errors import RequestFailedError
-from acb.kv_cache import KVCacheManager
-from acb.live import Choices, LiveRequest
-from acb.outputs import Outputs
-from acb.request_table import RequestTable
-from acb.scheduler import FINISHED, FORKING, RUNNING, WAITING, Scheduler
-from acb.step import StepOutput, StepPlan
-from acb.structured import Grammars
+from acb.core.config import SamplingParams
+from acb.core.errors import RequestFailedError
+from acb.core.kv_cache import KVCacheManager
+from acb.core.scheduler import FINISHED, FORKING, RUNNING, WAITING, Scheduler
+from acb.core.step import StepOutput, StepPlan
+from acb.engine.live import Choices, LiveRequest
+from acb.engine.output_processor import Outputs
+from acb.engine.request_table import RequestTable
+from acb.engine.structured import Grammars
 from acb.testing import tiny_tokenizer
 
 EOS = 2

@@ -14,7 +14,7 @@ from reliability_helpers import PROMPTS, expected, until
 
 import acb
 from acb.integrations.aiohttp import ENGINE_KEY
-from acb.server import ServerConfig, create_app
+from acb.serving.server import ServerConfig, create_app
 from acb.testing import tiny_engine
 
 

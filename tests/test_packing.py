@@ -11,10 +11,10 @@ import types
 import pytest
 import torch
 
-from acb.block_tables import BlockTables
-from acb.kv_store import KVStore
-from acb.packing import AttentionBuilder, DeviceIds, StepAttention, pack
-from acb.step import StepInput
+from acb.attention.block_tables import BlockTables
+from acb.attention.metadata import AttentionBuilder, DeviceIds, StepAttention, pack
+from acb.core.step import StepInput
+from acb.worker.kv_store import KVStore
 
 PS = 4  # tokens per page
 
@@ -186,8 +186,8 @@ def test_cpu_pages_come_zeroed_and_take_memory_only_where_written(dtype):
 def test_a_step_that_fails_before_its_forward_still_applies_its_block_table_deltas():
     # the scheduler counts a step's deltas as sent once planned, and the next step's rows (of
     # sequences failed with this one, still run) build on them: a failure must not lose them
-    from acb.runner import ModelRunner
     from acb.testing import tiny_model
+    from acb.worker.runner import ModelRunner
 
     runner = ModelRunner(tiny_model(), num_pages=8, page_size=PS)
     try:

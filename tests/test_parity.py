@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import acb
-from acb.fused import native_bf16
+from acb.model.fused import native_bf16
 from acb.testing import ARCHITECTURES, random_prompts, reference_greedy, step_counts, tiny_model
 
 

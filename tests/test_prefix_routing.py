@@ -8,9 +8,9 @@ import pytest
 
 import acb
 from acb import prefix_page_hashes
+from acb.core.kv_cache import KVCacheManager, chain_hash
+from acb.core.kv_events import KVEventPublisher
 from acb.integrations.prefix_index import Load, PrefixIndex, rank_replicas, wire_batch
-from acb.kv_cache import KVCacheManager, chain_hash
-from acb.kv_events import KVEventPublisher
 
 PAGE = 4
 IDLE = Load(queue_depth=0, free_pages=100)
@@ -44,7 +44,7 @@ def test_prefix_page_hashes_are_the_engines_chained_hashes():
 def test_page_hashes_are_the_same_in_another_process():
     """A router runs in another process than the engines: the hashes must not depend on it
     (CPython < 3.12 hashes None by address, so a chain rooted at None would)."""
-    code = "from acb.kv_cache import chain_hash; print(chain_hash(chain_hash(None, [1, 2, 3]), [4, 5, 6]))"
+    code = "from acb.core.kv_cache import chain_hash; print(chain_hash(chain_hash(None, [1, 2, 3]), [4, 5, 6]))"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert int(other) == chain_hash(chain_hash(None, [1, 2, 3]), [4, 5, 6])
 

@@ -9,9 +9,9 @@ import pytest
 from http_helpers import running_app
 
 import acb
-from acb.kv_cache import KVCacheManager
-from acb.scheduler import RUNNING, WAITING, Scheduler, Sequence
-from acb.step import StepOutput
+from acb.core.kv_cache import KVCacheManager
+from acb.core.scheduler import RUNNING, WAITING, Scheduler, Sequence
+from acb.core.step import StepOutput
 from acb.testing import tiny_engine
 
 
@@ -179,7 +179,7 @@ async def test_a_late_urgent_request_overtakes_a_flood_of_batch_work(scheduler):
 
 async def test_priority_through_the_openai_client():
     openai = pytest.importorskip("openai")
-    from acb.server import ServerConfig, create_app
+    from acb.serving.server import ServerConfig, create_app
 
     for scheduler, ok in (("priority", True), ("fifo", False)):
         engine = tiny_engine(config=acb.EngineConfig(scheduler=scheduler))

@@ -12,7 +12,7 @@ import pytest
 from http_helpers import free_port
 
 import acb
-from acb.progress import ThroughputSummary
+from acb.core.progress import ThroughputSummary
 from acb.testing import tiny_engine, tiny_model, tiny_tokenizer
 
 PROMPTS = ["hello", "a cat", "what is two and two?", "x"]
@@ -82,7 +82,7 @@ async def test_acb_serve_logs_a_throughput_line_at_its_log_interval(tmp_path):
 
 
 def test_serve_log_interval_must_not_be_negative(capsys):
-    from acb.cli import main
+    from acb.serving.cli import main
 
     with pytest.raises(SystemExit):
         main(["serve", "--tiny", "--log-interval", "-1"])
@@ -91,7 +91,7 @@ def test_serve_log_interval_must_not_be_negative(capsys):
 
 @pytest.mark.extras
 def test_gguf_conversion_shows_its_stages_on_a_bar(tmp_path, monkeypatch, capsys):
-    from acb.loading import _converted_gguf, smollm2
+    from acb.model.loading import _converted_gguf, smollm2
 
     monkeypatch.setenv("ACB_CACHE_DIR", str(tmp_path))  # a cold cache: the conversion really runs
     target = _converted_gguf(*smollm2())
@@ -106,8 +106,8 @@ async def test_a_batch_raises_its_first_failure_while_earlier_requests_still_run
     (RuntimeError 'the outcome is not set yet', the real error lost)."""
     import types
 
-    from acb.progress import gather_batch
-    from acb.request import Outcome
+    from acb.core.outputs import Outcome
+    from acb.core.progress import gather_batch
 
     reqs = [types.SimpleNamespace(request_id=str(i), future=Outcome()) for i in range(3)]
     cancelled: list[str] = []

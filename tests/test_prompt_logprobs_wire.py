@@ -12,7 +12,7 @@ import pytest
 from http_helpers import running_app, sse_json
 
 from acb.integrations.aiohttp import ENGINE_KEY
-from acb.server import ServerConfig, create_app
+from acb.serving.server import ServerConfig, create_app
 from acb.testing import reference_log_softmax, tiny_engine
 
 TOL = 1e-4

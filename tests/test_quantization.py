@@ -8,12 +8,15 @@ import pytest
 import torch
 from test_fused_forward import NATIVE_LOOP_ARCHS, _logits, _PrefillCalls, _runner, decode_both_ways, fresh_rows
 
-from acb import Engine, EngineConfig, attention, kv_quant, quantization
+from acb import Engine, EngineConfig
+from acb.attention import kv_quant
+from acb.attention import paged as attention
+from acb.core.step import StepInput
 from acb.kernels.cpu import int8_kernels
-from acb.quantization import Bf16Linear, Int8Linear, quantize_weight
-from acb.runner import ModelRunner
-from acb.step import StepInput
+from acb.model import quantization
+from acb.model.quantization import Bf16Linear, Int8Linear, quantize_weight
 from acb.testing import random_prompts, reference_greedy, tiny_model, tiny_tokenizer
+from acb.worker.runner import ModelRunner
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"]
 
@@ -247,8 +250,8 @@ def test_activations_quantized_in_other_groups_than_the_weight_expects_are_refus
 
 def _sylvester(k: int) -> torch.Tensor:
     """The +-1 Walsh-Hadamard matrix over blocks of the largest power of two dividing k (what
-    acb.quantization.hadamard multiplies by): the int8 pages' key rotation matrix, built by
-    Sylvester's construction in acb.kv_quant."""
+    acb.model.quantization.hadamard multiplies by): the int8 pages' key rotation matrix, built by
+    Sylvester's construction in acb.attention.kv_quant."""
     return kv_quant.rotate_keys(torch.eye(k))
 
 
@@ -269,7 +272,7 @@ def test_the_input_rotation_is_the_block_hadamard_matrix(k):
 def test_rotated_quantization_rounds_the_rotated_row(k, group, dtype):
     """quantize_rows(rotate=True): the row (times the smoothing multiplier) rotated by the
     block Hadamard matrix, then quantized per group: the same bytes, scales and offsets as the
-    unrotated kernel on acb.quantization.hadamard's rotation (the same sums in the same order)."""
+    unrotated kernel on acb.model.quantization.hadamard's rotation (the same sums in the same order)."""
     q8 = _q8()
     x = (torch.randn(9, k) * 2).to(dtype)
     x[:, 5] *= 50
@@ -608,7 +611,7 @@ def test_int8_on_float16_weights_is_refused_by_name():
 
 
 def test_the_cli_passes_quantization_to_the_engine_config():
-    from acb.cli import _model_source, build_parser
+    from acb.serving.cli import _model_source, build_parser
 
     args = build_parser().parse_args(["serve", "--tiny", "--quantization", "int8"])
     assert _model_source(args)[2].quantization == "int8"

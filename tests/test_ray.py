@@ -166,7 +166,7 @@ def test_prefix_routing_needs_the_engines_kv_events():
                                            (["--router", "prefix"], PrefixAwareRouter),
                                            (["--router", "free-pages"], FreePagesRouter)])
 def test_acb_serve_ray_router_flags_reach_build_app(flags, router, monkeypatch, capsys):
-    from acb.cli import main
+    from acb.serving.cli import main
 
     seen = {}
 

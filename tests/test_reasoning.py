@@ -11,7 +11,7 @@ import re
 import pytest
 
 import acb
-from acb.reasoning import ReasoningSplitter, parser_for_template
+from acb.core.reasoning import ReasoningSplitter, parser_for_template
 from acb.testing import tiny_engine
 
 THINKING_TEMPLATE = (
@@ -93,7 +93,7 @@ async def client():
     openai = pytest.importorskip("openai", reason="the official openai client")  # (the tests above need none)
     from http_helpers import running_app
 
-    from acb.server import ServerConfig, create_app
+    from acb.serving.server import ServerConfig, create_app
 
     engine = tiny_engine()
     engine.tokenizer.chat_template = TOOLS_AND_THINKING  # shows <think>: the server splits by itself
@@ -152,10 +152,10 @@ async def test_a_tool_call_after_the_thought_is_parsed_and_the_thought_kept_apar
 
 
 def test_the_cli_and_server_config_know_the_parsers():
-    from acb.cli import REASONING_PARSERS, build_parser
-    from acb.server import ServerConfig
+    from acb.serving.cli import REASONING_PARSERS, build_parser
+    from acb.serving.server import ServerConfig
 
-    assert REASONING_PARSERS == acb.reasoning.PARSERS
+    assert REASONING_PARSERS == acb.core.reasoning.PARSERS
     args = build_parser().parse_args(["serve", "--tiny", "--reasoning-parser", "none", "--tool-call-parser", "mistral"])
     assert (args.reasoning_parser, args.tool_call_parser) == ("none", "mistral")
     for field in ("reasoning_parser", "tool_call_parser"):

@@ -224,8 +224,8 @@ async def test_requests_the_scheduler_never_plans_fail_by_name_and_the_loop_stay
     a prompt that ended in proposals were) fails those requests after STALL_S, naming it, while
     the event loop keeps running other tasks; the engine then serves new requests. The loop
     used to spin on them without ever awaiting: every coroutine of the process stopped."""
-    from acb import step_loop
-    from acb.step import StepPlan
+    from acb.core.step import StepPlan
+    from acb.engine import step_loop
 
     monkeypatch.setattr(step_loop, "STALL_S", 0.3)
     async with tiny_engine(num_blocks=64, page_size=8) as engine:

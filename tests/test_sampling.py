@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from acb.sampling import SamplingBatch, sample
 from acb.testing import random_prompts, tiny_engine
+from acb.worker.sampling import SamplingBatch, sample
 
 PROMPT = [5, 17, 33, 60, 91, 120]
 

@@ -19,8 +19,8 @@ from transformers import (
 )
 
 import acb
-from acb.sampling import Controls, process, warp
 from acb.testing import EOS_ID, random_prompts, reference_greedy, tiny_engine, tiny_model
+from acb.worker.sampling import Controls, process, warp
 
 PROMPTS = random_prompts(3, 5, 20, seed=3)
 

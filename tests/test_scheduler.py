@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from acb.kv_cache import HostPool, KVCacheManager
-from acb.scheduler import FINISHED, RUNNING, WAITING, Scheduler, Sequence
-from acb.step import StepOutput
+from acb.core.kv_cache import HostPool, KVCacheManager
+from acb.core.scheduler import FINISHED, RUNNING, WAITING, Scheduler, Sequence
+from acb.core.step import StepOutput
 
 EOS = 2
 
@@ -27,7 +27,7 @@ def _finish_step(sched, plan, rng=None, eos_p=0.0):
 
 
 class _TableStore:
-    """What the runner's block-table store does with a plan's deltas (acb.block_tables),
+    """What the runner's block-table store does with a plan's deltas (acb.attention.block_tables),
     in plain Python: the scheduler's tests check the deltas without torch."""
 
     def __init__(self) -> None:

@@ -1,4 +1,4 @@
-"""acb.server: the OpenAI-compatible HTTP API, served for real on 127.0.0.1."""
+"""acb.serving.server: the OpenAI-compatible HTTP API, served for real on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from http_helpers import running_app, sse_json, wait_pages_free
 
 from acb.integrations.aiohttp import ENGINE_KEY
-from acb.server import ServerConfig, create_app
+from acb.serving.server import ServerConfig, create_app
 from acb.testing import tiny_engine
 
 CHAT = [{"role": "user", "content": "hello there"}]
@@ -301,7 +301,7 @@ async def test_smollm2_answers_a_chat_over_http():
     """In float32, where acb's greedy tokens are transformers' own: bf16's greedy text is a
     different sample of the model, which on this question (docs/performance.md) need not name Paris."""
     import acb
-    from acb.loading import smollm2
+    from acb.model.loading import smollm2
 
     folder, gguf_file = smollm2()
     engine = acb.Engine.from_pretrained(folder, gguf_file=gguf_file,

@@ -11,7 +11,7 @@ import aiohttp
 from http_helpers import running_app, wait_pages_free
 
 from acb.integrations.aiohttp import ENGINE_KEY
-from acb.server import ServerConfig, create_app
+from acb.serving.server import ServerConfig, create_app
 from acb.testing import tiny_engine
 
 

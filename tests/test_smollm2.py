@@ -24,7 +24,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from acb.loading import load, smollm2
+    from acb.model.loading import load, smollm2
 
     try:
         folder, gguf = smollm2()
@@ -60,7 +60,7 @@ async def test_chat_streams_equal_transformers_generate(smollm2):
 
 
 async def test_from_pretrained_with_gguf_file_loads_from_the_converted_cache():
-    from acb.loading import smollm2
+    from acb.model.loading import smollm2
 
     folder, gguf = smollm2()
     engine = acb.Engine.from_pretrained(folder, gguf_file=gguf)
@@ -103,8 +103,8 @@ async def test_lm_evaluation_harness_scores_equal_its_transformers_backend(tmp_p
     from lm_eval.models.huggingface import HFLM
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
-    from acb.loading import load, smollm2
-    from acb.server import ServerConfig, create_app
+    from acb.model.loading import load, smollm2
+    from acb.serving.server import ServerConfig, create_app
 
     folder, gguf = smollm2()
     served_model, tok = load(folder, gguf)
@@ -134,7 +134,7 @@ async def test_tool_calls_through_the_openai_client(smollm2):
     jsonschema = pytest.importorskip("jsonschema")
     from http_helpers import running_app
 
-    from acb.server import ServerConfig, create_app
+    from acb.serving.server import ServerConfig, create_app
 
     model, tok = smollm2
     weather = {"type": "object", "properties": {"city": {"type": "string"},

@@ -15,10 +15,10 @@ import zlib
 import pytest
 
 import acb
-from acb.kv_cache import KVCacheManager
-from acb.scheduler import Scheduler, Sequence
-from acb.speculative import NgramIndex, Speculation
-from acb.step import StepOutput
+from acb.core.kv_cache import KVCacheManager
+from acb.core.scheduler import Scheduler, Sequence
+from acb.core.speculative import NgramIndex, Speculation
+from acb.core.step import StepOutput
 from acb.testing import ARCHITECTURES, random_prompts, reference_greedy, speculate_always, tiny_model, tiny_tokenizer
 
 SPEC = dict(speculative_method="ngram")
@@ -382,7 +382,7 @@ def test_proposals_turn_down_when_the_batch_is_compute_bound():
 async def test_a_large_batch_proposes_nothing():
     """Above MAX_SPECULATIVE_ROWS running rows a step is compute-bound: nobody proposes
     (the engine's own cost model, not pinned here)."""
-    from acb.speculative import MAX_SPECULATIVE_ROWS
+    from acb.core.speculative import MAX_SPECULATIVE_ROWS
 
     model = tiny_model("llama")
     config = acb.EngineConfig(page_size=4, num_blocks=256, max_requests_per_batch=64, **SPEC)
@@ -397,9 +397,9 @@ async def test_a_large_batch_proposes_nothing():
 def test_each_position_is_sampled_as_its_token_index_would_be():
     """The sampling entries of a row verifying 3 proposals: one per position, each with its
     token index's seed, min_new_tokens ban and penalty history (proposals before it included)."""
-    from acb.live import LiveRequest, SamplingColumns, sampling_batch
-    from acb.request import Outcome
-    from acb.sampling import mix_seed
+    from acb.core.outputs import Outcome
+    from acb.engine.live import LiveRequest, SamplingColumns, sampling_batch
+    from acb.worker.sampling import mix_seed
 
     s = _spec_scheduler()
     params = acb.SamplingParams(max_new_tokens=20, temperature=1.0, seed=7, min_new_tokens=4,

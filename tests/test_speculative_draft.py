@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import acb
-from acb.speculative import DraftSpeculation
+from acb.core.speculative import DraftSpeculation
 from acb.testing import (
     ARCHITECTURES,
     random_prompts,
@@ -259,7 +259,7 @@ def test_drafts_that_cannot_propose_are_refused_by_name():
 def test_the_cache_budget_counts_the_draft_pages():
     """The draft's cache has a page for each of the model's: a self-draft halves the pages
     a memory budget buys."""
-    from acb import sizing
+    from acb.worker import sizing
 
     model = tiny_model("llama")
     config = acb.EngineConfig(max_memory_percent=0.01)

@@ -175,7 +175,7 @@ def test_grammar_settings_are_checked_by_name():
 
 @pytest.mark.slow
 async def test_smollm2_json_schema_outputs_validate():
-    from acb.loading import load, smollm2
+    from acb.model.loading import load, smollm2
 
     folder, gguf = smollm2()
     model, tok = load(folder, gguf)

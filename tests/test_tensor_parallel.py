@@ -21,10 +21,10 @@ import torch
 from http_helpers import free_port
 
 import acb
+from acb.core.step import StepInput
 from acb.distributed import protocol
-from acb.runner import ModelRunner
-from acb.step import StepInput
 from acb.testing import random_prompts, reference_greedy, runner_of, tiny_model, tiny_tokenizer
+from acb.worker.runner import ModelRunner
 
 NEW_TOKENS = 12
 
@@ -251,7 +251,7 @@ async def test_tp2_in_bf16_computes_what_one_rank_does():
     skeleton built in bf16 makes them float32: sent as they were, rank 1 received half the bytes it
     read, rotated with garbage, and no first token matched one rank's. On acb's bf16 GEMMs the
     partial sums are float32, so the two layouts agree (oneDNN's sum bf16 partials: near-ties differ)."""
-    from acb.fused import native_bf16
+    from acb.model.fused import native_bf16
 
     model = tiny_model("llama").to(torch.bfloat16)
     prompts = random_prompts(6, 4, 40, seed=3)

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from acb.eventloop import current_backend
+from acb.core.eventloop import current_backend
 
 BACKENDS = [
     pytest.param(("asyncio", {}), id="asyncio"),

@@ -11,7 +11,7 @@ import json
 import pytest
 from http_helpers import running_app
 
-from acb.server import ServerConfig, create_app
+from acb.serving.server import ServerConfig, create_app
 from acb.testing import tiny_engine
 
 openai = pytest.importorskip("openai")
@@ -219,7 +219,7 @@ async def test_a_template_without_tools_gets_the_generic_format(seed):
 
 
 def test_the_cli_knows_every_parser():
-    from acb.cli import TOOL_CALL_PARSERS
-    from acb.tools import PARSERS
+    from acb.core.tools import PARSERS
+    from acb.serving.cli import TOOL_CALL_PARSERS
 
     assert set(TOOL_CALL_PARSERS) == set(PARSERS)

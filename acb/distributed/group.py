@@ -31,11 +31,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .. import sizing
-from ..config import EngineConfig
-from ..errors import DeviceError, caused
-from ..runner import ModelRunner
-from ..step import StepInput
+from ..core.config import EngineConfig
+from ..core.errors import DeviceError, caused
+from ..core.step import StepInput
+from ..worker import sizing
+from ..worker.runner import ModelRunner
 from . import protocol, sharding
 
 log = logging.getLogger("acb")

@@ -8,10 +8,10 @@ ints of its own::
 
 The packed step: a header (rows, tokens, block-table deltas, sliding deltas, swap-outs,
 swap-ins, copies, sliding copies, flags, one-token prompt rows), then the columns of
-``acb.step.StepInput``: starts, carry sources, sample flags, block-table rows, token
+``acb.core.step.StepInput``: starts, carry sources, sample flags, block-table rows, token
 offsets (rows + 1), token ids, the block-table deltas (rows, columns, pages, sliding
 pages), the page moves (src, dst, swa columns of each) and the one-token prompt rows.
-Page tables travel as deltas only: each rank's block-table store (``acb.block_tables``)
+Page tables travel as deltas only: each rank's block-table store (``acb.attention.block_tables``)
 applies them, as rank 0's does. Its sampling batch and prompt-logprob rows stay on rank 0.
 
 A token that rank 0 carries over from the previous step's sampling (it never reached
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..step import PageMoves, StepInput
+from ..core.step import PageMoves, StepInput
 
 OP_IDLE, OP_STEP, OP_STOP, OP_RESIZE, OP_CHECK = 0, 1, 2, 3, 4
 HEADER = 2

@@ -29,8 +29,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .. import attention
-from ..model_shape import ModelShape, text_config
+from ..attention import paged as attention
+from ..core.model_shape import ModelShape, text_config
 
 # model_type -> the decoder families whose sharded config is their per-rank shape
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")

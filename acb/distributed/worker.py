@@ -22,9 +22,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .. import sizing
-from ..runner import ModelRunner
-from ..sampling import SamplingBatch
+from ..core.step import SamplingBatch
+from ..worker import sizing
+from ..worker.runner import ModelRunner
 from . import group, protocol, sharding
 
 log = logging.getLogger("acb")

@@ -29,7 +29,7 @@ import acb
 from .common import ApiError
 from .metrics import request_metrics
 
-log = logging.getLogger("acb.server")
+log = logging.getLogger("acb.serving.server")
 
 
 # Accepted and without effect here (documented in docs/serving.md); anything not in the

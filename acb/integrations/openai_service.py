@@ -3,7 +3,7 @@
 :class:`OpenAIService` turns a parsed JSON body into either a whole response object
 or a stream of server-sent events (bytes, ending with ``data: [DONE]``), and answers
 ``/v1/models``, ``/health`` and ``/metrics``. Frameworks only move bytes: ``acb
-serve`` (:mod:`acb.server`, aiohttp) and the Ray Serve deployment
+serve`` (:mod:`acb.serving.server`, aiohttp) and the Ray Serve deployment
 (:mod:`acb.integrations.ray`, Starlette) both wrap this one class, so parsing,
 shaping, errors and metrics are the same everywhere. Failures raise
 :class:`~acb.integrations.aiohttp.ApiError`.

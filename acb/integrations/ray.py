@@ -39,7 +39,7 @@ from starlette.responses import JSONResponse, Response
 
 import acb
 
-from ..progress import log_throughput
+from ..core.progress import log_throughput
 from . import ray_prefix
 from .common import ApiError, json_object, stop_engine
 from .metrics import CONTENT_TYPE

@@ -149,7 +149,7 @@ class Prepacked:
         return len(stale)
 
     def drop(self, modules) -> None:
-        """Free the packed copies of ``modules`` (acb.fused computes with its own side-by-side
+        """Free the packed copies of ``modules`` (acb.model.fused computes with its own side-by-side
         packs of them); each is packed again at its next own forward, if there is one."""
         for module in modules:
             entry = self.layers.get(module)

@@ -2,7 +2,7 @@
 the same kernels run on CPU tensors by Triton's interpreter, which is how the default
 test suite checks them).
 
-Cache layout (acb's, see :class:`acb.runner.ModelRunner`): one ``[kv_heads, slots,
+Cache layout (acb's, see :class:`acb.worker.runner.ModelRunner`): one ``[kv_heads, slots,
 head_dim]`` tensor per layer for keys and one for values; slot ``page * page_size + i``
 holds position ``i`` of a page. Block tables are ``[rows, pages]`` int64 page ids.
 

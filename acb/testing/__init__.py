@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from ..config import EngineConfig, SamplingParams
-from ..engine import Engine
+from ..core.config import EngineConfig, SamplingParams
+from ..engine.engine import Engine
 from .inspection import StepCounts, runner_of, speculate_always, step_counts
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")

@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from ..engine import Engine
-    from ..runner import ModelRunner
+    from ..engine.engine import Engine
+    from ..worker.runner import ModelRunner
 
 
 def runner_of(engine: Engine) -> ModelRunner:
@@ -51,7 +51,7 @@ def speculate_always(engine: Engine) -> None:
     """Make ``engine`` (built with ``EngineConfig(speculative_method=...)``) propose every
     token it finds, whatever its cost model says: tests of verification then do not depend
     on the machine's timings (the cost model, fed measured step times, may turn proposals
-    down on a loaded machine), nor on the batch size (``acb.speculative.MAX_SPECULATIVE_ROWS``
+    down on a loaded machine), nor on the batch size (``acb.core.speculative.MAX_SPECULATIVE_ROWS``
     is lifted too)."""
     speculation = engine.scheduler.speculation
     if speculation is None:

@@ -1,0 +1,544 @@
+"""acb's fused CPU forward for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3) and
+Gemma 2/3.
+
+transformers' eager forward of one decoder layer is ~200 PyTorch calls (views,
+casts, the RMSNorm's six ops, RoPE's slices and concatenations, the SiLU and the
+multiply, the residual adds), each dispatched from Python and, on the CPU, each a
+parallel region of its own. This forward runs the same math on the same weights (the
+model's own modules hold them) in about a dozen calls per layer (measured on SmolLM2's
+standard workload: decode steps 10.6 -> 9.2-9.6 s, prefill steps 15.2 -> 13.8 s):
+
+    h = rms_norm(x)                                native kernel (acb/kernels/fused_cpu.cpp)
+    q | k | v = h @ [Wq | Wk | Wv]                 one oneDNN GEMM, the weights prepacked side by side
+                                                   (+ Qwen3's q/k norms); q, k, v are column views
+    rope_(q), rope_(k)                             native kernel, in place, bit-identical to HF's
+    a = paged attention (acb.attention.paged)            the same function the HF forward calls
+    x = a @ Wo + x                                 one GEMM with the residual add fused
+    h = rms_norm(x)
+    g | u = h @ [Wgate | Wup]                      one GEMM
+    m = silu(g) * u                                native kernel, one pass (``glu``)
+    x = m @ Wdown + x                              one GEMM with the residual add fused
+
+Only the rows whose logits are kept go through the final norm and ``lm_head``.
+
+Gemma 2/3 layers add a norm on the attention's and on the MLP's output before each
+residual add (so those adds are not fused into the GEMMs), compute their norms in
+float32 with a ``1 + weight`` scale (``rms_norm_f32w``), use GELU-tanh (oneDNN's
+``gelu``/``tanh`` epilogue), scale the embedding (their embedding module's own forward),
+soft-cap the attention logits (Gemma 2) and the final logits, and slide the windows of
+their sliding layers over the hybrid page pools as transformers' forward does; Gemma 3
+has one rotary embedding per layer type (local and global bases).
+
+Under tensor parallelism (acb.distributed) each rank holds its share of the heads and
+of the MLP's columns; the two row-parallel GEMMs (``Wo``, ``Wdown``) then give partial
+sums, which ``row_reduce`` adds up over the ranks in place (rank 0's carries the
+residual, so the sum is the layer's output on every rank).
+
+It is used only where it is known to compute what the model does: float32 or
+bfloat16 on CPU, every projection prepacked, decoder layers of the classes listed in
+``_WINDOW``, SiLU or GELU-tanh MLPs, plain RMSNorms, and the native kernels built.
+
+In bfloat16 the weights are prepacked bf16 (oneDNN's ``avx512_bf16``/AMX kernels, fp32
+accumulation), the pages hold bf16 keys and values that the attention kernels widen
+to float32 as they read them, the residual stream, RoPE and the logits handed to
+sampling are float32 (the ``lm_head`` GEMM reads bf16 like transformers' and vLLM's),
+and a value is rounded to bf16 only where a GEMM or the pages read it: once, where
+transformers' bf16 modules round two or three times (the norm, the SiLU times up, the
+residual adds). So bf16 outputs agree with transformers' bf16 forward within bf16's
+precision, not bit for bit (``tests/test_fused_forward.py`` states the tolerance), and
+with float32's next token 99.05 % of the time on held-out text (docs/performance.md).
+
+``EngineConfig.cpu_fused_forward=False`` (or ``ACB_CPU_FUSED=0``) turns it off (the HF forward runs,
+as on every other model).
+Greedy parity with transformers' ``generate`` is tested with it on.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..attention import paged as attention
+from ..kernels.cpu_linear import pad_rows, padded_rows
+from . import lora
+from .fused_lora import LoraLayer
+
+log = logging.getLogger("acb")
+
+# Decoder layer classes whose forward this module reproduces, and where each keeps the
+# attention's sliding window (transformers passes it to the attention function).
+_WINDOW = {
+    "LlamaDecoderLayer": lambda attn, config: None,
+    "MistralDecoderLayer": lambda attn, config: getattr(config, "sliding_window", None),
+    "Qwen2DecoderLayer": lambda attn, config: attn.sliding_window,
+    "Qwen3DecoderLayer": lambda attn, config: attn.sliding_window,
+    "Gemma2DecoderLayer": lambda attn, config: attn.sliding_window,
+    "Gemma3DecoderLayer": lambda attn, config: attn.sliding_window,
+}
+# Gemma's layers: a norm after attention and after the MLP too, GELU-tanh, norms that
+# compute in float32 with a 1 + weight scale
+_GEMMA = {"Gemma2DecoderLayer", "Gemma3DecoderLayer"}
+_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
+_GEMMA_NORMS = {"Gemma2RMSNorm", "Gemma3RMSNorm"}
+_EMBEDDINGS = {"Embedding", "Gemma2TextScaledWordEmbedding", "Gemma3TextScaledWordEmbedding"}
+# the MLP activation of each family, as oneDNN's fused GEMM epilogue (name, algorithm)
+_ACTIVATIONS = {"SiLU": ("swish", ""), "SiLUActivation": ("swish", ""), "GELUTanh": ("gelu", "tanh")}
+
+# A norm: (weight, eps, gemma). Llama's: the module's weight, the row rounded to the model's
+# dtype before the product; Gemma's: 1 + weight in float32, one rounding at the end.
+Norm = tuple[torch.Tensor, float, bool]
+
+
+class _Logits:
+    __slots__ = ("logits",)
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+
+
+@dataclass(slots=True)
+class _Layer:
+    attn: torch.nn.Module  # passed to the attention function (its layer_idx picks the cache)
+    ln1: Norm  # before attention
+    ln2: Norm  # before the MLP
+    q: tuple[torch.Tensor, torch.Tensor | None] | None  # (packed weight, bias); None once side by side
+    k: tuple[torch.Tensor, torch.Tensor | None] | None
+    v: tuple[torch.Tensor, torch.Tensor | None] | None
+    o: tuple[torch.Tensor, torch.Tensor | None]
+    gate: tuple[torch.Tensor, torch.Tensor | None] | None
+    up: tuple[torch.Tensor, torch.Tensor | None] | None
+    down: tuple[torch.Tensor, torch.Tensor | None]
+    q_norm: Norm | None
+    k_norm: Norm | None
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    window: int | None
+    act: tuple[str, str] = ("swish", "")  # oneDNN epilogue of the gate projection
+    act_code: int = 0  # the native kernels' act (glu, glu_add, int8 glu): 0 SiLU, 1 GELU-tanh
+    post_attn: Norm | None = None  # Gemma: on the attention's output, before the residual add
+    post_mlp: Norm | None = None  # Gemma: on the MLP's output, before the residual add
+    softcap: float | None = None  # Gemma 2: attention logit soft-capping
+    rope: str | None = None  # Gemma 3: which rotary embedding (its layer type); None: the one
+    qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # q/k/v packed side by side: one GEMM
+    qkv_split: tuple[int, int, int] = (0, 0, 0)  # its output's column counts: q, k, v
+    gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # gate/up side by side, then glu
+
+
+# The dtypes the fused forward runs in (the native kernels' and oneDNN's prepacked ones)
+DTYPES = (torch.float32, torch.bfloat16)
+# Decode-only steps run their layers in one native call (DecodeLoop in bf16_cpu.cpp and int8_cpu.cpp:
+# the same kernels in the same order as the Python loops below, without returning to Python, and
+# taking the GIL back, ~330 times a step) where the model's layers allow it: acb's bf16 GEMMs and the
+# int8 forward. benchmarks/kernel_profile.py turns it off to time each kernel from Python.
+NATIVE_DECODE_LOOP = True
+
+
+def _norm(module: torch.nn.Module) -> Norm | None:
+    name = type(module).__name__
+    weight = getattr(module, "weight", None)
+    if weight is None or weight.dtype not in DTYPES:
+        return None
+    if name in _NORMS:
+        return weight.detach().contiguous(), float(module.variance_epsilon), False
+    if name in _GEMMA_NORMS:
+        return (1.0 + weight.detach().float()).contiguous(), float(module.eps), True
+    return None
+
+
+class FusedForward:
+    """Callable like the model for acb's runner: ``(input_ids=[1, T], position_ids=[1, T],
+    attention_mask=None, use_cache=False, logits_to_keep=[K]) -> .logits [1, K, vocab]``."""
+
+    # bf16 prompt attention's value product over softmax weights rounded to bf16 (acb.attention.paged's
+    # acb_bf16_weights): the int8 forward's choice, not the bf16 forward's (docs/performance.md)
+    bf16_weights = False
+
+    def __init__(self, model: torch.nn.Module, layers: list[_Layer], kernels, row_reduce=None) -> None:
+        base = model.model
+        self.embed = base.embed_tokens  # Gemma's scales its output (the module's own forward)
+        self.rotary = base.rotary_emb
+        self.norm = _norm(base.norm)
+        self.lm_head = model.lm_head
+        self.final_softcap = getattr(model.config, "final_logit_softcapping", None)
+        self.rope_types = sorted({layer.rope for layer in layers if layer.rope is not None})
+        self.layers = layers
+        self.k = kernels
+        self.row_reduce = row_reduce
+        self.bf16 = None  # the native bf16 GEMMs (``native_bf16``), when they compute this forward
+        self.head = None  # the lm_head packed for them: (weight, columns, bias)
+        self.loop = None  # the decode-only steps' layers as one native call (_native_loop), or None
+        self.lora_layer = LoraLayer(self)  # a layer of a step with adapter rows, over this forward's ops
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, packed, kernels, row_reduce=None) -> FusedForward | None:
+        """The fused forward over ``model`` (its linears packed by ``packed``, a
+        :class:`acb.kernels.cpu_linear.Prepacked`), or None, with the reason logged,
+        where it does not apply. ``row_reduce``: the tensor-parallel sum, when sharded."""
+        dtype = next(model.parameters()).dtype
+        native = native_bf16() if dtype == torch.bfloat16 and cls is FusedForward else None
+        reason = why_not(model, packed, kernels, native=native is not None)
+        if reason:
+            log.info("acb: fused CPU forward not used (%s); transformers' forward runs", reason)
+            return None
+        joined = set(side_by_side_linears(model))  # packed side by side below, never on their own
+        if native is not None:  # every GEMM in acb's own bf16 kernel, packed in its layout
+            layers = describe(model, lambda m: None if m in joined else _pack((m,), native))
+            side_by_side(model, layers, native)
+            if packed is not None:
+                packed.drop(list(packed.layers))  # oneDNN's copies (if transformers' forward ran): not read
+        else:
+            layers = describe(model, lambda m: (None if m in joined else packed.layers[m].weight(), m.bias))
+            packed.drop(side_by_side(model, layers))  # their own copies (if any ran): the side-by-side ones serve
+            if model.lm_head in packed.layers:  # packed before the first step, not during it
+                packed.layers[model.lm_head].weight()
+        log.info("acb: fused CPU forward over %d %s layers (%s%s)", len(layers), type(model.model.layers[0]).__name__,
+                 str(dtype).removeprefix("torch."), ", acb's bf16 GEMMs, float32 residual stream and logits"
+                 if native is not None else "")
+        forward = cls(model, layers, kernels, row_reduce)
+        if native is not None:
+            forward.bf16, forward.head = native, _pack((model.lm_head,), native)
+            forward.loop = forward._native_loop()
+        return forward
+
+    def _native_loop(self):
+        """bf16_cpu.cpp's DecodeLoop over these layers: on acb's bf16 GEMMs, on one device, where
+        :func:`loop_kernels` finds the layers it takes and the kernels it calls, q/k/v and gate/up
+        joined; else None."""
+        decode = loop_kernels(self)
+        if decode is None or self.bf16 is None or self.row_reduce is not None or not hasattr(self.bf16, "DecodeLoop"):
+            return None
+        for layer in self.layers:
+            nq, nk = layer.heads * layer.head_dim, layer.kv_heads * layer.head_dim
+            if (layer.qkv is None or tuple(layer.qkv_split) != (nq, nk, nk) or layer.gate_up is None
+                    or layer.gate_up[1] % 32 != 0):
+                return None
+        loop = self.bf16.DecodeLoop(self.k._address(), decode._address())
+        for layer in self.layers:
+            weights = (layer.qkv, layer.o, layer.gate_up, layer.down)
+            loop.add_layer([layer.ln1[0], layer.ln2[0]], [layer.ln1[1], layer.ln2[1]], [w[0] for w in weights],
+                           [w[1] for w in weights], [w[2] for w in weights], layer.heads * layer.head_dim,
+                           layer.kv_heads * layer.head_dim, layer.heads, layer.kv_heads, layer.head_dim,
+                           layer.scaling, layer.window or 0, layer.act_code)
+        return loop
+
+    def _decode_layers(self, x: torch.Tensor, ropes: dict, dtype: torch.dtype) -> torch.Tensor | None:
+        """The float32 residual stream ``x`` through every layer in one native call (``self.loop``)
+        for a decode-only step on the native one-call attention over pages of ``dtype`` (the
+        model's) or int8; None where there is no loop or the step is not one (the Python loop then
+        runs it)."""
+        if self.loop is None or not NATIVE_DECODE_LOOP:
+            return None
+        meta = attention.current_step()
+        if (meta.kernel != "native" or meta.prefills or meta.decode is None or meta.decode.kernel != "native"
+                or meta.sliding is not None):
+            return None
+        pool = meta.pool
+        rotate = pool.k_cache[0].dtype == torch.int8
+        if not rotate and pool.k_cache[0].dtype != dtype:
+            return None
+        cos, sin = ropes[None]
+        out = self.loop.run(x, cos, sin, pool.k_cache, pool.v_cache, pool.slot_mapping, pool.decode_pages,
+                            meta.decode.lengths, meta.page_size, rotate)
+        if out is None:  # the one-call attention does not take this model here (declined, nothing written)
+            self.loop = None
+        return out
+
+    def rms(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
+        weight, eps, gemma = norm
+        if x.dtype == torch.float32 and self.bf16 is not None:  # the float32 residual stream, normed into bf16
+            return self.bf16.rms_norm(x, weight, eps, gemma)
+        return self.k.rms_norm_f32w(x, weight, eps) if gemma else self.k.rms_norm(x, weight, eps)
+
+    def linear(self, h: torch.Tensor, weight: tuple, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """``h @ W`` (+ bias) in the model's dtype (acb's bf16 GEMMs: in ``dtype``), ``weight`` as
+        :func:`describe` packed it."""
+        if self.bf16 is not None:
+            return self.bf16.linear(h, *weight, dtype=dtype)
+        return torch.ops.mkldnn._linear_pointwise(h, *weight, "none", [], "")
+
+    def _glu(self, h: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        """act(gate) * up, the MLP's input to ``down``. acb's bf16 GEMMs compute it in one pass, gate
+        and up float32 until the product is rounded (rounding them first cost SmolLM2 0.2 points of
+        top-1 agreement with float32: benchmarks/bf16_sensitivity.py); else the GEMM, then ``glu``."""
+        if self.bf16 is not None and layer.gate_up[1] % 32 == 0:
+            packed, columns, bias = layer.gate_up
+            return self.bf16.glu(h, packed, columns // 2, bias, layer.act_code, dtype=h.dtype)
+        return self.k.glu(self.linear(h, layer.gate_up), layer.act_code)
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
+                 use_cache: bool = False, logits_to_keep: torch.Tensor | int | None = None) -> _Logits:
+        x = self.embed(input_ids[0])  # [T, hidden]
+        total = x.shape[0]
+        adapters = lora.current()  # the step's LoRA rows (acb.model.lora), or None
+        if self.bf16 is None:
+            ropes = self._ropes(x, position_ids)
+            rows = padded_rows(total)  # oneDNN's GEMMs run on zero-padded rows (see acb.kernels.cpu_linear)
+            x = pad_rows(x, rows)
+        elif adapters is None:  # acb's bf16 GEMMs take any row count: a float32 residual stream, RoPE in float32
+            rows, x = total, x.float()
+            ropes = self._ropes(x, position_ids)
+        else:  # a step with LoRA rows: their deltas are bf16, so is everything between the GEMMs
+            rows = total
+            ropes = self._ropes(x, position_ids)
+        done = self._decode_layers(x, ropes, torch.bfloat16) if adapters is None else None
+        for i, layer in enumerate(self.layers if done is None else ()):
+            cos, sin = ropes[layer.rope]
+            if adapters is not None:  # the layer without the epilogues the LoRA deltas land inside
+                x = self.lora_layer(layer, i, x, rows, total, cos, sin, adapters)
+                continue
+            h = self.rms(x, layer.ln1)
+            q, kk, v = self.linear(h, layer.qkv, x.dtype).split(layer.qkv_split, dim=1)  # column views
+            a = self.attend(layer, q, kk, v, total, cos, sin, rows)
+            if layer.post_attn is None:
+                x = self.add_projection(a, x, layer.o)
+            else:  # Gemma: normed before the residual add, which then cannot be fused into the GEMM
+                x = x + self.rms(self.projection(a, layer.o), layer.post_attn)
+            h = self.rms(x, layer.ln2)
+            m = self._glu(h, layer)
+            if layer.post_mlp is None:
+                x = self.add_projection(m, x, layer.down)
+            else:
+                x = x + self.rms(self.projection(m, layer.down), layer.post_mlp)
+        x = x if done is None else done
+        h = self.rms(kept_rows(x[:total], logits_to_keep), self.norm)
+        # float32 logits from bf16 (the lm_head's bf16 output rounded them to steps of 0.125 at 16-32)
+        logits = self.lm_head(h) if self.head is None else self.bf16.linear(h, *self.head, dtype=torch.float32)
+        if self.final_softcap is not None:  # Gemma 2/3, in the logits' dtype
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return _Logits(logits.float().unsqueeze(0))
+
+    def _ropes(self, x: torch.Tensor, position_ids: torch.Tensor) -> dict:
+        """{rotary type: (cos, sin)}, each [T, head_dim] contiguous, for the step's rows ``x``."""
+        if self.rope_types:  # Gemma 3: one rotary embedding per layer type (local and global bases)
+            ropes = {t: self.rotary(x.unsqueeze(0), position_ids, t) for t in self.rope_types}
+        else:
+            ropes = {None: self.rotary(x.unsqueeze(0), position_ids)}
+        return {t: (cos[0].contiguous(), sin[0].contiguous()) for t, (cos, sin) in ropes.items()}
+
+    def attend(self, layer: _Layer, q: torch.Tensor, kk: torch.Tensor, v: torch.Tensor, total: int,
+                cos: torch.Tensor, sin: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """The attention of one layer over its projections' first ``total`` rows (the
+        rest is padding): q/k norms, RoPE in place, paged attention -> [rows, heads * d]
+        (``rows`` >= ``total``, default ``total``: the rows after ``total`` zero), the buffer
+        the next GEMM reads."""
+        d = layer.head_dim
+        if layer.q_norm is not None:  # Qwen3, Gemma 3: RMSNorm over each head, before RoPE
+            q = self.rms(q.reshape(-1, d), layer.q_norm).view(q.shape[0], -1)
+            kk = self.rms(kk.reshape(-1, d), layer.k_norm).view(kk.shape[0], -1)
+        q, kk, v = q[:total], kk[:total], v[:total]  # views: the padding stays out of the cache
+        if cos.dtype != q.dtype:  # acb's bf16 GEMMs: q/k/v came out float32, q/k normed (if so) into bf16
+            q, kk = q.float(), kk.float()
+        self.k.rope_(q, cos, sin, d)
+        self.k.rope_(kk, cos, sin, d)
+        if self.bf16 is not None and q.dtype == torch.float32:
+            # rotated in float32 (float32 cos/sin), each rounded once for the bf16 attention and pages: RoPE
+            # on bf16 with bf16 cos/sin moved 0.6 % of SmolLM2's next tokens (benchmarks/bf16_sensitivity.py)
+            q, kk, v = q.to(torch.bfloat16), kk.to(torch.bfloat16), v.to(torch.bfloat16)
+        rows = total if rows is None else rows
+        out = q.new_empty(rows, layer.heads * d)
+        if rows > total:
+            out[total:].zero_()
+        attention.paged_attention(
+            layer.attn,
+            q.view(total, layer.heads, d).transpose(0, 1).unsqueeze(0),
+            kk.view(total, layer.kv_heads, d).transpose(0, 1).unsqueeze(0),
+            v.view(total, layer.kv_heads, d).transpose(0, 1).unsqueeze(0),
+            None, scaling=layer.scaling, sliding_window=layer.window, softcap=layer.softcap,
+            acb_out=out[:total].view(total, layer.heads, d), acb_bf16_weights=self.bf16_weights,
+        )
+        return out
+
+    def projection(self, h: torch.Tensor, weight: tuple) -> torch.Tensor:
+        """``h @ W``; sharded, summed over the ranks."""
+        out = self.linear(h, weight)
+        if self.row_reduce is not None:
+            self.row_reduce(out)
+        return out
+
+    def add_projection(self, h: torch.Tensor, x: torch.Tensor, weight: tuple) -> torch.Tensor:
+        """``x + h @ W`` (one GEMM, the add fused); sharded, summed over the ranks, of
+        which only rank 0 adds ``x``."""
+        reduce = self.row_reduce
+        first = reduce is None or reduce.rank == 0
+        if self.bf16 is not None:  # in x's dtype: float32 (the residual stream), bf16 in LoRA steps
+            out = self.bf16.linear(h, *weight, other=x if first else None, dtype=x.dtype)
+        elif first:
+            out = torch.ops.mkldnn._linear_pointwise.binary(h, x, *weight, "add")
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(h, *weight, "none", [], "")
+        if reduce is not None:
+            reduce(out)
+        return out
+
+
+def side_by_side_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The linears :func:`side_by_side` packs together: each layer's q/k/v and gate/up."""
+    return [m for layer in model.model.layers[: model.config.num_hidden_layers]
+            for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp.gate_proj,
+                      layer.mlp.up_proj)]
+
+
+def side_by_side(model: torch.nn.Module, layers: list[_Layer], native=None) -> list[torch.nn.Linear]:
+    """Pack each layer's q/k/v weights side by side, and its gate/up weights, so the fused
+    forward runs one GEMM where the model has three (or two): fewer, wider GEMMs, each
+    reading its input once (on SmolLM2's shapes in bf16, 64 rows: q/k/v 285 -> 219 us a layer,
+    gate/up with their epilogues 718 -> 641 us plus the act(g) * up pass; 2048 rows: gate/up
+    23.5 -> 20.4 ms). Each output column is the same dot product as before. They stand in for
+    the per-projection packs, which :meth:`FusedForward.build` then frees (a module's own forward,
+    if transformers' ever runs, packs its weight again); rebuilt with the fused forward when
+    weights change. Returns the linears it packed together."""
+    for layer, module in zip(layers, model.model.layers, strict=False):
+        attn, mlp = module.self_attn, module.mlp
+        layer.qkv = _pack((attn.q_proj, attn.k_proj, attn.v_proj), native)
+        layer.qkv_split = (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
+        layer.gate_up = _pack((mlp.gate_proj, mlp.up_proj), native)
+        layer.q = layer.k = layer.v = layer.gate = layer.up = None  # read through qkv / gate_up only
+    return side_by_side_linears(model)
+
+
+def _pack(linears: tuple[torch.nn.Linear, ...], native=None) -> tuple:
+    """One prepacked weight (and bias) whose output columns are each linear's, in order:
+    oneDNN's ``(weight, bias)``, or with ``native`` (``native_bf16()``) its
+    ``(weight, columns, float32 bias)``."""
+    weight = torch.cat([m.weight.detach() for m in linears]) if len(linears) > 1 else linears[0].weight.detach()
+    weight = weight.contiguous()
+    biases = [m.bias for m in linears]
+    if all(b is None for b in biases):
+        bias = None
+    else:  # Qwen2's q/k/v: a missing bias counts as zeros
+        bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
+                          for m in linears]).contiguous()
+    if native is not None:
+        return native.pack(weight), weight.shape[0], None if bias is None else bias.float().contiguous()
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None), bias
+
+
+def native_bf16():
+    """acb's bf16 GEMM module (``acb/kernels/bf16_cpu.cpp``) where it is built with AVX-512 BF16
+    (vdpbf16ps) or AVX2 (the weights widened to float32 as read), else None (oneDNN's prepacked bf16
+    linears compute, with their bf16 outputs);
+    ``ACB_CPU_BF16_GEMM=0`` keeps to oneDNN's."""
+    if os.environ.get("ACB_CPU_BF16_GEMM", "1") == "0":
+        return None
+    from ..kernels.cpu import bf16_kernels
+
+    module = bf16_kernels()
+    return module if module is not None and module.available() else None
+
+
+def loop_kernels(forward: FusedForward):
+    """The decode-attention module a DecodeLoop over ``forward``'s layers calls, where every layer is
+    one the loops take whole (no Gemma norms, no q/k norms, no soft-capping, one rotary embedding,
+    layer i reading cache i) and the kernels export their addresses; else None."""
+    from ..kernels.cpu import paged_decode_kernel
+
+    if forward.rope_types or not hasattr(forward.k, "_address"):
+        return None
+    for i, layer in enumerate(forward.layers):
+        if (layer.post_attn is not None or layer.post_mlp is not None or layer.q_norm is not None
+                or layer.softcap is not None or layer.ln1[2] or layer.ln2[2]
+                or getattr(layer.attn, "layer_idx", None) != i):
+            return None
+    decode = paged_decode_kernel()
+    return decode if decode is not None and hasattr(decode, "_address") else None
+
+
+def kept_rows(x: torch.Tensor, logits_to_keep: torch.Tensor | int | None) -> torch.Tensor:
+    """The rows of ``x`` whose logits the step keeps."""
+    if isinstance(logits_to_keep, int):  # transformers' convention: the last N rows, 0 = all
+        return x[-logits_to_keep:] if logits_to_keep else x
+    return x if logits_to_keep is None else x.index_select(0, logits_to_keep)
+
+
+def describe(model: torch.nn.Module, lin) -> list[_Layer]:
+    """The decoder layers of ``model`` as :class:`_Layer` records; ``lin`` gives a
+    projection's weights as the forward's GEMMs take them."""
+    config = model.config
+    layer_types = getattr(config, "layer_types", None)
+    per_type_rope = "layer_type" in inspect.signature(model.model.rotary_emb.forward).parameters
+    layers = []
+    for i, layer in enumerate(model.model.layers[: config.num_hidden_layers]):
+        attn, mlp = layer.self_attn, layer.mlp
+        gemma = type(layer).__name__ in _GEMMA
+        layers.append(_Layer(
+            attn=attn, ln1=_norm(layer.input_layernorm),
+            ln2=_norm(layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm),
+            q=lin(attn.q_proj), k=lin(attn.k_proj), v=lin(attn.v_proj), o=lin(attn.o_proj),
+            gate=lin(mlp.gate_proj), up=lin(mlp.up_proj), down=lin(mlp.down_proj),
+            q_norm=_norm(attn.q_norm) if hasattr(attn, "q_norm") else None,
+            k_norm=_norm(attn.k_norm) if hasattr(attn, "k_norm") else None,
+            heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
+            head_dim=attn.head_dim, scaling=float(attn.scaling),
+            window=_WINDOW[type(layer).__name__](attn, config),
+            act=_ACTIVATIONS[type(mlp.act_fn).__name__],
+            act_code=0 if _ACTIVATIONS[type(mlp.act_fn).__name__][0] == "swish" else 1,
+            post_attn=_norm(layer.post_attention_layernorm) if gemma else None,
+            post_mlp=_norm(layer.post_feedforward_layernorm) if gemma else None,
+            softcap=getattr(attn, "attn_logit_softcapping", None) if type(layer).__name__ == "Gemma2DecoderLayer"
+            else None,
+            rope=layer_types[i] if per_type_rope else None,
+        ))
+    return layers
+
+
+def why_not(model: torch.nn.Module, packed, kernels, native: bool = False) -> str | None:
+    """Why the fused forward cannot stand in for ``model``'s, or None. ``native``: acb's bf16
+    GEMMs compute it (they pack the weights themselves: oneDNN's prepacking is not needed)."""
+    if kernels is None:
+        return "the native CPU kernels are not built"
+    if packed is None and not native:
+        return "the linear layers are not prepacked"
+    reason = unsupported(model)
+    if reason:
+        return reason
+    for layer in model.model.layers[: model.config.num_hidden_layers]:
+        attn, mlp = layer.self_attn, layer.mlp
+        for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            if native:  # packed from its own weight by acb's bf16 GEMMs: it must be a plain linear
+                if type(m) is not torch.nn.Linear:
+                    return f"a projection is a {type(m).__name__}, not a plain torch.nn.Linear"
+                continue
+            if m not in packed.layers:
+                return "a projection is not prepacked (shared or wrapped weight)"
+    return None
+
+
+def unsupported(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s architecture, modules or dtype are not what this forward computes
+    (its linears aside), or None."""
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    config = getattr(model, "config", None)
+    if base is None or layers is None or config is None or not isinstance(getattr(model, "lm_head", None),
+                                                                         torch.nn.Module):
+        return "not a decoder-only model with .model.layers and .lm_head"
+    if any(not hasattr(base, a) for a in ("embed_tokens", "rotary_emb", "norm")):
+        return "the model lacks embed_tokens, rotary_emb or norm"
+    dtype = base.embed_tokens.weight.dtype if hasattr(base.embed_tokens, "weight") else None
+    if dtype not in DTYPES or any(p.dtype != dtype for p in model.parameters()):
+        return f"its weights are not all float32 or all bfloat16 ({dtype})"
+    if type(base.embed_tokens).__name__ not in _EMBEDDINGS or _norm(base.norm) is None:
+        return "its embedding or final norm is not the plain kind"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return "pretraining_tp != 1"
+    for layer in layers[: config.num_hidden_layers]:
+        name = type(layer).__name__
+        if name not in _WINDOW:
+            return f"{name} is not a Llama-, Qwen-, Mistral- or Gemma-family decoder layer"
+        attn, mlp = layer.self_attn, layer.mlp
+        if type(mlp.act_fn).__name__ not in _ACTIVATIONS:
+            return f"the MLP activation {type(mlp.act_fn).__name__} is not SiLU or GELU-tanh"
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if name in _GEMMA:
+            norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
+        if hasattr(attn, "q_norm"):
+            norms += [attn.q_norm, attn.k_norm]
+        if any(_norm(n) is None for n in norms):
+            return "a norm is not a plain float32/bfloat16 RMSNorm"
+    return None

