@@ -6,7 +6,7 @@
     python benchmarks/quality.py --dtypes float32,bfloat16,bfloat16_kv8,int8_bf16_kv8  # int8 KV pages too
 
 A ``--dtypes`` name is a dtype, or ``int8`` (int8 weights and int8 activations, per group of 32
-channels, smoothed, in the GEMMs, the lm_head bf16, float32 between them: acb.quantization) /
+channels, smoothed, in the GEMMs, the lm_head bf16, float32 between them: acb.model.quantization) /
 ``int8_bf16`` (the same, bfloat16 between them),
 or ``vllm_bfloat16`` / ``vllm_float32``: vLLM's CPU engine in that dtype
 (``--vllm-venv``), scored on the same windows through its ``prompt_logprobs`` (what a peer's
@@ -69,7 +69,7 @@ def fp32_probe(tokens: int, window: int):
     """For the sensitivity scripts: SmolLM2 in float32, its linear layers {name: (module, weight
     copy)}, and ``top1()``: the argmax at every position of the first ``tokens`` held-out tokens in
     windows of ``window`` (whatever the model's modules and hooks compute then)."""
-    from acb.loading import load, smollm2
+    from acb.model.loading import load, smollm2
 
     folder, gguf = smollm2()
     model, tok = load(folder, gguf_file=gguf, dtype=torch.float32)
@@ -108,8 +108,8 @@ def write_probe_rows(out: str, script: str, tokens: int, exact: torch.Tensor, ro
 def window_logits(runner, tokens: list[int], pages: list[int]) -> torch.Tensor:
     """float32 logits at every position of ``tokens``, one fresh prefill through the
     runner's forward (the fused one where it serves) and acb's attention."""
-    from acb import attention
-    from acb.step import StepInput
+    from acb.attention import paged as attention
+    from acb.core.step import StepInput
 
     step = StepInput()
     step.add_row(tokens, 0, pages)
@@ -129,7 +129,7 @@ def window_logits(runner, tokens: list[int], pages: list[int]) -> torch.Tensor:
 def teacher_forced(model, ids: list[int], window: int) -> dict:
     """Negative log-likelihood and argmax per position over ``ids`` in windows."""
     from acb import EngineConfig
-    from acb.runner import ModelRunner
+    from acb.worker.runner import ModelRunner
 
     page_size = 16
     pages = list(range(-(-window // page_size) + 1))
@@ -155,9 +155,10 @@ def teacher_forced(model, ids: list[int], window: int) -> dict:
 def teacher_forced_decode(model, ids: list[int], window: int, kv_cache_dtype: str | None) -> dict:
     """As :func:`teacher_forced`, but every position is a decode row over the pages the
     earlier positions were written to (all windows batched, one position a step)."""
-    from acb import EngineConfig, attention
-    from acb.runner import ModelRunner
-    from acb.step import StepInput
+    from acb import EngineConfig
+    from acb.attention import paged as attention
+    from acb.core.step import StepInput
+    from acb.worker.runner import ModelRunner
 
     windows = [c for c in (ids[s: s + window + 1] for s in range(0, len(ids) - 1, window)) if len(c) >= 2]
     page_size = 16
@@ -236,7 +237,7 @@ def vllm_scored(venv: str, dtype: str, ids: list[int], window: int, prompts: lis
     import subprocess
     import tempfile
 
-    from acb.loading import _converted_gguf, smollm2
+    from acb.model.loading import _converted_gguf, smollm2
 
     windows = [ids[s: s + window + 1] for s in range(0, len(ids) - 1, window)]
     windows = [c for c in windows if len(c) >= 2]
@@ -335,7 +336,7 @@ def main() -> None:
         dtype, quantization, kv = variant(name)
         model = copy.deepcopy(base).to(dtype)
         if quantization:  # in place, as the engine does (transformers' forward then runs the int8 modules too)
-            from acb.quantization import quantize_
+            from acb.model.quantization import quantize_
 
             quantize_(model, tokenizer=tok)  # the smoothing calibrated on acb's calibration text, as the engine does
         hf_tf = None if kv else hf_teacher_forced(model, ids, args.window)  # transformers has no int8 pages

@@ -1,7 +1,7 @@
 """The int8 GEMM candidates on SmolLM2's shapes, against oneDNN's prepacked fp32 and bf16.
 
-    python benchmarks/int8_gemm.py              # prints GOPS per shape and row count
-    python benchmarks/int8_gemm.py --out bench-results/int8_gemm.json
+    python benchmarks/kernels/int8_gemm.py              # prints GOPS per shape and row count
+    python benchmarks/kernels/int8_gemm.py --out bench-results/int8_gemm.json
 
 Each GEMM computes [M, K] x [K, N]; M is a step's rows (1-64: decode batches, 256-1024:
 prefill chunks), (K, N) SmolLM2-135M's projections: q+k+v joined (576 -> 960), o
@@ -12,7 +12,7 @@ of the activations is timed separately, as acb pays it once per GEMM input):
 - ``fp32``, ``bf16``: ``torch.ops.mkldnn._linear_pointwise`` over prepacked weights (acb's
   fused forward in those dtypes);
 - ``acb_int8``: acb's VNNI kernel (``acb/kernels/int8_cpu.cpp``) as the engine runs it: int8
-  activations per token and group of 64 channels (``acb.quantization.activation_group``), weights
+  activations per token and group of 64 channels (``acb.model.quantization.activation_group``), weights
   per channel; ``acb_int8+q``: with the quantization of its input; ``acb_int8_tok``: the same kernel
   with one activation scale per token (what the groups cost);
 - ``onednn_int8``: ``torch.ops.onednn.qlinear_pointwise`` (what PyTorch's x86 inductor
@@ -51,9 +51,9 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=0.3, help="per measurement")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: its acb
     from acb.kernels.cpu import int8_kernels
-    from acb.quantization import Int8Linear, quantize_weight
+    from acb.model.quantization import Int8Linear, quantize_weight
 
     q8 = int8_kernels()
     torch.manual_seed(0)
@@ -103,7 +103,7 @@ def main() -> None:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "load": os.getloadavg()[0],
-                                   "source": "python benchmarks/int8_gemm.py " + " ".join(sys.argv[1:]),
+                                   "source": "python benchmarks/kernels/int8_gemm.py " + " ".join(sys.argv[1:]),
                                    "rows": rows}, indent=2))
 
 

@@ -1,9 +1,9 @@
 """The native decode attention kernel alone, per layer call, on SmolLM2's heads (9 over 3, d=64):
 
-    python benchmarks/decode_attention.py                        # bf16 pages, 48 rows of ~420 tokens
-    python benchmarks/decode_attention.py --dtype float32 --rows 64 --context 1024
-    python benchmarks/decode_attention.py --kv int8               # a bf16 model over int8 pages
-    python benchmarks/decode_attention.py --separate --dtype float32  # paged_decode: the separate path's
+    python benchmarks/kernels/decode_attention.py                        # bf16 pages, 48 rows of ~420 tokens
+    python benchmarks/kernels/decode_attention.py --dtype float32 --rows 64 --context 1024
+    python benchmarks/kernels/decode_attention.py --kv int8               # a bf16 model over int8 pages
+    python benchmarks/kernels/decode_attention.py --separate --dtype float32  # paged_decode: the separate path's
 
 Times ``paged_decode_into`` (acb/kernels/paged_decode_cpu.cpp: the new keys and values written into
 their pages, then each row's attention over its pages) on a cache whose pages are scattered as a
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: its acb
 from acb.kernels.cpu import paged_decode_kernel  # noqa: E402
 
 

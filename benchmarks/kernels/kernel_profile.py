@@ -1,11 +1,11 @@
 """Where an acb step's time goes: each native call of the fused forward timed, prefill and decode apart.
 
-    python benchmarks/kernel_profile.py int8_bf16 48 96   # variant (int8_bf16 | bf16 | fp32), prompts, new tokens
-    python benchmarks/kernel_profile.py bf16 48 96 realtext  # bench.py's real-text prompts (prefill-heavy)
-    python benchmarks/kernel_profile.py int8_bf16_kv8 48 96  # a _kv8 suffix: int8 KV pages
-    PYTHONPATH=. python benchmarks/kernel_profile.py bf16  # from a worktree: its acb, not the installed one
-    python benchmarks/kernel_profile.py int8_bf16 48 96 realtext --native-loop  # decode as the engine runs it
-    python benchmarks/kernel_profile.py int8_bf16 48 96 realtext --native-loop --split-rows 0  # no halves
+    python benchmarks/kernels/kernel_profile.py int8_bf16 48 96  # variant (int8_bf16/bf16/fp32), prompts, new tokens
+    python benchmarks/kernels/kernel_profile.py bf16 48 96 realtext  # bench.py's real-text prompts (prefill-heavy)
+    python benchmarks/kernels/kernel_profile.py int8_bf16_kv8 48 96  # a _kv8 suffix: int8 KV pages
+    PYTHONPATH=. python benchmarks/kernels/kernel_profile.py bf16  # from a worktree: its acb, not the installed one
+    python benchmarks/kernels/kernel_profile.py int8_bf16 48 96 realtext --native-loop  # decode as the engine runs it
+    python benchmarks/kernels/kernel_profile.py int8_bf16 48 96 realtext --native-loop --split-rows 0  # no halves
 
 Runs SmolLM2 through an Engine on the first N prompts of a workload (standard unless named) (one generate_batch,
 after a warm-up pass), with the fused forward's kernel modules wrapped so every call into them (int8 GEMMs,
@@ -18,7 +18,7 @@ calls are seen: the engine runs them in one native call). ``--native-loop`` runs
 does, in the DecodeLoops (each step then timed whole, its calls unseen); ``--split-rows N`` sets the loops'
 ``split_rows`` (0: a step never runs as two halves; acb/kernels/entry_points.h). The wrappers cost ~1 us a
 call: compare shares, not absolute figures, with bench.py's. Run it under the exclusive lock on a quiet
-machine (results recorded in docs/performance.md, int8 section).
+machine (results recorded in docs/journal/2026-performance.md, int8 section).
 """
 # ruff: noqa: E402
 import asyncio
@@ -28,13 +28,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: workloads
 import torch
 import workloads
 
 import acb
-from acb import attention, fused, quantization
-from acb.loading import load, smollm2
+from acb.attention import paged as attention
+from acb.model import fused, quantization
+from acb.model.loading import load, smollm2
 
 T: dict = collections.defaultdict(float)  # (step kind, name) -> seconds
 C: dict = collections.defaultdict(int)  # (step kind, name) -> calls
