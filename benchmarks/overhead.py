@@ -48,7 +48,7 @@ class NullModel(torch.nn.Module):
         return SimpleNamespace(logits=torch.zeros(1, n, self.vocab))
 
 
-# every sampling control that runs in the sampling pass (acb/sampling.py), for --controls
+# every sampling control that runs in the sampling pass (acb/worker/sampling.py), for --controls
 CONTROLS = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3, logit_bias={5: 1.0, 6: -1.0},
                 min_new_tokens=10_000)
 

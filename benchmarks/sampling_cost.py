@@ -14,7 +14,7 @@ machine shared with other jobs slows the figures less than wall time would:
   frequency penalties over a ``--history``-token history, two ``logit_bias`` entries,
   ``min_new_tokens`` (one banned id) and, when sampled, ``min_p``.
 
-With ``--baseline REV[,REV...]`` the same cases also run through ``acb/sampling.py`` as
+With ``--baseline REV[,REV...]`` the same cases also run through ``acb/worker/sampling.py`` as
 it was at each git revision (loaded from ``git show``; the cases with controls only
 where that revision has them), in the same process and interleaved, so machine load
 affects every version alike.
@@ -40,7 +40,7 @@ from acb.worker import sampling  # noqa: E402
 
 
 def _load_revision(rev: str):
-    source = subprocess.run(["git", "show", f"{rev}:acb/sampling.py"], cwd=ROOT, capture_output=True, text=True,
+    source = subprocess.run(["git", "show", f"{rev}:acb/worker/sampling.py"], cwd=ROOT, capture_output=True, text=True,
                             check=True).stdout
     path = Path(tempfile.mkdtemp()) / f"sampling_{rev}.py"
     path.write_text(source)
@@ -114,7 +114,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--cases", default="greedy,sampled", help="which of greedy, sampled to run")
-    p.add_argument("--baseline", default=None, help="git revisions (comma-separated) whose acb/sampling.py to time too")
+    p.add_argument("--baseline", default=None, help="git revisions (comma-separated) whose acb/worker/sampling.py to time too")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     versions = [(f" @{rev}", _load_revision(rev)) for rev in args.baseline.split(",")] if args.baseline else []

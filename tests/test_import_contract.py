@@ -154,7 +154,7 @@ def test_the_import_graph_has_no_cycle():
 
 
 def test_the_top_level_modules_are_public_names_only():
-    """acb/cli.py, loading.py, tools.py, reasoning.py: the paths users import, re-exporting a
+    """acb/serving/cli.py, loading.py, tools.py, reasoning.py: the paths users import, re-exporting a
     layer's module; nothing is defined there, and no layer imports them."""
     for path in ACB.glob("*.py"):
         if path.name == "__init__.py":

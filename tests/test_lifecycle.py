@@ -1,4 +1,4 @@
-"""The engine's lifecycle on its own (acb/lifecycle.py): the moves it has, the ones it
+"""The engine's lifecycle on its own (acb/core/lifecycle.py): the moves it has, the ones it
 refuses, and the errors a stopped, failed or closed engine gives. Plain Python (CI's
 torch-free `core` stage runs it)."""
 

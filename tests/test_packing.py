@@ -1,4 +1,4 @@
-"""The runner's step builders (acb/packing.py), fed hand-made steps: packing a step's
+"""The runner's step builders (acb/attention/metadata.py), fed hand-made steps: packing a step's
 columns into flat lists, and attention metadata that is complete when built and names
 its kernel path instead of carrying kernel modules."""
 

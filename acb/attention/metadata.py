@@ -50,7 +50,7 @@ class DecodeRows:
     token_idx: torch.Tensor  # [Bd] packed index of each decode row's token
     lengths: torch.Tensor  # [Bd] context length of each row
     kernel: str  # "native" / "triton": a kernel reads the pages in place; "torch": gathered, masked
-    padded: bool = False  # a decode-only step padded to a CUDA-graph bucket (acb/cuda_graphs.py)
+    padded: bool = False  # a decode-only step padded to a CUDA-graph bucket (acb/worker/cuda_graphs.py)
     key_pos: torch.Tensor | None = None  # "torch": [1, P * page_size] key positions
     q_pos: torch.Tensor | None = None  # "torch": [Bd, 1] each query's position (length - 1)
     valid: torch.Tensor | None = None  # "torch": [Bd, 1, P * page_size] True where a key exists

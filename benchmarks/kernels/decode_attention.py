@@ -72,7 +72,7 @@ def main() -> None:
         used += k
     def cache() -> torch.Tensor:
         c = torch.randn(kvh, pool * ps, d).to(dtype)
-        if args.kv == "int8":  # rows of d int8 values and their float32 scale (acb/kv_quant.py)
+        if args.kv == "int8":  # rows of d int8 values and their float32 scale (acb/attention/kv_quant.py)
             q8 = torch.empty(kvh, pool * ps, d + 4, dtype=torch.int8)
             kernel.write_kv_int8(c.float(), q8, torch.arange(pool * ps))
             return q8
