@@ -230,3 +230,15 @@ def test_tests_reach_the_engine_internals_only_through_acb_testing():
     offenders = [f"{p.name}:{i}" for p in files if p != Path(__file__).resolve()
                  for i, line in enumerate(p.read_text().splitlines(), 1) if "._runner" in line]
     assert offenders == []
+
+
+@pytest.mark.parametrize("facade", ["tools", "reasoning"])
+def test_the_facades_export_every_name_acb_reads_through_them(facade):
+    """``acb.tools.find_tool`` in an integration reads the facade, which has only its layer
+    module's ``__all__``: a name missing there is an AttributeError at request time."""
+    import importlib
+
+    exported = set(importlib.import_module(f"acb.{facade}").__all__)
+    read = {node.attr for path in ACB.rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute) and ast.unparse(node.value) == f"acb.{facade}"}
+    assert read - exported == set()

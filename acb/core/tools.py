@@ -571,5 +571,5 @@ async def stream_with_tools(engine: Any, messages: list[dict[str, Any]], tools: 
 
 
 __all__ = ["PARSERS", "ToolCall", "ToolCompletion", "ToolDelta", "ToolParser", "ToolStream", "check_tools",
-           "generate_with_tools", "get_parser", "named_schema", "parser_for_template", "required_schema",
-           "stream_with_tools", "template_supports_tools"]
+           "find_tool", "generate_with_tools", "generic_messages", "generic_schema", "get_parser", "named_schema",
+           "parser_for_template", "required_schema", "stream_with_tools", "template_supports_tools"]
