@@ -238,7 +238,13 @@ def test_the_facades_export_every_name_acb_reads_through_them(facade):
     module's ``__all__``: a name missing there is an AttributeError at request time."""
     import importlib
 
-    exported = set(importlib.import_module(f"acb.{facade}").__all__)
+    module = importlib.import_module(f"acb.{facade}")
+    exported = set(module.__all__)
     read = {node.attr for path in ACB.rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
             if isinstance(node, ast.Attribute) and ast.unparse(node.value) == f"acb.{facade}"}
     assert read - exported == set()
+    # and it exports every public name of the layer modules it re-exports, each one there
+    sources = {node.module for node in ast.parse((ACB / f"{facade}.py").read_text()).body
+               if isinstance(node, ast.ImportFrom) and node.level == 1}
+    public = set().union(*(importlib.import_module(f"acb.{m}").__all__ for m in sources))
+    assert exported == public and all(hasattr(module, name) for name in exported)
