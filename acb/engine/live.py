@@ -11,7 +11,8 @@ from operator import itemgetter
 from typing import Any
 
 from ..core.detokenizer import Detokenizer, StopMatcher
-from ..core.outputs import Mailbox, Outcome, RequestMetrics
+from ..core.mailbox import Mailbox, Outcome
+from ..core.outputs import RequestMetrics
 from ..core.prompt_logprobs import PromptSink
 from ..core.reasoning import ReasoningSplitter, prompt_opens_reasoning
 from ..core.sampling_params import SamplingParams
