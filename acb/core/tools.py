@@ -51,6 +51,7 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def find_tool(tools: Sequence[dict[str, Any]], name: str) -> dict[str, Any] | None:
+    """The tool of ``tools`` (checked ones) whose function is called ``name``, or None."""
     return next((t for t in tools if t["function"]["name"] == name), None)
 
 
