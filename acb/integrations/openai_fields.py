@@ -19,10 +19,12 @@ MAX_LOGPROBS = 20
 
 
 def field_error(name: str, why: str) -> ApiError:
+    """The 400 naming the field ``name``: ``'name' why``."""
     return ApiError(400, f"'{name}' {why}", param=name)
 
 
 def int_field(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
+    """``body[name]``: None when unset, else an int in [lo, hi] (a bool is not one)."""
     value = body.get(name)
     if value is None:
         return None
@@ -32,20 +34,21 @@ def int_field(body: dict, name: str, lo: int, hi: int | None = None) -> int | No
     return value
 
 
-def is_number(value: Any) -> bool:
+def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def float_field(body: dict, name: str, lo: float, hi: float = math.inf, *, open_low: bool = False) -> float | None:
+def _float(body: dict, name: str, lo: float, hi: float = math.inf, *, open_low: bool = False) -> float | None:
     value = body.get(name)
     if value is None:
         return None
-    if not is_number(value) or value > hi or value < lo or (open_low and value == lo):
+    if not _number(value) or value > hi or value < lo or (open_low and value == lo):
         raise field_error(name, f"must be a number in {'(' if open_low else '['}{lo}, {hi}], got {value!r}")
     return float(value)
 
 
 def bool_field(body: dict, name: str) -> bool | None:
+    """``body[name]``: None when unset, else a boolean."""
     value = body.get(name)
     if value is not None and not isinstance(value, bool):
         raise field_error(name, f"must be a boolean, got {value!r}")
@@ -75,7 +78,7 @@ def _logit_bias(body: dict) -> dict[int, float] | None:
             token = int(key)
         except (TypeError, ValueError):
             raise field_error("logit_bias", f"keys must be token ids, got {key!r}") from None
-        if token < 0 or not is_number(value):
+        if token < 0 or not _number(value):
             raise field_error("logit_bias", f"must map non-negative token ids to numbers, got {key!r}: {value!r}")
         out[token] = max(-100.0, min(100.0, float(value)))  # OpenAI's range, clamped as vLLM does
     return out or None
@@ -174,20 +177,20 @@ def sampling_keywords(body: dict, chat: bool, n: int, *,  # long: one mapping pe
         top_k = 0
     sampling: dict[str, Any] = {
         "max_new_tokens": max_tokens or 1,  # (max_tokens 0: the one token sampled is not sent)
-        "temperature": float_field(body, "temperature", 0.0),
-        "top_p": float_field(body, "top_p", 0.0, 1.0, open_low=True),
+        "temperature": _float(body, "temperature", 0.0),
+        "top_p": _float(body, "top_p", 0.0, 1.0, open_low=True),
         "top_k": int_field({"top_k": top_k}, "top_k", 0) or None,
-        "min_p": float_field(body, "min_p", 0.0, 1.0) or None,
+        "min_p": _float(body, "min_p", 0.0, 1.0) or None,
         "seed": int_field(body, "seed", 0, 2**63 - 1),
         "stop": _stop(body),
         "ignore_eos": bool_field(body, "ignore_eos") or None,
-        "presence_penalty": float_field(body, "presence_penalty", -2.0, 2.0) or None,
-        "frequency_penalty": float_field(body, "frequency_penalty", -2.0, 2.0) or None,
-        "repetition_penalty": float_field(body, "repetition_penalty", 0.0, open_low=True),
+        "presence_penalty": _float(body, "presence_penalty", -2.0, 2.0) or None,
+        "frequency_penalty": _float(body, "frequency_penalty", -2.0, 2.0) or None,
+        "repetition_penalty": _float(body, "repetition_penalty", 0.0, open_low=True),
         "min_new_tokens": int_field(body, "min_tokens", 0) or None,
         "logit_bias": _logit_bias(body),
         "n": n if n > 1 else None,
-        "timeout_s": float_field(body, "timeout_s", 0.0, open_low=True),
+        "timeout_s": _float(body, "timeout_s", 0.0, open_low=True),
         # honoured under scheduler="priority"; any other engine refuses it by name
         "priority": int_field(body, "priority", -(2**31), 2**31 - 1) or None,
     }
