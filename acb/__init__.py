@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 # torch-free core (scheduler, KV allocator, step types, requests, configs) load
 # without torch: the public names below come from their modules when first read.
 _LAZY = {
-    "EngineConfig": "core.config", "SamplingParams": "core.config",
+    "EngineConfig": "core.config", "SamplingParams": "core.sampling_params",
     "Engine": "engine.engine",
     "EngineStats": "core.outputs", "Chunk": "core.outputs", "Completion": "core.outputs",
     "RequestMetrics": "core.outputs",
@@ -54,7 +54,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from . import distributed, reasoning, tools
-    from .core.config import EngineConfig, SamplingParams
+    from .core.config import EngineConfig
     from .core.errors import (
         AcbError,
         DeviceError,
@@ -69,6 +69,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from .core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventStream
     from .core.outputs import Chunk, Completion, EngineStats, RequestMetrics
     from .core.prompt_logprobs import PromptLogprobs
+    from .core.sampling_params import SamplingParams
     from .engine.engine import Engine
     from .engine.sync import generate_batch
 

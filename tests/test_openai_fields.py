@@ -50,11 +50,11 @@ def texts_by_index(chunks: list, chat: bool) -> dict[int, str]:
 # ---------------------------------------------------------------- tolerance
 async def test_unknown_fields_are_ignored_and_logged_once_per_name(server, caplog):
     session, _ = server
-    from acb.integrations import openai_protocol
+    from acb.integrations import openai_requests
 
-    openai_protocol._warned_unknown.discard("frobnicate")
+    openai_requests._warned_unknown.discard("frobnicate")
     body = {"prompt": "hi", "max_tokens": 2, "frobnicate": {"x": 1}, "temprature": 0.5}
-    openai_protocol._warned_unknown.discard("temprature")
+    openai_requests._warned_unknown.discard("temprature")
     with caplog.at_level(logging.WARNING, logger="acb.serving.server"):
         for _ in range(3):
             status, answer = await post(session, "/v1/completions", body)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from acb.core.config import SamplingParams
 from acb.core.errors import RequestFailedError
 from acb.core.kv_cache import KVCacheManager
+from acb.core.sampling_params import SamplingParams
 from acb.core.scheduler import FINISHED, FORKING, RUNNING, WAITING, Scheduler
 from acb.core.step import StepOutput, StepPlan
 from acb.engine.live import Choices, LiveRequest

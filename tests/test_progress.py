@@ -106,7 +106,7 @@ async def test_a_batch_raises_its_first_failure_while_earlier_requests_still_run
     (RuntimeError 'the outcome is not set yet', the real error lost)."""
     import types
 
-    from acb.core.outputs import Outcome
+    from acb.core.mailbox import Outcome
     from acb.core.progress import gather_batch
 
     reqs = [types.SimpleNamespace(request_id=str(i), future=Outcome()) for i in range(3)]

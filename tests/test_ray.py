@@ -187,7 +187,7 @@ def test_acb_serve_ray_router_flags_reach_build_app(flags, router, monkeypatch, 
                                         ({"messages": [{"role": "system", "content": "Be brief."},
                                                        {"role": "user", "content": "Hi"}]}, True)])
 async def test_the_front_routes_on_the_token_ids_the_engine_runs(body, chat):
-    from acb.integrations.openai_protocol import Limits, parse_request, prompt_token_ids
+    from acb.integrations.openai_requests import Limits, parse_request, prompt_token_ids
     from acb.integrations.ray_prefix import _Tokenizing
 
     async with tiny_engine(config=CONFIG) as engine:

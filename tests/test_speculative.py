@@ -397,7 +397,7 @@ async def test_a_large_batch_proposes_nothing():
 def test_each_position_is_sampled_as_its_token_index_would_be():
     """The sampling entries of a row verifying 3 proposals: one per position, each with its
     token index's seed, min_new_tokens ban and penalty history (proposals before it included)."""
-    from acb.core.outputs import Outcome
+    from acb.core.mailbox import Outcome
     from acb.engine.live import LiveRequest, SamplingColumns, sampling_batch
     from acb.worker.sampling import mix_seed
 

@@ -219,7 +219,7 @@ async def test_a_template_without_tools_gets_the_generic_format(seed):
 
 
 def test_the_cli_knows_every_parser():
-    from acb.core.tools import PARSERS
     from acb.serving.cli import TOOL_CALL_PARSERS
+    from acb.tools import PARSERS
 
     assert set(TOOL_CALL_PARSERS) == set(PARSERS)

@@ -1,5 +1,6 @@
-"""Tool-call parsers (acb.core.tools): each format read whole, and streamed in every split of
-its text with the same result, no markup ever in the content."""
+"""Tool-call parsers (acb.tools: acb.core.tool_parsers, acb.core.tools, acb.engine.tool_calls):
+each format read whole, and streamed in every split of its text with the same result, no markup
+ever in the content."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import random
 import pytest
 
 import acb
-from acb.core.tools import check_tools, get_parser, parser_for_template, required_schema
+from acb.tools import check_tools, get_parser, parser_for_template, required_schema
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
 TIME = '{"name": "get_time", "arguments": {"tz": "UTC"}}'
@@ -101,7 +102,7 @@ def test_bad_tools_are_refused_naming_the_field(tools):
 
 
 def test_generic_messages_describe_the_tools_and_write_earlier_calls_as_json():
-    from acb.core.tools import generic_messages, generic_schema
+    from acb.tools import generic_messages, generic_schema
 
     tools = [{"type": "function", "function": {"name": "f", "description": "does f",
                                                "parameters": {"type": "object"}}}]
@@ -152,7 +153,7 @@ def tool_engine():
 async def test_engine_helpers_parse_the_models_calls():
     import re
 
-    from acb.core.tools import generate_with_tools, stream_with_tools
+    from acb.tools import generate_with_tools, stream_with_tools
 
     forced = "Checking. " + f"<tool_call>{WEATHER}</tool_call>"
     async with tool_engine() as engine:
@@ -171,7 +172,7 @@ async def test_engine_helpers_parse_the_models_calls():
 
 async def test_engine_helpers_force_required_and_named_calls():
     jsonschema = pytest.importorskip("jsonschema")
-    from acb.core.tools import generate_with_tools
+    from acb.tools import generate_with_tools
 
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in ENGINE_TOOLS}
     async with tool_engine() as engine:
@@ -190,8 +191,8 @@ async def test_engine_helpers_force_required_and_named_calls():
 
 
 async def test_engine_helpers_use_the_generic_format_when_the_template_knows_no_tools():
-    from acb.core.tools import generate_with_tools
     from acb.testing import tiny_engine
+    from acb.tools import generate_with_tools
 
     async with tiny_engine() as engine:  # the tiny template renders no tools
         done = await generate_with_tools(engine, ASK, ENGINE_TOOLS[1:], max_new_tokens=300, temperature=1.0, seed=0)

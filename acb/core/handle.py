@@ -7,7 +7,8 @@ from typing import Any
 
 import anyio
 
-from .outputs import ChoicesMailbox, Chunk, Completion, Mailbox, Outcome
+from .mailbox import ChoicesMailbox, Mailbox, Outcome
+from .outputs import Chunk, Completion
 
 
 class ChunkStream:

@@ -12,10 +12,11 @@ from typing import Any
 
 import torch
 
-from ..core.config import EngineConfig, SamplingParams
+from ..core.config import EngineConfig
 from ..core.defaults import resolve
 from ..core.kv_cache import HostPool, KVCacheManager
 from ..core.kv_events import KVEventPublisher
+from ..core.sampling_params import SamplingParams
 from ..core.scheduler import Scheduler
 from .settings import inactive_settings
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..core.config import EngineConfig, SamplingParams
+from ..core.config import EngineConfig
 from ..core.errors import AcbError, EngineStoppedError
 from ..core.eventloop import LoopHandle
 from ..core.handle import ChunkStream, RequestHandle
@@ -16,6 +16,7 @@ from ..core.kv_events import KVEventPublisher, KVEventStream
 from ..core.lifecycle import EngineState, Lifecycle
 from ..core.outputs import Completion, EngineStats
 from ..core.progress import check_progress, gather_batch
+from ..core.sampling_params import SamplingParams
 from ..model import quantization
 from ..worker import sizing
 from ..worker.runner import ModelRunner

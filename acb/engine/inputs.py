@@ -12,8 +12,8 @@ from typing import Any
 import anyio
 import torch
 
-from ..core.config import FROM_GENERATION_CONFIG, SamplingParams
 from ..core.errors import InvalidRequestError
+from ..core.sampling_params import FROM_GENERATION_CONFIG, SamplingParams
 
 
 def tokenize(prompt: Any, tokenizer: Any, vocab_size: int) -> list[int]:

@@ -10,11 +10,12 @@ import time
 from operator import itemgetter
 from typing import Any
 
-from ..core.config import SamplingParams
 from ..core.detokenizer import Detokenizer, StopMatcher
-from ..core.outputs import Mailbox, Outcome, RequestMetrics
+from ..core.mailbox import Mailbox, Outcome
+from ..core.outputs import RequestMetrics
 from ..core.prompt_logprobs import PromptSink
 from ..core.reasoning import ReasoningSplitter, prompt_opens_reasoning
+from ..core.sampling_params import SamplingParams
 from ..core.scheduler import Sequence
 from ..core.step import Controls, SamplingBatch, StepPlan, mix_seed
 from .structured import TokenMasks

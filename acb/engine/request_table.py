@@ -20,10 +20,10 @@ import dataclasses
 import itertools
 from typing import Any
 
-from ..core.config import SamplingParams
 from ..core.errors import EngineOverloadedError, InvalidRequestError
-from ..core.outputs import ChoicesMailbox, Mailbox, Outcome
+from ..core.mailbox import ChoicesMailbox, Mailbox, Outcome
 from ..core.prompt_logprobs import PromptSink
+from ..core.sampling_params import SamplingParams
 from ..core.scheduler import FINISHED, Scheduler
 from ..core.step import StepPlan
 from .adapters import AdapterRegistry

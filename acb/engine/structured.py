@@ -32,8 +32,8 @@ from typing import Any
 import anyio
 import torch
 
-from ..core.config import SamplingParams
 from ..core.errors import InvalidRequestError
+from ..core.sampling_params import SamplingParams
 
 log = logging.getLogger("acb")
 

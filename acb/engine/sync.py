@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from ..core.config import EngineConfig, SamplingParams
+from ..core.config import EngineConfig
 from ..core.outputs import Completion
+from ..core.sampling_params import SamplingParams
 
 
 def generate_batch(model_or_path: Any, prompts: list[Any], *, tokenizer: Any = None,

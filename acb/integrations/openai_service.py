@@ -34,7 +34,8 @@ import acb
 
 from .common import SSE_HEADERS, ApiError, sse_event
 from .metrics import ServerMetrics
-from .openai_protocol import Limits, ParsedRequest, Shaper, engine_error, long_prompt, parse_request, prompt_token_ids
+from .openai_requests import Limits, ParsedRequest, long_prompt, parse_request, prompt_token_ids
+from .openai_responses import Shaper, engine_error
 
 
 def route_error(status: int, method: str, path: str, allowed: str | None = None) -> ApiError:

@@ -43,7 +43,7 @@ from ..core.progress import log_throughput
 from . import ray_prefix
 from .common import ApiError, json_object, stop_engine
 from .metrics import CONTENT_TYPE
-from .openai_protocol import Limits
+from .openai_requests import Limits
 from .openai_service import SSE_HEADERS, OpenAIService
 from .ray_http import REPLICA_HEADER, EventStream, new_api
 from .ray_prefix import AcbFront, PrefixAwareRouter

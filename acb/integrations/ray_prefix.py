@@ -44,7 +44,7 @@ import acb
 
 from .common import ApiError, json_object
 from .metrics import CONTENT_TYPE
-from .openai_protocol import Limits, parse_request, prompt_token_ids
+from .openai_requests import Limits, parse_request, prompt_token_ids
 from .prefix_index import Load, PrefixIndex, rank_replicas, wire_batch
 from .ray_http import REPLICA_HEADER, EventStream, new_api
 

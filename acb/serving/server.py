@@ -33,7 +33,7 @@ import acb
 from ..core.progress import log_throughput
 from ..integrations.aiohttp import ENGINE_KEY, SSE_HEADERS, ApiError, read_json_object, setup_engine
 from ..integrations.metrics import CONTENT_TYPE
-from ..integrations.openai_protocol import Limits
+from ..integrations.openai_requests import Limits
 from ..integrations.openai_service import OpenAIService, route_error
 
 log = logging.getLogger("acb.serving.server")

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from ..core.config import EngineConfig, SamplingParams
+from ..core.config import EngineConfig
+from ..core.sampling_params import SamplingParams
 from ..engine.engine import Engine
 from .inspection import StepCounts, runner_of, speculate_always, step_counts
 
