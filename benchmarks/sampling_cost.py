@@ -114,7 +114,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--cases", default="greedy,sampled", help="which of greedy, sampled to run")
-    p.add_argument("--baseline", default=None, help="git revisions (comma-separated) whose acb/worker/sampling.py to time too")
+    p.add_argument("--baseline", default=None,
+                   help="git revisions (comma-separated) whose acb/worker/sampling.py to time too")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     versions = [(f" @{rev}", _load_revision(rev)) for rev in args.baseline.split(",")] if args.baseline else []
