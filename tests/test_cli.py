@@ -19,7 +19,7 @@ from acb.serving.cli import main
 
 def test_console_script_points_at_main():
     (script,) = [e for e in entry_points(group="console_scripts") if e.name == "acb"]
-    assert script.value == "acb.serving.cli:main"
+    assert script.value == "acb.cli:main"
 
 
 @pytest.mark.parametrize("argv", [[], ["serve", "--port", "70000"], ["serve", "--tiny", "some/dir"],
