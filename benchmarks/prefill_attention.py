@@ -8,7 +8,7 @@
 Times ``prefill_attention`` (acb/kernels/paged_decode_cpu.cpp) over random queries, keys and values,
 median of --repeats calls after three warm-ups; prints milliseconds a call and the attention's
 GFLOP/s (causal: the half of the score and value products each row sees). ``--torch`` also times
-what the engine runs where the kernel declines (acb.attention._prefill_torch per prompt: PyTorch's
+what the engine runs where the kernel declines (acb.attention.torch_backend.prefill_torch per prompt: PyTorch's
 scaled_dot_product_attention, causal), the two calls alternated. ``--bf16-weights`` (bf16) also times
 the kernel with its value product over the softmax weights rounded to bf16 (``bf16_weights=True``, what
 acb's int8 forward runs) beside hi + lo (bf16's), alternated, and prints how far the two outputs differ.
@@ -54,15 +54,15 @@ def main() -> None:
     out = torch.zeros(total, h, d)
     if not kernel.prefill_attention(q, k, v, spans, out, d**-0.5, 0.0, 0):
         sys.exit(f"the kernel does not take {args.dtype} here")
-    from acb.attention import _prefill_torch
+    from acb.attention.torch_backend import prefill_torch
 
     def native():
         kernel.prefill_attention(q, k, v, spans, out, d**-0.5, 0.0, 0)
 
     def pytorch():  # the engine's fallback: one call per prompt, float32 inputs
         for first, end, _, _ in spans.tolist():
-            out[first:end] = _prefill_torch(q[:, first:end].float(), k[:, first:end].float(),
-                                            v[:, first:end].float(), 0, d**-0.5, None, None).transpose(0, 1)
+            out[first:end] = prefill_torch(q[:, first:end].float(), k[:, first:end].float(),
+                                           v[:, first:end].float(), 0, d**-0.5, None, None).transpose(0, 1)
 
     out16 = torch.zeros(total, h, d)
 

@@ -108,28 +108,24 @@ def write_probe_rows(out: str, script: str, tokens: int, exact: torch.Tensor, ro
 def window_logits(runner, tokens: list[int], pages: list[int]) -> torch.Tensor:
     """float32 logits at every position of ``tokens``, one fresh prefill through the
     runner's forward (the fused one where it serves) and acb's attention."""
-    from acb import attention
-    from acb.step import StepInput
+    from acb.attention.context import ForwardContext, run
+    from acb.core.step import StepInput
 
     step = StepInput()
     step.add_row(tokens, 0, pages)
     runner.kv.update_tables(step)  # the block-table deltas first, as ModelRunner.execute applies them
     input_ids, position_ids, _, meta = runner._build(step)
-    attention.set_step(meta)
-    try:
-        with torch.inference_mode():
-            out = runner.fast_paths.varlen_forward(input_ids=input_ids.unsqueeze(0),
-                                                   position_ids=position_ids.unsqueeze(0), attention_mask=None,
-                                                   use_cache=False, logits_to_keep=torch.arange(len(tokens)))
-    finally:
-        attention.set_step(None)
+    with torch.inference_mode():
+        out = run(runner.fast_paths.varlen_forward, ForwardContext(meta), input_ids=input_ids.unsqueeze(0),
+                  position_ids=position_ids.unsqueeze(0), attention_mask=None, use_cache=False,
+                  logits_to_keep=torch.arange(len(tokens)))
     return out.logits[0].float()
 
 
 def teacher_forced(model, ids: list[int], window: int) -> dict:
     """Negative log-likelihood and argmax per position over ``ids`` in windows."""
     from acb import EngineConfig
-    from acb.runner import ModelRunner
+    from acb.worker.runner import ModelRunner
 
     page_size = 16
     pages = list(range(-(-window // page_size) + 1))
@@ -155,9 +151,10 @@ def teacher_forced(model, ids: list[int], window: int) -> dict:
 def teacher_forced_decode(model, ids: list[int], window: int, kv_cache_dtype: str | None) -> dict:
     """As :func:`teacher_forced`, but every position is a decode row over the pages the
     earlier positions were written to (all windows batched, one position a step)."""
-    from acb import EngineConfig, attention
-    from acb.runner import ModelRunner
-    from acb.step import StepInput
+    from acb import EngineConfig
+    from acb.attention.context import ForwardContext, run
+    from acb.core.step import StepInput
+    from acb.worker.runner import ModelRunner
 
     windows = [c for c in (ids[s: s + window + 1] for s in range(0, len(ids) - 1, window)) if len(c) >= 2]
     page_size = 16
@@ -177,14 +174,10 @@ def teacher_forced_decode(model, ids: list[int], window: int, kv_cache_dtype: st
             runner.kv.update_tables(step)
             runner.kv.zero_new_pages(step)
             input_ids, position_ids, keep, meta = runner._build(step)
-            attention.set_step(meta)
-            try:
-                with torch.inference_mode():
-                    logits = runner.fast_paths.varlen_forward(
-                        input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
-                        attention_mask=None, use_cache=False, logits_to_keep=keep).logits[0].float()
-            finally:
-                attention.set_step(None)
+            with torch.inference_mode():
+                logits = run(runner.fast_paths.varlen_forward, ForwardContext(meta),
+                             input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
+                             attention_mask=None, use_cache=False, logits_to_keep=keep).logits[0].float()
             logp = torch.log_softmax(logits.double(), -1)
             for j, i in enumerate(live):
                 nll[i].append(-logp[j, windows[i][t + 1]].item())

@@ -16,7 +16,7 @@ from .errors import InvalidRequestError
 from .reasoning import PARSERS as REASONING_PARSERS
 
 _SCHEDULERS = ("fifo", "prefill_first", "priority")
-_ATTN_BACKENDS = ("auto", "native", "torch", "triton", "flash_attn")  # acb.attention.paged.BACKENDS
+_ATTN_BACKENDS = ("auto", "native", "torch", "triton", "flash_attn")  # acb.attention.selector.BACKENDS
 
 
 def _is_int(value: Any) -> bool:
@@ -280,7 +280,7 @@ class EngineConfig:  # ~300 lines: its fields, documented in groups, and one che
     (default 256), ``scheduler``, ``safety_margin``, ``allow_prefix_sharing``,
     ``async_batching``, ``attn_backend`` (``auto`` | ``native`` | ``torch`` | ``triton`` |
     ``flash_attn``: ``auto`` is Triton on CUDA, native on CPU (float32, bfloat16, float16), PyTorch otherwise; the
-    engine refuses a backend that cannot run where it is, see ``acb.attention.paged.resolve_backend``), ``device``,
+    engine refuses a backend that cannot run where it is, see ``acb.attention.selector.resolve_backend``), ``device``,
     ``dtype`` (``float32`` | ``bfloat16`` | ``float16`` | ``auto``; a model object is cast to it,
     ``auto`` keeps its dtype, and ``from_pretrained`` loads the checkpoint's own dtype, as
     transformers' ``dtype="auto"``; ``None``: a model object keeps its dtype, while ``from_pretrained``

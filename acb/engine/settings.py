@@ -1,7 +1,7 @@
 """Which :class:`~acb.core.config.EngineConfig` fields have no effect where the engine runs (the
 CUDA-graph settings on a CPU, say): the engine warns naming each at construction, so no setting is
 silently inert. Here, above the config, because the answer depends on the attention backend that
-would serve the model (:func:`acb.attention.paged.resolve_backend`)."""
+would serve the model (:func:`acb.attention.selector.resolve_backend`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..attention.paged import resolve_backend
+from ..attention.selector import resolve_backend
 from ..core.config import EngineConfig
 
 
