@@ -11,7 +11,7 @@ Runs SmolLM2 through an Engine on the first N prompts of a workload (standard un
 after a warm-up pass), with the fused forward's kernel modules wrapped so every call into them (int8 GEMMs,
 quantization, RMSNorm, RoPE, acb's bf16 GEMMs), the ``lm_head`` module and ``acb.attention.paged.attend`` are
 timed (the native attention calls inside it indented); oneDNN's GEMMs of the layers (fp32, and bf16 with
-``ACB_CPU_BF16_GEMM=0``; called directly) fall in "(rest of forward)". Prints the wall
+``cpu_bf16_gemm=False`` or ``ACB_CPU_BF16_GEMM=0``; called directly) fall in "(rest of forward)". Prints the wall
 time, the forward's share of it (the rest is scheduling, sampling and host work), and per step kind the time
 of each call (decode steps through the forwards' Python loops, ``fused.NATIVE_DECODE_LOOP`` off, so their
 calls are seen: the engine runs them in one native call). ``--native-loop`` runs decode steps as the engine

@@ -41,6 +41,8 @@ def inactive_settings(config: EngineConfig, device: Any = None, dtype: Any = Non
         inert.append("priority_aging_steps")  # it ranks requests under scheduler="priority" only
     if kind != "cpu":  # the CPU kernels' switches
         inert += [n for n in ("cpu_kernels", "cpu_prepack", "cpu_fused_forward") if not getattr(config, n)]
+    if not config.cpu_bf16_gemm and (kind != "cpu" or dtype != "bfloat16" or config.quantization is not None):
+        inert.append("cpu_bf16_gemm")  # the GEMMs of a bf16 model's fused CPU forward (int8's are int8)
     if config.max_blocks_per_request is not None and backend not in (None, "native", "triton"):
         inert.append("max_blocks_per_request")  # it bounds the native and Triton decode kernels only
     if config.speculative_method is None:  # they tune the proposals of speculative decoding only

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -186,12 +185,15 @@ class FusedForward:
         self.lora_layer = LoraLayer(self)  # a layer of a step with adapter rows, over this forward's ops
 
     @classmethod
-    def build(cls, model: torch.nn.Module, packed, kernels, row_reduce=None) -> FusedForward | None:
+    def build(cls, model: torch.nn.Module, packed, kernels, row_reduce=None,
+              bf16_gemm: bool = True) -> FusedForward | None:
         """The fused forward over ``model`` (its linears packed by ``packed``, a
         :class:`acb.kernels.cpu_linear.Prepacked`), or None, with the reason logged,
-        where it does not apply. ``row_reduce``: the tensor-parallel sum, when sharded."""
+        where it does not apply. ``row_reduce``: the tensor-parallel sum, when sharded.
+        ``bf16_gemm`` (``EngineConfig.cpu_bf16_gemm``): a bf16 model's GEMMs on acb's own bf16
+        kernels where they are built (:func:`native_bf16`), else on oneDNN's prepacked linears."""
         dtype = next(model.parameters()).dtype
-        native = native_bf16() if dtype == torch.bfloat16 and cls is FusedForward else None
+        native = native_bf16(bf16_gemm) if dtype == torch.bfloat16 and cls is FusedForward else None
         reason = why_not(model, packed, kernels, native=native is not None)
         if reason:
             log.info("acb: fused CPU forward not used (%s); transformers' forward runs", reason)
@@ -431,12 +433,12 @@ def _pack(linears: tuple[torch.nn.Linear, ...], native=None) -> tuple:
     return torch.ops.mkldnn._reorder_linear_weight(weight, None), bias
 
 
-def native_bf16():
+def native_bf16(enabled: bool = True):
     """acb's bf16 GEMM module (``acb/kernels/bf16_cpu.cpp``) where it is built with AVX-512 BF16
     (vdpbf16ps) or AVX2 (the weights widened to float32 as read), else None (oneDNN's prepacked bf16
-    linears compute, with their bf16 outputs);
-    ``ACB_CPU_BF16_GEMM=0`` keeps to oneDNN's."""
-    if os.environ.get("ACB_CPU_BF16_GEMM", "1") == "0":
+    linears compute, with their bf16 outputs); ``enabled=False`` (``EngineConfig.cpu_bf16_gemm=False``,
+    or ``ACB_CPU_BF16_GEMM=0`` through ``acb.core.defaults``) keeps to oneDNN's."""
+    if not enabled:
         return None
     from ..kernels.cpu import bf16_kernels
 

@@ -677,7 +677,10 @@ class Int8Forward(FusedForward):
         return loop
 
     @classmethod
-    def build(cls, model: torch.nn.Module, packed, kernels, row_reduce=None) -> Int8Forward | None:
+    def build(cls, model: torch.nn.Module, packed, kernels, row_reduce=None,
+              bf16_gemm: bool = True) -> Int8Forward | None:
+        """As :meth:`FusedForward.build`, with int8 GEMMs (``bf16_gemm`` does not apply: the layers'
+        GEMMs are int8, and the bf16 ``lm_head`` takes acb's bf16 GEMM wherever it is built)."""
         reason = why_not_forward(model, packed, kernels)
         if reason:
             log.info("acb: int8 fused CPU forward not used (%s); transformers' forward runs", reason)
