@@ -6,7 +6,7 @@
     python benchmarks/quality.py --dtypes float32,bfloat16,bfloat16_kv8,int8_bf16_kv8  # int8 KV pages too
 
 A ``--dtypes`` name is a dtype, or ``int8`` (int8 weights and int8 activations, per group of 32
-channels, smoothed, in the GEMMs, the lm_head bf16, float32 between them: acb.model.quantization) /
+channels, smoothed, in the GEMMs, the lm_head bf16, float32 between them: acb.quantization) /
 ``int8_bf16`` (the same, bfloat16 between them),
 or ``vllm_bfloat16`` / ``vllm_float32``: vLLM's CPU engine in that dtype
 (``--vllm-venv``), scored on the same windows through its ``prompt_logprobs`` (what a peer's
@@ -69,7 +69,7 @@ def fp32_probe(tokens: int, window: int):
     """For the sensitivity scripts: SmolLM2 in float32, its linear layers {name: (module, weight
     copy)}, and ``top1()``: the argmax at every position of the first ``tokens`` held-out tokens in
     windows of ``window`` (whatever the model's modules and hooks compute then)."""
-    from acb.model.loading import load, smollm2
+    from acb.loading import load, smollm2
 
     folder, gguf = smollm2()
     model, tok = load(folder, gguf_file=gguf, dtype=torch.float32)
@@ -108,21 +108,17 @@ def write_probe_rows(out: str, script: str, tokens: int, exact: torch.Tensor, ro
 def window_logits(runner, tokens: list[int], pages: list[int]) -> torch.Tensor:
     """float32 logits at every position of ``tokens``, one fresh prefill through the
     runner's forward (the fused one where it serves) and acb's attention."""
-    from acb.attention import paged as attention
+    from acb.attention.context import ForwardContext, run
     from acb.core.step import StepInput
 
     step = StepInput()
     step.add_row(tokens, 0, pages)
     runner.kv.update_tables(step)  # the block-table deltas first, as ModelRunner.execute applies them
     input_ids, position_ids, _, meta = runner._build(step)
-    attention.set_step(meta)
-    try:
-        with torch.inference_mode():
-            out = runner.fast_paths.varlen_forward(input_ids=input_ids.unsqueeze(0),
-                                                   position_ids=position_ids.unsqueeze(0), attention_mask=None,
-                                                   use_cache=False, logits_to_keep=torch.arange(len(tokens)))
-    finally:
-        attention.set_step(None)
+    with torch.inference_mode():
+        out = run(runner.fast_paths.varlen_forward, ForwardContext(meta), input_ids=input_ids.unsqueeze(0),
+                  position_ids=position_ids.unsqueeze(0), attention_mask=None, use_cache=False,
+                  logits_to_keep=torch.arange(len(tokens)))
     return out.logits[0].float()
 
 
@@ -156,7 +152,7 @@ def teacher_forced_decode(model, ids: list[int], window: int, kv_cache_dtype: st
     """As :func:`teacher_forced`, but every position is a decode row over the pages the
     earlier positions were written to (all windows batched, one position a step)."""
     from acb import EngineConfig
-    from acb.attention import paged as attention
+    from acb.attention.context import ForwardContext, run
     from acb.core.step import StepInput
     from acb.worker.runner import ModelRunner
 
@@ -178,14 +174,10 @@ def teacher_forced_decode(model, ids: list[int], window: int, kv_cache_dtype: st
             runner.kv.update_tables(step)
             runner.kv.zero_new_pages(step)
             input_ids, position_ids, keep, meta = runner._build(step)
-            attention.set_step(meta)
-            try:
-                with torch.inference_mode():
-                    logits = runner.fast_paths.varlen_forward(
-                        input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
-                        attention_mask=None, use_cache=False, logits_to_keep=keep).logits[0].float()
-            finally:
-                attention.set_step(None)
+            with torch.inference_mode():
+                logits = run(runner.fast_paths.varlen_forward, ForwardContext(meta),
+                             input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
+                             attention_mask=None, use_cache=False, logits_to_keep=keep).logits[0].float()
             logp = torch.log_softmax(logits.double(), -1)
             for j, i in enumerate(live):
                 nll[i].append(-logp[j, windows[i][t + 1]].item())
@@ -237,7 +229,7 @@ def vllm_scored(venv: str, dtype: str, ids: list[int], window: int, prompts: lis
     import subprocess
     import tempfile
 
-    from acb.model.loading import _converted_gguf, smollm2
+    from acb.loading import _converted_gguf, smollm2
 
     windows = [ids[s: s + window + 1] for s in range(0, len(ids) - 1, window)]
     windows = [c for c in windows if len(c) >= 2]
@@ -336,7 +328,7 @@ def main() -> None:
         dtype, quantization, kv = variant(name)
         model = copy.deepcopy(base).to(dtype)
         if quantization:  # in place, as the engine does (transformers' forward then runs the int8 modules too)
-            from acb.model.quantization import quantize_
+            from acb.quantization import quantize_
 
             quantize_(model, tokenizer=tok)  # the smoothing calibrated on acb's calibration text, as the engine does
         hf_tf = None if kv else hf_teacher_forced(model, ids, args.window)  # transformers has no int8 pages

@@ -27,7 +27,7 @@ import workloads  # noqa: E402
 from systems import load_smollm2  # noqa: E402
 
 import acb  # noqa: E402
-from acb.attention import paged as attention  # noqa: E402
+from acb.attention import paged, selector  # noqa: E402
 from acb.testing import runner_of  # noqa: E402
 
 
@@ -75,9 +75,9 @@ def instrument(engine: acb.Engine, timers: Timers) -> None:
 
     runner.execute = step
     runner._build = timers.wrap("build step tensors", runner._build)
-    attention.paged_attention = timers.wrap("attention (all)", attention.paged_attention)
-    if "native" in attention.KERNELS:
-        attention.KERNELS["native"] = _KernelProxy(attention.KERNELS["native"], timers,
+    paged.attend = timers.wrap("attention (all)", paged.attend)  # (transformers' path calls it too)
+    if "native" in selector.KERNELS:
+        selector.KERNELS["native"] = _KernelProxy(selector.KERNELS["native"], timers,
                                                    ["paged_decode", "prefill_attention"])
     import acb.worker.runner as runner_module
 

@@ -512,6 +512,8 @@ _EFFECTS = {
                     and e.stats().forward_path == "transformers"),
     "cpu_fused_forward": ({"cpu_fused_forward": False}, lambda e: runner_of(e).fast_paths.prepacked
                           and e.stats().forward_reason == "EngineConfig.cpu_fused_forward=False"),
+    # the GEMMs of a bfloat16 model's fused forward only: named on float32 (its effect: tests/test_bf16_gemm.py)
+    "cpu_bf16_gemm": ({"cpu_bf16_gemm": False}, None),
     "speculative_method": ({"speculative_method": "ngram"}, lambda e: _speculates(e)),
     # without speculative_method they tune nothing: named (their effects: tests/test_speculative.py)
     "num_speculative_tokens": ({"num_speculative_tokens": 2}, None),
@@ -603,6 +605,9 @@ def test_inactive_settings_fire_where_the_engine_runs():
         ["q_padding_interval_size"]
     assert inactive_settings(acb.EngineConfig(q_padding_interval_size=8), "cuda") == []
     assert inactive_settings(acb.EngineConfig(), "cpu") == inactive_settings(acb.EngineConfig(), "cuda") == []
+    off = acb.EngineConfig(cpu_bf16_gemm=False)  # the GEMMs of a bf16 model's fused CPU forward only
+    assert inactive_settings(off, "cpu", "bfloat16") == []
+    assert inactive_settings(off, "cuda", "bfloat16") == inactive_settings(off, "cpu", "float32") == ["cpu_bf16_gemm"]
 
 
 async def test_engine_serves_on_the_loop_under_test(anyio_backend):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import acb
-from acb.attention.paged import resolve_backend
+from acb.attention.selector import resolve_backend
 from acb.integrations.metrics import ServerMetrics
 from acb.testing import random_prompts, reference_greedy, step_counts, tiny_model
 

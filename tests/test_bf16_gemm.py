@@ -218,17 +218,29 @@ def test_the_bf16_fused_forward_keeps_float32_between_its_bf16_gemms(arch):
         torch.testing.assert_close(g, w, rtol=0, atol=0.25)
 
 
-def test_acb_cpu_bf16_gemm_0_keeps_onednn(monkeypatch):
+@pytest.mark.parametrize("how", ["config", "environment"])
+def test_cpu_bf16_gemm_off_keeps_onednn(how, monkeypatch):
+    """``EngineConfig.cpu_bf16_gemm=False``, or ``ACB_CPU_BF16_GEMM=0`` (through acb.core.defaults):
+    a bf16 model's fused forward on oneDNN's prepacked linears, not acb's bf16 GEMMs."""
     _native_or_skip()
-    monkeypatch.setenv("ACB_CPU_BF16_GEMM", "0")
+    if how == "environment":
+        monkeypatch.setenv("ACB_CPU_BF16_GEMM", "0")
     runner = ModelRunner(tiny_model("llama").to(torch.bfloat16), 64, 8)
-    runner.configure_fast_paths(EngineConfig(), 16)
+    runner.configure_fast_paths(EngineConfig(cpu_bf16_gemm=how == "environment"), 16)
     try:
         if cpu_linear.available(torch.bfloat16):  # oneDNN's native bf16 linears compute the fused forward
             assert runner.fast_paths.fused is not None and runner.fast_paths.fused.bf16 is None
         else:  # no native bf16 in oneDNN (AVX2): transformers' forward, and the reason names the setting
             assert runner.fast_paths.fused is None
-            assert "ACB_CPU_BF16_GEMM=0" in runner.fast_paths.forward_reason
+            reason = runner.fast_paths.forward_reason
+            assert "EngineConfig.cpu_bf16_gemm=False" in reason and "ACB_CPU_BF16_GEMM=0" in reason
+    finally:
+        runner.release()
+    runner = ModelRunner(tiny_model("llama").to(torch.bfloat16), 64, 8)  # on by default: acb's bf16 GEMMs
+    monkeypatch.delenv("ACB_CPU_BF16_GEMM", raising=False)
+    runner.configure_fast_paths(EngineConfig(), 16)
+    try:
+        assert runner.fast_paths.fused is not None and runner.fast_paths.fused.bf16 is not None
     finally:
         runner.release()
 

@@ -16,6 +16,7 @@ from acb.attention import paged as attention
 from acb.attention.block_tables import BlockTables
 from acb.attention.metadata import DeviceIds, Packed
 from acb.core.step import StepInput
+from acb.engine.settings import inactive_settings
 from acb.testing import random_prompts, reference_greedy, runner_of, step_counts, tiny_model
 from acb.worker import compiling, cuda_graphs
 from acb.worker.cuda_graphs import DecodePadding, bucket_for, decode_buckets, padded_kv_pages
@@ -361,8 +362,8 @@ async def test_graph_self_check_keeps_graphs_only_when_replay_matches_eager(grap
 async def test_graph_and_compile_settings_are_active():
     config = acb.EngineConfig(use_cuda_graph=True, q_padding_interval_size=8, kv_padding_interval_size=256,
                               compile_level=2, varlen_compile_level=0, decode_compile_level=3, num_blocks=32)
-    assert config.inactive_settings("cuda") == []
-    assert config.inactive_settings("cpu") == ["use_cuda_graph", "q_padding_interval_size", "kv_padding_interval_size"]
+    assert inactive_settings(config, "cuda") == []
+    assert inactive_settings(config, "cpu") == ["use_cuda_graph", "q_padding_interval_size", "kv_padding_interval_size"]
     model = tiny_model("llama")
     async with acb.Engine(model, config=config) as engine:  # the compile levels act on the CPU too
         runner = runner_of(engine)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from acb import EngineConfig
-from acb.attention import paged as attention
+from acb.attention import selector
+from acb.attention.context import ForwardContext, run
 from acb.core.step import StepInput
 from acb.kernels.cpu import fused_kernels, paged_decode_kernel
 from acb.model import fused
@@ -65,13 +66,10 @@ def _logits(runner, forward, rows, prompt=False):
         step.add_row(tokens, start, pages, prompt=prompt)
     runner.kv.update_tables(step)  # the block-table deltas, as ModelRunner.execute applies them first
     input_ids, position_ids, keep, meta = runner._build(step)
-    attention.set_step(meta)
-    try:
-        with torch.inference_mode():
-            return forward(input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
-                           attention_mask=None, use_cache=False, logits_to_keep=keep).logits[0]
-    finally:
-        attention.set_step(None)
+    with torch.inference_mode():  # (acb.attention.context.run: as the runner hands a forward its step)
+        return run(forward, ForwardContext(meta), input_ids=input_ids.unsqueeze(0),
+                   position_ids=position_ids.unsqueeze(0), attention_mask=None, use_cache=False,
+                   logits_to_keep=keep).logits[0]
 
 
 # The architectures whose layers a DecodeLoop takes whole (Qwen3's q/k norms and Gemma's four norms keep
@@ -253,7 +251,7 @@ async def test_greedy_parity_with_the_fused_forward_on_and_off(arch, fused, monk
 
 
 class _CountingKernels:
-    """attention.KERNELS["native"] with its paged_decode_into calls counted by what they returned;
+    """selector.KERNELS["native"] with its paged_decode_into calls counted by what they returned;
     ``decline=True``: every call declined unrun (the separate write and paged_decode path)."""
 
     def __init__(self, module, decline: bool = False) -> None:
@@ -270,7 +268,7 @@ class _CountingKernels:
 
 
 class _PrefillCalls:
-    """attention.KERNELS["native"] with its prefill_attention calls recorded in ``calls``, each as
+    """selector.KERNELS["native"] with its prefill_attention calls recorded in ``calls``, each as
     (q, k, bf16_weights), and passed on."""
 
     def __init__(self, module) -> None:
@@ -298,8 +296,8 @@ async def test_decode_only_steps_attend_in_one_native_call(arch, dtype, monkeypa
     prompts = random_prompts(5, 3, 40, seed=13)
     async with tiny_engine(arch, seed=2, dtype=dtype) as engine:
         assert runner_of(engine).fast_paths.fused is not None
-        counting = _CountingKernels(attention.KERNELS["native"])
-        monkeypatch.setitem(attention.KERNELS, "native", counting)
+        counting = _CountingKernels(selector.KERNELS["native"])
+        monkeypatch.setitem(selector.KERNELS, "native", counting)
         got = await engine.generate_batch(prompts, max_new_tokens=10, ignore_eos=True)
     if arch == "gemma2":
         assert counting.took == 0 and counting.declined > 0
@@ -669,7 +667,7 @@ def test_native_prefill_attention_with_bf16_weights_rounds_the_softmax_weights_a
 
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (37, 0.0), (0, 20.0)])
 def test_native_prefill_attention_writes_bf16_outputs_as_its_float32_ones_rounded(window, softcap):
-    """With a bf16 ``out`` (a bf16 step's prompt rows, acb.attention.paged), the bf16 kernel rounds each
+    """With a bf16 ``out`` (a bf16 step's prompt rows, acb.attention.native), the bf16 kernel rounds each
     output as it writes it: exactly its float32 output rounded to bf16 (to nearest even, as PyTorch's
     conversion), for fresh prompts and a continued chunk. float32 inputs with a bf16 out are declined."""
     kernel = paged_decode_kernel()

@@ -149,20 +149,16 @@ def test_int8_next_token_agreement_and_perplexity_on_held_out_text(smollm2_int8)
 
 
 def _window_logits(runner, tokens: list[int]) -> torch.Tensor:
-    from acb.attention import paged as attention
+    from acb.attention.context import ForwardContext, run
     from acb.core.step import StepInput
 
     step = StepInput()
     step.add_row(tokens, 0, list(range(-(-len(tokens) // 16) + 1)))
     runner.kv.update_tables(step)  # the block-table deltas, as ModelRunner.execute applies them first
     input_ids, position_ids, _, meta = runner._build(step)
-    attention.set_step(meta)
-    try:
-        with torch.inference_mode():
-            return runner.fast_paths.fused(input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
-                                logits_to_keep=0).logits[0].float()
-    finally:
-        attention.set_step(None)
+    with torch.inference_mode():
+        return run(runner.fast_paths.fused, ForwardContext(meta), input_ids=input_ids.unsqueeze(0),
+                   position_ids=position_ids.unsqueeze(0), logits_to_keep=0).logits[0].float()
 
 
 async def test_gemma3_k_quant_gguf_loads_into_int8_and_answers(tmp_path, monkeypatch):

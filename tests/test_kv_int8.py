@@ -71,7 +71,7 @@ def test_write_kernel_equals_the_reference_quantizer():
 @pytest.mark.parametrize("d", [64, 24])  # the vector readback, and the scalar one
 @pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
 def test_the_write_hands_back_the_rows_as_stored(d, src_dtype):
-    """write_kv_int8's readback (what a fresh prompt's attention reads: acb.attention.paged) holds
+    """write_kv_int8's readback (what a fresh prompt's attention reads: acb.attention.native) holds
     each row as the pages now hold it: the bits of dequantizing the cache at those slots
     (float32), rounded once for a bf16 readback; with or without the rotation, whatever
     the source's strides; a readback of the wrong shape is refused by name."""
@@ -426,7 +426,7 @@ async def test_decode_only_steps_on_int8_pages_attend_in_one_native_call(dtype, 
     separate path's: float32 identical (the same kernel items, the same bytes written); bf16
     through its own kernel (keys as bf16, another order of float32 sums), so measured:
     identical here, bound stated at 0.95 of the tokens for thread-count differences."""
-    from acb.attention import paged as attention
+    from acb.attention import selector
     from acb.model import fused
 
     if not _kernel().decode_into():
@@ -439,8 +439,8 @@ async def test_decode_only_steps_on_int8_pages_attend_in_one_native_call(dtype, 
         monkeypatch.setattr(fused, "NATIVE_DECODE_LOOP", False)
         async with tiny_engine("llama", seed=2, dtype=dtype, num_blocks=64, kv_cache_dtype="int8") as engine:
             assert runner_of(engine).fast_paths.fused is not None
-            kernels = _CountingKernels(attention.KERNELS["native"], decline=decline)
-            monkeypatch.setitem(attention.KERNELS, "native", kernels)
+            kernels = _CountingKernels(selector.KERNELS["native"], decline=decline)
+            monkeypatch.setitem(selector.KERNELS, "native", kernels)
             done = await engine.generate_batch(prompts, max_new_tokens=12, ignore_eos=True)
             tokens[decline] = [d.token_ids for d in done]
             assert decline or kernels.took > 0
@@ -456,7 +456,7 @@ async def test_a_bf16_models_continued_chunks_over_int8_pages_take_the_bf16_pref
     pages rounded to bf16 (as bf16 pages would hold it), through the bf16 prefill kernel: the
     float32 one took ~25 % longer on 2-6k-token contexts. Greedy tokens against bf16 pages:
     not expected equal (the pages differ); measured 1.0 here, bound 0.7 as for float32."""
-    from acb.attention import paged as attention
+    from acb.attention import selector
 
     if not _kernel().prefill_bf16():
         pytest.skip("the native kernels have no bf16 prefill here (no avx512_bf16)")
@@ -466,8 +466,8 @@ async def test_a_bf16_models_continued_chunks_over_int8_pages_take_the_bf16_pref
     for kv in (None, "int8"):
         async with tiny_engine("llama", seed=2, dtype="bfloat16", num_blocks=64, page_size=4, max_batch_tokens=16,
                                kv_cache_dtype=kv) as engine:
-            spy = _PrefillCalls(attention.KERNELS["native"])
-            monkeypatch.setitem(attention.KERNELS, "native", spy)
+            spy = _PrefillCalls(selector.KERNELS["native"])
+            monkeypatch.setitem(selector.KERNELS, "native", spy)
             done = await engine.generate_batch(prompts, max_new_tokens=6, ignore_eos=True)
             tokens[kv] = [d.token_ids for d in done]
             calls += spy.calls

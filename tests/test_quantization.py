@@ -9,8 +9,8 @@ import torch
 from test_fused_forward import NATIVE_LOOP_ARCHS, _logits, _PrefillCalls, _runner, decode_both_ways, fresh_rows
 
 from acb import Engine, EngineConfig
-from acb.attention import kv_quant
-from acb.attention import paged as attention
+from acb.attention import kv_quant, selector
+from acb.attention.context import ForwardContext, run
 from acb.core.step import StepInput
 from acb.kernels.cpu import int8_kernels
 from acb.model import quantization
@@ -429,13 +429,9 @@ def _every_logit(runner, tokens: list[int], pages: list[int]) -> torch.Tensor:
     step = StepInput()
     step.add_row(tokens, 0, pages)
     input_ids, position_ids, _, meta = runner._build(step)
-    attention.set_step(meta)
-    try:
-        with torch.inference_mode():
-            return runner.fast_paths.fused(input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
-                                logits_to_keep=0).logits[0]
-    finally:
-        attention.set_step(None)
+    with torch.inference_mode():
+        return run(runner.fast_paths.fused, ForwardContext(meta), input_ids=input_ids.unsqueeze(0),
+                   position_ids=position_ids.unsqueeze(0), logits_to_keep=0).logits[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -512,8 +508,8 @@ async def test_only_the_int8_forward_rounds_its_prompt_attentions_softmax_weight
         num_blocks=128, page_size=8, dtype="bfloat16", quantization=quant, max_batch_tokens=32))
     async with engine:
         assert engine.stats().forward_path == "fused"
-        spy = _PrefillCalls(attention.KERNELS["native"])
-        monkeypatch.setitem(attention.KERNELS, "native", spy)
+        spy = _PrefillCalls(selector.KERNELS["native"])
+        monkeypatch.setitem(selector.KERNELS, "native", spy)
         await engine.generate_batch(random_prompts(3, 20, 40, seed=4), max_new_tokens=3, ignore_eos=True)
     seen = [(q.dtype, flag) for q, _, flag in spy.calls]
     assert seen and all(dtype == torch.bfloat16 for dtype, _ in seen), seen

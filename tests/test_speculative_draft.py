@@ -19,6 +19,7 @@ import torch
 
 import acb
 from acb.core.speculative import DraftSpeculation
+from acb.engine.settings import inactive_settings
 from acb.testing import (
     ARCHITECTURES,
     random_prompts,
@@ -252,8 +253,8 @@ def test_drafts_that_cannot_propose_are_refused_by_name():
     with pytest.raises(ValueError, match="speculative_method"):
         acb.EngineConfig(speculative_method="draft", draft_model=model, tensor_parallel_size=2)
     # the n-gram lookup's settings do nothing with a draft: named as inactive
-    assert acb.EngineConfig(speculative_method="draft", draft_model=model,
-                            prompt_lookup_max=6).inactive_settings("cpu") == ["prompt_lookup_max"]
+    assert inactive_settings(acb.EngineConfig(speculative_method="draft", draft_model=model, prompt_lookup_max=6),
+                             "cpu") == ["prompt_lookup_max"]
 
 
 def test_the_cache_budget_counts_the_draft_pages():

@@ -35,7 +35,7 @@ from 96.66 to 96.90 % beside int8 weights (bf16 pages: 97.13 %). Values are stor
 (they cost 0.1-0.4 %). Keys are rotated as they are written (the native ``write_kv_int8`` and
 ``paged_decode_into`` rotate each key row in registers before rounding it), queries where they read
 the pages (inside ``paged_decode_into``; the native ``hadamard`` for decode rows on the other paths
-and for every prompt chunk, ``acb.attention.paged``). The rotation costs the one-call decode kernel 2-5 %
+and for every prompt chunk, ``acb.attention.native``). The rotation costs the one-call decode kernel 2-5 %
 (45 rows x 370 keys, SmolLM2's heads: 232 -> 235-255 us). Every page move (copy-on-write, offload,
 prefix reuse) carries ordinary int8 rows. :func:`rotate_keys` / :func:`rotate_queries` are the
 reference the kernels are tested against.
@@ -72,7 +72,7 @@ def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtyp
 
 def check(kv_cache_dtype: str | None, backend: str) -> None:
     """Refuse (ValueError naming ``kv_cache_dtype``) int8 pages where the attention
-    backend ``backend`` (``acb.attention.paged.resolve_backend``'s answer) cannot read them."""
+    backend ``backend`` (``acb.attention.selector.resolve_backend``'s answer) cannot read them."""
     if kv_cache_dtype == "int8" and backend != "native":
         raise ValueError(
             f"EngineConfig.kv_cache_dtype='int8' cannot run here: int8 KV pages are read by acb's native CPU "

@@ -17,7 +17,7 @@ something complete:
   models build a second, sliding one the same way.
 
 The metadata names its kernel path (``native``, ``triton``, ``torch``); the attention
-function looks the kernel modules up by that name (``acb.attention.paged.KERNELS``). CUDA
+function looks the kernel modules up by that name (``acb.attention.selector.KERNELS``). CUDA
 graphs build their static decode metadata with the same :meth:`DecodeRows.build`.
 """
 
@@ -86,7 +86,7 @@ class PagePool:
 class StepAttention:
     """Per-step attention metadata shared by every layer, complete when built (by
     :class:`AttentionBuilder`). ``kernel`` names the backend's kernel path (``native``, ``triton``
-    or ``torch``): the attention function takes its modules from ``acb.attention.paged.KERNELS``."""
+    or ``torch``): the attention function takes its modules from ``acb.attention.selector.KERNELS``."""
 
     kernel: str
     page_size: int

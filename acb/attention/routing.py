@@ -5,8 +5,9 @@ engine's steps, and nowhere else: the user's own ``model(...)`` or ``model.gener
 beside a running engine, on any thread, must run the model's own implementation, masks
 included, as if no engine held it. transformers reads the implementation from the
 config's ``_attn_implementation`` property, so :func:`route` swaps the config's class
-for a subclass whose one difference is that property: acb's name on the thread running
-an acb step (``acb.attention.paged.in_step``), the compiled variant while ``torch.compile``
+for a subclass whose one difference is that property: acb's name while an acb step runs
+transformers' modules (its forward context is set: ``acb.attention.context.current``; on the
+thread running the step only), the compiled variant while ``torch.compile``
 traces acb's step forward, the config's own value everywhere else. A routed config
 pickles (and deep-copies) as its own class: the routing is process-local.
 """
@@ -16,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from ..core.model_shape import text_config
-from .paged import ATTN_NAME, ATTN_NAME_COMPILED, in_step
+from .context import current
+from .paged import ATTN_NAME, ATTN_NAME_COMPILED
 
 # id of each routed config -> how many engines route it
 _routes: dict[int, int] = {}
@@ -26,7 +28,7 @@ _routed_classes: dict[type, type] = {}
 def _routed_impl(config) -> str | None:
     if torch.compiler.is_compiling():  # acb compiles only its own step forward
         return ATTN_NAME_COMPILED
-    if in_step():  # inside an acb step, on its worker thread
+    if current() is not None:  # inside an acb step, on its worker thread
         return ATTN_NAME
     return config._attn_implementation_internal
 

@@ -12,7 +12,7 @@ from typing import Any
 from .checks import is_int, is_number
 
 _SCHEDULERS = ("fifo", "prefill_first", "priority")
-_ATTN_BACKENDS = ("auto", "native", "torch", "triton", "flash_attn")  # acb.attention.paged.BACKENDS
+_ATTN_BACKENDS = ("auto", "native", "torch", "triton", "flash_attn")  # acb.attention.selector.BACKENDS
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class EngineConfig:  # ~300 lines: its fields, documented in groups, and one che
     (default 256), ``scheduler``, ``safety_margin``, ``allow_prefix_sharing``,
     ``async_batching``, ``attn_backend`` (``auto`` | ``native`` | ``torch`` | ``triton`` |
     ``flash_attn``: ``auto`` is Triton on CUDA, native on CPU (float32, bfloat16, float16), PyTorch otherwise; the
-    engine refuses a backend that cannot run where it is, see ``acb.attention.paged.resolve_backend``), ``device``,
+    engine refuses a backend that cannot run where it is, see ``acb.attention.selector.resolve_backend``), ``device``,
     ``dtype`` (``float32`` | ``bfloat16`` | ``float16`` | ``auto``; a model object is cast to it,
     ``auto`` keeps its dtype, and ``from_pretrained`` loads the checkpoint's own dtype, as
     transformers' ``dtype="auto"``; ``None``: a model object keeps its dtype, while ``from_pretrained``
@@ -92,14 +92,21 @@ class EngineConfig:  # ~300 lines: its fields, documented in groups, and one che
     and no ``quantization``: ``load_adapter`` refuses the others naming the setting.
 
     CPU kernels (each True by default; False turns the piece off, for A/B measurements and
-    bisecting; the environment variables ``ACB_CPU_KERNEL=0``, ``ACB_CPU_PREPACK=0`` and
-    ``ACB_CPU_FUSED=0`` override them to False, see ``acb.core.defaults``): ``cpu_kernels``
+    bisecting; the environment variables ``ACB_CPU_KERNEL=0``, ``ACB_CPU_PREPACK=0``,
+    ``ACB_CPU_FUSED=0`` and ``ACB_CPU_BF16_GEMM=0`` override them to False, see
+    ``acb.core.defaults``): ``cpu_kernels``
     builds and uses acb's native CPU kernels (paged attention reading pages in place, the fused
     forward's norm/RoPE/activation kernels; off: the ``torch`` attention backend, no fused
     forward); ``cpu_prepack`` prepacks the linear layers' weights for oneDNN (off: PyTorch's
     own linears, so no fused forward either); ``cpu_fused_forward`` runs acb's fused CPU
-    forward in place of transformers' (off: transformers' forward over acb's paged attention).
-    ``quantization="int8"`` needs all three.
+    forward in place of transformers' (off: transformers' forward over acb's paged attention);
+    ``cpu_bf16_gemm`` computes a bfloat16 model's fused forward with acb's own bf16 GEMMs
+    (``acb/kernels/bf16_cpu.cpp``: AVX-512 BF16, or AVX2 widening the weights; a float32 residual
+    stream between them) where they are built (off: oneDNN's prepacked bf16 linears, with bf16
+    outputs and residual stream, where oneDNN has native bf16; else transformers' forward). It
+    acts on bfloat16 models on the CPU without ``quantization`` (the int8 forward's bf16
+    ``lm_head`` takes acb's bf16 GEMM wherever it is built); elsewhere False is named inactive.
+    ``quantization="int8"`` needs the first three.
 
     ``kv_cache_dtype`` (named as vLLM's): None or ``"auto"`` store the KV pages in the model's
     dtype; ``"int8"`` stores each key/value row (one token, one kv head) as int8 with its own
@@ -154,6 +161,7 @@ class EngineConfig:  # ~300 lines: its fields, documented in groups, and one che
     cpu_kernels: bool = True
     cpu_prepack: bool = True
     cpu_fused_forward: bool = True
+    cpu_bf16_gemm: bool = True
     speculative_method: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
@@ -235,7 +243,7 @@ class EngineConfig:  # ~300 lines: its fields, documented in groups, and one che
             bad("grammar_compile_timeout_s", "must be None or a finite number of seconds > 0")
         if not is_int(self.grammar_cache_size) or self.grammar_cache_size < 0:
             bad("grammar_cache_size", "must be an int >= 0 (0 = no cache)")
-        for name in ("cpu_kernels", "cpu_prepack", "cpu_fused_forward"):
+        for name in ("cpu_kernels", "cpu_prepack", "cpu_fused_forward", "cpu_bf16_gemm"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
         if not is_int(self.priority_aging_steps) or self.priority_aging_steps < 0:

@@ -5,7 +5,7 @@ field replaced by what the engine will use, and the environment overrides applie
 called as the engine is put together, each time knowing more (see ``acb.engine.engine``):
 
 - with the config alone: the environment overrides (``ACB_CPU_KERNEL=0``,
-  ``ACB_CPU_PREPACK=0``, ``ACB_CPU_FUSED=0`` turn the matching ``cpu_*`` field off; they
+  ``ACB_CPU_PREPACK=0``, ``ACB_CPU_FUSED=0``, ``ACB_CPU_BF16_GEMM=0`` turn the matching ``cpu_*`` field off; they
   only turn things off, for A/B measurements and bisecting), ``page_size`` (16),
   ``max_requests_per_batch`` (256), ``safety_margin`` (0.15; 0 under ``prefill_first``),
   ``varlen_compile_level`` / ``decode_compile_level`` (``compile_level``);
@@ -37,7 +37,7 @@ log = logging.getLogger("acb")
 
 # environment variable -> the EngineConfig field it turns off when set to "0"
 ENV_OVERRIDES = {"ACB_CPU_KERNEL": "cpu_kernels", "ACB_CPU_PREPACK": "cpu_prepack",
-                 "ACB_CPU_FUSED": "cpu_fused_forward"}
+                 "ACB_CPU_FUSED": "cpu_fused_forward", "ACB_CPU_BF16_GEMM": "cpu_bf16_gemm"}
 PAGE_SIZE = 16
 MAX_REQUESTS = 256
 WAITING_PER_RUNNING = 4

@@ -108,12 +108,11 @@ def build_placement(model: torch.nn.Module, config: EngineConfig, draft: torch.n
     cache mirrors its pages: ``build_draft``): the backend refused (ValueError naming
     attn_backend) if it cannot run here; with tensor_parallel_size > 1 the ranks start and
     the group sizes the cache."""
-    from ..attention import kv_quant
-    from ..attention import paged as attention
+    from ..attention import kv_quant, selector
     from ..worker import sizing
 
     param = next(model.parameters())
-    backend = attention.resolve_backend(config.attn_backend, param.device, param.dtype, native=config.cpu_kernels)
+    backend = selector.resolve_backend(config.attn_backend, param.device, param.dtype, native=config.cpu_kernels)
     kv_quant.check(config.kv_cache_dtype, backend)  # int8 pages: native CPU attention only
     if config.tensor_parallel_size > 1:
         from ..distributed import TensorParallel

@@ -1,7 +1,7 @@
 """Which :class:`~acb.core.config.EngineConfig` fields have no effect where the engine runs (the
 CUDA-graph settings on a CPU, say): the engine warns naming each at construction, so no setting is
 silently inert. Here, above the config, because the answer depends on the attention backend that
-would serve the model (:func:`acb.attention.paged.resolve_backend`)."""
+would serve the model (:func:`acb.attention.selector.resolve_backend`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..attention.paged import resolve_backend
+from ..attention.selector import resolve_backend
 from ..core.config import EngineConfig
 
 
@@ -41,6 +41,8 @@ def inactive_settings(config: EngineConfig, device: Any = None, dtype: Any = Non
         inert.append("priority_aging_steps")  # it ranks requests under scheduler="priority" only
     if kind != "cpu":  # the CPU kernels' switches
         inert += [n for n in ("cpu_kernels", "cpu_prepack", "cpu_fused_forward") if not getattr(config, n)]
+    if not config.cpu_bf16_gemm and (kind != "cpu" or dtype != "bfloat16" or config.quantization is not None):
+        inert.append("cpu_bf16_gemm")  # the GEMMs of a bf16 model's fused CPU forward (int8's are int8)
     if config.max_blocks_per_request is not None and backend not in (None, "native", "triton"):
         inert.append("max_blocks_per_request")  # it bounds the native and Triton decode kernels only
     if config.speculative_method is None:  # they tune the proposals of speculative decoding only

@@ -12,7 +12,7 @@ standard workload: decode steps 10.6 -> 9.2-9.6 s, prefill steps 15.2 -> 13.8 s)
     q | k | v = h @ [Wq | Wk | Wv]                 one oneDNN GEMM, the weights prepacked side by side
                                                    (+ Qwen3's q/k norms); q, k, v are column views
     rope_(q), rope_(k)                             native kernel, in place, bit-identical to HF's
-    a = paged attention (acb.attention.paged)            the same function the HF forward calls
+    a = paged attention (acb.attention.paged.attend)     what the HF forward's attention calls
     x = a @ Wo + x                                 one GEMM with the residual add fused
     h = rms_norm(x)
     g | u = h @ [Wgate | Wup]                      one GEMM
@@ -48,6 +48,9 @@ residual adds). So bf16 outputs agree with transformers' bf16 forward within bf1
 precision, not bit for bit (``tests/test_fused_forward.py`` states the tolerance), and
 with float32's next token 99.05 % of the time on held-out text (docs/performance.md).
 
+The runner calls it with the step's forward context (``acb.attention.context``: the attention
+metadata, the LoRA rows) as its first argument; it hands the metadata to the attention itself.
+
 ``EngineConfig.cpu_fused_forward=False`` (or ``ACB_CPU_FUSED=0``) turns it off (the HF forward runs,
 as on every other model).
 Greedy parity with transformers' ``generate`` is tested with it on.
@@ -57,15 +60,18 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..attention import paged as attention
 from ..kernels.cpu_linear import pad_rows, padded_rows
-from . import lora
 from .fused_lora import LoraLayer
+
+if TYPE_CHECKING:
+    from ..attention.context import ForwardContext
+    from ..attention.metadata import StepAttention
 
 log = logging.getLogger("acb")
 
@@ -152,11 +158,14 @@ def _norm(module: torch.nn.Module) -> Norm | None:
 
 
 class FusedForward:
-    """Callable like the model for acb's runner: ``(input_ids=[1, T], position_ids=[1, T],
-    attention_mask=None, use_cache=False, logits_to_keep=[K]) -> .logits [1, K, vocab]``."""
+    """Callable like the model for acb's runner, with the step's forward context first:
+    ``(context, input_ids=[1, T], position_ids=[1, T], attention_mask=None, use_cache=False,
+    logits_to_keep=[K]) -> .logits [1, K, vocab]`` (``acb.attention.context.run`` calls it so)."""
 
-    # bf16 prompt attention's value product over softmax weights rounded to bf16 (acb.attention.paged's
-    # acb_bf16_weights): the int8 forward's choice, not the bf16 forward's (docs/performance.md)
+    takes_context = True  # acb.attention.context.run hands it the step's ForwardContext
+
+    # bf16 prompt attention's value product over softmax weights rounded to bf16 (acb.attention.paged.attend's
+    # bf16_weights): the int8 forward's choice, not the bf16 forward's (docs/performance.md)
     bf16_weights = False
 
     def __init__(self, model: torch.nn.Module, layers: list[_Layer], kernels, row_reduce=None) -> None:
@@ -176,12 +185,15 @@ class FusedForward:
         self.lora_layer = LoraLayer(self)  # a layer of a step with adapter rows, over this forward's ops
 
     @classmethod
-    def build(cls, model: torch.nn.Module, packed, kernels, row_reduce=None) -> FusedForward | None:
+    def build(cls, model: torch.nn.Module, packed, kernels, row_reduce=None,
+              bf16_gemm: bool = True) -> FusedForward | None:
         """The fused forward over ``model`` (its linears packed by ``packed``, a
         :class:`acb.kernels.cpu_linear.Prepacked`), or None, with the reason logged,
-        where it does not apply. ``row_reduce``: the tensor-parallel sum, when sharded."""
+        where it does not apply. ``row_reduce``: the tensor-parallel sum, when sharded.
+        ``bf16_gemm`` (``EngineConfig.cpu_bf16_gemm``): a bf16 model's GEMMs on acb's own bf16
+        kernels where they are built (:func:`native_bf16`), else on oneDNN's prepacked linears."""
         dtype = next(model.parameters()).dtype
-        native = native_bf16() if dtype == torch.bfloat16 and cls is FusedForward else None
+        native = native_bf16(bf16_gemm) if dtype == torch.bfloat16 and cls is FusedForward else None
         reason = why_not(model, packed, kernels, native=native is not None)
         if reason:
             log.info("acb: fused CPU forward not used (%s); transformers' forward runs", reason)
@@ -227,14 +239,14 @@ class FusedForward:
                            layer.scaling, layer.window or 0, layer.act_code)
         return loop
 
-    def _decode_layers(self, x: torch.Tensor, ropes: dict, dtype: torch.dtype) -> torch.Tensor | None:
+    def _decode_layers(self, meta: StepAttention, x: torch.Tensor, ropes: dict,
+                       dtype: torch.dtype) -> torch.Tensor | None:
         """The float32 residual stream ``x`` through every layer in one native call (``self.loop``)
-        for a decode-only step on the native one-call attention over pages of ``dtype`` (the
-        model's) or int8; None where there is no loop or the step is not one (the Python loop then
-        runs it)."""
+        for a decode-only step (of metadata ``meta``) on the native one-call attention over pages of
+        ``dtype`` (the model's) or int8; None where there is no loop or the step is not one (the
+        Python loop then runs it)."""
         if self.loop is None or not NATIVE_DECODE_LOOP:
             return None
-        meta = attention.current_step()
         if (meta.kernel != "native" or meta.prefills or meta.decode is None or meta.decode.kernel != "native"
                 or meta.sliding is not None):
             return None
@@ -271,11 +283,13 @@ class FusedForward:
             return self.bf16.glu(h, packed, columns // 2, bias, layer.act_code, dtype=h.dtype)
         return self.k.glu(self.linear(h, layer.gate_up), layer.act_code)
 
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
-                 use_cache: bool = False, logits_to_keep: torch.Tensor | int | None = None) -> _Logits:
+    def __call__(self, context: ForwardContext, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 attention_mask=None, use_cache: bool = False,
+                 logits_to_keep: torch.Tensor | int | None = None) -> _Logits:
+        meta = context.attention
         x = self.embed(input_ids[0])  # [T, hidden]
         total = x.shape[0]
-        adapters = lora.current()  # the step's LoRA rows (acb.model.lora), or None
+        adapters = context.lora  # the step's LoRA rows (acb.model.lora.StepLora), or None
         if self.bf16 is None:
             ropes = self._ropes(x, position_ids)
             rows = padded_rows(total)  # oneDNN's GEMMs run on zero-padded rows (see acb.kernels.cpu_linear)
@@ -286,15 +300,15 @@ class FusedForward:
         else:  # a step with LoRA rows: their deltas are bf16, so is everything between the GEMMs
             rows = total
             ropes = self._ropes(x, position_ids)
-        done = self._decode_layers(x, ropes, torch.bfloat16) if adapters is None else None
+        done = self._decode_layers(meta, x, ropes, torch.bfloat16) if adapters is None else None
         for i, layer in enumerate(self.layers if done is None else ()):
             cos, sin = ropes[layer.rope]
             if adapters is not None:  # the layer without the epilogues the LoRA deltas land inside
-                x = self.lora_layer(layer, i, x, rows, total, cos, sin, adapters)
+                x = self.lora_layer(meta, layer, i, x, rows, total, cos, sin, adapters)
                 continue
             h = self.rms(x, layer.ln1)
             q, kk, v = self.linear(h, layer.qkv, x.dtype).split(layer.qkv_split, dim=1)  # column views
-            a = self.attend(layer, q, kk, v, total, cos, sin, rows)
+            a = self.attend(meta, layer, q, kk, v, total, cos, sin, rows)
             if layer.post_attn is None:
                 x = self.add_projection(a, x, layer.o)
             else:  # Gemma: normed before the residual add, which then cannot be fused into the GEMM
@@ -321,10 +335,10 @@ class FusedForward:
             ropes = {None: self.rotary(x.unsqueeze(0), position_ids)}
         return {t: (cos[0].contiguous(), sin[0].contiguous()) for t, (cos, sin) in ropes.items()}
 
-    def attend(self, layer: _Layer, q: torch.Tensor, kk: torch.Tensor, v: torch.Tensor, total: int,
-                cos: torch.Tensor, sin: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    def attend(self, meta: StepAttention, layer: _Layer, q: torch.Tensor, kk: torch.Tensor, v: torch.Tensor,
+               total: int, cos: torch.Tensor, sin: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """The attention of one layer over its projections' first ``total`` rows (the
-        rest is padding): q/k norms, RoPE in place, paged attention -> [rows, heads * d]
+        rest is padding) in the step of ``meta``: q/k norms, RoPE in place, paged attention -> [rows, heads * d]
         (``rows`` >= ``total``, default ``total``: the rows after ``total`` zero), the buffer
         the next GEMM reads."""
         d = layer.head_dim
@@ -344,13 +358,13 @@ class FusedForward:
         out = q.new_empty(rows, layer.heads * d)
         if rows > total:
             out[total:].zero_()
-        attention.paged_attention(
-            layer.attn,
+        attention.attend(
+            meta, layer.attn,
             q.view(total, layer.heads, d).transpose(0, 1).unsqueeze(0),
             kk.view(total, layer.kv_heads, d).transpose(0, 1).unsqueeze(0),
             v.view(total, layer.kv_heads, d).transpose(0, 1).unsqueeze(0),
-            None, scaling=layer.scaling, sliding_window=layer.window, softcap=layer.softcap,
-            acb_out=out[:total].view(total, layer.heads, d), acb_bf16_weights=self.bf16_weights,
+            scaling=layer.scaling, sliding_window=layer.window, softcap=layer.softcap,
+            into=out[:total].view(total, layer.heads, d), bf16_weights=self.bf16_weights,
         )
         return out
 
@@ -419,12 +433,12 @@ def _pack(linears: tuple[torch.nn.Linear, ...], native=None) -> tuple:
     return torch.ops.mkldnn._reorder_linear_weight(weight, None), bias
 
 
-def native_bf16():
+def native_bf16(enabled: bool = True):
     """acb's bf16 GEMM module (``acb/kernels/bf16_cpu.cpp``) where it is built with AVX-512 BF16
     (vdpbf16ps) or AVX2 (the weights widened to float32 as read), else None (oneDNN's prepacked bf16
-    linears compute, with their bf16 outputs);
-    ``ACB_CPU_BF16_GEMM=0`` keeps to oneDNN's."""
-    if os.environ.get("ACB_CPU_BF16_GEMM", "1") == "0":
+    linears compute, with their bf16 outputs); ``enabled=False`` (``EngineConfig.cpu_bf16_gemm=False``,
+    or ``ACB_CPU_BF16_GEMM=0`` through ``acb.core.defaults``) keeps to oneDNN's."""
+    if not enabled:
         return None
     from ..kernels.cpu import bf16_kernels
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from ..attention.metadata import StepAttention
     from .lora import StepLora
 
 # the gate activations as functions, for the PyTorch path's unfused MLP
@@ -33,8 +34,8 @@ class LayerOps(Protocol):
 
     def rms(self, x: torch.Tensor, norm: Any) -> torch.Tensor: ...
     def linear(self, h: torch.Tensor, weight: tuple, dtype: torch.dtype = ...) -> torch.Tensor: ...
-    def attend(self, layer: Any, q: torch.Tensor, kk: torch.Tensor, v: torch.Tensor, total: int,
-               cos: torch.Tensor, sin: torch.Tensor, rows: int | None = ...) -> torch.Tensor: ...
+    def attend(self, meta: StepAttention, layer: Any, q: torch.Tensor, kk: torch.Tensor, v: torch.Tensor,
+               total: int, cos: torch.Tensor, sin: torch.Tensor, rows: int | None = ...) -> torch.Tensor: ...
     def projection(self, h: torch.Tensor, weight: tuple) -> torch.Tensor: ...
     def add_projection(self, h: torch.Tensor, x: torch.Tensor, weight: tuple) -> torch.Tensor: ...
 
@@ -46,9 +47,10 @@ class LoraLayer:
     def __init__(self, ops: LayerOps) -> None:
         self.ops = ops
 
-    def __call__(self, layer: Any, i: int, x: torch.Tensor, rows: int, total: int,
+    def __call__(self, meta: StepAttention, layer: Any, i: int, x: torch.Tensor, rows: int, total: int,
                  cos: torch.Tensor, sin: torch.Tensor, adapters: StepLora) -> torch.Tensor:
-        """One decoder layer with the step's LoRA deltas; ``x`` [rows, hidden] padded."""
+        """One decoder layer of the step of attention metadata ``meta`` with the step's LoRA deltas;
+        ``x`` [rows, hidden] padded."""
         native = adapters.native is not None
         h = self.ops.rms(x, layer.ln1)
         q, kk, v = self.ops.linear(h, layer.qkv).split(layer.qkv_split, dim=1)  # column views
@@ -57,7 +59,7 @@ class LoraLayer:
         else:
             for out, proj in ((q, "q_proj"), (kk, "k_proj"), (v, "v_proj")):
                 adapters.add(out, h, i, proj)
-        a = self.ops.attend(layer, q, kk, v, total, cos, sin, rows)
+        a = self.ops.attend(meta, layer, q, kk, v, total, cos, sin, rows)
         if layer.post_attn is None:  # the residual add stays fused; the delta lands on the sum
             x = self.ops.add_projection(a, x, layer.o)
             _add(adapters, native, x, a, i, "o")

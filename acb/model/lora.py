@@ -17,10 +17,12 @@ Where the delta is added: the fused CPU forward (``acb.model.fused``) in float32
 native kernels of ``acb/kernels/lora_cpu.cpp``, one call per projection group and layer
 (every adapter's rows in tiles, no gather; the MLP's activation and product in one pass
 when a delta lands in gate/up); in bfloat16 it adds the deltas with PyTorch ops
-(``StepLora.add``: one small GEMM pair per adapter and projection). transformers' forward
-(other dtypes and architectures' layers, CUDA, a step with a user hook) gets them from a
-forward hook on each target projection, which does nothing outside acb's steps. The step's :class:`StepLora` is
-thread-local (``set_step``): a copy of the model run elsewhere meanwhile sees none.
+(``StepLora.add``: one small GEMM pair per adapter and projection). The step's :class:`StepLora`
+travels in its forward context (``acb.attention.context.ForwardContext.lora``): the fused forward
+takes it as an argument; transformers' forward (other dtypes and architectures' layers, CUDA, a
+step with a user hook) gets the deltas from a forward hook on each target projection, which reads
+the context that is set while acb's step runs transformers' modules on this thread and does nothing
+outside one: a copy of the model run elsewhere meanwhile sees none.
 
 Loading and unloading (``Engine.load_adapter``): weights are read and checked on a
 worker thread and written into a free slot there (no step reads a free slot); the
@@ -35,26 +37,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..attention import context
 from .lora_source import _ATTN, TARGETS, AdapterWeights
 
 if TYPE_CHECKING:
     from ..core.step import StepInput
 
-_local = threading.local()
-
 # The projections that share an input: one shrink GEMM over their concatenated A
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
           "down": ("down_proj",)}
 _GROUP_OF = {proj: (group, i) for group, projs in GROUPS.items() for i, proj in enumerate(projs)}
-
-
-def current() -> StepLora | None:
-    """The step being computed on this thread, if it has adapter rows."""
-    return getattr(_local, "step", None)
-
-
-def set_step(step: StepLora | None) -> None:
-    _local.step = step
 
 
 def why_not(model: torch.nn.Module, config) -> str | None:
@@ -247,7 +239,8 @@ class LoraBank:
 
 
 def _hook(token: object, layer: int, proj: str, module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
-    step = current()
+    forward = context.current()  # the forward context of acb's step running transformers' modules here
+    step = forward.lora if forward is not None else None
     if step is not None and step.token is token:  # this bank's step (two engines may share a model)
         x = args[0]
         step.add(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]), layer, proj)

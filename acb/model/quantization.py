@@ -68,11 +68,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import fused
 from .fused import FusedForward, _Layer, _Logits, kept_rows
+
+if TYPE_CHECKING:
+    from ..attention.context import ForwardContext
+    from ..attention.metadata import StepAttention
 
 log = logging.getLogger("acb")
 
@@ -635,7 +640,7 @@ class Int8Forward(FusedForward):
     model for the runner."""
 
     # a bf16 step's prompt attention takes its softmax weights rounded to bf16 into the value product,
-    # as flash attention on GPUs does (acb.attention.paged's acb_bf16_weights): SmolLM2's real-text run 1.4 %
+    # as flash attention on GPUs does (acb.attention.paged.attend's bf16_weights): SmolLM2's real-text run 1.4 %
     # faster (the prompt kernel ~13 %), top-1 agreement with float32 97.64 -> 97.63 % (docs/performance.md).
     # The bf16 forward keeps ~16 bits of each weight: there the rounding cost ~0.1 point, at its 99 % line.
     bf16_weights = True
@@ -672,7 +677,10 @@ class Int8Forward(FusedForward):
         return loop
 
     @classmethod
-    def build(cls, model: torch.nn.Module, packed, kernels, row_reduce=None) -> Int8Forward | None:
+    def build(cls, model: torch.nn.Module, packed, kernels, row_reduce=None,
+              bf16_gemm: bool = True) -> Int8Forward | None:
+        """As :meth:`FusedForward.build`, with int8 GEMMs (``bf16_gemm`` does not apply: the layers'
+        GEMMs are int8, and the bf16 ``lm_head`` takes acb's bf16 GEMM wherever it is built)."""
         reason = why_not_forward(model, packed, kernels)
         if reason:
             log.info("acb: int8 fused CPU forward not used (%s); transformers' forward runs", reason)
@@ -715,24 +723,26 @@ class Int8Forward(FusedForward):
         h = (self.k.rms_norm_f32w(x, weight, eps) if gemma else self.k.rms_norm(x, weight.float(), eps)).bfloat16()
         return self.lm_head(h)  # Bf16Linear: acb's bf16 GEMM where the CPU has it
 
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
-                 use_cache: bool = False, logits_to_keep: torch.Tensor | int | None = None) -> _Logits:
+    def __call__(self, context: ForwardContext, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 attention_mask=None, use_cache: bool = False,
+                 logits_to_keep: torch.Tensor | int | None = None) -> _Logits:
+        meta = context.attention  # (no LoRA rows: adapters do not run with quantization)
         x = self.embed(input_ids[0])  # [T, hidden]; the int8 kernels take any row count (no padding)
         ropes = self._ropes(x, position_ids)  # in the model's dtype, as q and k
         # the residual stream float32 whatever the model's dtype (the GEMMs add into it in their
         # epilogue, the quantization reads it): with a bf16 stream SmolLM2's int8_bf16 agreed with
         # float32 on 96.78 % of next tokens, with this one 97.20 % (benchmarks/quality.py, 2026-12-04)
         x = x.float()
-        done = self._decode_layers(x, ropes, self.dtype)
-        x = self._layers(x, ropes) if done is None else done
+        done = self._decode_layers(meta, x, ropes, self.dtype)
+        x = self._layers(meta, x, ropes) if done is None else done
         logits = self._head(kept_rows(x, logits_to_keep))
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return _Logits(logits.unsqueeze(0))
 
-    def _layers(self, x: torch.Tensor, ropes: dict) -> torch.Tensor:
-        """The float32 residual stream ``x`` [T, hidden] through every layer, kernel by kernel
-        (any step; :meth:`_decode_layers` runs the same calls natively for decode-only ones)."""
+    def _layers(self, meta: StepAttention, x: torch.Tensor, ropes: dict) -> torch.Tensor:
+        """The float32 residual stream ``x`` [T, hidden] through every layer of the step of ``meta``,
+        kernel by kernel (any step; :meth:`_decode_layers` runs the same calls natively for decode-only ones)."""
         q8, dtype, f32 = self.q8, self.dtype, torch.float32
         linear = q8.linear
         total = x.shape[0]
@@ -746,7 +756,7 @@ class Int8Forward(FusedForward):
                 q, kk, v = out[:, :nq], out[:, nq: nq + nk], out[:, nq + nk:]
             else:
                 q, kk, v = (linear(*h, *w, None, dtype) for w in (layer.q, layer.k, layer.v))
-            a = self._quantized(self.attend(layer, q, kk, v, total, cos, sin), layer.o, None, s_o, r_o)
+            a = self._quantized(self.attend(meta, layer, q, kk, v, total, cos, sin), layer.o, None, s_o, r_o)
             if layer.post_attn is None:
                 x = linear(*a, *layer.o, x, f32)  # the residual add fused
             else:  # Gemma: normed before the residual add

@@ -48,8 +48,8 @@ from typing import Any
 
 import torch
 
+from ..attention import context
 from ..attention import metadata as packing
-from ..attention import paged as attention
 from ..core.model_shape import ModelShape
 from .sampling import MIN_TEMPERATURE, filter_top_k_top_p
 
@@ -223,7 +223,7 @@ class DecodeGraphs:
         self.max_rows = max_rows
         self.config = config  # the model config, for memory estimates
         self.stream = stream
-        self.kernel = kernel  # the runner's kernel path (acb.attention.paged.KERNEL_PATHS), replayed
+        self.kernel = kernel  # the runner's kernel path (acb.attention.selector.KERNEL_PATHS), replayed
         self.generator = generator  # sampled rows' noise
         self.pool = None  # one memory pool for every graph, made at the first capture
         self.graphs: dict[tuple[int, int, str | None], _Graph] = {}
@@ -335,12 +335,10 @@ class DecodeGraphs:
     def _body(self, g: _Graph) -> torch.Tensor:
         """The captured forward: the step's metadata derived from the static inputs on the
         device (no host value depends on the step), then the model."""
-        attention.set_step(self._decode_step(g.slots, g.pages, g.lengths, g.token_idx, g.key_pos))
-        try:
-            out = self.forward(input_ids=g.ids.unsqueeze(0), position_ids=g.positions.unsqueeze(0),
-                               attention_mask=None, use_cache=False, logits_to_keep=0)
-        finally:
-            attention.set_step(None)
+        meta = self._decode_step(g.slots, g.pages, g.lengths, g.token_idx, g.key_pos)
+        out = context.run(self.forward, context.ForwardContext(meta), input_ids=g.ids.unsqueeze(0),
+                          position_ids=g.positions.unsqueeze(0), attention_mask=None, use_cache=False,
+                          logits_to_keep=0)
         return out.logits[0]
 
     def _step(self, g: _Graph) -> None:

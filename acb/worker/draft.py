@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
+from ..attention import context
 from ..attention import metadata as packing
-from ..attention import paged as attention
 from ..attention import routing as attention_routing
 
 log = logging.getLogger("acb")
@@ -191,13 +191,9 @@ class DraftRunner:
         slots = tables.slots(rows, positions)
         swa = tables.slots(rows, positions, sliding=True) if self.kv.swa_layers else None
         meta = self.attention.build(p, slots, swa, max(p.lengths, default=0), False, self.paths.max_decode_blocks)
-        attention.set_step(meta)
-        try:
-            out = self.paths.forward_for(meta)(input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
-                                               attention_mask=None, use_cache=False,
-                                               logits_to_keep=self._tensor(p.keep))
-        finally:
-            attention.set_step(None)
+        out = context.run(self.paths.forward_for(meta), context.ForwardContext(meta), input_ids=ids.unsqueeze(0),
+                          position_ids=positions.unsqueeze(0), attention_mask=None, use_cache=False,
+                          logits_to_keep=self._tensor(p.keep))
         return out.logits[0]
 
 

@@ -50,8 +50,9 @@ class FastPaths:
         # in place (acb.distributed.sharding.RowReduce); None on a single rank
         self.row_reduce = row_reduce
         self.packed = None  # the model's prepacked linears (acb.kernels.cpu_linear.Prepacked), see configure
-        self.kernels = True  # EngineConfig.cpu_kernels / cpu_fused_forward, as configured
+        self.kernels = True  # EngineConfig.cpu_kernels / cpu_fused_forward / cpu_bf16_gemm, as configured
         self.fused_allowed = True
+        self.bf16_gemm = True
         # The decode fast path (a kernel reading pages in place) serves steps whose block
         # table is at most this wide; 0 turns it off, None means no bound.
         self.max_decode_blocks: int | None = None
@@ -81,6 +82,7 @@ class FastPaths:
         config = resolve(config)  # the environment's overrides too, for runners built without an engine
         self.max_decode_blocks = config.max_blocks_per_request
         self.kernels, self.fused_allowed = config.cpu_kernels, config.cpu_fused_forward
+        self.bf16_gemm = config.cpu_bf16_gemm
         self._prepack(config.cpu_prepack)
         if self.attn_backend != "torch" and self.max_decode_blocks == 0:
             log.info("acb attention: decode fast path off (max_blocks_per_request=0); PyTorch decode path")
@@ -114,12 +116,13 @@ class FastPaths:
             self.packed = None
 
     def _native_bf16(self) -> bool:
-        """Whether acb's own bf16 GEMMs (``fused.native_bf16``) would compute this bf16 model's fused forward."""
+        """Whether acb's own bf16 GEMMs (``fused.native_bf16``) would compute this bf16 model's fused
+        forward (built, and not turned off: ``EngineConfig.cpu_bf16_gemm``)."""
         if self.device.type != "cpu" or self.dtype != torch.bfloat16 or not self.kernels:
             return False
         from ..model.fused import native_bf16
 
-        return native_bf16() is not None
+        return native_bf16(self.bf16_gemm) is not None
 
     def _configure_forwards(self, config) -> None:
         """The compiled forwards, or the fused one (they exclude each other)."""
@@ -138,9 +141,10 @@ class FastPaths:
                                    f"its weights are {self.dtype} (fused: float32, bfloat16)"
                                    if self.dtype not in (torch.float32, torch.bfloat16) else
                                    "bfloat16 has no fast kernels on this CPU (neither AVX-512 BF16 nor AVX2, or "
-                                   "ACB_CPU_BF16_GEMM=0: oneDNN would emulate it, so nothing is prepacked); "
-                                   "dtype='float32' runs the fused forward here" if self.dtype == torch.bfloat16
-                                   and config.cpu_prepack and not _native_bf16_cpu() else
+                                   "EngineConfig.cpu_bf16_gemm=False / ACB_CPU_BF16_GEMM=0: oneDNN would emulate "
+                                   "it, so nothing is prepacked); dtype='float32' runs the fused forward here"
+                                   if self.dtype == torch.bfloat16 and config.cpu_prepack
+                                   and not _native_bf16_cpu(self.bf16_gemm) else
                                    "the linear layers are not prepacked (oneDNN unavailable, or "
                                    "EngineConfig.cpu_prepack=False / ACB_CPU_PREPACK=0)")
         self._build_fused()
@@ -217,8 +221,8 @@ class FastPaths:
 
         kernels = fused_kernels() if self.kernels else None
         self.sampling_kernels = kernels
-        self.fused = FusedForward.build(self.model, self.packed, kernels, self.row_reduce) if self.fused_allowed \
-            else None
+        self.fused = FusedForward.build(self.model, self.packed, kernels, self.row_reduce,
+                                        bf16_gemm=self.bf16_gemm) if self.fused_allowed else None
         self.varlen_forward = self.decode_forward = self.fused or self.model
         self.forward_path = "fused" if self.fused is not None else "transformers"
         self.forward_reason = "" if self.fused is not None else \
@@ -325,9 +329,10 @@ class FastPaths:
         return host.pin_memory().to(self.device, non_blocking=True)
 
 
-def _native_bf16_cpu() -> bool:
-    """Whether bf16 has fast GEMMs on this CPU: oneDNN's native ones (what bf16 prepacking needs) or acb's."""
+def _native_bf16_cpu(bf16_gemm: bool) -> bool:
+    """Whether bf16 has fast GEMMs on this CPU: oneDNN's native ones (what bf16 prepacking needs) or
+    acb's (unless ``EngineConfig.cpu_bf16_gemm`` turns them off)."""
     from ..kernels import cpu_linear
     from ..model.fused import native_bf16
 
-    return cpu_linear.available(torch.bfloat16) or native_bf16() is not None
+    return cpu_linear.available(torch.bfloat16) or native_bf16(bf16_gemm) is not None

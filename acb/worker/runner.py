@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from ..attention import kv_quant
+from ..attention import context, kv_quant, selector
 from ..attention import metadata as packing
 from ..attention import paged as attention
 from ..attention import routing as attention_routing
@@ -101,8 +101,8 @@ class ModelRunner:
         self.fault_hook = None  # test hook: callable(step_index, stage) that may raise
         # the backend serving this runner, which names its kernel path: "native" | "triton" |
         # "torch" (ValueError if the requested one cannot run here)
-        self.attn_backend = attention.resolve_backend(attn_backend, self.device, self.dtype)
-        if not attention.load_kernels(self.attn_backend):  # native kernels not built (logged)
+        self.attn_backend = selector.resolve_backend(attn_backend, self.device, self.dtype)
+        if not selector.load_kernels(self.attn_backend):  # native kernels not built (logged)
             self.attn_backend = "torch"
         kv_quant.check(kv_cache_dtype, self.attn_backend)
         self.attention = packing.AttentionBuilder(self.attn_backend, page_size, self._tensor, self.kv.k_cache,
@@ -277,19 +277,11 @@ class ModelRunner:
             if replayed is not None:
                 return replayed
             forward = self.fast_paths.forward_for(meta)
-        attention.set_step(meta)
-        lora.set_step(adapters)
-        try:
-            out = forward(
-                input_ids=input_ids.unsqueeze(0),
-                position_ids=position_ids.unsqueeze(0),
-                attention_mask=None,
-                use_cache=False,
-                logits_to_keep=keep,
-            )
-        finally:
-            attention.set_step(None)
-            lora.set_step(None)
+        # the step's one forward context: acb's fused forwards take it as an argument, transformers'
+        # modules read it while the forward runs (acb.attention.context)
+        out = context.run(forward, context.ForwardContext(meta, adapters), input_ids=input_ids.unsqueeze(0),
+                          position_ids=position_ids.unsqueeze(0), attention_mask=None, use_cache=False,
+                          logits_to_keep=keep)
         return out.logits[0], None
 
     def _build(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, packing.StepAttention]:

@@ -1,24 +1,24 @@
 """Where an acb step's time goes: each native call of the fused forward timed, prefill and decode apart.
 
-    python benchmarks/kernels/kernel_profile.py int8_bf16 48 96  # variant (int8_bf16/bf16/fp32), prompts, new tokens
-    python benchmarks/kernels/kernel_profile.py bf16 48 96 realtext  # bench.py's real-text prompts (prefill-heavy)
-    python benchmarks/kernels/kernel_profile.py int8_bf16_kv8 48 96  # a _kv8 suffix: int8 KV pages
-    PYTHONPATH=. python benchmarks/kernels/kernel_profile.py bf16  # from a worktree: its acb, not the installed one
-    python benchmarks/kernels/kernel_profile.py int8_bf16 48 96 realtext --native-loop  # decode as the engine runs it
-    python benchmarks/kernels/kernel_profile.py int8_bf16 48 96 realtext --native-loop --split-rows 0  # no halves
+    python benchmarks/kernel_profile.py int8_bf16 48 96   # variant (int8_bf16 | bf16 | fp32), prompts, new tokens
+    python benchmarks/kernel_profile.py bf16 48 96 realtext  # bench.py's real-text prompts (prefill-heavy)
+    python benchmarks/kernel_profile.py int8_bf16_kv8 48 96  # a _kv8 suffix: int8 KV pages
+    PYTHONPATH=. python benchmarks/kernel_profile.py bf16  # from a worktree: its acb, not the installed one
+    python benchmarks/kernel_profile.py int8_bf16 48 96 realtext --native-loop  # decode as the engine runs it
+    python benchmarks/kernel_profile.py int8_bf16 48 96 realtext --native-loop --split-rows 0  # no halves
 
 Runs SmolLM2 through an Engine on the first N prompts of a workload (standard unless named) (one generate_batch,
 after a warm-up pass), with the fused forward's kernel modules wrapped so every call into them (int8 GEMMs,
-quantization, RMSNorm, RoPE, acb's bf16 GEMMs), the ``lm_head`` module and ``attention.paged_attention`` are
+quantization, RMSNorm, RoPE, acb's bf16 GEMMs), the ``lm_head`` module and ``acb.attention.paged.attend`` are
 timed (the native attention calls inside it indented); oneDNN's GEMMs of the layers (fp32, and bf16 with
-``ACB_CPU_BF16_GEMM=0``; called directly) fall in "(rest of forward)". Prints the wall
+``cpu_bf16_gemm=False`` or ``ACB_CPU_BF16_GEMM=0``; called directly) fall in "(rest of forward)". Prints the wall
 time, the forward's share of it (the rest is scheduling, sampling and host work), and per step kind the time
 of each call (decode steps through the forwards' Python loops, ``fused.NATIVE_DECODE_LOOP`` off, so their
 calls are seen: the engine runs them in one native call). ``--native-loop`` runs decode steps as the engine
 does, in the DecodeLoops (each step then timed whole, its calls unseen); ``--split-rows N`` sets the loops'
 ``split_rows`` (0: a step never runs as two halves; acb/kernels/entry_points.h). The wrappers cost ~1 us a
 call: compare shares, not absolute figures, with bench.py's. Run it under the exclusive lock on a quiet
-machine (results recorded in docs/journal/2026-performance.md, int8 section).
+machine (results recorded in docs/performance.md, int8 section).
 """
 # ruff: noqa: E402
 import asyncio
@@ -28,14 +28,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: workloads
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 import workloads
 
 import acb
-from acb.attention import paged as attention
+from acb.attention import paged, selector
+from acb.loading import load, smollm2
 from acb.model import fused, quantization
-from acb.model.loading import load, smollm2
 
 T: dict = collections.defaultdict(float)  # (step kind, name) -> seconds
 C: dict = collections.defaultdict(int)  # (step kind, name) -> calls
@@ -80,7 +80,7 @@ def instrument(decode_rows: int, native_loop: bool = False, split_rows: int | No
                 return loop
             cls._native_loop = native
     for cls in (quantization.Int8Forward, fused.FusedForward):
-        def call(self, input_ids, *a, _orig=cls.__call__, **k):
+        def call(self, context, input_ids, *a, _orig=cls.__call__, **k):
             if not isinstance(self.k, Proxy):
                 self.k = Proxy(self.k, "k.")
                 if hasattr(self, "q8"):
@@ -91,13 +91,13 @@ def instrument(decode_rows: int, native_loop: bool = False, split_rows: int | No
             rows = input_ids.shape[-1]
             kind[0] = "decode" if rows <= decode_rows else "prefill"
             t0 = time.perf_counter()
-            out = _orig(self, input_ids, *a, **k)
+            out = _orig(self, context, input_ids, *a, **k)
             T[(kind[0], "FORWARD")] += time.perf_counter() - t0
             C[(kind[0], "FORWARD")] += 1
             T[(kind[0], "rows")] += rows
             return out
         cls.__call__ = call
-    attention.paged_attention = timed("paged_attention", attention.paged_attention)
+    paged.attend = timed("paged_attention", paged.attend)
 
 
 def report(variant: str, n_prompts: int, new: int, wall: float, steps: int) -> None:
@@ -146,8 +146,8 @@ def main() -> None:
         engine = acb.Engine(model, tokenizer=tok, config=acb.EngineConfig(
             dtype=dtype, quantization=quant, kv_cache_dtype="int8" if kv8 else None))
         async with engine:
-            if attention.KERNELS.get("native") is not None:  # its calls timed inside paged_attention's
-                attention.KERNELS["native"] = Proxy(attention.KERNELS["native"], "  attn.")
+            if selector.KERNELS.get("native") is not None:  # its calls timed inside paged_attention's
+                selector.KERNELS["native"] = Proxy(selector.KERNELS["native"], "  attn.")
             await engine.generate_batch(w.prompts, max_new_tokens=2, ignore_eos=True)
             engine.kv.evict_all_cached()
             T.clear()

@@ -1,14 +1,14 @@
 """The native prefill attention kernel alone, per layer call, on SmolLM2's heads (9 over 3, d=64):
 
-    python benchmarks/kernels/prefill_attention.py                       # bf16, 12 fresh prompts of 330 tokens
-    python benchmarks/kernels/prefill_attention.py --dtype float32 --prompts 4 --tokens 1024
-    python benchmarks/kernels/prefill_attention.py --dtype float32 --torch   # and PyTorch's path, alternated
-    python benchmarks/kernels/prefill_attention.py --bf16-weights    # bf16: the softmax weights rounded to bf16 too
+    python benchmarks/prefill_attention.py                       # bf16, 12 fresh prompts of 330 tokens
+    python benchmarks/prefill_attention.py --dtype float32 --prompts 4 --tokens 1024
+    python benchmarks/prefill_attention.py --dtype float32 --torch   # and PyTorch's path, alternated
+    python benchmarks/prefill_attention.py --bf16-weights    # bf16: the softmax weights rounded to bf16 too
 
 Times ``prefill_attention`` (acb/kernels/paged_decode_cpu.cpp) over random queries, keys and values,
 median of --repeats calls after three warm-ups; prints milliseconds a call and the attention's
 GFLOP/s (causal: the half of the score and value products each row sees). ``--torch`` also times
-what the engine runs where the kernel declines (acb.attention.paged._prefill_torch per prompt: PyTorch's
+what the engine runs where the kernel declines (acb.attention.torch_backend.prefill_torch per prompt: PyTorch's
 scaled_dot_product_attention, causal), the two calls alternated. ``--bf16-weights`` (bf16) also times
 the kernel with its value product over the softmax weights rounded to bf16 (``bf16_weights=True``, what
 acb's int8 forward runs) beside hi + lo (bf16's), alternated, and prints how far the two outputs differ.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: its acb
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from acb.kernels.cpu import paged_decode_kernel  # noqa: E402
 
 
@@ -54,15 +54,15 @@ def main() -> None:
     out = torch.zeros(total, h, d)
     if not kernel.prefill_attention(q, k, v, spans, out, d**-0.5, 0.0, 0):
         sys.exit(f"the kernel does not take {args.dtype} here")
-    from acb.attention.paged import _prefill_torch
+    from acb.attention.torch_backend import prefill_torch
 
     def native():
         kernel.prefill_attention(q, k, v, spans, out, d**-0.5, 0.0, 0)
 
     def pytorch():  # the engine's fallback: one call per prompt, float32 inputs
         for first, end, _, _ in spans.tolist():
-            out[first:end] = _prefill_torch(q[:, first:end].float(), k[:, first:end].float(),
-                                            v[:, first:end].float(), 0, d**-0.5, None, None).transpose(0, 1)
+            out[first:end] = prefill_torch(q[:, first:end].float(), k[:, first:end].float(),
+                                           v[:, first:end].float(), 0, d**-0.5, None, None).transpose(0, 1)
 
     out16 = torch.zeros(total, h, d)
 
