@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The native kernels' AVX-512 paths (the float32, bf16 and int8 attention and GEMM kernels an
 # AVX-512 CPU runs) tested on a CPU without AVX-512: built against SIMDe's portable intrinsics
-# (acb/kernels/avx512_emulated.h, ACB_CPU_KERNEL_EMULATE) and run through the kernel tests, which
+# (acb/kernels/csrc/avx512_emulated.h, ACB_CPU_KERNEL_EMULATE) and run through the kernel tests, which
 # compare them with references (and, where they must, with each other bit for bit). The builds
 # target AVX2 + FMA on any CPU (acb.kernels.cpu.EMULATION_ARCH), an AVX-512 one too, so each kind
 # is the one named, not this CPU's own. Two kinds of

@@ -73,7 +73,7 @@ def _build(name: str, source: str, cflags: list[str]):
             try:
                 from torch.utils.cpp_extension import load
 
-                src = Path(__file__).with_name(source)
+                src = Path(__file__).parent / "csrc" / source
                 ext = extension_name(name)
                 emulation = _emulation()
                 if emulation:
