@@ -8,7 +8,7 @@ rounds) and everything else float32, scored as top-1 next-token agreement with t
 forward on held-out text (benchmarks/quality.py's): the linear layers' weights (SmolLM2 ties its
 embedding to the ``lm_head``: both), their inputs, their outputs (each projection apart), the residual
 stream (each decoder layer's output), RoPE's cos/sin and q/k after it. What decided acb's bf16 layout
-(``acb/kernels/bf16_cpu.cpp``, docs/design.md): oneDNN's bf16 linear rounds every GEMM's output, the
+(``acb/kernels/csrc/bf16_cpu.cpp``, docs/design.md): oneDNN's bf16 linear rounds every GEMM's output, the
 logits among them; acb's GEMMs write float32 where it matters. quality.py measures the engine itself.
 """
 

@@ -4,7 +4,7 @@
     python benchmarks/decode_gemms.py --dtype bf16 --rows 16
     PYTHONPATH=. python benchmarks/decode_gemms.py       # from a worktree: its kernels, not the installed ones
 
-Times acb's int8 (``acb/kernels/int8_cpu.cpp``) or bf16 (``acb/kernels/bf16_cpu.cpp``) GEMMs over
+Times acb's int8 (``acb/kernels/csrc/int8_cpu.cpp``) or bf16 (``acb/kernels/csrc/bf16_cpu.cpp``) GEMMs over
 --layers sets of distinct random weights of SmolLM2-135M's shapes (q+k+v joined 576 -> 960, o 576 -> 576
 with the residual add, gate/up 576 -> 2 x 1536 with act(gate) * up, down 1536 -> 576 with the residual
 add), one layer after another as a decode step reads them, then the bf16 lm_head (576 -> 49,152). With

@@ -4,7 +4,7 @@
     python benchmarks/decode_halves.py --variant bf16 --workload standard --pairs 6
 
 On two threads a DecodeLoop runs a decode step of ``split_rows`` rows or more as two halves, one per
-thread (acb/kernels/entry_points.h). This loads SmolLM2 once (int8 with bf16 pages, or bf16), warms the
+thread (acb/kernels/csrc/decode_loop.h). This loads SmolLM2 once (int8 with bf16 pages, or bf16), warms the
 engine up, then times the workload's whole batch (prefill and decode, cold prefix cache each time) with
 ``split_rows`` 0 (never) and 16 (the default) in turn, the order swapped every pair, so both see the same
 machine; prints each run's seconds and each setting's median and best. Prefill steps are the same either

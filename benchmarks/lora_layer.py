@@ -10,7 +10,7 @@ the microseconds per call of:
   and o/down's residual add, in the GEMMs' epilogues);
 - ``pytorch``: the same plus the deltas with PyTorch ops (``StepLora.add``: a GEMM pair per
   projection on the run of rows; the MLP's activation and product apart);
-- ``native``: the same plus the deltas through ``acb/kernels/lora_cpu.cpp`` (one call per group:
+- ``native``: the same plus the deltas through ``acb/kernels/csrc/lora_cpu.cpp`` (one call per group:
   the shrink over the group's concatenated A; for the MLP, ``glu_add``'s one pass).
 
 The attention itself is left out (the same in all three). Timings alternate the three kinds

@@ -17,8 +17,7 @@
 //   accumulators) ran ~870 GFLOP/s on SmolLM2's shapes, 8 x 48 ~1,000 (oneDNN's bf16: ~1,010),
 //   7 x 48 ~1,000, 6 x 64 ~980, 12 x 32 and 9 x 48 ~600 (spilled): benchmarks/int8_gemm.py's
 //   shapes, 46 and 1,667 rows.
-#include "torch_min.h"
-#include "entry_points.h"
+#include "decode_loop.h"
 #include "bf16_scalar.h"
 #include "vec_math.h"
 #include "tile_prefetch.h"
@@ -30,6 +29,7 @@
 #include <type_traits>
 #include <vector>
 
+namespace acb::bf16 {
 namespace {
 
 using acb_bf16::to_bf16;  // bf16 <-> float32 by bits (acb/kernels/bf16_scalar.h)
@@ -479,87 +479,50 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   return out;
 }
 
-// A decode-only step's layers in one call: acb.fused.FusedForward's loop on acb's bf16 GEMMs for the
+// A decode-only step's layers in one call: acb.model.fused.FusedForward's loop on acb's bf16 GEMMs for the
 // models it takes whole here (q/k/v and gate/up joined, no Gemma norms, no q/k norms, one rotary
 // embedding, no soft-capping, no LoRA rows, one device), with the same calls, in the same order, on
 // the same tensors as that Python loop, so the same outputs bit for bit, without returning to Python
 // (and taking the GIL back) between kernels: int8_cpu.cpp's DecodeLoop, for bf16. RoPE and the
-// decode attention are the other modules' functions, by address (entry_points.h).
-namespace acb_bf16_loop {  // int8_cpu.cpp has a DecodeLoop too: pybind11 knows types by name
-struct Layer {
-  torch::Tensor norm[2];
-  double eps[2];
-  torch::Tensor w[4];
-  int64_t n[4];
-  c10::optional<torch::Tensor> b[4];
-  acb_entry::AttentionShape attn;
-  int64_t act;
-};
-
-class DecodeLoop : public acb_entry::DecodeLayers<DecodeLoop, Layer> {
- public:
-  DecodeLoop(int64_t rope, int64_t decode_into) : DecodeLayers(rope, decode_into) {}
-
-  // One layer: its two norms' weights and eps (before attention, before the MLP), its three packed
-  // weights (q/k/v joined, o, gate/up joined: packed, columns, bias or none) and down's, the
-  // attention's shape (query and key columns of the joined output, heads, kv heads, head dim), its
-  // scale and sliding window (0: none), and the MLP's activation (0 SiLU, 1 GELU-tanh).
-  void add_layer(const std::vector<torch::Tensor>& norms, const std::vector<double>& eps,
-                 const std::vector<torch::Tensor>& weights, const std::vector<int64_t>& columns,
-                 const std::vector<c10::optional<torch::Tensor>>& biases, int64_t nq, int64_t nk, int64_t heads,
-                 int64_t kv_heads, int64_t head_dim, double scaling, int64_t window, int64_t act) {
-    TORCH_CHECK(norms.size() == 2 && eps.size() == 2 && weights.size() == 4 && columns.size() == 4 &&
-                    biases.size() == 4,
-                "DecodeLoop.add_layer: 2 norms and eps, 4 weights, column counts and biases");
-    TORCH_CHECK(nq == heads * head_dim && nk == kv_heads * head_dim && columns[0] == nq + 2 * nk &&
-                    columns[2] % 32 == 0,
-                "DecodeLoop.add_layer: the joined q/k/v or gate/up columns do not match");
-    Layer l;
-    for (int i = 0; i < 2; ++i) l.norm[i] = norms[i], l.eps[i] = eps[i];
-    for (int i = 0; i < 4; ++i) l.w[i] = weights[i], l.n[i] = columns[i], l.b[i] = biases[i];
-    l.attn = {nq, nk, heads, kv_heads, head_dim, window, scaling};
-    l.act = act;
-    layers_.push_back(std::move(l));
-  }
-
-  // Layer i of run() (entry_points.h's DecodeLayers): the stream x [T, hidden] float32 after it
-  torch::Tensor layer(int64_t i, const Layer& l, torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
-                      const acb_entry::DecodeStep& step) const {
-    const c10::optional<torch::Tensor> none;
-    torch::Tensor h = rms_norm(x, l.norm[0], l.eps[0], false);
-    // RoPE in float32, then q, k and v each rounded once for the bf16 attention and pages
-    const torch::Tensor a = attend_(i, linear(h, l.w[0], l.n[0], l.b[0], none, torch::kFloat32), l.attn, cos, sin,
-                                    step, torch::kBFloat16);
-    if (!a.defined()) return a;
-    x = linear(a, l.w[1], l.n[1], l.b[1], x, torch::kFloat32);  // the residual add fused
-    h = rms_norm(x, l.norm[1], l.eps[1], false);
-    torch::Tensor m = glu(h, l.w[2], l.n[2] / 2, l.b[2], l.act, torch::kBFloat16);
-    return linear(m, l.w[3], l.n[3], l.b[3], x, torch::kFloat32);
-  }
-};
-}  // namespace acb_bf16_loop
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("available", &available, "whether the GEMMs were built (AVX-512 BF16, or AVX2: widened to float32)");
-  m.def("native", &native, "whether they were built with AVX-512 BF16 (vdpbf16ps), not widened");
-
-  m.def("pack", &pack, "a bf16 [N, K] weight in the GEMMs' layout", py::call_guard<py::gil_scoped_release>());
-  m.def("linear", &linear, "bf16 linear, float32 accumulation, float32 or bf16 output (+ residual)", py::arg("x"),
-        py::arg("w"), py::arg("n"), py::arg("bias") = py::none(), py::arg("other") = py::none(),
-        py::arg("dtype") = torch::kFloat32, py::call_guard<py::gil_scoped_release>());
-  m.def("glu", &glu, "act(x Wg) * (x Wu) in one pass, float32 until the product is stored", py::arg("x"),
-        py::arg("w"), py::arg("n"), py::arg("bias") = py::none(), py::arg("act") = 0,
-        py::arg("dtype") = torch::kBFloat16, py::call_guard<py::gil_scoped_release>());
-  m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows into bfloat16", py::arg("x"), py::arg("w"), py::arg("eps"),
-        py::arg("gemma") = false, py::call_guard<py::gil_scoped_release>());
-  py::class_<acb_bf16_loop::DecodeLoop>(m, "DecodeLoop", py::module_local(),
-      "a decode-only step's layers in one call (FusedForward's loop, bf16)")
-      .def(py::init<int64_t, int64_t>(), py::arg("rope"), py::arg("decode_into"))
-      .def("add_layer", &acb_bf16_loop::DecodeLoop::add_layer)
-      .def("__len__", &acb_bf16_loop::DecodeLoop::size)
-      .def_property("split_rows", &acb_bf16_loop::DecodeLoop::split_rows, &acb_bf16_loop::DecodeLoop::set_split_rows,
-                    "the fewest rows a step runs as two halves, one per thread, on two threads (0: never)")
-      .def_property_readonly("split_steps", &acb_bf16_loop::DecodeLoop::split_steps,
-                             "the steps run as two halves so far")
-      .def("run", &acb_bf16_loop::DecodeLoop::run, py::call_guard<py::gil_scoped_release>());
+// decode attention are fused_cpu.cpp's and paged_decode_cpu.cpp's functions (decode_loop.h).
+// One layer: its two norms' weights and eps (before attention, before the MLP), its three packed
+// weights (q/k/v joined, o, gate/up joined: packed, columns, bias or none) and down's, the
+// attention's shape (query and key columns of the joined output, heads, kv heads, head dim), its
+// scale and sliding window (0: none), and the MLP's activation (0 SiLU, 1 GELU-tanh).
+void DecodeLoop::add_layer(const std::vector<torch::Tensor>& norms, const std::vector<double>& eps,
+                           const std::vector<torch::Tensor>& weights, const std::vector<int64_t>& columns,
+                           const std::vector<c10::optional<torch::Tensor>>& biases, int64_t nq, int64_t nk,
+                           int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling, int64_t window,
+                           int64_t act) {
+  TORCH_CHECK(norms.size() == 2 && eps.size() == 2 && weights.size() == 4 && columns.size() == 4 &&
+                  biases.size() == 4,
+              "DecodeLoop.add_layer: 2 norms and eps, 4 weights, column counts and biases");
+  TORCH_CHECK(nq == heads * head_dim && nk == kv_heads * head_dim && columns[0] == nq + 2 * nk &&
+                  columns[2] % 32 == 0,
+              "DecodeLoop.add_layer: the joined q/k/v or gate/up columns do not match");
+  Layer l;
+  for (int i = 0; i < 2; ++i) l.norm[i] = norms[i], l.eps[i] = eps[i];
+  for (int i = 0; i < 4; ++i) l.w[i] = weights[i], l.n[i] = columns[i], l.b[i] = biases[i];
+  l.attn = {nq, nk, heads, kv_heads, head_dim, window, scaling};
+  l.act = act;
+  layers_.push_back(std::move(l));
 }
+
+// Layer i of run() (decode_loop.h's DecodeLayers): the stream x [T, hidden] float32 after it
+torch::Tensor DecodeLoop::layer(int64_t i, const Layer& l, torch::Tensor x, const torch::Tensor& cos,
+                                const torch::Tensor& sin, const DecodeStep& step) const {
+  const c10::optional<torch::Tensor> none;
+  torch::Tensor h = rms_norm(x, l.norm[0], l.eps[0], false);
+  // RoPE in float32, then q, k and v each rounded once for the bf16 attention and pages
+  const torch::Tensor a = attend_(i, linear(h, l.w[0], l.n[0], l.b[0], none, torch::kFloat32), l.attn, cos, sin,
+                                  step, torch::kBFloat16);
+  if (!a.defined()) return a;
+  x = linear(a, l.w[1], l.n[1], l.b[1], x, torch::kFloat32);  // the residual add fused
+  h = rms_norm(x, l.norm[1], l.eps[1], false);
+  torch::Tensor m = glu(h, l.w[2], l.n[2] / 2, l.b[2], l.act, torch::kBFloat16);
+  return linear(m, l.w[3], l.n[3], l.b[3], x, torch::kFloat32);
+}
+
+}  // namespace acb::bf16
+
+template class acb::DecodeLayers<acb::bf16::DecodeLoop, acb::bf16::Layer>;

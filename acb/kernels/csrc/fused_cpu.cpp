@@ -10,8 +10,7 @@
 // even, as PyTorch rounds) at exactly the points where transformers' modules round
 // when the model is bf16: RMSNorm rounds the normalised row, then the product with its
 // weight; RoPE rounds each of its two products and their sum.
-#include "torch_min.h"
-#include "entry_points.h"
+#include "ops.h"
 #include "bf16_scalar.h"
 #include <cmath>
 #include <cstdint>
@@ -20,6 +19,7 @@
 #include <vector>
 #include "vec_math.h"
 
+namespace acb::fused {
 namespace {
 
 void check_rows(const torch::Tensor& x, const char* name) {
@@ -260,70 +260,4 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
   return out;
 }
 
-// acb.watch.ModelWatch's check of the weights before every step, in one C++ loop: each parameter or
-// buffer still the object its owner dict holds under its name, at the same address, with the same
-// in-place version counter (inference tensors keep none). The Python check (three passes of map over
-// the lists) took ~0.58 ms a step on SmolLM2's int8 model (~700 tensors) in the engine, on the event
-// loop's thread, where the forward running beside it leaves none of those objects in cache: each
-// tensor's Python object, its TensorImpl, version counter and storage read one after another. Here
-// the tensors' impls are held directly and the loop's iterations are independent, so their cache
-// misses overlap. Called with the GIL held (it reads the owners' dicts).
-class WeightWatch {
- public:
-  WeightWatch(const py::list& owners, const py::list& names, const py::list& tensors) {
-    TORCH_CHECK(owners.size() == names.size() && names.size() == tensors.size(),
-                "owners, names and tensors must be lists of one length");
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      TORCH_CHECK(PyDict_Check(owners[i].ptr()), "owners must be dicts");
-      owners_.push_back(py::reinterpret_borrow<py::object>(owners[i]));
-      names_.push_back(py::reinterpret_borrow<py::object>(names[i]));
-      objects_.push_back(py::reinterpret_borrow<py::object>(tensors[i]));
-      const at::Tensor t = tensors[i].cast<at::Tensor>();
-      const bool versioned = !t.is_inference();
-      versioned_.push_back(versioned);
-      versions_.push_back(versioned ? t._version() : 0);
-      ptrs_.push_back(t.data_ptr());
-      tensors_.push_back(t);
-    }
-  }
-  // Whether any tensor was replaced in its owner, moved (a new data pointer) or edited in place
-  bool changed() const {
-    const size_t n = tensors_.size();
-    for (size_t i = 0; i < n; ++i) {
-      PyObject* now = PyDict_GetItemWithError(owners_[i].ptr(), names_[i].ptr());  // borrowed
-      if (now == nullptr && PyErr_Occurred()) throw py::error_already_set();
-      if (now != objects_[i].ptr()) return true;
-    }
-    for (size_t i = 0; i < n; ++i)
-      if ((versioned_[i] && tensors_[i]._version() != versions_[i]) || tensors_[i].data_ptr() != ptrs_[i])
-        return true;
-    return false;
-  }
-  size_t size() const { return tensors_.size(); }
-
- private:
-  std::vector<py::object> owners_, names_, objects_;
-  std::vector<at::Tensor> tensors_;
-  std::vector<bool> versioned_;
-  std::vector<int64_t> versions_;
-  std::vector<void*> ptrs_;
-};
-
-// The GIL is released while a kernel runs: the event loop's thread keeps serving.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm over rows (float32 or bfloat16)", py::call_guard<py::gil_scoped_release>());
-  m.def("rms_norm_f32w", &rms_norm_f32w, "Gemma's RMSNorm over rows (float32 weight, one rounding)",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("glu", &glu, "act(gate) * up over one GEMM's [T, 2N] output (float32 or bfloat16)",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("rope_", &rope_, "rotary embedding in place (float32 or bfloat16)", py::call_guard<py::gil_scoped_release>());
-  py::class_<WeightWatch>(m, "WeightWatch", "acb.watch's weight check (owners' dicts, names, tensors)")
-      .def(py::init<const py::list&, const py::list&, const py::list&>())
-      .def("changed", &WeightWatch::changed, "any tensor replaced, moved or edited in place since")
-      .def("__len__", &WeightWatch::size);
-  m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of float32 rows, int64",
-        py::call_guard<py::gil_scoped_release>());
-  static_assert(std::is_same_v<decltype(&rope_), acb_entry::RopeFn>, "entry_points.h: rope_'s type");
-  m.def("_address", []() { return reinterpret_cast<int64_t>(&rope_); },
-        "rope_'s address, for the int8 and bf16 modules' decode loops (entry_points.h)");
-}
+}  // namespace acb::fused

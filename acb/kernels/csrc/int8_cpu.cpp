@@ -20,8 +20,7 @@
 //
 // Tiles: 6 rows x 32 columns (12 zmm accumulators); the threads split (column tile, row
 // chunk) pairs, column tiles outermost so each thread keeps its weight panels in its L2.
-#include "torch_min.h"
-#include "entry_points.h"
+#include "decode_loop.h"
 #include "bf16_scalar.h"
 #include <immintrin.h>
 #include "vec_math.h"
@@ -33,6 +32,7 @@
 #include <type_traits>
 #include <vector>
 
+namespace acb::int8 {
 namespace {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -868,100 +868,61 @@ torch::Tensor glu(const torch::Tensor& xq, const torch::Tensor& xscale, const to
   return out;
 }
 
-// A decode-only step's layers in one call: acb.quantization.Int8Forward's loop for the models it
+// A decode-only step's layers in one call: acb.model.quantization.Int8Forward's loop for the models it
 // takes whole here (q/k/v joined in one GEMM, no Gemma norms, no q/k norms, one rotary embedding,
 // no soft-capping), with the same kernel calls, in the same order, on the same tensors as that
 // Python loop, so the same outputs bit for bit. From Python the loop cost ~1.3-1.7 ms of a ~25 ms
 // SmolLM2 decode step (~330 calls through pybind11, each taking the GIL back between kernels while
 // the event loop's thread plans the next step); here the GIL stays released for the whole step.
-// RoPE and the decode attention are the other modules' functions, by address (entry_points.h).
-namespace acb_int8_loop {  // bf16_cpu.cpp has a DecodeLoop too: pybind11 knows types by name
-struct Layer {
-  c10::optional<torch::Tensor> norm[2];
-  double eps[2];
-  int64_t group[4];
-  c10::optional<torch::Tensor> mult[4];
-  bool rot[4];
-  torch::Tensor w[5], s[5];
-  c10::optional<torch::Tensor> b[5];
-  acb_entry::AttentionShape attn;
-  int64_t act;
-};
-
-class DecodeLoop : public acb_entry::DecodeLayers<DecodeLoop, Layer> {
- public:
-  DecodeLoop(int64_t rope, int64_t decode_into, torch::ScalarType dtype)
-      : DecodeLayers(rope, decode_into), dtype_(dtype) {
-    TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "DecodeLoop: the model's dtype must be "
-                "float32 or bfloat16");
-  }
-
-  // One layer, in order: its norms (weight, eps; norm 0 before attention, 1 before the MLP), the
-  // four GEMM inputs' quantization (group, smoothing multiplier or none, rotated), the five packed
-  // weights (q/k/v joined, o, gate, up, down: packed, scales, bias or none), then the attention's
-  // shape (query and key columns of the joined output, heads, kv heads, head dim), its scale and
-  // sliding window (0: none), and the MLP's activation (0 SiLU, 1 GELU-tanh).
-  void add_layer(const std::vector<torch::Tensor>& norms, const std::vector<double>& eps,
-                 const std::vector<int64_t>& groups, const std::vector<c10::optional<torch::Tensor>>& mults,
-                 const std::vector<bool>& rotated, const std::vector<torch::Tensor>& weights,
-                 const std::vector<torch::Tensor>& scales, const std::vector<c10::optional<torch::Tensor>>& biases,
-                 int64_t nq, int64_t nk, int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling,
-                 int64_t window, int64_t act) {
-    TORCH_CHECK(norms.size() == 2 && eps.size() == 2 && groups.size() == 4 && mults.size() == 4 &&
-                    rotated.size() == 4 && weights.size() == 5 && scales.size() == 5 && biases.size() == 5,
-                "DecodeLoop.add_layer: 2 norms and eps, 4 groups, multipliers and rotations, 5 weights, scales "
-                "and biases");
-    TORCH_CHECK(nq == heads * head_dim && nk == kv_heads * head_dim && weights[0].size(0) * 16 == nq + 2 * nk,
-                "DecodeLoop.add_layer: the joined q/k/v columns do not match the heads");
-    Layer l;
-    for (int i = 0; i < 2; ++i) l.norm[i] = norms[i], l.eps[i] = eps[i];
-    for (int i = 0; i < 4; ++i) l.group[i] = groups[i], l.mult[i] = mults[i], l.rot[i] = rotated[i];
-    for (int i = 0; i < 5; ++i) l.w[i] = weights[i], l.s[i] = scales[i], l.b[i] = biases[i];
-    l.attn = {nq, nk, heads, kv_heads, head_dim, window, scaling};
-    l.act = act;
-    layers_.push_back(std::move(l));
-  }
-
-  // Layer i of run() (entry_points.h's DecodeLayers): the stream x [T, hidden] float32 after it
-  torch::Tensor layer(int64_t i, const Layer& l, torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
-                      const acb_entry::DecodeStep& step) const {
-    const c10::optional<torch::Tensor> none;
-    auto h = quantize_rows(x, l.norm[0], false, l.eps[0], l.group[0], l.mult[0], l.rot[0]);
-    const torch::Tensor a = attend_(i, linear(h[0], h[1], h[2], l.w[0], l.s[0], l.b[0], none, dtype_), l.attn, cos,
-                                    sin, step);
-    if (!a.defined()) return a;
-    h = quantize_rows(a, none, false, 1e-6, l.group[1], l.mult[1], l.rot[1]);
-    x = linear(h[0], h[1], h[2], l.w[1], l.s[1], l.b[1], x, torch::kFloat32);  // the residual add fused
-    h = quantize_rows(x, l.norm[1], false, l.eps[1], l.group[2], l.mult[2], l.rot[2]);
-    torch::Tensor m = glu(h[0], h[1], h[2], l.w[2], l.s[2], l.b[2], l.w[3], l.s[3], l.b[3], l.act, torch::kFloat32);
-    h = quantize_rows(m, none, false, 1e-6, l.group[3], l.mult[3], l.rot[3]);
-    return linear(h[0], h[1], h[2], l.w[4], l.s[4], l.b[4], x, torch::kFloat32);
-  }
-
- private:
-  torch::ScalarType dtype_;
-};
-}  // namespace acb_int8_loop
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("has_vnni", &has_vnni, "whether the GEMMs were built with AVX-512 VNNI");
-  m.def("available", &available, "whether the GEMMs were built (AVX-512 VNNI, or AVX2)");
-  m.def("quantize_rows", &quantize_rows, "per-row (per-group) int8 quantization, optionally after an RMSNorm",
-        py::arg("x"), py::arg("norm_w") = py::none(), py::arg("gemma") = false, py::arg("eps") = 1e-6,
-        py::arg("group") = 0, py::arg("mult") = py::none(), py::arg("rotate") = false,
-        py::call_guard<py::gil_scoped_release>());
-  m.def("linear", &linear, "W8A8 linear (+ residual)", py::arg("xq"), py::arg("xscale"), py::arg("xoff"),
-        py::arg("w"), py::arg("scale"), py::arg("bias") = py::none(), py::arg("other") = py::none(),
-        py::arg("dtype") = torch::kFloat32, py::call_guard<py::gil_scoped_release>());
-  m.def("glu", &glu, "W8A8 act(x Wg) * (x Wu)", py::call_guard<py::gil_scoped_release>());
-  py::class_<acb_int8_loop::DecodeLoop>(m, "DecodeLoop", py::module_local(),
-      "a decode-only step's layers in one call (Int8Forward's loop)")
-      .def(py::init<int64_t, int64_t, torch::ScalarType>(), py::arg("rope"), py::arg("decode_into"), py::arg("dtype"))
-      .def("add_layer", &acb_int8_loop::DecodeLoop::add_layer)
-      .def("__len__", &acb_int8_loop::DecodeLoop::size)
-      .def_property("split_rows", &acb_int8_loop::DecodeLoop::split_rows, &acb_int8_loop::DecodeLoop::set_split_rows,
-                    "the fewest rows a step runs as two halves, one per thread, on two threads (0: never)")
-      .def_property_readonly("split_steps", &acb_int8_loop::DecodeLoop::split_steps,
-                             "the steps run as two halves so far")
-      .def("run", &acb_int8_loop::DecodeLoop::run, py::call_guard<py::gil_scoped_release>());
+// RoPE and the decode attention are fused_cpu.cpp's and paged_decode_cpu.cpp's functions (decode_loop.h).
+DecodeLoop::DecodeLoop(torch::ScalarType dtype) : dtype_(dtype) {
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "DecodeLoop: the model's dtype must be "
+              "float32 or bfloat16");
 }
+
+// One layer, in order: its norms (weight, eps; norm 0 before attention, 1 before the MLP), the
+// four GEMM inputs' quantization (group, smoothing multiplier or none, rotated), the five packed
+// weights (q/k/v joined, o, gate, up, down: packed, scales, bias or none), then the attention's
+// shape (query and key columns of the joined output, heads, kv heads, head dim), its scale and
+// sliding window (0: none), and the MLP's activation (0 SiLU, 1 GELU-tanh).
+void DecodeLoop::add_layer(const std::vector<torch::Tensor>& norms, const std::vector<double>& eps,
+                           const std::vector<int64_t>& groups, const std::vector<c10::optional<torch::Tensor>>& mults,
+                           const std::vector<bool>& rotated, const std::vector<torch::Tensor>& weights,
+                           const std::vector<torch::Tensor>& scales,
+                           const std::vector<c10::optional<torch::Tensor>>& biases, int64_t nq, int64_t nk,
+                           int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling, int64_t window,
+                           int64_t act) {
+  TORCH_CHECK(norms.size() == 2 && eps.size() == 2 && groups.size() == 4 && mults.size() == 4 &&
+                  rotated.size() == 4 && weights.size() == 5 && scales.size() == 5 && biases.size() == 5,
+              "DecodeLoop.add_layer: 2 norms and eps, 4 groups, multipliers and rotations, 5 weights, scales "
+              "and biases");
+  TORCH_CHECK(nq == heads * head_dim && nk == kv_heads * head_dim && weights[0].size(0) * 16 == nq + 2 * nk,
+              "DecodeLoop.add_layer: the joined q/k/v columns do not match the heads");
+  Layer l;
+  for (int i = 0; i < 2; ++i) l.norm[i] = norms[i], l.eps[i] = eps[i];
+  for (int i = 0; i < 4; ++i) l.group[i] = groups[i], l.mult[i] = mults[i], l.rot[i] = rotated[i];
+  for (int i = 0; i < 5; ++i) l.w[i] = weights[i], l.s[i] = scales[i], l.b[i] = biases[i];
+  l.attn = {nq, nk, heads, kv_heads, head_dim, window, scaling};
+  l.act = act;
+  layers_.push_back(std::move(l));
+}
+
+// Layer i of run() (decode_loop.h's DecodeLayers): the stream x [T, hidden] float32 after it
+torch::Tensor DecodeLoop::layer(int64_t i, const Layer& l, torch::Tensor x, const torch::Tensor& cos,
+                                const torch::Tensor& sin, const DecodeStep& step) const {
+  const c10::optional<torch::Tensor> none;
+  auto h = quantize_rows(x, l.norm[0], false, l.eps[0], l.group[0], l.mult[0], l.rot[0]);
+  const torch::Tensor a = attend_(i, linear(h[0], h[1], h[2], l.w[0], l.s[0], l.b[0], none, dtype_), l.attn, cos,
+                                  sin, step);
+  if (!a.defined()) return a;
+  h = quantize_rows(a, none, false, 1e-6, l.group[1], l.mult[1], l.rot[1]);
+  x = linear(h[0], h[1], h[2], l.w[1], l.s[1], l.b[1], x, torch::kFloat32);  // the residual add fused
+  h = quantize_rows(x, l.norm[1], false, l.eps[1], l.group[2], l.mult[2], l.rot[2]);
+  torch::Tensor m = glu(h[0], h[1], h[2], l.w[2], l.s[2], l.b[2], l.w[3], l.s[3], l.b[3], l.act, torch::kFloat32);
+  h = quantize_rows(m, none, false, 1e-6, l.group[3], l.mult[3], l.rot[3]);
+  return linear(h[0], h[1], h[2], l.w[4], l.s[4], l.b[4], x, torch::kFloat32);
+}
+
+}  // namespace acb::int8
+
+template class acb::DecodeLayers<acb::int8::DecodeLoop, acb::int8::Layer>;

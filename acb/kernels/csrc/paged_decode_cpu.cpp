@@ -17,8 +17,7 @@
 // stored rotated by a Walsh-Hadamard matrix (write_kv_int8 and paged_decode_into rotate each key
 // row in registers before rounding it, paged_decode_into rotates its queries; `hadamard` rotates
 // the queries of every other path that reads the pages).
-#include "torch_min.h"
-#include "entry_points.h"
+#include "ops.h"
 #include <cstring>
 #include <algorithm>
 #include <climits>
@@ -26,7 +25,11 @@
 #include <type_traits>
 #include <vector>
 #include "vec_math.h"  // hadamard_scalar on every CPU; exp512 and hadamard16 where AVX-512 is
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
+namespace acb::attention {
 
 // A decode call's items (row b and kv head kh: item b * KVH + kh), split between the threads by the keys
 // they read rather than by their count: a step's rows differ in length, and in equal-count halves the
@@ -61,8 +64,6 @@ static void parallel_items(int64_t B, int64_t KVH, const int64_t* len, int64_t w
 }
 
 #if defined(__AVX512F__)
-
-#include <immintrin.h>
 
 // The cache slot of position pos in a sequence whose pages are `pages`: a shift and a mask when
 // page_size is a power of two (the default 16), a division otherwise (~5 % of the float32 decode
@@ -2060,55 +2061,37 @@ void hadamard(const torch::Tensor& x, torch::Tensor& out, double scale) {
     run(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
 }
 
-// The GIL is released while a kernel runs: the event loop's thread keeps serving.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", py::call_guard<py::gil_scoped_release>());
-  m.def("paged_decode_into", &paged_decode_into,
-        "a decode-only step's attention: cache writes, attention, output in the model's dtype (CPU)",
-        py::arg("q"), py::arg("k_new"), py::arg("v_new"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
-        py::arg("pages"), py::arg("lengths"), py::arg("out"), py::arg("page_size"), py::arg("scale"),
-        py::arg("softcap"), py::arg("window"), py::arg("rotate") = false, py::call_guard<py::gil_scoped_release>());
-  m.def("write_kv", &write_kv, "a prompt step's new keys or values into their pages (CPU)", py::arg("src"),
-        py::arg("cache"), py::arg("slots"), py::call_guard<py::gil_scoped_release>());
-  m.def("write_kv_int8", &write_kv_int8, "quantize new keys/values into int8 pages (CPU)", py::arg("src"),
-        py::arg("cache"), py::arg("slots"), py::arg("rotate") = false, py::arg("readback") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("hadamard", &hadamard, "rows x [N, D] -> out = x H * scale (acb/kv_quant.py's key rotation) (CPU)",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("has_avx512", []() {
+// What this build runs (torch_bindings.cpp exports these for Python)
+bool has_avx512() {  // the one-call decode's AVX-512 items (AVX2 with head dims a multiple of 8: decode_into())
 #if defined(__AVX512F__)
-    return true;
+  return true;
 #else
-    return false;
+  return false;
 #endif
-  }, "whether the one-call decode's AVX-512 items run (paged_decode_into: AVX-512, or AVX2 with head dims a "
-     "multiple of 8: decode_into())");
-  m.def("decode_into", []() {
-#if defined(ACB_DECODE_INTO)
-    return true;
-#else
-    return false;
-#endif
-  }, "whether paged_decode_into runs (built with AVX-512, or AVX2 + FMA; elsewhere it returns false, doing nothing)");
-  m.def("prefill_f32", []() {
-#if defined(ACB_PREFILL_F32)
-    return true;
-#else
-    return false;
-#endif
-  }, "whether prefill_attention takes float32 q/k/v (built with AVX-512 or AVX2 + FMA; elsewhere it returns false)");
-  m.def("prefill_bf16", []() {
-#if defined(__AVX512BF16__)
-    return true;
-#else
-    return false;
-#endif
-  }, "whether prefill_attention takes bfloat16 q/k/v (built with avx512_bf16)");
-  m.def("prefill_attention", &prefill_attention, "causal prefill attention of prompt chunks (CPU)", py::arg("q"),
-        py::arg("k"), py::arg("v"), py::arg("spans"), py::arg("out"), py::arg("scale"), py::arg("softcap"),
-        py::arg("window"), py::arg("bf16_weights") = false, py::call_guard<py::gil_scoped_release>());
-  static_assert(std::is_same_v<decltype(&paged_decode_into), acb_entry::DecodeIntoFn>,
-                "entry_points.h: paged_decode_into's type");
-  m.def("_address", []() { return reinterpret_cast<int64_t>(&paged_decode_into); },
-        "paged_decode_into's address, for the int8 and bf16 modules' decode loops (entry_points.h)");
 }
+
+bool decode_into() {  // paged_decode_into runs (AVX-512, or AVX2 + FMA; elsewhere it returns false, doing nothing)
+#if defined(ACB_DECODE_INTO)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool prefill_f32() {  // prefill_attention takes float32 q/k/v (AVX-512 or AVX2 + FMA; elsewhere it returns false)
+#if defined(ACB_PREFILL_F32)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool prefill_bf16() {  // prefill_attention takes bfloat16 q/k/v (avx512_bf16)
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace acb::attention

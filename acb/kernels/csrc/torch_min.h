@@ -1,14 +1,13 @@
-// What acb's native kernels use of PyTorch's C++ API: ATen's tensor, at::empty and parallel_for,
-// and pybind11 with torch's tensor casters. <torch/extension.h> brings all of the C++ frontend
-// besides (modules, optimisers, autograd, every operator's declaration): compiling that header
-// alone took 31.7 s on this project's 2-core machine (torch 2.13, -O3) and these 9-10 s, so a
-// kernel's first build (once per machine) is 11-18 s shorter each: the fused kernels 36 -> 14 s,
-// int8 32 -> 16 s, decode attention 60 -> ~45 s.
+// What acb's native kernels use of PyTorch's C++ API: ATen's tensor, at::empty and parallel_for.
+// <torch/extension.h> brings all of the C++ frontend besides (modules, optimisers, autograd, every
+// operator's declaration): compiling that header alone took 31.7 s on this project's 2-core machine
+// (torch 2.13, -O3), these with pybind11 9-10 s. pybind11 and torch's tensor casters are more than
+// half of that (8.6 of 19.9 CPU-seconds without them, measured on a busy 2-core host), and only
+// torch_bindings.cpp needs them: it includes <torch/csrc/utils/pybind.h> itself.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
-#include <torch/csrc/utils/pybind.h>
 
 // The torch:: names the kernels are written with (torch/types.h's, which are ATen's)
 namespace torch {
