@@ -18,8 +18,7 @@
 //   7 x 48 ~1,000, 6 x 64 ~980, 12 x 32 and 9 x 48 ~600 (spilled): benchmarks/int8_gemm.py's
 //   shapes, 46 and 1,667 rows.
 #include "decode_loop.h"
-#include "bf16_scalar.h"
-#include "vec_math.h"
+#include "vec.h"
 #include "tile_prefetch.h"
 #include <immintrin.h>
 #include <algorithm>
@@ -32,12 +31,12 @@
 namespace acb::bf16 {
 namespace {
 
-using acb_bf16::to_bf16;  // bf16 <-> float32 by bits (acb/kernels/bf16_scalar.h)
+using acb_bf16::to_bf16;  // bf16 <-> float32 by bits (vec_scalar.h)
 using acb_bf16::widen;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 constexpr bool kBf16 = true;
-using acb_vec::act512;  // SiLU (0) / GELU-tanh (1), acb/kernels/vec_math.h
+using acb_vec::act512;  // SiLU (0) / GELU-tanh (1), vec_avx512.h
 
 // acc + a . b over bf16 pairs, written as one instruction (as int8_cpu.cpp's dpbusd: no register
 // copies per accumulator and k step)
@@ -50,18 +49,8 @@ inline __m512 dpbf16(__m512 acc, __m512 a, __m512 b) {
 #endif
 }
 
-inline __m512 load_masked(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load_masked(const uint16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-inline void store_masked(float* p, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
-inline __m256i round_bf16(__m512 v) {  // round to nearest even, as PyTorch rounds (finite values)
-  __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
-}
-inline void store_masked(uint16_t* p, __mmask16 m, __m512 v) { _mm256_mask_storeu_epi16(p, m, round_bf16(v)); }
+using acb_vec::load16;  // float32 or bf16 lanes (masked) in, float32 or rounded bf16 out (vec_avx512.h)
+using acb_vec::store16;
 inline __mmask16 tail(int64_t left) { return left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1); }
 
 // PF: also fetch blocks [pj0, pj1) of the next column tile (NB blocks on) into L2, one line per k step,
@@ -126,8 +115,8 @@ void tile(const Gemm& g, int64_t m0, int64_t b0, int pj0, int pj1) {
     const __m512 bias = g.bias ? _mm512_maskz_loadu_ps(m, g.bias + c) : _mm512_setzero_ps();
     for (int r = 0; r < MR; ++r) {
       __m512 o = _mm512_add_ps(acc[r][j], bias);
-      if (other) o = _mm512_add_ps(o, load_masked(other + (m0 + r) * g.os + c, m));
-      store_masked(out + (m0 + r) * g.ostride + c, m, o);
+      if (other) o = _mm512_add_ps(o, load16(other + (m0 + r) * g.os + c, m));
+      store16(out + (m0 + r) * g.ostride + c, m, o);
     }
   }
 }
@@ -152,7 +141,7 @@ void glu_tile(const Gemm& g, int64_t up, int64_t act, int64_t m0, int64_t b0, in
     const int64_t c = (b0 + j) * 16;
     const __m512 bias = g.bias ? _mm512_loadu_ps(g.bias + up * 16 + c) : _mm512_setzero_ps();
     for (int r = 0; r < MR; ++r)
-      store_masked(out + (m0 + r) * g.ostride + c, 0xffff, _mm512_mul_ps(v[r][j], _mm512_add_ps(acc[r][j], bias)));
+      store16(out + (m0 + r) * g.ostride + c, 0xffff, _mm512_mul_ps(v[r][j], _mm512_add_ps(acc[r][j], bias)));
   }
 }
 
@@ -222,9 +211,9 @@ constexpr bool kBf16 = false;
 // vdpbf16ps's), the same epilogues. Half the bytes of a float32 weight, at float32's arithmetic rate.
 // Tiles: 4 rows x 16 columns (8 accumulators, 4 widened weight registers, 2 broadcasts).
 constexpr bool kWidened = true;
-using acb_vec::act256;  // SiLU (0) / GELU-tanh (1) on 8 lanes, acb/kernels/vec_math.h
+using acb_vec::act256;  // SiLU (0) / GELU-tanh (1) on 8 lanes, vec_avx2.h
 
-using acb_vec::load8;  // 8 float32 or bf16 lanes in, float32 or rounded bf16 out (vec_math.h)
+using acb_vec::load8;  // 8 float32 or bf16 lanes in, float32 or rounded bf16 out (vec_avx2.h)
 using acb_vec::store8;
 
 // acc[r][h] (columns 8h..8h+7 of the block) = rows m0.. of x (float32, stride k) . the block's columns

@@ -11,13 +11,12 @@
 // when the model is bf16: RMSNorm rounds the normalised row, then the product with its
 // weight; RoPE rounds each of its two products and their sum.
 #include "ops.h"
-#include "bf16_scalar.h"
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
-#include "vec_math.h"
+#include "vec.h"
 
 namespace acb::fused {
 namespace {
@@ -28,7 +27,7 @@ void check_rows(const torch::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " must be a 2-D tensor with contiguous rows");
 }
 
-// bfloat16 <-> float32 by bits (acb/kernels/bf16_scalar.h; vectorises under omp simd, unlike
+// bfloat16 <-> float32 by bits (vec_scalar.h; vectorises under omp simd, unlike
 // c10::BFloat16's class); widen(float) is the identity, so one template reads either dtype
 inline float widen(float v) { return v; }
 using acb_bf16::to_bf16;
@@ -146,7 +145,7 @@ void rope_(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin, 
 // N columns, then the up projection's (rows may be strided); out[t] = act(g[t]) * u[t],
 // computed in float32 from the values as gu's dtype holds them and rounded once to it
 // (float32 or bfloat16). act 0: SiLU, g / (1 + exp(-g)); 1: GELU-tanh. The exp is a
-// degree-6 polynomial (relative error ~2e-7, acb/kernels/vec_math.h), as oneDNN's fused
+// degree-6 polynomial (relative error ~2e-7, vec_avx512.h), as oneDNN's fused
 // epilogue approximates it: not bit-identical to PyTorch's, well inside float32's noise.
 template <typename T>
 static void glu_t(const torch::Tensor& gu, int64_t act, torch::Tensor& out) {
@@ -163,24 +162,12 @@ static void glu_t(const torch::Tensor& gu, int64_t act, torch::Tensor& out) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
       for (; n < N; n += 16) {
         const __mmask16 k = N - n >= 16 ? __mmask16(0xffff) : __mmask16((1u << (N - n)) - 1);
-        __m512 gv, uv;
-        if constexpr (std::is_same_v<T, float>) {
-          gv = _mm512_maskz_loadu_ps(k, g + n);
-          uv = _mm512_maskz_loadu_ps(k, u + n);
-        } else {
-          gv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, g + n)), 16));
-          uv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, u + n)), 16));
-        }
+        const __m512 gv = acb_vec::load16(g + n, k), uv = acb_vec::load16(u + n, k);  // bf16: widened
         const __m512 mv = _mm512_mul_ps(acb_vec::act512(gv, act), uv);
-        if constexpr (std::is_same_v<T, float>) {
-          _mm512_mask_storeu_ps(m + n, k, mv);
-        } else {  // to_bf16 on 16 lanes: round to nearest even, NaN stays NaN
-          const __m512i bits = _mm512_castps_si512(mv);
-          const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-          __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
-          r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(mv, mv, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-          _mm256_mask_storeu_epi16(m + n, k, _mm512_cvtepi32_epi16(r));
-        }
+        if constexpr (std::is_same_v<T, float>)
+          acb_vec::store16(m + n, k, mv);
+        else  // to_bf16 on 16 lanes: round to nearest even, NaN stays NaN
+          _mm256_mask_storeu_epi16(m + n, k, acb_vec::round16_nan(mv));
       }
 #endif
       for (; n < N; ++n) {

@@ -21,9 +21,8 @@
 // Tiles: 6 rows x 32 columns (12 zmm accumulators); the threads split (column tile, row
 // chunk) pairs, column tiles outermost so each thread keeps its weight panels in its L2.
 #include "decode_loop.h"
-#include "bf16_scalar.h"
 #include <immintrin.h>
-#include "vec_math.h"
+#include "vec.h"
 #include "tile_prefetch.h"
 #include <algorithm>
 #include <cmath>
@@ -49,26 +48,18 @@ constexpr bool kGemm = true;
 constexpr bool kGemm = false;
 #endif
 
-using acb_bf16::widen;  // bf16 -> float32 by bits (acb/kernels/bf16_scalar.h)
+using acb_bf16::widen;  // bf16 -> float32 by bits (vec_scalar.h)
 
 enum Epilogue : int64_t { kNone = 0, kAdd = 1 };
 enum Act : int64_t { kSilu = 0, kGeluTanh = 1 };
 
 #if defined(__AVX512F__)
-using acb_vec::act512;  // SiLU (kSilu) / GELU-tanh (kGeluTanh), acb/kernels/vec_math.h
+using acb_vec::act512;  // SiLU (kSilu) / GELU-tanh (kGeluTanh), vec_avx512.h
 
-inline __m512 load_row(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load_row(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-inline void store_row(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store_row(uint16_t* p, __m512 v) {
-  // round to nearest even, as PyTorch rounds (activations are finite here)
-  __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
-}
+// float32 or bf16 lanes (masked, too) in, float32 or rounded bf16 out (activations are finite here;
+// vec_avx512.h)
+using acb_vec::load16;
+using acb_vec::store16;
 #endif
 
 struct Weight {
@@ -184,8 +175,8 @@ void tile(const Rows& x, const Weight& w, const Weight* up, int64_t act, int64_t
     for (int j = 0; j < NB; ++j) {
       const int64_t n = (b0 + j) * 16;
       __m512 o = v[r][j];
-      if (epi == kAdd) o = _mm512_add_ps(o, load_row(other + (m0 + r) * other_stride + n));
-      store_row(out + (m0 + r) * out_stride + n, o);
+      if (epi == kAdd) o = _mm512_add_ps(o, load16(other + (m0 + r) * other_stride + n));
+      store16(out + (m0 + r) * out_stride + n, o);
     }
 }
 
@@ -258,9 +249,9 @@ void gemm(const Rows& x, int64_t m, const Weight& w, const Weight* up, int64_t a
 // columns x 4 k) as they are loaded. A vpmaddwd lane holds one column's two k products, so a
 // group's sums are its lanes added in pairs (one vphaddd per row and 8 columns, at the flush).
 // Tiles: MR rows x 8 columns (half a packed block): 2 MR int32 accumulators.
-using acb_vec::act256;  // SiLU / GELU-tanh on 8 lanes (acb/kernels/vec_math.h)
+using acb_vec::act256;  // SiLU / GELU-tanh on 8 lanes (vec_avx2.h)
 
-using acb_vec::load8;  // 8 float32 or bf16 lanes in, float32 or rounded bf16 out (vec_math.h)
+using acb_vec::load8;  // 8 float32 or bf16 lanes in, float32 or rounded bf16 out (vec_avx2.h)
 using acb_vec::store8;
 
 // acc + the int32 pair sums of a * b (vpmaddwd, then vpaddd), written as two instructions: GCC 12
@@ -420,13 +411,8 @@ Weight weight_of(const torch::Tensor& w, const torch::Tensor& scale, const c10::
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-inline __m512 load_masked(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load_masked(const uint16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
 // x <- x H in place: the Walsh-Hadamard transform (Sylvester's order, entries +-1, not normalised)
-// in blocks of b = the largest power of two dividing k (acb/kernels/vec_math.h's sums, in memory for
+// in blocks of b = the largest power of two dividing k (vec_avx512.h's sums, in memory for
 // blocks too large for registers). The four stages within 16 lanes in registers, then the stages
 // across them; the scalar loop where b < 16.
 inline void hadamard_row(float* x, int64_t k) {
@@ -485,7 +471,7 @@ inline void quantize_groups(const float* vals, int64_t k, int64_t nv, const floa
 // times the multiplier (null: none): what quantize_row's paths below compute before rotating or rounding
 template <typename T>
 inline __m512 prepared16(const T* x, int64_t i, const float* w, const float* mult, __m512 vinv) {
-  __m512 u = load_row(x + i);
+  __m512 u = load16(x + i);
   if (w) u = _mm512_mul_ps(_mm512_loadu_ps(w + i), _mm512_mul_ps(u, vinv));
   if (mult) u = _mm512_mul_ps(u, _mm512_loadu_ps(mult + i));
   return u;
@@ -596,11 +582,11 @@ void quantize_row(const T* x, int64_t k, int64_t group, const float* w, const fl
     for (; i + 64 <= k; i += 64)
 #pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) {
-        const __m512 v = load_row(x + i + 16 * c);
+        const __m512 v = load16(x + i + 16 * c);
         ss[c] = _mm512_fmadd_ps(v, v, ss[c]);
       }
     for (; i < k; i += 16) {
-      const __m512 v = load_masked(x + i, mask(i, k));
+      const __m512 v = load16(x + i, mask(i, k));
       ss[0] = _mm512_fmadd_ps(v, v, ss[0]);
     }
     const __m512 sum = _mm512_add_ps(_mm512_add_ps(ss[0], ss[1]), _mm512_add_ps(ss[2], ss[3]));
@@ -621,7 +607,7 @@ void quantize_row(const T* x, int64_t k, int64_t group, const float* w, const fl
   if (rotate) {  // any other shape: through buf
     for (int64_t i = 0; i < k; i += 16) {
       const __mmask16 m = mask(i, k);
-      __m512 v = load_masked(x + i, m);
+      __m512 v = load16(x + i, m);
       if (norm) v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + i), _mm512_mul_ps(v, _mm512_set1_ps(inv)));
       if (mult) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, mult + i));
       _mm512_mask_storeu_ps(buf + i, m, v);
@@ -650,7 +636,7 @@ void quantize_row(const T* x, int64_t k, int64_t group, const float* w, const fl
     __m512 amax = _mm512_setzero_ps();
     for (int64_t i = g0; i < end; i += 16) {
       const __mmask16 m = mask(i, end);
-      __m512 v = load_masked(x + i, m);
+      __m512 v = load16(x + i, m);
       if (norm) v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + i), _mm512_mul_ps(v, _mm512_set1_ps(inv)));
       if (mult) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, mult + i));
       _mm512_mask_storeu_ps(buf + i, m, v);

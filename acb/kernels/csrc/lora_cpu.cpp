@@ -14,7 +14,7 @@
 // the MLP whose gate/up take a delta (the GEMM's fused epilogue cannot take it before the activation).
 #include "ops.h"
 #include <immintrin.h>
-#include "vec_math.h"
+#include "vec.h"
 #include <algorithm>
 #include <cstdint>
 #include <vector>

@@ -24,7 +24,7 @@
 #include <cmath>
 #include <type_traits>
 #include <vector>
-#include "vec_math.h"  // hadamard_scalar on every CPU; exp512 and hadamard16 where AVX-512 is
+#include "vec.h"  // hadamard_scalar on every CPU; exp512, hadamard16 and the bf16 lanes where AVX-512 is
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -76,27 +76,19 @@ static inline int64_t slot_of(const int64_t* pages, int64_t page_size, int64_t p
   return pages[pos / page_size] * page_size + pos % page_size;
 }
 
-// exp on 16 lanes (inputs here are scores minus their max: <= 0): acb/kernels/vec_math.h's
+// exp on 16 lanes (inputs here are scores minus their max: <= 0): vec_avx512.h's
 static inline __m512 exp16(__m512 x) { return acb_vec::exp512(x); }
 
-// 16 lanes of a cached row, widened to float32 (bf16: the top half of a float's bits).
-static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16(const at::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+// 16 lanes of a cached row, widened to float32 (bf16: the top half of a float's bits; vec_avx512.h).
+using acb_vec::load16;
+using acb_vec::store16;
+static inline __m512 load16(const at::BFloat16* p) { return load16(reinterpret_cast<const uint16_t*>(p)); }
 static inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 // 16 float32 lanes stored as float32, or rounded to bfloat16 (to nearest, ties to even: what
 // PyTorch's float -> bfloat16 conversion does for every non-NaN value)
-static inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-static inline void store16(at::BFloat16* p, __m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
-}
+static inline void store16(at::BFloat16* p, __m512 v) { store16(reinterpret_cast<uint16_t*>(p), v); }
 static inline __m512 load16(const int8_t* p) {  // int8 values, their row's scale applied by the caller
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
@@ -113,7 +105,7 @@ static inline float row_scale(const int8_t* row, int64_t D) {
 }
 
 // Keys in int8 pages are stored rotated by the Walsh-Hadamard matrix (blocks of the largest power of
-// two dividing D; acb_vec::hadamard_scalar / hadamard16 in vec_math.h), and the queries that read them
+// two dividing D; acb_vec::hadamard_scalar / hadamard16 in vec_scalar.h, vec_avx512.h), and the queries that read them
 // rotated alike (acb/kv_quant.py says why).
 using acb_vec::hadamard_scalar;
 #if defined(__AVX512F__)
@@ -240,7 +232,7 @@ static inline void prefetch_item(const T* kp, const T* vp, const int64_t* pg, co
   prefetch_start(vp + kh * S * stride, pg + b * P, page_size, stride, first, m);
 }
 
-using acb_vec::reduce16;  // 16 vectors -> one vector of their sums (vec_math.h)
+using acb_vec::reduce16;  // 16 vectors -> one vector of their sums (vec_avx512.h)
 
 // Scores of G query heads against keys [i0, i0 + nk) (nk <= 16): the keys are widened
 // once into kf (16 x D floats, L1), then each head's 16 dot products are reduced
@@ -370,10 +362,10 @@ static ItemFn<T, Q, O> pick_item(int64_t G, int64_t D) {
 // paged_decode's item on AVX2 (no AVX-512: Zen 2/3, Haswell to Alder Lake), for head dims that are
 // multiples of 8 and no soft-capping: the same masked softmax in float32, 8 lanes at a time. Scores
 // over blocks of 8 keys (each block's rows widened once into kf, then each query head's 8 dot
-// products reduced together: no horizontal sum per key), exp on 8 lanes (vec_math.h's exp256, as the
+// products reduced together: no horizontal sum per key), exp on 8 lanes (vec_avx2.h's exp256, as the
 // AVX-512 kernel's exp512), the weighted values summed per query head in registers, 64 dims at a time.
 // The portable loop below took ~1.2 ms a layer at 45 rows x ~300 keys (9 heads over 3, D 64).
-using acb_vec::load8;  // float32 (and bf16 bits) to float32 lanes, vec_math.h
+using acb_vec::load8;  // float32 (and bf16 bits) to float32 lanes, vec_avx2.h
 static inline __m256 load8(const at::BFloat16* p) { return load8(reinterpret_cast<const uint16_t*>(p)); }
 static inline __m256 load8(const at::Half* p) {
 #if defined(__F16C__)
@@ -1566,9 +1558,8 @@ static void run_item16(const Args16& a, int64_t t0, int64_t past, int64_t kh, in
         _mm512_storeu_si512(pr, hi);
         if constexpr (!LO) continue;
         // hi's low 256 bits are p0's 16 weights rounded, its high 256 bits p1's: widened back
-        const __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hi)), 16));
-        const __m512 h1 = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hi, 1)), 16));
+        const __m512 h0 = acb_vec::widen16(_mm512_castsi512_si256(hi));
+        const __m512 h1 = acb_vec::widen16(_mm512_extracti64x4_epi64(hi, 1));
         _mm512_storeu_si512(pr + KB / 2, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
             _mm512_sub_ps(p1, h1), _mm512_sub_ps(p0, h0))));
       }
