@@ -14,7 +14,7 @@ EOS ignored, all submitted at once, a cold prefix cache):
 - with ``--rounds N``, base / one / eight N times over, interleaved; the costs are against
   the mean of every base run, from the means of every run of each kind;
 - ``one_pytorch`` and ``eight_pytorch`` (once): the same without the native LoRA kernels
-  (``acb/kernels/lora_cpu.cpp``), the deltas with PyTorch ops as in bfloat16 (what float32
+  (``acb/kernels/csrc/lora_cpu.cpp``), the deltas with PyTorch ops as in bfloat16 (what float32
   ran before the kernels);
 - ``base`` again at the end (the machine's drift between the first and the last run).
 

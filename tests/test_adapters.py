@@ -35,7 +35,7 @@ def config(**fields):
 
 
 def native_kernels() -> bool:
-    """Whether float32 adapters run on acb/kernels/lora_cpu.cpp here (an AVX-512 CPU)."""
+    """Whether float32 adapters run on acb/kernels/csrc/lora_cpu.cpp here (an AVX-512 CPU)."""
     from acb.kernels.cpu import lora_kernels
 
     kernels = lora_kernels()

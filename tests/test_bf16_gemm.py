@@ -1,4 +1,4 @@
-"""acb's bf16 GEMMs (``acb/kernels/bf16_cpu.cpp``) against float64 references, and the bf16 fused
+"""acb's bf16 GEMMs (``acb/kernels/csrc/bf16_cpu.cpp``) against float64 references, and the bf16 fused
 forward that runs on them: bf16 into every GEMM, float32 between them (the residual stream,
 RoPE, the logits)."""
 

@@ -82,7 +82,7 @@ def decode_both_ways(runner, forward_cls, monkeypatch, label: str, prompts: int 
     its native DecodeLoop (the same new keys and values written twice): the same logits to the bit,
     the native loop taking every step where the architecture and the one-call attention allow it. With
     16 ``prompts`` or more, the DecodeLoop runs each step twice more: whole, and as two halves of rows on
-    two threads (``split_rows``, entry_points.h), both the same bits."""
+    two threads (``split_rows``, acb/kernels/csrc/decode_loop.h), both the same bits."""
     native = []
     decode_layers = forward_cls._decode_layers
 

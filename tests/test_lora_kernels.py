@@ -1,4 +1,4 @@
-"""acb/kernels/lora_cpu.cpp against PyTorch: each adapter row of a step gets exactly its own
+"""acb/kernels/csrc/lora_cpu.cpp against PyTorch: each adapter row of a step gets exactly its own
 adapter's delta on every projection of a group (the shrink over the group's concatenated A,
 the expand per projection), rows of no adapter and slots whose scale is 0 are left alone,
 whatever the mix and order of slots; ``glu_add`` is the MLP's SiLU / GELU-tanh times up with

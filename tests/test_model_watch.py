@@ -166,7 +166,7 @@ def _watch_kinds():
 
 @pytest.mark.parametrize("native", _watch_kinds(), ids=lambda n: "python" if n is None else "native")
 def test_the_weight_check_sees_each_kind_of_change_and_nothing_else(native):
-    """ModelWatch.weights_changed, in Python and in acb's C++ loop (acb/kernels/fused_cpu.cpp's
+    """ModelWatch.weights_changed, in Python and in acb's C++ loop (acb/kernels/csrc/torch_bindings.cpp's
     WeightWatch, what the engine runs where its CPU kernels are built): a parameter edited in place,
     replaced in its module, given new storage through ``.data``, or deleted; a buffer replaced; each
     seen, and nothing once the watch takes the model as it is. An inference tensor keeps no version

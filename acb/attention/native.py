@@ -1,4 +1,4 @@
-"""The ``native`` attention backend: acb's CPU kernels (``acb/kernels/paged_decode_cpu.cpp``),
+"""The ``native`` attention backend: acb's CPU kernels (``acb/kernels/csrc/paged_decode_cpu.cpp``),
 which read float32, bfloat16 or float16 pages (and int8 ones, ``acb.attention.kv_quant``) in
 place and compute in float32.
 

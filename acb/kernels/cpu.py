@@ -1,10 +1,13 @@
-"""acb's native CPU kernels: decode attention over the paged cache
-(``paged_decode_cpu.cpp``) and the fused elementwise ops of the fused forward
-(``fused_cpu.cpp``), built with the system C++ compiler on first use and cached by
-torch (``~/.cache/torch_extensions``).
+"""acb's native CPU kernels: one library, built from ``acb/kernels/csrc/`` as one extension with the
+system C++ compiler and ninja on first use, and cached in torch's extensions folder
+(``~/.cache/torch_extensions``, or ``TORCH_EXTENSIONS_DIR``). Its parts, one source file each:
+attention over the paged cache (``paged_decode_cpu.cpp``: :func:`paged_decode_kernel`), the fused
+forward's elementwise ops (``fused_cpu.cpp``: :func:`fused_kernels`), the int8 and bf16 GEMMs with
+their decode loops (``int8_cpu.cpp``, ``bf16_cpu.cpp``) and the LoRA deltas (``lora_cpu.cpp``), bound
+for Python in ``torch_bindings.cpp``; they call each other as C++ functions (``csrc/ops.h``).
 
-``EngineConfig.cpu_kernels=False`` (or ``ACB_CPU_KERNEL=0``) keeps an engine off them; if one
-cannot be built, acb logs why once and uses its PyTorch path."""
+``EngineConfig.cpu_kernels=False`` (or ``ACB_CPU_KERNEL=0``) keeps an engine off them; if the library
+cannot be built (no compiler, no ninja, no headers), acb logs why once and uses its PyTorch path."""
 
 from __future__ import annotations
 
@@ -12,86 +15,179 @@ import contextlib
 import hashlib
 import logging
 import os
+import shlex
+import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 log = logging.getLogger("acb")
-_lock = threading.Lock()  # guards _locks
-_locks: dict[str, threading.Lock] = {}  # one per kernel: two kernels build side by side, one builds once
-_modules: dict[str, object] = {}
-_failed: set[str] = set()
+CSRC = Path(__file__).parent / "csrc"
+# The library's source files, each compiled with COMMON_FLAGS and its own (a source's flags are the ones
+# it had as an extension of its own, so its code compiles as it did): paged_decode_cpu.cpp, the longest
+# to compile, first, so ninja starts it first.
+COMMON_FLAGS = ["-O3", "-march=native", "-fopenmp"]
+SOURCES = {
+    "paged_decode_cpu.cpp": ["-ffast-math"],
+    "int8_cpu.cpp": [],
+    "bf16_cpu.cpp": [],
+    # no fast-math, no FMA contraction: its results must match transformers' modules bit for bit
+    "fused_cpu.cpp": ["-ffp-contract=off"],
+    "lora_cpu.cpp": [],
+    "torch_bindings.cpp": [],
+}
+# Linked without -ffast-math (as torch links an extension): GCC would add crtfastmath.o, which sets
+# flush-to-zero for the whole process when the library loads.
+LINK_FLAGS = ["-shared", "-fopenmp"]
+
+_lock = threading.Lock()  # one build at a time in this process; the others wait for it
+_library: list = []  # the loaded library, once built
+_failed: list[str] = []  # why it could not be built, once it could not
 
 
-def _lock_of(name: str) -> threading.Lock:
-    with _lock:
-        return _locks.setdefault(name, threading.Lock())
+def extension_name() -> str:
+    """The library's module name, and its build folder's under ``TORCH_EXTENSIONS_DIR``.
+
+    One per source location and torch version: ninja's file names the sources' paths, so two
+    checkouts of acb sharing one name would rebuild each other's every load, and ninja does not
+    see torch's headers change (they are system headers to it). An emulated build
+    (``ACB_CPU_KERNEL_EMULATE``) has a name and folder of its own, beside the native one."""
+    import torch
+
+    where = hashlib.sha1(f"{Path(__file__).parent.resolve()} {torch.__version__}".encode()).hexdigest()[:8]
+    emulation = _emulation()
+    return f"acb_kernels_{where}" + (emulation[0] if emulation else "")
+
+
+def build_folder() -> Path:
+    """Where the library is built: ``TORCH_EXTENSIONS_DIR``, else torch's default root with one
+    folder per Python version (as torch's own extensions), then :func:`extension_name`."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not root:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        version = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(get_default_build_root(), f"{version}_cpu")
+    return Path(root) / extension_name()
+
+
+def compile_flags() -> dict[str, list[str]]:
+    """Each source file's own compiler flags (COMMON_FLAGS, then its SOURCES entry), for this CPU
+    (``-march=native``) or the AVX-512 kind ``ACB_CPU_KERNEL_EMULATE`` names."""
+    emulation = _emulation()
+    flags = {}
+    for source, own in SOURCES.items():
+        f = [*COMMON_FLAGS, *own]
+        if emulation:
+            # AVX2 + FMA whatever this CPU has: on an AVX-512 CPU, -march=native would define the
+            # ISA macros the emulation chooses (BF16, VNNI) natively, and build the native kernels
+            f = [EMULATION_ARCH if x == "-march=native" else x for x in f]
+            f = [*f, *emulation[1], "-include", str(CSRC / "avx512_emulated.h")]
+        flags[source] = f
+    return flags
 
 
 @contextlib.contextmanager
-def _builder_lock(ext: str):
-    """Hold an OS file lock on the extension's build folder while torch builds or loads it.
-
-    torch marks a build in progress with a ``lock`` file that only the builder removes: a build
-    killed midway (Ctrl-C, OOM, a killed test) leaves it, and every later load waits on it forever.
-    The OS drops our ``flock`` when its holder dies, so whoever holds it knows any ``lock`` file
-    there was left by a dead build, and removes it."""
+def _builder_lock(folder: Path):
+    """An OS file lock on the build folder while this process builds or loads the library there:
+    two processes starting at once build it once (ninja is not safe to run twice in one folder).
+    The OS drops the lock when its holder dies, so a build killed midway (Ctrl-C, OOM, a killed
+    test) holds no later one up, and ninja redoes whatever it left unfinished."""
+    folder.mkdir(parents=True, exist_ok=True)
     try:
         import fcntl
-
-        from torch.utils.cpp_extension import _get_build_directory
-
-        folder = Path(_get_build_directory(ext, verbose=False))
-    except (ImportError, OSError):  # no fcntl (Windows) or torch moved its private helper
+    except ImportError:  # Windows
         yield
         return
     with open(folder / "acb.flock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
-        stale = folder / "lock"
-        if stale.exists():
-            log.warning("acb: removing %s, left by a kernel build that did not finish", stale)
-            stale.unlink(missing_ok=True)
         yield
 
 
-def extension_name(name: str) -> str:
-    """torch's name for kernel ``name``'s build (its folder under ``TORCH_EXTENSIONS_DIR``).
+def _ninja() -> str:
+    found = shutil.which("ninja")
+    if found:
+        return found
+    try:  # the ninja package (pyproject's dependency): its binary is off PATH where the venv is not activated
+        import ninja
 
-    One build folder per source location: torch's ninja file names the source path, so two
-    checkouts of acb sharing one name would rebuild each other's every load. An emulated build
-    (``ACB_CPU_KERNEL_EMULATE``) has folders of its own, beside the native ones."""
-    where = hashlib.sha1(str(Path(__file__).parent.resolve()).encode()).hexdigest()[:8]
-    emulation = _emulation()
-    return f"{name}_{where}" + (emulation[0] if emulation else "")
+        return os.path.join(ninja.BIN_DIR, "ninja")
+    except (ImportError, AttributeError):
+        raise RuntimeError("ninja is not installed (pip install ninja)") from None
 
 
-def _build(name: str, source: str, cflags: list[str]):
-    """Build (or load from torch's cache) one extension; None, logged once, if it cannot be."""
-    if name in _modules or name in _failed:
-        return _modules.get(name)
-    with _lock_of(name):
-        if name not in _modules and name not in _failed:
+def _write_ninja_file(folder: Path, name: str) -> None:
+    """build.ninja: each source file compiled with its own flags (:func:`compile_flags`), then the
+    objects linked into ``name``.so, with the include paths, defines and libraries torch gives one
+    of its extensions (``torch.utils.cpp_extension.load``, which takes one set of flags for all)."""
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    includes = [*include_paths(), sysconfig.get_path("include", scheme="posix_prefix")]
+    common = [f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+              *(f"-isystem {shlex.quote(i)}" for i in includes), "-fPIC", "-std=c++20"]
+    ldflags = [*LINK_FLAGS, *(f"-L{shlex.quote(p)}" for p in library_paths()),
+               "-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python"]
+
+    def escaped(path) -> str:  # a path as ninja reads it in a build line
+        return str(path).replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
+
+    lines = ["ninja_required_version = 1.3", f"cxx = {os.environ.get('CXX', 'c++')}",
+             f"common = {' '.join(common)}", f"ldflags = {' '.join(ldflags)}", "",
+             "rule compile", "  command = $cxx -MMD -MF $out.d $common $flags -c $in -o $out",
+             "  depfile = $out.d", "  deps = gcc", "", "rule link", "  command = $cxx $in $ldflags -o $out", ""]
+    objects = []
+    for source, flags in compile_flags().items():
+        obj = Path(source).with_suffix(".o").name
+        objects.append(obj)
+        lines += [f"build {obj}: compile {escaped(CSRC / source)}", f"  flags = {' '.join(map(shlex.quote, flags))}"]
+    lines += ["", f"build {name}.so: link {' '.join(objects)}", f"default {name}.so", ""]
+    text = "\n".join(lines)
+    path = folder / "build.ninja"
+    if not path.exists() or path.read_text() != text:  # unchanged: ninja keeps its outputs up to date
+        path.write_text(text)
+
+
+def _build_and_load(folder: Path, name: str):
+    """Bring the library in ``folder`` up to date with ninja (a first build compiles every source
+    file, MAX_JOBS of them at once, else ninja's default) and import it."""
+    import importlib.util
+
+    import torch  # noqa: F401  (the library links torch's libraries: torch loads them first)
+
+    _write_ninja_file(folder, name)
+    jobs = os.environ.get("MAX_JOBS", "")
+    done = subprocess.run([_ninja(), *(["-j", jobs] if jobs.isdigit() else [])], cwd=folder,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"building {folder} failed:\n{done.stdout[-4000:]}")
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.so")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def library():
+    """The native kernel library (its parts as submodules: ``fused``, ``attention``, ``int8``,
+    ``bf16``, ``lora``), built or loaded on first call; None, logged once, if it cannot be."""
+    if _library or _failed:
+        return _library[0] if _library else None
+    with _lock:
+        if not _library and not _failed:
             try:
-                from torch.utils.cpp_extension import load
-
-                src = Path(__file__).with_name(source)
-                ext = extension_name(name)
-                emulation = _emulation()
-                if emulation:
-                    # AVX2 + FMA whatever this CPU has: on an AVX-512 CPU, -march=native would define the
-                    # ISA macros the emulation chooses (BF16, VNNI) natively, and build the native kernels
-                    cflags = [EMULATION_ARCH if f == "-march=native" else f for f in cflags]
-                    cflags = [*cflags, *emulation[1], "-include", str(src.with_name("avx512_emulated.h"))]
-                with _builder_lock(ext):
-                    _modules[name] = load(name=ext, sources=[str(src)], extra_cflags=cflags,
-                                          extra_ldflags=["-fopenmp"], verbose=False)
-            except Exception as e:  # no compiler, no headers, ...
-                _failed.add(name)
-                log.warning("acb: CPU kernels %s unavailable (%s); using the PyTorch path", source, e)
-    return _modules.get(name)
+                folder, name = build_folder(), extension_name()
+                with _builder_lock(folder):
+                    _library.append(_build_and_load(folder, name))
+            except Exception as e:  # no compiler, no ninja, no headers, ...
+                _failed.append(str(e))
+                log.warning("acb: CPU kernels of %s unavailable (%s); using the PyTorch path", CSRC, e)
+    return _library[0] if _library else None
 
 
 # ACB_CPU_KERNEL_EMULATE's values: (build-folder suffix, the features left out); the CPU kinds each
-# stands for are in avx512_emulated.h. An emulated build targets EMULATION_ARCH (AVX2 and FMA, no
+# stands for are in csrc/avx512_emulated.h. An emulated build targets EMULATION_ARCH (AVX2 and FMA, no
 # AVX-512), not this CPU: the AVX-512 macros then come from avx512_emulated.h alone.
 EMULATION_ARCH = "-march=x86-64-v3"
 _EMULATIONS = {
@@ -104,7 +200,7 @@ _EMULATIONS = {
 def _emulation() -> tuple[str, list[str]] | None:
     """``ACB_CPU_KERNEL_EMULATE=avx512`` (AVX-512 with VNNI and BF16), ``avx512-vnni`` (without BF16)
     or ``avx512-base`` (neither): build the kernels' AVX-512 paths against SIMDe's portable
-    intrinsics (``avx512_emulated.h``; needs Debian's ``libsimde-dev`` or SIMDe's headers on the
+    intrinsics (``csrc/avx512_emulated.h``; needs Debian's ``libsimde-dev`` or SIMDe's headers on the
     include path), so a CPU without AVX-512 runs and tests them - slowly; never for speed. Any
     other value is refused by name rather than ignored."""
     value = os.environ.get("ACB_CPU_KERNEL_EMULATE", "")
@@ -115,44 +211,46 @@ def _emulation() -> tuple[str, list[str]] | None:
 
 
 def start_building(*kernels) -> None:
-    """Build (or load) each of ``kernels`` (this module's getters: ``fused_kernels``, ...) on a
-    thread of its own and return at once; whoever calls a getter later waits for its build. Each
-    build is one compiler process: in a fresh cache an engine's first start compiled the
-    decode-attention kernel (then ~70 s on 2 cores; ~45 s since the kernels include ``torch_min.h``)
-    and then the fused one (~36 s; now ~15 s), one after the other."""
-    for getter in kernels:
-        threading.Thread(target=getter, name=f"acb-build-{getter.__name__}", daemon=True).start()
+    """Build (or load) the library on a thread of its own and return at once; whoever calls a
+    getter (``kernels``: this module's getters, ``fused_kernels``, ...; all parts of the one
+    library) later waits for it. ninja compiles its source files side by side."""
+    if kernels and not _library and not _failed:
+        threading.Thread(target=library, name="acb-build-kernels", daemon=True).start()
+
+
+def _part(name: str):
+    lib = library()
+    return getattr(lib, name) if lib is not None else None
 
 
 def paged_decode_kernel():
-    """The compiled decode-attention module, or None when unavailable."""
-    return _build("acb_paged_decode_cpu", "paged_decode_cpu.cpp",
-                  ["-O3", "-march=native", "-fopenmp", "-ffast-math"])
+    """The decode- and prefill-attention kernels (``paged_decode_cpu.cpp``), or None when unavailable."""
+    return _part("attention")
 
 
 def fused_kernels():
-    """The compiled fused elementwise module (``fused_cpu.cpp``: RMSNorm, RoPE, the gated
-    activation, greedy argmax), or None.
-    No fast-math: its results must match transformers' modules."""
-    return _build("acb_fused_cpu", "fused_cpu.cpp", ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"])
+    """The fused elementwise kernels (``fused_cpu.cpp``: RMSNorm, RoPE, the gated activation, greedy
+    argmax, the weight watch), or None. No fast-math: their results match transformers' modules."""
+    return _part("fused")
 
 
 def int8_kernels():
-    """The compiled int8 GEMM module (``int8_cpu.cpp``: W8A8 on AVX-512 VNNI), or None."""
-    return _build("acb_int8_cpu", "int8_cpu.cpp", ["-O3", "-march=native", "-fopenmp"])
+    """The int8 GEMMs (``int8_cpu.cpp``: W8A8 on AVX-512 VNNI, or AVX2) and their decode loop, or None."""
+    return _part("int8")
 
 
 def bf16_kernels():
-    """The compiled bf16 GEMM module (``bf16_cpu.cpp``: bf16 x bf16 -> float32 or bf16 on AVX-512
-    BF16), or None; ``available()`` says whether it was built with AVX-512 BF16."""
-    return _build("acb_bf16_cpu", "bf16_cpu.cpp", ["-O3", "-march=native", "-fopenmp"])
+    """The bf16 GEMMs (``bf16_cpu.cpp``: bf16 x bf16 -> float32 or bf16 on AVX-512 BF16, or AVX2
+    widening the weights) and their decode loop, or None; ``native()`` says whether they were
+    built with AVX-512 BF16."""
+    return _part("bf16")
 
 
 def lora_kernels():
-    """The compiled LoRA module (``lora_cpu.cpp``: the deltas of a projection group per row
-    group, and act(g) * u), or None. Float32 on AVX-512; ``available()`` says whether it
-    was built with AVX-512."""
-    return _build("acb_lora_cpu", "lora_cpu.cpp", ["-O3", "-march=native", "-fopenmp"])
+    """The LoRA kernels (``lora_cpu.cpp``: the deltas of a projection group per row group, and
+    act(g) * u), or None. Float32 on AVX-512; ``available()`` says whether they were built with
+    AVX-512."""
+    return _part("lora")
 
 
 _gomp = None

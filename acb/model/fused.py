@@ -8,7 +8,7 @@ parallel region of its own. This forward runs the same math on the same weights 
 model's own modules hold them) in about a dozen calls per layer (measured on SmolLM2's
 standard workload: decode steps 10.6 -> 9.2-9.6 s, prefill steps 15.2 -> 13.8 s):
 
-    h = rms_norm(x)                                native kernel (acb/kernels/fused_cpu.cpp)
+    h = rms_norm(x)                                native kernel (acb/kernels/csrc/fused_cpu.cpp)
     q | k | v = h @ [Wq | Wk | Wv]                 one oneDNN GEMM, the weights prepacked side by side
                                                    (+ Qwen3's q/k norms); q, k, v are column views
     rope_(q), rope_(k)                             native kernel, in place, bit-identical to HF's
@@ -230,7 +230,7 @@ class FusedForward:
             if (layer.qkv is None or tuple(layer.qkv_split) != (nq, nk, nk) or layer.gate_up is None
                     or layer.gate_up[1] % 32 != 0):
                 return None
-        loop = self.bf16.DecodeLoop(self.k._address(), decode._address())
+        loop = self.bf16.DecodeLoop()
         for layer in self.layers:
             weights = (layer.qkv, layer.o, layer.gate_up, layer.down)
             loop.add_layer([layer.ln1[0], layer.ln2[0]], [layer.ln1[1], layer.ln2[1]], [w[0] for w in weights],
@@ -449,18 +449,17 @@ def native_bf16(enabled: bool = True):
 def loop_kernels(forward: FusedForward):
     """The decode-attention module a DecodeLoop over ``forward``'s layers calls, where every layer is
     one the loops take whole (no Gemma norms, no q/k norms, no soft-capping, one rotary embedding,
-    layer i reading cache i) and the kernels export their addresses; else None."""
+    layer i reading cache i); else None."""
     from ..kernels.cpu import paged_decode_kernel
 
-    if forward.rope_types or not hasattr(forward.k, "_address"):
+    if forward.rope_types:
         return None
     for i, layer in enumerate(forward.layers):
         if (layer.post_attn is not None or layer.post_mlp is not None or layer.q_norm is not None
                 or layer.softcap is not None or layer.ln1[2] or layer.ln2[2]
                 or getattr(layer.attn, "layer_idx", None) != i):
             return None
-    decode = paged_decode_kernel()
-    return decode if decode is not None and hasattr(decode, "_address") else None
+    return paged_decode_kernel()
 
 
 def kept_rows(x: torch.Tensor, logits_to_keep: torch.Tensor | int | None) -> torch.Tensor:

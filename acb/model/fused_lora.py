@@ -2,7 +2,7 @@
 GEMMs (q/k/v and gate/up each one, ``acb.model.fused.side_by_side``), the step's LoRA deltas
 (``acb.model.lora``) added in place on each projection's columns of their output.
 
-Float32 (the bank holds the native kernels, ``acb/kernels/lora_cpu.cpp``): one kernel call per
+Float32 (the bank holds the native kernels, ``acb/kernels/csrc/lora_cpu.cpp``): one kernel call per
 projection group (q/k/v, o, gate/up, down) adds every adapter's deltas on its rows, the
 shrink one GEMM over the group's concatenated A; o's and down's deltas land on their fused
 residual sums; when a delta lands in gate/up, the activation and the product run in one

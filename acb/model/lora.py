@@ -14,7 +14,7 @@ rank rows past its own rank and the projections it does not target stay zero), a
 unloaded adapter's slot is zeroed whole before the next one is written there.
 
 Where the delta is added: the fused CPU forward (``acb.model.fused``) in float32 calls the
-native kernels of ``acb/kernels/lora_cpu.cpp``, one call per projection group and layer
+native kernels of ``acb/kernels/csrc/lora_cpu.cpp``, one call per projection group and layer
 (every adapter's rows in tiles, no gather; the MLP's activation and product in one pass
 when a delta lands in gate/up); in bfloat16 it adds the deltas with PyTorch ops
 (``StepLora.add``: one small GEMM pair per adapter and projection). The step's :class:`StepLora`
@@ -90,7 +90,7 @@ class LoraBank:
         self.views = [{p: [None] * max_adapters for p in TARGETS} for _ in range(self.layers)]
         self.active = [False] * max_adapters
         self.scaling = [0.0] * max_adapters  # each slot's adapter's scaling
-        self.kernels = None  # acb/kernels/lora_cpu.cpp when the model is float32 on an AVX-512 CPU
+        self.kernels = None  # acb/kernels/csrc/lora_cpu.cpp when the model is float32 on an AVX-512 CPU
         self._alloc = threading.Lock()
         self._hooks: list = []
         # names this bank to its hooks: an engine's step adds its own deltas only, and a deep copy
@@ -301,7 +301,7 @@ class StepLora:
 
     def add_group(self, ys: list[torch.Tensor], x: torch.Tensor, layer: int, group: str) -> None:
         """The deltas of ``group``'s projections (``GROUPS``) on ``ys`` in place, over their
-        shared input ``x``: one native call (``acb/kernels/lora_cpu.cpp``), every slot's rows
+        shared input ``x``: one native call (``acb/kernels/csrc/lora_cpu.cpp``), every slot's rows
         in tiles, no gather; needs ``native``."""
         if any(self.touches(layer, proj) for proj in GROUPS[group]):
             at, bts, scales = self.bank.native[(layer, group)]
@@ -309,7 +309,7 @@ class StepLora:
 
     def glu_add(self, g: torch.Tensor, u: torch.Tensor, x: torch.Tensor, layer: int, act: int) -> torch.Tensor:
         """``act(g + gate delta) * (u + up delta)``, the deltas over input ``x``, in one native
-        pass (``glu_add`` of ``acb/kernels/lora_cpu.cpp``); needs ``native``."""
+        pass (``glu_add`` of ``acb/kernels/csrc/lora_cpu.cpp``); needs ``native``."""
         at, bts, scales = self.bank.native[(layer, "gate_up")]
         return self.bank.kernels.glu_add(g, u, x, at, bts, scales, *self.native, act)
 

@@ -665,7 +665,7 @@ class Int8Forward(FusedForward):
             if (qkv is None or layer.q[0].shape[0] * 16 != layer.heads * layer.head_dim
                     or layer.k[0].shape[0] * 16 != layer.kv_heads * layer.head_dim):
                 return None
-        loop = self.q8.DecodeLoop(self.k._address(), decode._address(), self.dtype)
+        loop = self.q8.DecodeLoop(self.dtype)
         for layer, qkv, smooth, rotated in zip(self.layers, self.qkv, self.smooth, self.rotated, strict=True):
             weights = (qkv, layer.o, layer.gate, layer.up, layer.down)
             loop.add_layer([layer.ln1[0], layer.ln2[0]], [layer.ln1[1], layer.ln2[1]],

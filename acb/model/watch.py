@@ -6,7 +6,7 @@ copies or addresses of the weights. They are right only while the model is the
 one they were built from. :class:`ModelWatch` checks that before every step, in
 about 40 plain comparisons' worth of C loops over lists made once (measured in
 docs/reliability.md; the weights' part in one C++ loop where acb's CPU kernels are
-built, ``WeightWatch`` in acb/kernels/fused_cpu.cpp): no forward or pre-forward hook
+built, ``WeightWatch`` in acb/kernels/csrc/torch_bindings.cpp): no forward or pre-forward hook
 on any module (but acb's own LoRA hooks, ``acb.model.lora``) and none global, no ``forward``
 replaced on an instance or a class, the module tree unchanged, and every parameter and
 buffer the same tensor, at the same address, with the same in-place version counter.
@@ -40,7 +40,7 @@ class ModelWatch:
     def __init__(self, model: torch.nn.Module, own_forward=lambda module: None, native=None) -> None:
         self.model = model
         self.own_forward = own_forward  # module -> the instance forward acb set on it, or None
-        # acb/kernels/fused_cpu.cpp's WeightWatch class, when built: the weight check in one C++ loop
+        # acb/kernels/csrc/torch_bindings.cpp's WeightWatch class, when built: the weight check in one C++ loop
         # (set by the runner's fast paths; None: the Python check below)
         self.native = native
         self._native = None

@@ -59,7 +59,7 @@ class FastPaths:
         self.varlen_forward = model
         self.decode_forward = model
         self.fused = None  # acb.model.fused.FusedForward, when it stands in for the model's forward
-        self.sampling_kernels = None  # acb/kernels/fused_cpu.cpp, for greedy rows' argmax (acb.worker.sampling.greedy)
+        self.sampling_kernels = None  # csrc/fused_cpu.cpp: greedy rows' argmax (acb.worker.sampling.greedy)
         self.decode_padding: cuda_graphs.DecodePadding | None = None
         self.decode_graphs: cuda_graphs.DecodeGraphs | None = None
         self._want_fused = False

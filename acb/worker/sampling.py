@@ -67,7 +67,7 @@ def sample(
 
 def greedy(logits: torch.Tensor, kernels=None) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` of float32 ``logits`` [B, V]: the first index of each row's
-    largest value (of its first NaN, as PyTorch). With ``kernels`` (acb/kernels/fused_cpu.cpp's
+    largest value (of its first NaN, as PyTorch). With ``kernels`` (acb/kernels/csrc/fused_cpu.cpp's
     module) CPU rows go through its ``argmax_rows``: the same ids, ~1.6 ms -> ~0.2 ms for 48
     rows of a 49,152-token vocabulary on a 2-core host, on a step's critical path."""
     if kernels is not None and logits.device.type == "cpu" and logits.dim() == 2 and logits.stride(-1) == 1 \

@@ -5,7 +5,7 @@
     python benchmarks/kernels/decode_attention.py --kv int8               # a bf16 model over int8 pages
     python benchmarks/kernels/decode_attention.py --separate --dtype float32  # paged_decode: the separate path's
 
-Times ``paged_decode_into`` (acb/kernels/paged_decode_cpu.cpp: the new keys and values written into
+Times ``paged_decode_into`` (acb/kernels/csrc/paged_decode_cpu.cpp: the new keys and values written into
 their pages, then each row's attention over its pages) on a cache whose pages are scattered as a
 running engine leaves them (a random permutation of a pool four times the rows' need; --pages ascending:
 each row's pages in one ascending run, as a fresh engine hands them out; --pages descending: in one

@@ -11,7 +11,7 @@ of the activations is timed separately, as acb pays it once per GEMM input):
 
 - ``fp32``, ``bf16``: ``torch.ops.mkldnn._linear_pointwise`` over prepacked weights (acb's
   fused forward in those dtypes);
-- ``acb_int8``: acb's VNNI kernel (``acb/kernels/int8_cpu.cpp``) as the engine runs it: int8
+- ``acb_int8``: acb's VNNI kernel (``acb/kernels/csrc/int8_cpu.cpp``) as the engine runs it: int8
   activations per token and group of 64 channels (``acb.model.quantization.activation_group``), weights
   per channel; ``acb_int8+q``: with the quantization of its input; ``acb_int8_tok``: the same kernel
   with one activation scale per token (what the groups cost);

@@ -16,7 +16,7 @@ time, the forward's share of it (the rest is scheduling, sampling and host work)
 of each call (decode steps through the forwards' Python loops, ``fused.NATIVE_DECODE_LOOP`` off, so their
 calls are seen: the engine runs them in one native call). ``--native-loop`` runs decode steps as the engine
 does, in the DecodeLoops (each step then timed whole, its calls unseen); ``--split-rows N`` sets the loops'
-``split_rows`` (0: a step never runs as two halves; acb/kernels/entry_points.h). The wrappers cost ~1 us a
+``split_rows`` (0: a step never runs as two halves; acb/kernels/csrc/decode_loop.h). The wrappers cost ~1 us a
 call: compare shares, not absolute figures, with bench.py's. Run it under the exclusive lock on a quiet
 machine (results recorded in docs/performance.md, int8 section).
 """
@@ -85,7 +85,7 @@ def instrument(decode_rows: int, native_loop: bool = False, split_rows: int | No
                 self.k = Proxy(self.k, "k.")
                 if hasattr(self, "q8"):
                     self.q8 = Proxy(self.q8, "q8.")
-                if getattr(self, "bf16", None) is not None:  # acb's bf16 GEMMs (acb/kernels/bf16_cpu.cpp)
+                if getattr(self, "bf16", None) is not None:  # acb's bf16 GEMMs (acb/kernels/csrc/bf16_cpu.cpp)
                     self.bf16 = Proxy(self.bf16, "bf16.")
                 self.lm_head = timed("lm_head", self.lm_head)  # when not on the bf16 GEMMs' own
             rows = input_ids.shape[-1]

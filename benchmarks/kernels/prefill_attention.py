@@ -5,7 +5,7 @@
     python benchmarks/prefill_attention.py --dtype float32 --torch   # and PyTorch's path, alternated
     python benchmarks/prefill_attention.py --bf16-weights    # bf16: the softmax weights rounded to bf16 too
 
-Times ``prefill_attention`` (acb/kernels/paged_decode_cpu.cpp) over random queries, keys and values,
+Times ``prefill_attention`` (acb/kernels/csrc/paged_decode_cpu.cpp) over random queries, keys and values,
 median of --repeats calls after three warm-ups; prints milliseconds a call and the attention's
 GFLOP/s (causal: the half of the score and value products each row sees). ``--torch`` also times
 what the engine runs where the kernel declines (acb.attention.torch_backend.prefill_torch per prompt: PyTorch's

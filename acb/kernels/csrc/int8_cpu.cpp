@@ -20,11 +20,9 @@
 //
 // Tiles: 6 rows x 32 columns (12 zmm accumulators); the threads split (column tile, row
 // chunk) pairs, column tiles outermost so each thread keeps its weight panels in its L2.
-#include "torch_min.h"
-#include "entry_points.h"
-#include "bf16_scalar.h"
+#include "decode_loop.h"
 #include <immintrin.h>
-#include "vec_math.h"
+#include "vec.h"
 #include "tile_prefetch.h"
 #include <algorithm>
 #include <cmath>
@@ -33,6 +31,7 @@
 #include <type_traits>
 #include <vector>
 
+namespace acb::int8 {
 namespace {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -49,26 +48,18 @@ constexpr bool kGemm = true;
 constexpr bool kGemm = false;
 #endif
 
-using acb_bf16::widen;  // bf16 -> float32 by bits (acb/kernels/bf16_scalar.h)
+using acb_bf16::widen;  // bf16 -> float32 by bits (vec_scalar.h)
 
 enum Epilogue : int64_t { kNone = 0, kAdd = 1 };
 enum Act : int64_t { kSilu = 0, kGeluTanh = 1 };
 
 #if defined(__AVX512F__)
-using acb_vec::act512;  // SiLU (kSilu) / GELU-tanh (kGeluTanh), acb/kernels/vec_math.h
+using acb_vec::act512;  // SiLU (kSilu) / GELU-tanh (kGeluTanh), vec_avx512.h
 
-inline __m512 load_row(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load_row(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-inline void store_row(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store_row(uint16_t* p, __m512 v) {
-  // round to nearest even, as PyTorch rounds (activations are finite here)
-  __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
-}
+// float32 or bf16 lanes (masked, too) in, float32 or rounded bf16 out (activations are finite here;
+// vec_avx512.h)
+using acb_vec::load16;
+using acb_vec::store16;
 #endif
 
 struct Weight {
@@ -184,8 +175,8 @@ void tile(const Rows& x, const Weight& w, const Weight* up, int64_t act, int64_t
     for (int j = 0; j < NB; ++j) {
       const int64_t n = (b0 + j) * 16;
       __m512 o = v[r][j];
-      if (epi == kAdd) o = _mm512_add_ps(o, load_row(other + (m0 + r) * other_stride + n));
-      store_row(out + (m0 + r) * out_stride + n, o);
+      if (epi == kAdd) o = _mm512_add_ps(o, load16(other + (m0 + r) * other_stride + n));
+      store16(out + (m0 + r) * out_stride + n, o);
     }
 }
 
@@ -258,9 +249,9 @@ void gemm(const Rows& x, int64_t m, const Weight& w, const Weight* up, int64_t a
 // columns x 4 k) as they are loaded. A vpmaddwd lane holds one column's two k products, so a
 // group's sums are its lanes added in pairs (one vphaddd per row and 8 columns, at the flush).
 // Tiles: MR rows x 8 columns (half a packed block): 2 MR int32 accumulators.
-using acb_vec::act256;  // SiLU / GELU-tanh on 8 lanes (acb/kernels/vec_math.h)
+using acb_vec::act256;  // SiLU / GELU-tanh on 8 lanes (vec_avx2.h)
 
-using acb_vec::load8;  // 8 float32 or bf16 lanes in, float32 or rounded bf16 out (vec_math.h)
+using acb_vec::load8;  // 8 float32 or bf16 lanes in, float32 or rounded bf16 out (vec_avx2.h)
 using acb_vec::store8;
 
 // acc + the int32 pair sums of a * b (vpmaddwd, then vpaddd), written as two instructions: GCC 12
@@ -420,13 +411,8 @@ Weight weight_of(const torch::Tensor& w, const torch::Tensor& scale, const c10::
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-inline __m512 load_masked(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load_masked(const uint16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
 // x <- x H in place: the Walsh-Hadamard transform (Sylvester's order, entries +-1, not normalised)
-// in blocks of b = the largest power of two dividing k (acb/kernels/vec_math.h's sums, in memory for
+// in blocks of b = the largest power of two dividing k (vec_avx512.h's sums, in memory for
 // blocks too large for registers). The four stages within 16 lanes in registers, then the stages
 // across them; the scalar loop where b < 16.
 inline void hadamard_row(float* x, int64_t k) {
@@ -485,7 +471,7 @@ inline void quantize_groups(const float* vals, int64_t k, int64_t nv, const floa
 // times the multiplier (null: none): what quantize_row's paths below compute before rotating or rounding
 template <typename T>
 inline __m512 prepared16(const T* x, int64_t i, const float* w, const float* mult, __m512 vinv) {
-  __m512 u = load_row(x + i);
+  __m512 u = load16(x + i);
   if (w) u = _mm512_mul_ps(_mm512_loadu_ps(w + i), _mm512_mul_ps(u, vinv));
   if (mult) u = _mm512_mul_ps(u, _mm512_loadu_ps(mult + i));
   return u;
@@ -596,11 +582,11 @@ void quantize_row(const T* x, int64_t k, int64_t group, const float* w, const fl
     for (; i + 64 <= k; i += 64)
 #pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) {
-        const __m512 v = load_row(x + i + 16 * c);
+        const __m512 v = load16(x + i + 16 * c);
         ss[c] = _mm512_fmadd_ps(v, v, ss[c]);
       }
     for (; i < k; i += 16) {
-      const __m512 v = load_masked(x + i, mask(i, k));
+      const __m512 v = load16(x + i, mask(i, k));
       ss[0] = _mm512_fmadd_ps(v, v, ss[0]);
     }
     const __m512 sum = _mm512_add_ps(_mm512_add_ps(ss[0], ss[1]), _mm512_add_ps(ss[2], ss[3]));
@@ -621,7 +607,7 @@ void quantize_row(const T* x, int64_t k, int64_t group, const float* w, const fl
   if (rotate) {  // any other shape: through buf
     for (int64_t i = 0; i < k; i += 16) {
       const __mmask16 m = mask(i, k);
-      __m512 v = load_masked(x + i, m);
+      __m512 v = load16(x + i, m);
       if (norm) v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + i), _mm512_mul_ps(v, _mm512_set1_ps(inv)));
       if (mult) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, mult + i));
       _mm512_mask_storeu_ps(buf + i, m, v);
@@ -650,7 +636,7 @@ void quantize_row(const T* x, int64_t k, int64_t group, const float* w, const fl
     __m512 amax = _mm512_setzero_ps();
     for (int64_t i = g0; i < end; i += 16) {
       const __mmask16 m = mask(i, end);
-      __m512 v = load_masked(x + i, m);
+      __m512 v = load16(x + i, m);
       if (norm) v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + i), _mm512_mul_ps(v, _mm512_set1_ps(inv)));
       if (mult) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, mult + i));
       _mm512_mask_storeu_ps(buf + i, m, v);
@@ -868,100 +854,61 @@ torch::Tensor glu(const torch::Tensor& xq, const torch::Tensor& xscale, const to
   return out;
 }
 
-// A decode-only step's layers in one call: acb.quantization.Int8Forward's loop for the models it
+// A decode-only step's layers in one call: acb.model.quantization.Int8Forward's loop for the models it
 // takes whole here (q/k/v joined in one GEMM, no Gemma norms, no q/k norms, one rotary embedding,
 // no soft-capping), with the same kernel calls, in the same order, on the same tensors as that
 // Python loop, so the same outputs bit for bit. From Python the loop cost ~1.3-1.7 ms of a ~25 ms
 // SmolLM2 decode step (~330 calls through pybind11, each taking the GIL back between kernels while
 // the event loop's thread plans the next step); here the GIL stays released for the whole step.
-// RoPE and the decode attention are the other modules' functions, by address (entry_points.h).
-namespace acb_int8_loop {  // bf16_cpu.cpp has a DecodeLoop too: pybind11 knows types by name
-struct Layer {
-  c10::optional<torch::Tensor> norm[2];
-  double eps[2];
-  int64_t group[4];
-  c10::optional<torch::Tensor> mult[4];
-  bool rot[4];
-  torch::Tensor w[5], s[5];
-  c10::optional<torch::Tensor> b[5];
-  acb_entry::AttentionShape attn;
-  int64_t act;
-};
-
-class DecodeLoop : public acb_entry::DecodeLayers<DecodeLoop, Layer> {
- public:
-  DecodeLoop(int64_t rope, int64_t decode_into, torch::ScalarType dtype)
-      : DecodeLayers(rope, decode_into), dtype_(dtype) {
-    TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "DecodeLoop: the model's dtype must be "
-                "float32 or bfloat16");
-  }
-
-  // One layer, in order: its norms (weight, eps; norm 0 before attention, 1 before the MLP), the
-  // four GEMM inputs' quantization (group, smoothing multiplier or none, rotated), the five packed
-  // weights (q/k/v joined, o, gate, up, down: packed, scales, bias or none), then the attention's
-  // shape (query and key columns of the joined output, heads, kv heads, head dim), its scale and
-  // sliding window (0: none), and the MLP's activation (0 SiLU, 1 GELU-tanh).
-  void add_layer(const std::vector<torch::Tensor>& norms, const std::vector<double>& eps,
-                 const std::vector<int64_t>& groups, const std::vector<c10::optional<torch::Tensor>>& mults,
-                 const std::vector<bool>& rotated, const std::vector<torch::Tensor>& weights,
-                 const std::vector<torch::Tensor>& scales, const std::vector<c10::optional<torch::Tensor>>& biases,
-                 int64_t nq, int64_t nk, int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling,
-                 int64_t window, int64_t act) {
-    TORCH_CHECK(norms.size() == 2 && eps.size() == 2 && groups.size() == 4 && mults.size() == 4 &&
-                    rotated.size() == 4 && weights.size() == 5 && scales.size() == 5 && biases.size() == 5,
-                "DecodeLoop.add_layer: 2 norms and eps, 4 groups, multipliers and rotations, 5 weights, scales "
-                "and biases");
-    TORCH_CHECK(nq == heads * head_dim && nk == kv_heads * head_dim && weights[0].size(0) * 16 == nq + 2 * nk,
-                "DecodeLoop.add_layer: the joined q/k/v columns do not match the heads");
-    Layer l;
-    for (int i = 0; i < 2; ++i) l.norm[i] = norms[i], l.eps[i] = eps[i];
-    for (int i = 0; i < 4; ++i) l.group[i] = groups[i], l.mult[i] = mults[i], l.rot[i] = rotated[i];
-    for (int i = 0; i < 5; ++i) l.w[i] = weights[i], l.s[i] = scales[i], l.b[i] = biases[i];
-    l.attn = {nq, nk, heads, kv_heads, head_dim, window, scaling};
-    l.act = act;
-    layers_.push_back(std::move(l));
-  }
-
-  // Layer i of run() (entry_points.h's DecodeLayers): the stream x [T, hidden] float32 after it
-  torch::Tensor layer(int64_t i, const Layer& l, torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
-                      const acb_entry::DecodeStep& step) const {
-    const c10::optional<torch::Tensor> none;
-    auto h = quantize_rows(x, l.norm[0], false, l.eps[0], l.group[0], l.mult[0], l.rot[0]);
-    const torch::Tensor a = attend_(i, linear(h[0], h[1], h[2], l.w[0], l.s[0], l.b[0], none, dtype_), l.attn, cos,
-                                    sin, step);
-    if (!a.defined()) return a;
-    h = quantize_rows(a, none, false, 1e-6, l.group[1], l.mult[1], l.rot[1]);
-    x = linear(h[0], h[1], h[2], l.w[1], l.s[1], l.b[1], x, torch::kFloat32);  // the residual add fused
-    h = quantize_rows(x, l.norm[1], false, l.eps[1], l.group[2], l.mult[2], l.rot[2]);
-    torch::Tensor m = glu(h[0], h[1], h[2], l.w[2], l.s[2], l.b[2], l.w[3], l.s[3], l.b[3], l.act, torch::kFloat32);
-    h = quantize_rows(m, none, false, 1e-6, l.group[3], l.mult[3], l.rot[3]);
-    return linear(h[0], h[1], h[2], l.w[4], l.s[4], l.b[4], x, torch::kFloat32);
-  }
-
- private:
-  torch::ScalarType dtype_;
-};
-}  // namespace acb_int8_loop
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("has_vnni", &has_vnni, "whether the GEMMs were built with AVX-512 VNNI");
-  m.def("available", &available, "whether the GEMMs were built (AVX-512 VNNI, or AVX2)");
-  m.def("quantize_rows", &quantize_rows, "per-row (per-group) int8 quantization, optionally after an RMSNorm",
-        py::arg("x"), py::arg("norm_w") = py::none(), py::arg("gemma") = false, py::arg("eps") = 1e-6,
-        py::arg("group") = 0, py::arg("mult") = py::none(), py::arg("rotate") = false,
-        py::call_guard<py::gil_scoped_release>());
-  m.def("linear", &linear, "W8A8 linear (+ residual)", py::arg("xq"), py::arg("xscale"), py::arg("xoff"),
-        py::arg("w"), py::arg("scale"), py::arg("bias") = py::none(), py::arg("other") = py::none(),
-        py::arg("dtype") = torch::kFloat32, py::call_guard<py::gil_scoped_release>());
-  m.def("glu", &glu, "W8A8 act(x Wg) * (x Wu)", py::call_guard<py::gil_scoped_release>());
-  py::class_<acb_int8_loop::DecodeLoop>(m, "DecodeLoop", py::module_local(),
-      "a decode-only step's layers in one call (Int8Forward's loop)")
-      .def(py::init<int64_t, int64_t, torch::ScalarType>(), py::arg("rope"), py::arg("decode_into"), py::arg("dtype"))
-      .def("add_layer", &acb_int8_loop::DecodeLoop::add_layer)
-      .def("__len__", &acb_int8_loop::DecodeLoop::size)
-      .def_property("split_rows", &acb_int8_loop::DecodeLoop::split_rows, &acb_int8_loop::DecodeLoop::set_split_rows,
-                    "the fewest rows a step runs as two halves, one per thread, on two threads (0: never)")
-      .def_property_readonly("split_steps", &acb_int8_loop::DecodeLoop::split_steps,
-                             "the steps run as two halves so far")
-      .def("run", &acb_int8_loop::DecodeLoop::run, py::call_guard<py::gil_scoped_release>());
+// RoPE and the decode attention are fused_cpu.cpp's and paged_decode_cpu.cpp's functions (decode_loop.h).
+DecodeLoop::DecodeLoop(torch::ScalarType dtype) : dtype_(dtype) {
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "DecodeLoop: the model's dtype must be "
+              "float32 or bfloat16");
 }
+
+// One layer, in order: its norms (weight, eps; norm 0 before attention, 1 before the MLP), the
+// four GEMM inputs' quantization (group, smoothing multiplier or none, rotated), the five packed
+// weights (q/k/v joined, o, gate, up, down: packed, scales, bias or none), then the attention's
+// shape (query and key columns of the joined output, heads, kv heads, head dim), its scale and
+// sliding window (0: none), and the MLP's activation (0 SiLU, 1 GELU-tanh).
+void DecodeLoop::add_layer(const std::vector<torch::Tensor>& norms, const std::vector<double>& eps,
+                           const std::vector<int64_t>& groups, const std::vector<c10::optional<torch::Tensor>>& mults,
+                           const std::vector<bool>& rotated, const std::vector<torch::Tensor>& weights,
+                           const std::vector<torch::Tensor>& scales,
+                           const std::vector<c10::optional<torch::Tensor>>& biases, int64_t nq, int64_t nk,
+                           int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling, int64_t window,
+                           int64_t act) {
+  TORCH_CHECK(norms.size() == 2 && eps.size() == 2 && groups.size() == 4 && mults.size() == 4 &&
+                  rotated.size() == 4 && weights.size() == 5 && scales.size() == 5 && biases.size() == 5,
+              "DecodeLoop.add_layer: 2 norms and eps, 4 groups, multipliers and rotations, 5 weights, scales "
+              "and biases");
+  TORCH_CHECK(nq == heads * head_dim && nk == kv_heads * head_dim && weights[0].size(0) * 16 == nq + 2 * nk,
+              "DecodeLoop.add_layer: the joined q/k/v columns do not match the heads");
+  Layer l;
+  for (int i = 0; i < 2; ++i) l.norm[i] = norms[i], l.eps[i] = eps[i];
+  for (int i = 0; i < 4; ++i) l.group[i] = groups[i], l.mult[i] = mults[i], l.rot[i] = rotated[i];
+  for (int i = 0; i < 5; ++i) l.w[i] = weights[i], l.s[i] = scales[i], l.b[i] = biases[i];
+  l.attn = {nq, nk, heads, kv_heads, head_dim, window, scaling};
+  l.act = act;
+  layers_.push_back(std::move(l));
+}
+
+// Layer i of run() (decode_loop.h's DecodeLayers): the stream x [T, hidden] float32 after it
+torch::Tensor DecodeLoop::layer(int64_t i, const Layer& l, torch::Tensor x, const torch::Tensor& cos,
+                                const torch::Tensor& sin, const DecodeStep& step) const {
+  const c10::optional<torch::Tensor> none;
+  auto h = quantize_rows(x, l.norm[0], false, l.eps[0], l.group[0], l.mult[0], l.rot[0]);
+  const torch::Tensor a = attend_(i, linear(h[0], h[1], h[2], l.w[0], l.s[0], l.b[0], none, dtype_), l.attn, cos,
+                                  sin, step);
+  if (!a.defined()) return a;
+  h = quantize_rows(a, none, false, 1e-6, l.group[1], l.mult[1], l.rot[1]);
+  x = linear(h[0], h[1], h[2], l.w[1], l.s[1], l.b[1], x, torch::kFloat32);  // the residual add fused
+  h = quantize_rows(x, l.norm[1], false, l.eps[1], l.group[2], l.mult[2], l.rot[2]);
+  torch::Tensor m = glu(h[0], h[1], h[2], l.w[2], l.s[2], l.b[2], l.w[3], l.s[3], l.b[3], l.act, torch::kFloat32);
+  h = quantize_rows(m, none, false, 1e-6, l.group[3], l.mult[3], l.rot[3]);
+  return linear(h[0], h[1], h[2], l.w[4], l.s[4], l.b[4], x, torch::kFloat32);
+}
+
+}  // namespace acb::int8
+
+template class acb::DecodeLayers<acb::int8::DecodeLoop, acb::int8::Layer>;

@@ -12,13 +12,14 @@
 //
 // glu_add: m = act(g + gate delta) * (u + up delta) over rows (SiLU or GELU-tanh) in one pass, for
 // the MLP whose gate/up take a delta (the GEMM's fused epilogue cannot take it before the activation).
-#include "torch_min.h"
+#include "ops.h"
 #include <immintrin.h>
-#include "vec_math.h"
+#include "vec.h"
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
+namespace acb::lora {
 namespace {
 
 constexpr int64_t MR = 4;  // rows of one slot per tile
@@ -352,10 +353,4 @@ torch::Tensor glu_add(const torch::Tensor& g, const torch::Tensor& u, const torc
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("available", &available, "whether the kernels were built with AVX-512");
-  m.def("add_", &add_, "LoRA deltas of the projections sharing x, per row group, in place",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("glu_add", &glu_add, "act(g + gate delta) * (u + up delta), per row group",
-        py::call_guard<py::gil_scoped_release>());
-}
+}  // namespace acb::lora

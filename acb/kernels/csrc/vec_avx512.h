@@ -1,6 +1,9 @@
-// Vector math shared by acb's native CPU kernels (AVX-512, float32 lanes): exp and the MLP
-// activations, written with explicit FMAs so they compute the same with or without
-// -ffp-contract / -ffast-math.
+// acb's vector helpers on AVX-512 (float32 in 16 lanes): bf16 widening and rounding, loads and stores of
+// float32 or bf16 rows, exp and the MLP activations (written with explicit FMAs, so they compute the same
+// with or without -ffp-contract / -ffast-math), reductions across 16 vectors and the Walsh-Hadamard
+// stages. One header per ISA (vec_scalar.h, vec_avx2.h, this), all included through vec.h. Everything
+// is `static inline`: each source file compiles its own copy with its own flags (acb/kernels/cpu.py's
+// SOURCES), none shared between them at link time.
 #pragma once
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -8,8 +11,44 @@
 
 namespace acb_vec {
 
+// bfloat16 <-> float32 on 16 lanes, what acb_bf16::widen / to_bf16 (vec_scalar.h) do to one value: a
+// bf16 is the top half of a float32's bits (widening is exact); rounding is to nearest, ties to even,
+// as PyTorch rounds. Every kernel reading or writing bf16 rows on AVX-512 uses these.
+static inline __m512 widen16(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+// the rounded bits of finite lanes (a NaN may round to an infinity: the callers' values are finite)
+static inline __m256i round16(__m512 v) {
+  __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+}
+// the same with NaN lanes 0x7fc0 (a quiet NaN), exactly acb_bf16::to_bf16 on every value
+static inline __m256i round16_nan(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// 16 lanes of float32, or of bfloat16 (uint16_t: its bits), loaded as float32; float32 lanes stored
+// as float32 or rounded to bfloat16 (round16)
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const uint16_t* p) { return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+static inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+static inline void store16(uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), round16(v)); }
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+// the same on the lanes of mask m only: the others read as 0 and are not written
+static inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline __m512 load16(const uint16_t* p, __mmask16 m) { return widen16(_mm256_maskz_loadu_epi16(m, p)); }
+static inline void store16(float* p, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
+static inline void store16(uint16_t* p, __mmask16 m, __m512 v) { _mm256_mask_storeu_epi16(p, m, round16(v)); }
+#endif
+
 // exp(x) for float32 lanes: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial for e^r, 2^n by
-// scalef (relative error ~2e-7 over the range an activation meets; as acb/kernels/int8_cpu.cpp)
+// scalef (relative error ~2e-7 over the range an activation meets; as int8_cpu.cpp)
 static inline __m512 exp512(__m512 x) {
   x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -78,7 +117,7 @@ static inline __m512 hadamard_lanes(__m512 v) {
 // hadamard_scalar (below) on a row held in n registers (16 n values, blocks of b >= 16 values):
 // the four stages within each register, then the stages across registers. The same sums as the
 // scalar one, stage by stage, so the same bits. Inlined with n and b known at compile time
-// (acb/kernels/int8_cpu.cpp), the loops unroll and the row stays in registers.
+// (int8_cpu.cpp), the loops unroll and the row stays in registers.
 static inline void hadamard16(__m512* x, int64_t n, int64_t b) {
 #pragma GCC unroll 32
   for (int64_t c = 0; c < n; ++c) x[c] = hadamard_lanes(x[c]);
@@ -93,100 +132,6 @@ static inline void hadamard16(__m512* x, int64_t n, int64_t b) {
           x[j] = _mm512_add_ps(u, v);
           x[j + len] = _mm512_sub_ps(u, v);
         }
-}
-
-}  // namespace acb_vec
-#endif
-
-#include <cstdint>
-
-namespace acb_vec {
-
-// The Walsh-Hadamard transform (Sylvester's order, entries +-1, not normalised) of a row of n
-// values in place, in blocks of b = the largest power of two dividing n: x <- x H. int8 pages store
-// keys so rotated (acb/kv_quant.py), int8 GEMMs their inputs (acb/quantization.py).
-static inline void hadamard_scalar(float* x, int64_t n) {
-  const int64_t b = n & -n;
-  for (int64_t base = 0; base < n; base += b)
-    for (int64_t len = 1; len < b; len <<= 1)
-      for (int64_t i = base; i < base + b; i += 2 * len)
-        for (int64_t j = i; j < i + len; ++j) {
-          const float u = x[j], v = x[j + len];
-          x[j] = u + v;
-          x[j + len] = u - v;
-        }
-}
-
-}  // namespace acb_vec
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#include <cstdint>
-
-namespace acb_vec {
-
-// exp512 on 8 lanes (AVX2: 2^n built in the exponent bits, n in [-127, 127]; exp(-88) and below
-// come out 0, as a float32 subnormal would round to for the callers here)
-static inline __m256 exp256(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.f)), _mm256_set1_ps(-88.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-// 8 lanes of float32, or of bfloat16 bits widened to float32 (the top half of a float's bits)
-static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8(const uint16_t* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-// 8 float32 lanes stored as float32, or rounded to bfloat16 (to nearest even, as PyTorch rounds finite values)
-static inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-static inline void store8(uint16_t* p, __m256 v) {
-  __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
-  _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
-}
-
-// act512 on 8 lanes: SiLU (act 0) or GELU-tanh (1)
-static inline __m256 act256(__m256 g, int64_t act) {
-  const __m256 one = _mm256_set1_ps(1.f);
-  if (act == 0) return _mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-  const __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
-                                 _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), g), _mm256_mul_ps(g, g), g));
-  const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(exp256(_mm256_add_ps(u, u)), one)));
-  return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(one, t));
-}
-
-// hadamard_scalar's sums on a row of n values (n a multiple of 8, blocks of b >= 8): the three stages
-// within 8 lanes in registers (lanes j and j ^ 1, j ^ 2, j ^ 4; the lane with the bit set takes
-// partner - self), then the stages across registers in memory. The same sums, so the same bits.
-static inline __m256 hadamard_lanes8(__m256 v) {
-  v = _mm256_blend_ps(_mm256_add_ps(v, _mm256_permute_ps(v, 0xB1)), _mm256_sub_ps(_mm256_permute_ps(v, 0xB1), v), 0xAA);
-  v = _mm256_blend_ps(_mm256_add_ps(v, _mm256_permute_ps(v, 0x4E)), _mm256_sub_ps(_mm256_permute_ps(v, 0x4E), v), 0xCC);
-  const __m256 swapped = _mm256_permute2f128_ps(v, v, 0x01);
-  return _mm256_blend_ps(_mm256_add_ps(v, swapped), _mm256_sub_ps(swapped, v), 0xF0);
-}
-static inline void hadamard_row8(float* x, int64_t n) {
-  const int64_t b = n & -n;
-  for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(x + i, hadamard_lanes8(_mm256_loadu_ps(x + i)));
-  for (int64_t len = 8; len < b; len <<= 1)
-    for (int64_t i = 0; i < n; i += 2 * len)
-      for (int64_t j = i; j < i + len; j += 8) {
-        const __m256 u = _mm256_loadu_ps(x + j), v = _mm256_loadu_ps(x + j + len);
-        _mm256_storeu_ps(x + j, _mm256_add_ps(u, v));
-        _mm256_storeu_ps(x + j + len, _mm256_sub_ps(u, v));
-      }
 }
 
 }  // namespace acb_vec

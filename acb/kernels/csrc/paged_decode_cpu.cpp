@@ -17,16 +17,19 @@
 // stored rotated by a Walsh-Hadamard matrix (write_kv_int8 and paged_decode_into rotate each key
 // row in registers before rounding it, paged_decode_into rotates its queries; `hadamard` rotates
 // the queries of every other path that reads the pages).
-#include "torch_min.h"
-#include "entry_points.h"
+#include "ops.h"
 #include <cstring>
 #include <algorithm>
 #include <climits>
 #include <cmath>
 #include <type_traits>
 #include <vector>
-#include "vec_math.h"  // hadamard_scalar on every CPU; exp512 and hadamard16 where AVX-512 is
+#include "vec.h"  // hadamard_scalar on every CPU; exp512, hadamard16 and the bf16 lanes where AVX-512 is
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
+namespace acb::attention {
 
 // A decode call's items (row b and kv head kh: item b * KVH + kh), split between the threads by the keys
 // they read rather than by their count: a step's rows differ in length, and in equal-count halves the
@@ -62,8 +65,6 @@ static void parallel_items(int64_t B, int64_t KVH, const int64_t* len, int64_t w
 
 #if defined(__AVX512F__)
 
-#include <immintrin.h>
-
 // The cache slot of position pos in a sequence whose pages are `pages`: a shift and a mask when
 // page_size is a power of two (the default 16), a division otherwise (~5 % of the float32 decode
 // kernel's time at 57 rows x 200 keys went to the divisions).
@@ -75,27 +76,19 @@ static inline int64_t slot_of(const int64_t* pages, int64_t page_size, int64_t p
   return pages[pos / page_size] * page_size + pos % page_size;
 }
 
-// exp on 16 lanes (inputs here are scores minus their max: <= 0): acb/kernels/vec_math.h's
+// exp on 16 lanes (inputs here are scores minus their max: <= 0): vec_avx512.h's
 static inline __m512 exp16(__m512 x) { return acb_vec::exp512(x); }
 
-// 16 lanes of a cached row, widened to float32 (bf16: the top half of a float's bits).
-static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16(const at::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+// 16 lanes of a cached row, widened to float32 (bf16: the top half of a float's bits; vec_avx512.h).
+using acb_vec::load16;
+using acb_vec::store16;
+static inline __m512 load16(const at::BFloat16* p) { return load16(reinterpret_cast<const uint16_t*>(p)); }
 static inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 // 16 float32 lanes stored as float32, or rounded to bfloat16 (to nearest, ties to even: what
 // PyTorch's float -> bfloat16 conversion does for every non-NaN value)
-static inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-static inline void store16(at::BFloat16* p, __m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
-}
+static inline void store16(at::BFloat16* p, __m512 v) { store16(reinterpret_cast<uint16_t*>(p), v); }
 static inline __m512 load16(const int8_t* p) {  // int8 values, their row's scale applied by the caller
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
@@ -112,7 +105,7 @@ static inline float row_scale(const int8_t* row, int64_t D) {
 }
 
 // Keys in int8 pages are stored rotated by the Walsh-Hadamard matrix (blocks of the largest power of
-// two dividing D; acb_vec::hadamard_scalar / hadamard16 in vec_math.h), and the queries that read them
+// two dividing D; acb_vec::hadamard_scalar / hadamard16 in vec_scalar.h, vec_avx512.h), and the queries that read them
 // rotated alike (acb/kv_quant.py says why).
 using acb_vec::hadamard_scalar;
 #if defined(__AVX512F__)
@@ -239,7 +232,7 @@ static inline void prefetch_item(const T* kp, const T* vp, const int64_t* pg, co
   prefetch_start(vp + kh * S * stride, pg + b * P, page_size, stride, first, m);
 }
 
-using acb_vec::reduce16;  // 16 vectors -> one vector of their sums (vec_math.h)
+using acb_vec::reduce16;  // 16 vectors -> one vector of their sums (vec_avx512.h)
 
 // Scores of G query heads against keys [i0, i0 + nk) (nk <= 16): the keys are widened
 // once into kf (16 x D floats, L1), then each head's 16 dot products are reduced
@@ -369,10 +362,10 @@ static ItemFn<T, Q, O> pick_item(int64_t G, int64_t D) {
 // paged_decode's item on AVX2 (no AVX-512: Zen 2/3, Haswell to Alder Lake), for head dims that are
 // multiples of 8 and no soft-capping: the same masked softmax in float32, 8 lanes at a time. Scores
 // over blocks of 8 keys (each block's rows widened once into kf, then each query head's 8 dot
-// products reduced together: no horizontal sum per key), exp on 8 lanes (vec_math.h's exp256, as the
+// products reduced together: no horizontal sum per key), exp on 8 lanes (vec_avx2.h's exp256, as the
 // AVX-512 kernel's exp512), the weighted values summed per query head in registers, 64 dims at a time.
 // The portable loop below took ~1.2 ms a layer at 45 rows x ~300 keys (9 heads over 3, D 64).
-using acb_vec::load8;  // float32 (and bf16 bits) to float32 lanes, vec_math.h
+using acb_vec::load8;  // float32 (and bf16 bits) to float32 lanes, vec_avx2.h
 static inline __m256 load8(const at::BFloat16* p) { return load8(reinterpret_cast<const uint16_t*>(p)); }
 static inline __m256 load8(const at::Half* p) {
 #if defined(__F16C__)
@@ -1565,9 +1558,8 @@ static void run_item16(const Args16& a, int64_t t0, int64_t past, int64_t kh, in
         _mm512_storeu_si512(pr, hi);
         if constexpr (!LO) continue;
         // hi's low 256 bits are p0's 16 weights rounded, its high 256 bits p1's: widened back
-        const __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hi)), 16));
-        const __m512 h1 = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hi, 1)), 16));
+        const __m512 h0 = acb_vec::widen16(_mm512_castsi512_si256(hi));
+        const __m512 h1 = acb_vec::widen16(_mm512_extracti64x4_epi64(hi, 1));
         _mm512_storeu_si512(pr + KB / 2, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
             _mm512_sub_ps(p1, h1), _mm512_sub_ps(p0, h0))));
       }
@@ -2060,55 +2052,37 @@ void hadamard(const torch::Tensor& x, torch::Tensor& out, double scale) {
     run(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
 }
 
-// The GIL is released while a kernel runs: the event loop's thread keeps serving.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", py::call_guard<py::gil_scoped_release>());
-  m.def("paged_decode_into", &paged_decode_into,
-        "a decode-only step's attention: cache writes, attention, output in the model's dtype (CPU)",
-        py::arg("q"), py::arg("k_new"), py::arg("v_new"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
-        py::arg("pages"), py::arg("lengths"), py::arg("out"), py::arg("page_size"), py::arg("scale"),
-        py::arg("softcap"), py::arg("window"), py::arg("rotate") = false, py::call_guard<py::gil_scoped_release>());
-  m.def("write_kv", &write_kv, "a prompt step's new keys or values into their pages (CPU)", py::arg("src"),
-        py::arg("cache"), py::arg("slots"), py::call_guard<py::gil_scoped_release>());
-  m.def("write_kv_int8", &write_kv_int8, "quantize new keys/values into int8 pages (CPU)", py::arg("src"),
-        py::arg("cache"), py::arg("slots"), py::arg("rotate") = false, py::arg("readback") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("hadamard", &hadamard, "rows x [N, D] -> out = x H * scale (acb/kv_quant.py's key rotation) (CPU)",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("has_avx512", []() {
+// What this build runs (torch_bindings.cpp exports these for Python)
+bool has_avx512() {  // the one-call decode's AVX-512 items (AVX2 with head dims a multiple of 8: decode_into())
 #if defined(__AVX512F__)
-    return true;
+  return true;
 #else
-    return false;
+  return false;
 #endif
-  }, "whether the one-call decode's AVX-512 items run (paged_decode_into: AVX-512, or AVX2 with head dims a "
-     "multiple of 8: decode_into())");
-  m.def("decode_into", []() {
-#if defined(ACB_DECODE_INTO)
-    return true;
-#else
-    return false;
-#endif
-  }, "whether paged_decode_into runs (built with AVX-512, or AVX2 + FMA; elsewhere it returns false, doing nothing)");
-  m.def("prefill_f32", []() {
-#if defined(ACB_PREFILL_F32)
-    return true;
-#else
-    return false;
-#endif
-  }, "whether prefill_attention takes float32 q/k/v (built with AVX-512 or AVX2 + FMA; elsewhere it returns false)");
-  m.def("prefill_bf16", []() {
-#if defined(__AVX512BF16__)
-    return true;
-#else
-    return false;
-#endif
-  }, "whether prefill_attention takes bfloat16 q/k/v (built with avx512_bf16)");
-  m.def("prefill_attention", &prefill_attention, "causal prefill attention of prompt chunks (CPU)", py::arg("q"),
-        py::arg("k"), py::arg("v"), py::arg("spans"), py::arg("out"), py::arg("scale"), py::arg("softcap"),
-        py::arg("window"), py::arg("bf16_weights") = false, py::call_guard<py::gil_scoped_release>());
-  static_assert(std::is_same_v<decltype(&paged_decode_into), acb_entry::DecodeIntoFn>,
-                "entry_points.h: paged_decode_into's type");
-  m.def("_address", []() { return reinterpret_cast<int64_t>(&paged_decode_into); },
-        "paged_decode_into's address, for the int8 and bf16 modules' decode loops (entry_points.h)");
 }
+
+bool decode_into() {  // paged_decode_into runs (AVX-512, or AVX2 + FMA; elsewhere it returns false, doing nothing)
+#if defined(ACB_DECODE_INTO)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool prefill_f32() {  // prefill_attention takes float32 q/k/v (AVX-512 or AVX2 + FMA; elsewhere it returns false)
+#if defined(ACB_PREFILL_F32)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool prefill_bf16() {  // prefill_attention takes bfloat16 q/k/v (avx512_bf16)
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace acb::attention

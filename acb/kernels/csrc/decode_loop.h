@@ -1,22 +1,15 @@
-// The kernels one module calls in another, by address, and the decode loops' shared attention step.
-// The int8 and bf16 modules' DecodeLoops (int8_cpu.cpp, bf16_cpu.cpp) run a whole decode-only step's
-// layers in C++ and call RoPE (fused_cpu.cpp) and the one-call decode attention (paged_decode_cpu.cpp)
-// through these pointers. Each module hands out its function's address as an int (`_address`), and
-// checks here, at compile time, that its function has exactly this type; all of them are built against
-// the same PyTorch in the same process, so their torch::Tensor is one type.
+// The decode loops: a whole decode-only step's layers in one native call, on the int8 GEMMs (int8_cpu.cpp)
+// or the bf16 ones (bf16_cpu.cpp), calling RoPE (fused_cpu.cpp) and the one-call decode attention
+// (paged_decode_cpu.cpp) as the functions they are (ops.h): one library, so no addresses pass through
+// Python. What the two loops share is here; each defines its Layer and its layer() in its own file.
 #pragma once
-#include "torch_min.h"
+#include "ops.h"
 #include <vector>
 #include <algorithm>
 #include <atomic>
 #include <ATen/Parallel.h>
-#include <ATen/ops/cat.h>
 
-namespace acb_entry {
-using RopeFn = void (*)(torch::Tensor, const torch::Tensor&, const torch::Tensor&, int64_t);
-using DecodeIntoFn = bool (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, torch::Tensor&,
-                              torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                              torch::Tensor&, int64_t, double, double, int64_t, bool);
+namespace acb {
 
 // A layer's attention shape: the query and key columns of its joined q/k/v projection, its heads, kv
 // heads and head dim, its sliding window (0: none) and its scale
@@ -43,13 +36,7 @@ struct DecodeStep {
 // written into layer i's caches, the output a new [T, heads * d] of q's dtype. An undefined tensor where
 // the attention declines (at layer 0 only, having written nothing: nothing that decides it changes
 // between a step's layers).
-class DecodeAttention {
- public:
-  DecodeAttention(int64_t rope, int64_t decode_into)
-      : rope_(reinterpret_cast<RopeFn>(rope)), decode_into_(reinterpret_cast<DecodeIntoFn>(decode_into)) {
-    TORCH_CHECK(rope != 0 && decode_into != 0, "DecodeLoop: the RoPE and decode-attention kernels' addresses");
-  }
-
+struct DecodeAttention {
   static void check(const DecodeStep& s, int64_t layers) {
     TORCH_CHECK(static_cast<int64_t>(s.k_caches.size()) >= layers &&
                     static_cast<int64_t>(s.v_caches.size()) >= layers,
@@ -61,23 +48,19 @@ class DecodeAttention {
                            c10::optional<torch::ScalarType> round_to = c10::nullopt) const {
     const int64_t T = qkv.size(0);
     torch::Tensor q = qkv.narrow(1, 0, a.nq), k = qkv.narrow(1, a.nq, a.nk), v = qkv.narrow(1, a.nq + a.nk, a.nk);
-    rope_(q, cos, sin, a.d);
-    rope_(k, cos, sin, a.d);
+    fused::rope_(q, cos, sin, a.d);
+    fused::rope_(k, cos, sin, a.d);
     if (round_to) q = q.to(*round_to), k = k.to(*round_to), v = v.to(*round_to);
     torch::Tensor out = torch::empty({T, a.heads * a.d}, q.options());
     torch::Tensor out3 = out.view({T, a.heads, a.d});
-    if (!decode_into_(q.view({T, a.heads, a.d}), k.view({T, a.kv_heads, a.d}), v.view({T, a.kv_heads, a.d}),
-                      s.k_caches[i], s.v_caches[i], s.slots, s.pages, s.lengths, out3, s.page_size, a.scaling, 0.0,
-                      a.window, s.rotate)) {
+    if (!attention::paged_decode_into(q.view({T, a.heads, a.d}), k.view({T, a.kv_heads, a.d}),
+                                      v.view({T, a.kv_heads, a.d}), s.k_caches[i], s.v_caches[i], s.slots, s.pages,
+                                      s.lengths, out3, s.page_size, a.scaling, 0.0, a.window, s.rotate)) {
       TORCH_CHECK(i == 0, "DecodeLoop.run: the decode attention declined layer ", i, " after taking layer 0");
       return torch::Tensor();
     }
     return out;
   }
-
- private:
-  RopeFn rope_;
-  DecodeIntoFn decode_into_;
 };
 
 // What the two DecodeLoops share: the layers they hold (Layer: each loop's own), the attention step, and
@@ -95,11 +78,12 @@ class DecodeAttention {
 // (benchmarks/decode_halves.py; docs/performance.md). The halves hold about equal work: a row costs its
 // context length plus kSplitRowKeys, its GEMM work counted as keys of attention (SmolLM2 int8 on the
 // 2-core Zen 5 host: ~5 us of GEMMs a row and layer, ~23 ns of attention a key and layer).
+//
+// Each loop's file instantiates it for its loop (the `extern template` below keeps torch_bindings.cpp
+// from compiling another copy).
 template <typename Derived, typename Layer>
 class DecodeLayers {
  public:
-  DecodeLayers(int64_t rope, int64_t decode_into) : attend_(rope, decode_into) {}
-
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
 
   // The fewest rows a step is split at (0: never); tests set it to cover both ways
@@ -165,7 +149,69 @@ class DecodeLayers {
     });
     if (!out[0] || !out[1]) return c10::nullopt;  // declined (at layer 0: the same for both halves)
     ++split_steps_;
-    return at::cat({*out[0], *out[1]});
+    // the halves one after the other (at::cat's headers cost a source file ~5 s of compiling)
+    torch::Tensor whole = torch::empty({T, out[0]->size(1)}, out[0]->options());
+    whole.narrow(0, 0, h).copy_(*out[0]);
+    whole.narrow(0, h, T - h).copy_(*out[1]);
+    return whole;
   }
 };
-}  // namespace acb_entry
+
+// int8_cpu.cpp's loop: acb.model.quantization.Int8Forward's decode-only step (int8_cpu.cpp says which
+// models it takes whole)
+namespace int8 {
+struct Layer {
+  c10::optional<torch::Tensor> norm[2];
+  double eps[2];
+  int64_t group[4];
+  c10::optional<torch::Tensor> mult[4];
+  bool rot[4];
+  torch::Tensor w[5], s[5];
+  c10::optional<torch::Tensor> b[5];
+  AttentionShape attn;
+  int64_t act;
+};
+
+class DecodeLoop : public DecodeLayers<DecodeLoop, Layer> {
+ public:
+  explicit DecodeLoop(torch::ScalarType dtype);
+  void add_layer(const std::vector<torch::Tensor>& norms, const std::vector<double>& eps,
+                 const std::vector<int64_t>& groups, const std::vector<c10::optional<torch::Tensor>>& mults,
+                 const std::vector<bool>& rotated, const std::vector<torch::Tensor>& weights,
+                 const std::vector<torch::Tensor>& scales, const std::vector<c10::optional<torch::Tensor>>& biases,
+                 int64_t nq, int64_t nk, int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling,
+                 int64_t window, int64_t act);
+  torch::Tensor layer(int64_t i, const Layer& l, torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                      const DecodeStep& step) const;
+
+ private:
+  torch::ScalarType dtype_;
+};
+}  // namespace int8
+extern template class DecodeLayers<int8::DecodeLoop, int8::Layer>;
+
+// bf16_cpu.cpp's loop: acb.model.fused.FusedForward's decode-only step on acb's bf16 GEMMs
+namespace bf16 {
+struct Layer {
+  torch::Tensor norm[2];
+  double eps[2];
+  torch::Tensor w[4];
+  int64_t n[4];
+  c10::optional<torch::Tensor> b[4];
+  AttentionShape attn;
+  int64_t act;
+};
+
+class DecodeLoop : public DecodeLayers<DecodeLoop, Layer> {
+ public:
+  void add_layer(const std::vector<torch::Tensor>& norms, const std::vector<double>& eps,
+                 const std::vector<torch::Tensor>& weights, const std::vector<int64_t>& columns,
+                 const std::vector<c10::optional<torch::Tensor>>& biases, int64_t nq, int64_t nk, int64_t heads,
+                 int64_t kv_heads, int64_t head_dim, double scaling, int64_t window, int64_t act);
+  torch::Tensor layer(int64_t i, const Layer& l, torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                      const DecodeStep& step) const;
+};
+}  // namespace bf16
+extern template class DecodeLayers<bf16::DecodeLoop, bf16::Layer>;
+
+}  // namespace acb

@@ -1,5 +1,5 @@
 // Which part of the next column tile's weights a row tile of acb's CPU GEMMs prefetches
-// (acb/kernels/int8_cpu.cpp, acb/kernels/bf16_cpu.cpp): both split a GEMM into (column tile, row chunk)
+// (int8_cpu.cpp, bf16_cpu.cpp): both split a GEMM into (column tile, row chunk)
 // items and fetch the next tile's blocks into L2 while a chunk's first row tiles read their own. And
 // the rows a tile's epilogue reads and writes, fetched before its dot products.
 #pragma once

@@ -10,16 +10,15 @@
 // even, as PyTorch rounds) at exactly the points where transformers' modules round
 // when the model is bf16: RMSNorm rounds the normalised row, then the product with its
 // weight; RoPE rounds each of its two products and their sum.
-#include "torch_min.h"
-#include "entry_points.h"
-#include "bf16_scalar.h"
+#include "ops.h"
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
-#include "vec_math.h"
+#include "vec.h"
 
+namespace acb::fused {
 namespace {
 
 void check_rows(const torch::Tensor& x, const char* name) {
@@ -28,7 +27,7 @@ void check_rows(const torch::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " must be a 2-D tensor with contiguous rows");
 }
 
-// bfloat16 <-> float32 by bits (acb/kernels/bf16_scalar.h; vectorises under omp simd, unlike
+// bfloat16 <-> float32 by bits (vec_scalar.h; vectorises under omp simd, unlike
 // c10::BFloat16's class); widen(float) is the identity, so one template reads either dtype
 inline float widen(float v) { return v; }
 using acb_bf16::to_bf16;
@@ -146,7 +145,7 @@ void rope_(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin, 
 // N columns, then the up projection's (rows may be strided); out[t] = act(g[t]) * u[t],
 // computed in float32 from the values as gu's dtype holds them and rounded once to it
 // (float32 or bfloat16). act 0: SiLU, g / (1 + exp(-g)); 1: GELU-tanh. The exp is a
-// degree-6 polynomial (relative error ~2e-7, acb/kernels/vec_math.h), as oneDNN's fused
+// degree-6 polynomial (relative error ~2e-7, vec_avx512.h), as oneDNN's fused
 // epilogue approximates it: not bit-identical to PyTorch's, well inside float32's noise.
 template <typename T>
 static void glu_t(const torch::Tensor& gu, int64_t act, torch::Tensor& out) {
@@ -163,24 +162,12 @@ static void glu_t(const torch::Tensor& gu, int64_t act, torch::Tensor& out) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
       for (; n < N; n += 16) {
         const __mmask16 k = N - n >= 16 ? __mmask16(0xffff) : __mmask16((1u << (N - n)) - 1);
-        __m512 gv, uv;
-        if constexpr (std::is_same_v<T, float>) {
-          gv = _mm512_maskz_loadu_ps(k, g + n);
-          uv = _mm512_maskz_loadu_ps(k, u + n);
-        } else {
-          gv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, g + n)), 16));
-          uv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, u + n)), 16));
-        }
+        const __m512 gv = acb_vec::load16(g + n, k), uv = acb_vec::load16(u + n, k);  // bf16: widened
         const __m512 mv = _mm512_mul_ps(acb_vec::act512(gv, act), uv);
-        if constexpr (std::is_same_v<T, float>) {
-          _mm512_mask_storeu_ps(m + n, k, mv);
-        } else {  // to_bf16 on 16 lanes: round to nearest even, NaN stays NaN
-          const __m512i bits = _mm512_castps_si512(mv);
-          const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-          __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
-          r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(mv, mv, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-          _mm256_mask_storeu_epi16(m + n, k, _mm512_cvtepi32_epi16(r));
-        }
+        if constexpr (std::is_same_v<T, float>)
+          acb_vec::store16(m + n, k, mv);
+        else  // to_bf16 on 16 lanes: round to nearest even, NaN stays NaN
+          _mm256_mask_storeu_epi16(m + n, k, acb_vec::round16_nan(mv));
       }
 #endif
       for (; n < N; ++n) {
@@ -260,70 +247,4 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
   return out;
 }
 
-// acb.watch.ModelWatch's check of the weights before every step, in one C++ loop: each parameter or
-// buffer still the object its owner dict holds under its name, at the same address, with the same
-// in-place version counter (inference tensors keep none). The Python check (three passes of map over
-// the lists) took ~0.58 ms a step on SmolLM2's int8 model (~700 tensors) in the engine, on the event
-// loop's thread, where the forward running beside it leaves none of those objects in cache: each
-// tensor's Python object, its TensorImpl, version counter and storage read one after another. Here
-// the tensors' impls are held directly and the loop's iterations are independent, so their cache
-// misses overlap. Called with the GIL held (it reads the owners' dicts).
-class WeightWatch {
- public:
-  WeightWatch(const py::list& owners, const py::list& names, const py::list& tensors) {
-    TORCH_CHECK(owners.size() == names.size() && names.size() == tensors.size(),
-                "owners, names and tensors must be lists of one length");
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      TORCH_CHECK(PyDict_Check(owners[i].ptr()), "owners must be dicts");
-      owners_.push_back(py::reinterpret_borrow<py::object>(owners[i]));
-      names_.push_back(py::reinterpret_borrow<py::object>(names[i]));
-      objects_.push_back(py::reinterpret_borrow<py::object>(tensors[i]));
-      const at::Tensor t = tensors[i].cast<at::Tensor>();
-      const bool versioned = !t.is_inference();
-      versioned_.push_back(versioned);
-      versions_.push_back(versioned ? t._version() : 0);
-      ptrs_.push_back(t.data_ptr());
-      tensors_.push_back(t);
-    }
-  }
-  // Whether any tensor was replaced in its owner, moved (a new data pointer) or edited in place
-  bool changed() const {
-    const size_t n = tensors_.size();
-    for (size_t i = 0; i < n; ++i) {
-      PyObject* now = PyDict_GetItemWithError(owners_[i].ptr(), names_[i].ptr());  // borrowed
-      if (now == nullptr && PyErr_Occurred()) throw py::error_already_set();
-      if (now != objects_[i].ptr()) return true;
-    }
-    for (size_t i = 0; i < n; ++i)
-      if ((versioned_[i] && tensors_[i]._version() != versions_[i]) || tensors_[i].data_ptr() != ptrs_[i])
-        return true;
-    return false;
-  }
-  size_t size() const { return tensors_.size(); }
-
- private:
-  std::vector<py::object> owners_, names_, objects_;
-  std::vector<at::Tensor> tensors_;
-  std::vector<bool> versioned_;
-  std::vector<int64_t> versions_;
-  std::vector<void*> ptrs_;
-};
-
-// The GIL is released while a kernel runs: the event loop's thread keeps serving.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm over rows (float32 or bfloat16)", py::call_guard<py::gil_scoped_release>());
-  m.def("rms_norm_f32w", &rms_norm_f32w, "Gemma's RMSNorm over rows (float32 weight, one rounding)",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("glu", &glu, "act(gate) * up over one GEMM's [T, 2N] output (float32 or bfloat16)",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("rope_", &rope_, "rotary embedding in place (float32 or bfloat16)", py::call_guard<py::gil_scoped_release>());
-  py::class_<WeightWatch>(m, "WeightWatch", "acb.watch's weight check (owners' dicts, names, tensors)")
-      .def(py::init<const py::list&, const py::list&, const py::list&>())
-      .def("changed", &WeightWatch::changed, "any tensor replaced, moved or edited in place since")
-      .def("__len__", &WeightWatch::size);
-  m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of float32 rows, int64",
-        py::call_guard<py::gil_scoped_release>());
-  static_assert(std::is_same_v<decltype(&rope_), acb_entry::RopeFn>, "entry_points.h: rope_'s type");
-  m.def("_address", []() { return reinterpret_cast<int64_t>(&rope_); },
-        "rope_'s address, for the int8 and bf16 modules' decode loops (entry_points.h)");
-}
+}  // namespace acb::fused

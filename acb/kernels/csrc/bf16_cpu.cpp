@@ -17,10 +17,8 @@
 //   accumulators) ran ~870 GFLOP/s on SmolLM2's shapes, 8 x 48 ~1,000 (oneDNN's bf16: ~1,010),
 //   7 x 48 ~1,000, 6 x 64 ~980, 12 x 32 and 9 x 48 ~600 (spilled): benchmarks/int8_gemm.py's
 //   shapes, 46 and 1,667 rows.
-#include "torch_min.h"
-#include "entry_points.h"
-#include "bf16_scalar.h"
-#include "vec_math.h"
+#include "decode_loop.h"
+#include "vec.h"
 #include "tile_prefetch.h"
 #include <immintrin.h>
 #include <algorithm>
@@ -30,14 +28,15 @@
 #include <type_traits>
 #include <vector>
 
+namespace acb::bf16 {
 namespace {
 
-using acb_bf16::to_bf16;  // bf16 <-> float32 by bits (acb/kernels/bf16_scalar.h)
+using acb_bf16::to_bf16;  // bf16 <-> float32 by bits (vec_scalar.h)
 using acb_bf16::widen;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 constexpr bool kBf16 = true;
-using acb_vec::act512;  // SiLU (0) / GELU-tanh (1), acb/kernels/vec_math.h
+using acb_vec::act512;  // SiLU (0) / GELU-tanh (1), vec_avx512.h
 
 // acc + a . b over bf16 pairs, written as one instruction (as int8_cpu.cpp's dpbusd: no register
 // copies per accumulator and k step)
@@ -50,18 +49,8 @@ inline __m512 dpbf16(__m512 acc, __m512 a, __m512 b) {
 #endif
 }
 
-inline __m512 load_masked(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load_masked(const uint16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-inline void store_masked(float* p, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
-inline __m256i round_bf16(__m512 v) {  // round to nearest even, as PyTorch rounds (finite values)
-  __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
-}
-inline void store_masked(uint16_t* p, __mmask16 m, __m512 v) { _mm256_mask_storeu_epi16(p, m, round_bf16(v)); }
+using acb_vec::load16;  // float32 or bf16 lanes (masked) in, float32 or rounded bf16 out (vec_avx512.h)
+using acb_vec::store16;
 inline __mmask16 tail(int64_t left) { return left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1); }
 
 // PF: also fetch blocks [pj0, pj1) of the next column tile (NB blocks on) into L2, one line per k step,
@@ -126,8 +115,8 @@ void tile(const Gemm& g, int64_t m0, int64_t b0, int pj0, int pj1) {
     const __m512 bias = g.bias ? _mm512_maskz_loadu_ps(m, g.bias + c) : _mm512_setzero_ps();
     for (int r = 0; r < MR; ++r) {
       __m512 o = _mm512_add_ps(acc[r][j], bias);
-      if (other) o = _mm512_add_ps(o, load_masked(other + (m0 + r) * g.os + c, m));
-      store_masked(out + (m0 + r) * g.ostride + c, m, o);
+      if (other) o = _mm512_add_ps(o, load16(other + (m0 + r) * g.os + c, m));
+      store16(out + (m0 + r) * g.ostride + c, m, o);
     }
   }
 }
@@ -152,7 +141,7 @@ void glu_tile(const Gemm& g, int64_t up, int64_t act, int64_t m0, int64_t b0, in
     const int64_t c = (b0 + j) * 16;
     const __m512 bias = g.bias ? _mm512_loadu_ps(g.bias + up * 16 + c) : _mm512_setzero_ps();
     for (int r = 0; r < MR; ++r)
-      store_masked(out + (m0 + r) * g.ostride + c, 0xffff, _mm512_mul_ps(v[r][j], _mm512_add_ps(acc[r][j], bias)));
+      store16(out + (m0 + r) * g.ostride + c, 0xffff, _mm512_mul_ps(v[r][j], _mm512_add_ps(acc[r][j], bias)));
   }
 }
 
@@ -222,9 +211,9 @@ constexpr bool kBf16 = false;
 // vdpbf16ps's), the same epilogues. Half the bytes of a float32 weight, at float32's arithmetic rate.
 // Tiles: 4 rows x 16 columns (8 accumulators, 4 widened weight registers, 2 broadcasts).
 constexpr bool kWidened = true;
-using acb_vec::act256;  // SiLU (0) / GELU-tanh (1) on 8 lanes, acb/kernels/vec_math.h
+using acb_vec::act256;  // SiLU (0) / GELU-tanh (1) on 8 lanes, vec_avx2.h
 
-using acb_vec::load8;  // 8 float32 or bf16 lanes in, float32 or rounded bf16 out (vec_math.h)
+using acb_vec::load8;  // 8 float32 or bf16 lanes in, float32 or rounded bf16 out (vec_avx2.h)
 using acb_vec::store8;
 
 // acc[r][h] (columns 8h..8h+7 of the block) = rows m0.. of x (float32, stride k) . the block's columns
@@ -479,87 +468,50 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   return out;
 }
 
-// A decode-only step's layers in one call: acb.fused.FusedForward's loop on acb's bf16 GEMMs for the
+// A decode-only step's layers in one call: acb.model.fused.FusedForward's loop on acb's bf16 GEMMs for the
 // models it takes whole here (q/k/v and gate/up joined, no Gemma norms, no q/k norms, one rotary
 // embedding, no soft-capping, no LoRA rows, one device), with the same calls, in the same order, on
 // the same tensors as that Python loop, so the same outputs bit for bit, without returning to Python
 // (and taking the GIL back) between kernels: int8_cpu.cpp's DecodeLoop, for bf16. RoPE and the
-// decode attention are the other modules' functions, by address (entry_points.h).
-namespace acb_bf16_loop {  // int8_cpu.cpp has a DecodeLoop too: pybind11 knows types by name
-struct Layer {
-  torch::Tensor norm[2];
-  double eps[2];
-  torch::Tensor w[4];
-  int64_t n[4];
-  c10::optional<torch::Tensor> b[4];
-  acb_entry::AttentionShape attn;
-  int64_t act;
-};
-
-class DecodeLoop : public acb_entry::DecodeLayers<DecodeLoop, Layer> {
- public:
-  DecodeLoop(int64_t rope, int64_t decode_into) : DecodeLayers(rope, decode_into) {}
-
-  // One layer: its two norms' weights and eps (before attention, before the MLP), its three packed
-  // weights (q/k/v joined, o, gate/up joined: packed, columns, bias or none) and down's, the
-  // attention's shape (query and key columns of the joined output, heads, kv heads, head dim), its
-  // scale and sliding window (0: none), and the MLP's activation (0 SiLU, 1 GELU-tanh).
-  void add_layer(const std::vector<torch::Tensor>& norms, const std::vector<double>& eps,
-                 const std::vector<torch::Tensor>& weights, const std::vector<int64_t>& columns,
-                 const std::vector<c10::optional<torch::Tensor>>& biases, int64_t nq, int64_t nk, int64_t heads,
-                 int64_t kv_heads, int64_t head_dim, double scaling, int64_t window, int64_t act) {
-    TORCH_CHECK(norms.size() == 2 && eps.size() == 2 && weights.size() == 4 && columns.size() == 4 &&
-                    biases.size() == 4,
-                "DecodeLoop.add_layer: 2 norms and eps, 4 weights, column counts and biases");
-    TORCH_CHECK(nq == heads * head_dim && nk == kv_heads * head_dim && columns[0] == nq + 2 * nk &&
-                    columns[2] % 32 == 0,
-                "DecodeLoop.add_layer: the joined q/k/v or gate/up columns do not match");
-    Layer l;
-    for (int i = 0; i < 2; ++i) l.norm[i] = norms[i], l.eps[i] = eps[i];
-    for (int i = 0; i < 4; ++i) l.w[i] = weights[i], l.n[i] = columns[i], l.b[i] = biases[i];
-    l.attn = {nq, nk, heads, kv_heads, head_dim, window, scaling};
-    l.act = act;
-    layers_.push_back(std::move(l));
-  }
-
-  // Layer i of run() (entry_points.h's DecodeLayers): the stream x [T, hidden] float32 after it
-  torch::Tensor layer(int64_t i, const Layer& l, torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
-                      const acb_entry::DecodeStep& step) const {
-    const c10::optional<torch::Tensor> none;
-    torch::Tensor h = rms_norm(x, l.norm[0], l.eps[0], false);
-    // RoPE in float32, then q, k and v each rounded once for the bf16 attention and pages
-    const torch::Tensor a = attend_(i, linear(h, l.w[0], l.n[0], l.b[0], none, torch::kFloat32), l.attn, cos, sin,
-                                    step, torch::kBFloat16);
-    if (!a.defined()) return a;
-    x = linear(a, l.w[1], l.n[1], l.b[1], x, torch::kFloat32);  // the residual add fused
-    h = rms_norm(x, l.norm[1], l.eps[1], false);
-    torch::Tensor m = glu(h, l.w[2], l.n[2] / 2, l.b[2], l.act, torch::kBFloat16);
-    return linear(m, l.w[3], l.n[3], l.b[3], x, torch::kFloat32);
-  }
-};
-}  // namespace acb_bf16_loop
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("available", &available, "whether the GEMMs were built (AVX-512 BF16, or AVX2: widened to float32)");
-  m.def("native", &native, "whether they were built with AVX-512 BF16 (vdpbf16ps), not widened");
-
-  m.def("pack", &pack, "a bf16 [N, K] weight in the GEMMs' layout", py::call_guard<py::gil_scoped_release>());
-  m.def("linear", &linear, "bf16 linear, float32 accumulation, float32 or bf16 output (+ residual)", py::arg("x"),
-        py::arg("w"), py::arg("n"), py::arg("bias") = py::none(), py::arg("other") = py::none(),
-        py::arg("dtype") = torch::kFloat32, py::call_guard<py::gil_scoped_release>());
-  m.def("glu", &glu, "act(x Wg) * (x Wu) in one pass, float32 until the product is stored", py::arg("x"),
-        py::arg("w"), py::arg("n"), py::arg("bias") = py::none(), py::arg("act") = 0,
-        py::arg("dtype") = torch::kBFloat16, py::call_guard<py::gil_scoped_release>());
-  m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows into bfloat16", py::arg("x"), py::arg("w"), py::arg("eps"),
-        py::arg("gemma") = false, py::call_guard<py::gil_scoped_release>());
-  py::class_<acb_bf16_loop::DecodeLoop>(m, "DecodeLoop", py::module_local(),
-      "a decode-only step's layers in one call (FusedForward's loop, bf16)")
-      .def(py::init<int64_t, int64_t>(), py::arg("rope"), py::arg("decode_into"))
-      .def("add_layer", &acb_bf16_loop::DecodeLoop::add_layer)
-      .def("__len__", &acb_bf16_loop::DecodeLoop::size)
-      .def_property("split_rows", &acb_bf16_loop::DecodeLoop::split_rows, &acb_bf16_loop::DecodeLoop::set_split_rows,
-                    "the fewest rows a step runs as two halves, one per thread, on two threads (0: never)")
-      .def_property_readonly("split_steps", &acb_bf16_loop::DecodeLoop::split_steps,
-                             "the steps run as two halves so far")
-      .def("run", &acb_bf16_loop::DecodeLoop::run, py::call_guard<py::gil_scoped_release>());
+// decode attention are fused_cpu.cpp's and paged_decode_cpu.cpp's functions (decode_loop.h).
+// One layer: its two norms' weights and eps (before attention, before the MLP), its three packed
+// weights (q/k/v joined, o, gate/up joined: packed, columns, bias or none) and down's, the
+// attention's shape (query and key columns of the joined output, heads, kv heads, head dim), its
+// scale and sliding window (0: none), and the MLP's activation (0 SiLU, 1 GELU-tanh).
+void DecodeLoop::add_layer(const std::vector<torch::Tensor>& norms, const std::vector<double>& eps,
+                           const std::vector<torch::Tensor>& weights, const std::vector<int64_t>& columns,
+                           const std::vector<c10::optional<torch::Tensor>>& biases, int64_t nq, int64_t nk,
+                           int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling, int64_t window,
+                           int64_t act) {
+  TORCH_CHECK(norms.size() == 2 && eps.size() == 2 && weights.size() == 4 && columns.size() == 4 &&
+                  biases.size() == 4,
+              "DecodeLoop.add_layer: 2 norms and eps, 4 weights, column counts and biases");
+  TORCH_CHECK(nq == heads * head_dim && nk == kv_heads * head_dim && columns[0] == nq + 2 * nk &&
+                  columns[2] % 32 == 0,
+              "DecodeLoop.add_layer: the joined q/k/v or gate/up columns do not match");
+  Layer l;
+  for (int i = 0; i < 2; ++i) l.norm[i] = norms[i], l.eps[i] = eps[i];
+  for (int i = 0; i < 4; ++i) l.w[i] = weights[i], l.n[i] = columns[i], l.b[i] = biases[i];
+  l.attn = {nq, nk, heads, kv_heads, head_dim, window, scaling};
+  l.act = act;
+  layers_.push_back(std::move(l));
 }
+
+// Layer i of run() (decode_loop.h's DecodeLayers): the stream x [T, hidden] float32 after it
+torch::Tensor DecodeLoop::layer(int64_t i, const Layer& l, torch::Tensor x, const torch::Tensor& cos,
+                                const torch::Tensor& sin, const DecodeStep& step) const {
+  const c10::optional<torch::Tensor> none;
+  torch::Tensor h = rms_norm(x, l.norm[0], l.eps[0], false);
+  // RoPE in float32, then q, k and v each rounded once for the bf16 attention and pages
+  const torch::Tensor a = attend_(i, linear(h, l.w[0], l.n[0], l.b[0], none, torch::kFloat32), l.attn, cos, sin,
+                                  step, torch::kBFloat16);
+  if (!a.defined()) return a;
+  x = linear(a, l.w[1], l.n[1], l.b[1], x, torch::kFloat32);  // the residual add fused
+  h = rms_norm(x, l.norm[1], l.eps[1], false);
+  torch::Tensor m = glu(h, l.w[2], l.n[2] / 2, l.b[2], l.act, torch::kBFloat16);
+  return linear(m, l.w[3], l.n[3], l.b[3], x, torch::kFloat32);
+}
+
+}  // namespace acb::bf16
+
+template class acb::DecodeLayers<acb::bf16::DecodeLoop, acb::bf16::Layer>;
