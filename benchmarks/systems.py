@@ -82,8 +82,8 @@ def run_acb(w: Workload, config_kwargs: dict | None = None, dtype: str | None = 
     ``quantization="int8"``: the GGUF file read straight into int8 (acb.model.gguf_int8, cached conversion)."""
     import acb
     from acb.core.progress import BatchProgress
+    from acb.model.int8_weights import weight_bytes
     from acb.model.loading import default_dtype, load, smollm2
-    from acb.model.quantization import weight_bytes
 
     config = acb.EngineConfig(**(config_kwargs or {}))
     requested = config.dtype or dtype

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import acb
-from acb.model import gguf_int8, quantization
+from acb.model import gguf_int8, int8_weights, quantization
 
 # real GGUF files converted afresh (~40 s and more): CI runs them in its extras step, beside the
 # other slow extras, to keep the default suite within its time
@@ -37,7 +37,7 @@ def smollm2_int8(tmp_path_factory):
 
     folder, gguf = smollm2()
     largest = []
-    quantize = quantization.quantize_weight
+    quantize = int8_weights.quantize_weight
 
     def spy(w, group=None):
         largest.append(w.numel() if w.dtype == torch.float32 else 0)
@@ -55,9 +55,9 @@ def smollm2_int8(tmp_path_factory):
 
 def test_the_gguf_is_read_one_tensor_at_a_time_never_a_float32_model(smollm2_int8):
     model, _, largest, _ = smollm2_int8
-    assert isinstance(model.lm_head, quantization.Bf16Linear)
+    assert isinstance(model.lm_head, int8_weights.Bf16Linear)
     assert model.model.embed_tokens.table is model.lm_head  # tied: one bf16 matrix
-    assert isinstance(model.model.layers[0].mlp.down_proj, quantization.Int8Linear)
+    assert isinstance(model.model.layers[0].mlp.down_proj, int8_weights.Int8Linear)
     assert model.model.layers[0].mlp.down_proj.input_scale is not None  # smoothed
     # the largest float32 array quantized at once: an MLP projection (the embedding is rounded to bf16
     # in slices of 4096 rows)
@@ -69,11 +69,11 @@ def test_the_gguf_is_read_one_tensor_at_a_time_never_a_float32_model(smollm2_int
 def test_the_int8_weights_take_at_most_35_percent_of_float32(smollm2_int8):
     model, *_ = smollm2_int8
     int8_weights = sum(m.out_features * m.in_features for m in model.modules()
-                       if isinstance(m, quantization.Int8Linear))
+                       if isinstance(m, int8_weights.Int8Linear))
     fp32 = 4 * (sum(p.numel() for p in model.parameters()) + model.lm_head.out_features * model.lm_head.in_features
                 + int8_weights)
-    print(f"int8 weights: {quantization.weight_bytes(model) / fp32:.1%} of float32's")
-    assert quantization.weight_bytes(model) <= 0.35 * fp32
+    print(f"int8 weights: {int8_weights.weight_bytes(model) / fp32:.1%} of float32's")
+    assert int8_weights.weight_bytes(model) <= 0.35 * fp32
 
 
 def test_the_q8_0_embedding_is_kept_in_bf16(smollm2_int8):
@@ -169,7 +169,7 @@ async def test_gemma3_k_quant_gguf_loads_into_int8_and_answers(tmp_path, monkeyp
     monkeypatch.setenv("ACB_CACHE_DIR", str(tmp_path))
     engine = acb.Engine.from_pretrained(str(path.parent), gguf_file=path.name,
                                         config=acb.EngineConfig(num_blocks=64, quantization="int8", dtype="float32"))
-    assert isinstance(engine.model.lm_head, quantization.Bf16Linear)
+    assert isinstance(engine.model.lm_head, int8_weights.Bf16Linear)
     prompt = engine.tokenizer("Paris is the capital of")["input_ids"]
     async with engine:
         assert engine.stats().forward_path == "fused"

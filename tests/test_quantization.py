@@ -13,8 +13,8 @@ from acb.attention import kv_quant, selector
 from acb.attention.context import ForwardContext, run
 from acb.core.step import StepInput
 from acb.kernels.cpu import int8_kernels
-from acb.model import quantization
-from acb.model.quantization import Bf16Linear, Int8Linear, quantize_weight
+from acb.model import int8_calibration, int8_forward, int8_weights, quantization
+from acb.model.int8_weights import Bf16Linear, Int8Linear, quantize_weight
 from acb.testing import random_prompts, reference_greedy, tiny_model, tiny_tokenizer
 from acb.worker.runner import ModelRunner
 
@@ -159,7 +159,7 @@ def test_smoothing_moves_an_activation_outlier_into_the_weights():
     smoothed = Int8Linear.from_dense(dense, s, rotate=False)
     torch.testing.assert_close(smoothed.input_scale, 1 / s)
     # the weight on the layer's own inputs is the dense one within half a step of its (smoothed) groups
-    step = quantization.unpack_scales(smoothed.weight_scale).repeat_interleave(smoothed.group, 1) * smoothed.input_scale
+    step = int8_weights.unpack_scales(smoothed.weight_scale).repeat_interleave(smoothed.group, 1) * smoothed.input_scale
     assert ((smoothed.dequantize() * smoothed.input_scale - dense.weight.detach()).abs() <= step / 2 + 1e-7).all()
     torch.testing.assert_close(smoothed.effective(), smoothed.dequantize() * smoothed.input_scale)
     err_plain = (plain(x) - want).pow(2).mean().sqrt()
@@ -174,18 +174,18 @@ def test_quantize_smooths_each_projection_group_with_maxima_calibrated_on_the_sh
     _q8()
     model = tiny_model("llama", seed=3)
     tok = tiny_tokenizer()
-    ids = quantization.calibration_ids(tok, model.config.vocab_size)
-    assert len(ids) >= quantization.CALIBRATION_WINDOW and ids[:40] == tok(
-        quantization.CALIBRATION.read_text())["input_ids"][:40]
-    maxima = quantization.input_maxima(model, ids)
+    ids = int8_calibration.calibration_ids(tok, model.config.vocab_size)
+    assert len(ids) >= int8_calibration.CALIBRATION_WINDOW and ids[:40] == tok(
+        int8_calibration.CALIBRATION.read_text())["input_ids"][:40]
+    maxima = int8_calibration.input_maxima(model, ids)
     layer = model.model.layers[0]
-    w = quantization.CALIBRATION_WINDOW
+    w = int8_calibration.CALIBRATION_WINDOW
     with torch.no_grad():  # the first layer's q/k/v input: the embedding, normed
         want = torch.stack([layer.input_layernorm(model.model.embed_tokens(torch.tensor([ids[i: i + w]])))[0]
                             .abs().amax(0) for i in range(0, len(ids) - w + 1, w)]).amax(0)
     torch.testing.assert_close(maxima["model.layers.0.self_attn.q_proj.weight"], want)
     assert len(maxima) == 4 * model.config.num_hidden_layers  # q/k/v, o, gate/up, down per layer
-    factors = quantization.smoothing_factors(model, maxima)
+    factors = int8_calibration.smoothing_factors(model, maxima)
     attn = layer.self_attn
     wmax = torch.stack([attn.q_proj.weight.abs().amax(0), attn.k_proj.weight.abs().amax(0),
                         attn.v_proj.weight.abs().amax(0)]).amax(0).detach()
@@ -205,9 +205,9 @@ def test_without_a_usable_tokenizer_the_calibration_draws_ids_and_says_so(caplog
 
     for tokenizer, reason in ((None, "no tokenizer"), (Broken(), "TypeError: not a text tokenizer")):
         caplog.clear()
-        ids = quantization.calibration_ids(tokenizer, 100)
-        assert len(ids) >= quantization.CALIBRATION_WINDOW and all(0 <= i < 100 for i in ids)
-        assert ids == quantization.calibration_ids(None, 100)  # a fixed draw: the same model quantizes the same way
+        ids = int8_calibration.calibration_ids(tokenizer, 100)
+        assert len(ids) >= int8_calibration.CALIBRATION_WINDOW and all(0 <= i < 100 for i in ids)
+        assert ids == int8_calibration.calibration_ids(None, 100)  # a fixed draw: the same model quantizes the same way
         assert reason in caplog.text and "random token ids" in caplog.text
 
 
@@ -228,16 +228,16 @@ def test_weights_are_packed_as_unsigned_bytes_with_their_scales_per_group():
     wq, ws = _int8(32, 64, 4, group=16)
     layer = Int8Linear.from_int8(wq, ws)
     assert layer.weight.dtype == torch.uint8 and layer.weight_scale.shape == (2, 4, 16)
-    assert torch.equal(quantization.unpack(layer.weight), wq)
-    assert torch.equal(quantization.unpack_scales(layer.weight_scale), ws)
+    assert torch.equal(int8_weights.unpack(layer.weight), wq)
+    assert torch.equal(int8_weights.unpack_scales(layer.weight_scale), ws)
     again = Int8Linear.from_packed(layer.packed)  # what the GGUF cache stores
     assert torch.equal(again.dequantize(), layer.dequantize()) and again.group == 16
     per_channel = Int8Linear.from_int8(wq, ws[:, 0])  # one scale per row: repeated over the groups
-    assert per_channel.group == quantization.activation_group(64) == 64
+    assert per_channel.group == int8_weights.activation_group(64) == 64
 
 
 def test_the_activation_group_divides_the_input_width():
-    assert [quantization.activation_group(k) for k in (576, 1536, 640, 96, 48, 100, 4)] == [64, 64, 64, 32, 16, 4, 4]
+    assert [int8_weights.activation_group(k) for k in (576, 1536, 640, 96, 48, 100, 4)] == [64, 64, 64, 32, 16, 4, 4]
 
 
 def test_activations_quantized_in_other_groups_than_the_weight_expects_are_refused():
@@ -250,7 +250,7 @@ def test_activations_quantized_in_other_groups_than_the_weight_expects_are_refus
 
 def _sylvester(k: int) -> torch.Tensor:
     """The +-1 Walsh-Hadamard matrix over blocks of the largest power of two dividing k (what
-    acb.model.quantization.hadamard multiplies by): the int8 pages' key rotation matrix, built by
+    acb.model.int8_weights.hadamard multiplies by): the int8 pages' key rotation matrix, built by
     Sylvester's construction in acb.attention.kv_quant."""
     return kv_quant.rotate_keys(torch.eye(k))
 
@@ -259,10 +259,10 @@ def _sylvester(k: int) -> torch.Tensor:
 def test_the_input_rotation_is_the_block_hadamard_matrix(k):
     x = torch.randn(7, k)
     h = _sylvester(k)
-    torch.testing.assert_close(quantization.hadamard(x).double(), x.double() @ h.double(), rtol=1e-5,
+    torch.testing.assert_close(int8_weights.hadamard(x).double(), x.double() @ h.double(), rtol=1e-5,
                                atol=1e-5 * (k & -k) ** 0.5)
     torch.testing.assert_close(h @ h, (k & -k) * torch.eye(k))  # so W H / b undoes x H
-    assert quantization.hadamard(x.view(7, 1, k)).shape == (7, 1, k)
+    assert int8_weights.hadamard(x.view(7, 1, k)).shape == (7, 1, k)
 
 
 # (K, group): rotation blocks of 32-512 in registers (K = 96: 32, 576: 64, 1536: 512) and the
@@ -272,20 +272,20 @@ def test_the_input_rotation_is_the_block_hadamard_matrix(k):
 def test_rotated_quantization_rounds_the_rotated_row(k, group, dtype):
     """quantize_rows(rotate=True): the row (times the smoothing multiplier) rotated by the
     block Hadamard matrix, then quantized per group: the same bytes, scales and offsets as the
-    unrotated kernel on acb.model.quantization.hadamard's rotation (the same sums in the same order)."""
+    unrotated kernel on acb.model.int8_weights.hadamard's rotation (the same sums in the same order)."""
     q8 = _q8()
     x = (torch.randn(9, k) * 2).to(dtype)
     x[:, 5] *= 50
     mult = torch.rand(k) + 0.5
     got = q8.quantize_rows(x, None, False, 1e-6, group, mult, True)
-    want = _quantize(q8, quantization.hadamard(x.float() * mult).contiguous(), group)
+    want = _quantize(q8, int8_weights.hadamard(x.float() * mult).contiguous(), group)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     # with the norm: the normed row rotated (the norm's sum is the kernel's own: within a step)
     w = torch.rand(k) + 0.5
     got = q8.quantize_rows(x, w, False, 1e-6, group, mult, True)
     xf = x.float()
     normed = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)) * mult
-    rotated = quantization.hadamard(normed)
+    rotated = int8_weights.hadamard(normed)
     torch.testing.assert_close(got[1], rotated.view(9, k // group, group).abs().amax(2) / 127, rtol=1e-5, atol=0)
     assert ((_dequantized_rows(got[0], got[1]).float() - rotated).abs() <= got[1].repeat_interleave(group, 1) * 0.51
             + 1e-5).all()
@@ -305,13 +305,13 @@ def test_a_rotated_layer_computes_the_dense_product(k):
     layer = Int8Linear.from_dense(dense, s, rotate=True)
     assert layer.rotated and "rotated" in repr(layer)
     b = k & -k
-    step = quantization.unpack_scales(layer.weight_scale).repeat_interleave(layer.group, 1)
+    step = int8_weights.unpack_scales(layer.weight_scale).repeat_interleave(layer.group, 1)
     # the rounded weight is (W s) H / b within half a step per element
-    assert ((layer.dequantize() - quantization.rounded(dense.weight.detach(), s)).abs() <= step / 2 + 1e-7).all()
-    torch.testing.assert_close(quantization.rounded(dense.weight.detach(), s),
+    assert ((layer.dequantize() - int8_weights.rounded(dense.weight.detach(), s)).abs() <= step / 2 + 1e-7).all()
+    torch.testing.assert_close(int8_weights.rounded(dense.weight.detach(), s),
                                (dense.weight.detach() * s) @ _sylvester(k) / b, rtol=1e-5, atol=1e-6)
     # rotated back (times H: (W s H / b) H = W s) and unsmoothed: the dense weight, within int8's error
-    torch.testing.assert_close(layer.effective(), quantization.hadamard(layer.dequantize()) / s)
+    torch.testing.assert_close(layer.effective(), int8_weights.hadamard(layer.dequantize()) / s)
     w = dense.weight.detach()
     assert (layer.effective() - w).norm() < 0.01 * w.norm()
     want = dense(x)
@@ -330,11 +330,11 @@ def test_quantize_rotates_every_projection_and_the_fused_forward_follows():
     model = tiny_model("llama", seed=3)
     quantization.quantize_(model, tokenizer=tiny_tokenizer())
     projections = [m for m in model.modules() if isinstance(m, Int8Linear)]
-    assert projections and all(m.rotated for m in projections) and quantization.ROTATION
+    assert projections and all(m.rotated for m in projections) and int8_weights.ROTATION
     runner = _runner(model)
     try:
         fused = runner.fast_paths.fused
-        assert isinstance(fused, quantization.Int8Forward)
+        assert isinstance(fused, int8_forward.Int8Forward)
         assert fused.rotated == [(True, True, True, True)] * model.config.num_hidden_layers
     finally:
         runner.release()
@@ -362,7 +362,7 @@ def test_the_bf16_lm_head_and_its_embedding_rows(n, path, monkeypatch):
     assert got.dtype == torch.float32 and got.shape == (3, n)
     want = x.bfloat16().double() @ w.bfloat16().double().T
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-    emb = quantization.Bf16Embedding(head, torch.float32, 2.0)
+    emb = int8_weights.Bf16Embedding(head, torch.float32, 2.0)
     torch.testing.assert_close(emb(ids[None]), (w.bfloat16()[ids].float() * 2)[None], rtol=0, atol=0)
 
 
@@ -391,7 +391,7 @@ def test_int8_fused_forward_computes_what_the_quantized_model_computes(arch):
     quantization.quantize_(model)
     runner = _runner(model)
     try:
-        assert isinstance(runner.fast_paths.fused, quantization.Int8Forward)
+        assert isinstance(runner.fast_paths.fused, int8_forward.Int8Forward)
         rows = fresh_rows(random_prompts(3, 5, 40, seed=7))
         want = _logits(runner, runner.model, rows)
         got = _logits(runner, runner.fast_paths.fused, rows)
@@ -416,9 +416,9 @@ def test_a_decode_step_runs_its_layers_in_one_native_call_with_the_same_bits(arc
     runner = ModelRunner(model, 128, 8, kv_cache_dtype=kv)
     runner.configure_fast_paths(EngineConfig(), 16)
     try:
-        decode_both_ways(runner, quantization.Int8Forward, monkeypatch, f"{arch} {dtype} {kv}")
+        decode_both_ways(runner, int8_forward.Int8Forward, monkeypatch, f"{arch} {dtype} {kv}")
         if arch in NATIVE_LOOP_ARCHS:  # a step of 20 rows: whole, and as two halves on two threads
-            decode_both_ways(runner, quantization.Int8Forward, monkeypatch, f"{arch} {dtype} {kv}, 20 rows",
+            decode_both_ways(runner, int8_forward.Int8Forward, monkeypatch, f"{arch} {dtype} {kv}, 20 rows",
                              prompts=20, longest=20)
     finally:
         runner.release()

@@ -83,10 +83,10 @@ def place(model: torch.nn.Module, config: EngineConfig, tokenizer=None) -> Engin
                 model.to(device)
             except (AssertionError, RuntimeError) as e:  # no such device in this process
                 raise ValueError(f"EngineConfig.device {config.device!r} cannot take the model: {e}") from None
-    from ..model import quantization
+    from ..model import int8_weights, quantization
 
     if config.dtype not in (None, "auto") and param.dtype != getattr(torch, config.dtype):
-        if quantization.is_quantized(model):  # its scales and packed bf16 lm_head would be cast too
+        if int8_weights.is_quantized(model):  # its scales and packed bf16 lm_head would be cast too
             raise ValueError(
                 f"EngineConfig.dtype={config.dtype!r} cannot be applied: the model holds acb's int8 layers, "
                 f"quantized for {str(param.dtype).removeprefix('torch.')} activations, and is not cast after "

@@ -17,7 +17,7 @@ from ..core.lifecycle import EngineState, Lifecycle
 from ..core.outputs import Completion, EngineStats
 from ..core.progress import check_progress, gather_batch
 from ..core.sampling_params import SamplingParams
-from ..model import quantization
+from ..model import int8_weights
 from ..worker import sizing
 from ..worker.runner import ModelRunner
 from . import assembly
@@ -272,7 +272,7 @@ class Engine:
             attn_backend=runner.attn_backend if runner is not None else self.attn_backend,
             dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."),
             grammars_compiled=self._grammars.compiles, grammar_cache_hits=self._grammars.hits,
-            quantization="int8" if quantization.is_quantized(self.model) else "")
+            quantization="int8" if int8_weights.is_quantized(self.model) else "")
 
     def kv_events(self, max_batches: int = 1024) -> KVEventStream:
         """Subscribe to the prefix cache's events (``EngineConfig(kv_events=True)``): an async

@@ -1,5 +1,5 @@
 """A layer of the fused CPU forward (``acb.model.fused``) in a step with adapter rows: the same
-GEMMs (q/k/v and gate/up each one, ``acb.model.fused.side_by_side``), the step's LoRA deltas
+GEMMs (q/k/v and gate/up each one, ``acb.model.fused_layers.side_by_side``), the step's LoRA deltas
 (``acb.model.lora``) added in place on each projection's columns of their output.
 
 Float32 (the bank holds the native kernels, ``acb/kernels/csrc/lora_cpu.cpp``): one kernel call per
@@ -79,7 +79,7 @@ class LoraLayer:
 
     def _mlp(self, layer: Any, i: int, h: torch.Tensor, adapters: StepLora, native: bool) -> torch.Tensor:
         """act(gate) * up, with the deltas of gate and up added before the activation and the product."""
-        gu = self.ops.linear(h, layer.gate_up)  # gate | up, one GEMM (acb.model.fused.side_by_side)
+        gu = self.ops.linear(h, layer.gate_up)  # gate | up, one GEMM (acb.model.fused_layers.side_by_side)
         if not (adapters.touches(i, "gate_proj") or adapters.touches(i, "up_proj")):
             # no delta inside the MLP (PEFT's default targets q/v only): the base model's one pass
             return self.ops.k.glu(gu, layer.act_code)

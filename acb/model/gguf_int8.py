@@ -4,16 +4,16 @@
 as a float32 folder). Here the model's skeleton is built with its parameters on the
 ``meta`` device (no memory), and each GGUF tensor is read, dequantized to float32 on
 its own, and either quantized at once to int8 per output channel and group of 64 input
-channels (the decoder's projections, smoothed and rotated: :func:`acb.model.quantization.rounded`),
+channels (the decoder's projections, smoothed and rotated: :func:`acb.model.int8_weights.rounded`),
 rounded to bf16 (the embedding / lm_head, in slices of rows) or kept in the model's dtype
 (norms, biases); the largest float32 array alive at any time is one tensor or slice (SmolLM2:
 an MLP projection, 3.5 MB), never the model.
 
 The file is read twice on the first load: the first pass builds an unsmoothed int8 model
 (float32 between its GEMMs, whatever dtype was asked) that reads
-:data:`acb.model.quantization.CALIBRATION` to measure each projection's input maxima, the second
+:data:`acb.model.int8_calibration.CALIBRATION` to measure each projection's input maxima, the second
 quantizes each weight times its smoothing factors
-(:func:`acb.model.quantization.smoothing_factors`). The result is cached under
+(:func:`acb.model.int8_calibration.smoothing_factors`). The result is cached under
 ``acb.model.files.cache_dir()`` (later loads skip the GGUF decoding and the calibration).
 
 Every GGUF quantization type the ``gguf`` package dequantizes is read (F32, F16, BF16,
@@ -75,15 +75,15 @@ def load(folder: str, gguf_file: str, dtype: torch.dtype):
     ``EngineConfig.quantization`` where int8 cannot run this model."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from . import quantization
+    from . import int8_calibration, int8_weights, quantization
     from .files import cache_dir, name_added_tokens
 
     path = os.path.join(folder, gguf_file)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
     st = os.stat(path)
-    method = (f"w{quantization.GROUP}a{quantization.GROUP}-smooth{quantization.SMOOTHING}-f32cal-bf16head"
-              f"{'-hadamard' if quantization.ROTATION else ''}")  # the format
+    method = (f"w{int8_weights.GROUP}a{int8_weights.GROUP}-smooth{int8_calibration.SMOOTHING}-f32cal-bf16head"
+              f"{'-hadamard' if int8_weights.ROTATION else ''}")  # the format
     key = hashlib.sha1(f"{os.path.realpath(path)}|{st.st_size}|{int(st.st_mtime)}|{method}".encode()).hexdigest()[:16]
     cached = cache_dir() / "int8" / f"{os.path.splitext(gguf_file)[0]}-{key}"
     hit = (cached / "weights.pt").is_file()
@@ -103,7 +103,7 @@ def load(folder: str, gguf_file: str, dtype: torch.dtype):
         with torch.no_grad():
             for name, value in dense.items():
                 _set(model, name, value.to(dt))
-        weights = {name: quantization.Bf16Linear(*value[1:]) if value[0] == "bf16" else value
+        weights = {name: int8_weights.Bf16Linear(*value[1:]) if value[0] == "bf16" else value
                    for name, value in int8.items()}
         if "lm_head.weight" not in weights and getattr(config, "tie_word_embeddings", False):
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # tied: one matrix serves both
@@ -121,13 +121,13 @@ def load(folder: str, gguf_file: str, dtype: torch.dtype):
         # unsmoothed, and float32 whatever dtype was asked: the cached conversion (its key has no
         # dtype) is the same whichever dtype loads the file first
         plain = build(*_read(path, skeleton(torch.float32), config), torch.float32)
-        ids = quantization.calibration_ids(tokenizer, config.vocab_size)
-        factors = quantization.smoothing_factors(plain, quantization.input_maxima(plain, ids))
+        ids = int8_calibration.calibration_ids(tokenizer, config.vocab_size)
+        factors = int8_calibration.smoothing_factors(plain, int8_calibration.input_maxima(plain, ids))
         del plain
         dense, int8 = _read(path, skeleton(), config, factors)
         _save(cached, config, tokenizer, (dense, int8))
     model = build(dense, int8)
-    log.info("acb: %s loaded into int8 (%s)", gguf_file, quantization.weight_summary(model))
+    log.info("acb: %s loaded into int8 (%s)", gguf_file, int8_weights.weight_summary(model))
     return model, tokenizer
 
 
@@ -159,8 +159,8 @@ def _read(path: str, model: torch.nn.Module, config, factors: dict | None = None
     )
 
     from ..kernels.cpu_linear import trim_heap
-    from . import quantization
-    from .quantization import Bf16Linear, Int8Linear
+    from . import int8_weights
+    from .int8_weights import Bf16Linear, Int8Linear
 
     factors = factors or {}
 
@@ -195,7 +195,7 @@ def _read(path: str, model: torch.nn.Module, config, factors: dict | None = None
             parts = []
             for i in range(0, tensor.data.shape[0], _SLICE):
                 rows = torch.from_numpy(dequantize(tensor.data[i: i + _SLICE], tensor.tensor_type))
-                parts.append(quantization.quantize_weight(quantization.rounded(rows, s)))
+                parts.append(int8_weights.quantize_weight(int8_weights.rounded(rows, s)))
             int8[hf_name] = Int8Linear.from_rounded(torch.cat([q for q, _ in parts]), torch.cat([c for _, c in parts]),
                                                     smoothing=s).packed
             continue
@@ -213,18 +213,18 @@ def _read(path: str, model: torch.nn.Module, config, factors: dict | None = None
     return dense, int8
 
 
-_TABLES = ("lm_head.weight", "model.embed_tokens.weight")  # kept bf16 (acb.model.quantization.Bf16Linear)
+_TABLES = ("lm_head.weight", "model.embed_tokens.weight")  # kept bf16 (acb.model.int8_weights.Bf16Linear)
 _SLICE = 4096  # rows decoded at once from a tensor taller than this
 
 
 def _int8_targets(model: torch.nn.Module) -> set[str]:
     """Names of the weights :func:`acb.model.quantization.quantize_` stores as int8."""
-    from .quantization import _projections
+    from .int8_calibration import projections
 
     base = model.model
     names = {"lm_head.weight", "model.embed_tokens.weight"}
     for i, layer in enumerate(base.layers[: model.config.num_hidden_layers]):
-        for owner, name in _projections(layer):
+        for owner, name in projections(layer):
             prefix = "self_attn" if owner is layer.self_attn else "mlp"
             names.add(f"model.layers.{i}.{prefix}.{name}.weight")
     return names

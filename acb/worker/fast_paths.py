@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..core.defaults import resolve
-from ..model import quantization
+from ..model import int8_forward, int8_weights
 from ..model.watch import ModelWatch
 from . import compiling, cuda_graphs
 
@@ -130,7 +130,7 @@ class FastPaths:
                                                config.decode_compile_level)
         self.varlen_forward = self.decode_forward = self.model
         self.fused = self.sampling_kernels = None  # (set again by _build_fused where it builds)
-        quantized = quantization.is_quantized(self.model)  # int8: acb.model.quantization's forward, no prepacking
+        quantized = int8_weights.is_quantized(self.model)  # int8: acb.model.quantization's forward, no prepacking
         native = self._native_bf16()  # bf16: acb's own GEMMs pack the weights (oneDNN's prepacking not needed)
         self._want_fused = not (varlen or decode) and (self.prepacked or quantized or native) and \
             self.dtype in (torch.float32, torch.bfloat16)
@@ -216,8 +216,8 @@ class FastPaths:
         def why_not(model, packed, kernels):
             return fused_why_not(model, packed, kernels, native=self._native_bf16())
 
-        if quantization.is_quantized(self.model):
-            FusedForward, why_not = quantization.Int8Forward, quantization.why_not_forward  # noqa: N806
+        if int8_weights.is_quantized(self.model):
+            FusedForward, why_not = int8_forward.Int8Forward, int8_forward.why_not_forward  # noqa: N806
 
         kernels = fused_kernels() if self.kernels else None
         self.sampling_kernels = kernels

@@ -12,7 +12,7 @@ of the activations is timed separately, as acb pays it once per GEMM input):
 - ``fp32``, ``bf16``: ``torch.ops.mkldnn._linear_pointwise`` over prepacked weights (acb's
   fused forward in those dtypes);
 - ``acb_int8``: acb's VNNI kernel (``acb/kernels/csrc/int8_cpu.cpp``) as the engine runs it: int8
-  activations per token and group of 64 channels (``acb.model.quantization.activation_group``), weights
+  activations per token and group of 64 channels (``acb.model.int8_weights.activation_group``), weights
   per channel; ``acb_int8+q``: with the quantization of its input; ``acb_int8_tok``: the same kernel
   with one activation scale per token (what the groups cost);
 - ``onednn_int8``: ``torch.ops.onednn.qlinear_pointwise`` (what PyTorch's x86 inductor
@@ -53,7 +53,7 @@ def main() -> None:
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: its acb
     from acb.kernels.cpu import int8_kernels
-    from acb.model.quantization import Int8Linear, quantize_weight
+    from acb.model.int8_weights import Int8Linear, quantize_weight
 
     q8 = int8_kernels()
     torch.manual_seed(0)

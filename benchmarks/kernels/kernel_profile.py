@@ -35,7 +35,7 @@ import workloads
 import acb
 from acb.attention import paged, selector
 from acb.loading import load, smollm2
-from acb.model import fused, quantization
+from acb.model import fused, int8_forward
 
 T: dict = collections.defaultdict(float)  # (step kind, name) -> seconds
 C: dict = collections.defaultdict(int)  # (step kind, name) -> calls
@@ -72,14 +72,14 @@ def instrument(decode_rows: int, native_loop: bool = False, split_rows: int | No
     # engine runs them in one native call, the DecodeLoops: ~1.6 ms a SmolLM2 int8 decode step less)
     fused.NATIVE_DECODE_LOOP = native_loop
     if split_rows is not None:
-        for cls in (quantization.Int8Forward, fused.FusedForward):
+        for cls in (int8_forward.Int8Forward, fused.FusedForward):
             def native(self, _orig=cls._native_loop):
                 loop = _orig(self)
                 if loop is not None:
                     loop.split_rows = split_rows
                 return loop
             cls._native_loop = native
-    for cls in (quantization.Int8Forward, fused.FusedForward):
+    for cls in (int8_forward.Int8Forward, fused.FusedForward):
         def call(self, context, input_ids, *a, _orig=cls.__call__, **k):
             if not isinstance(self.k, Proxy):
                 self.k = Proxy(self.k, "k.")
