@@ -348,7 +348,7 @@ def test_the_bf16_lm_head_and_its_embedding_rows(n, path, monkeypatch):
     embedding's rows read from the same packed table."""
     _q8()
     if path == "torch":
-        monkeypatch.setattr(quantization.fused, "native_bf16", lambda: None)
+        monkeypatch.setattr(int8_weights.fused, "native_bf16", lambda: None)
     w = torch.randn(n, 24)
     head = Bf16Linear.from_dense(w)
     assert head.weight.dtype == torch.bfloat16 and head.weight.shape[0] * 16 >= n
