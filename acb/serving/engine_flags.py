@@ -138,11 +138,13 @@ def _help(field: str, doc: str, default: Any, override: dict[str, Any]) -> str:
         text = re.sub(r"\s*\((?:None|default): [^)]*\)", "", text) + f" (default: {override['help_default']})"
     elif default is None:
         text = text.replace("None: ", "default: ")
+        if "default:" not in text:
+            text += " (default: none)"
     else:
         text = re.sub(r"\bNone\b", "none", text)
         if isinstance(default, bool):
             text += f" (default: {'on' if default else 'off'})"
-        elif "default" not in text:
+        elif "default:" not in text:
             text += f" (default: {default})"
     return text.replace("%", "%%")  # argparse formats help with %
 
