@@ -31,6 +31,8 @@ import time
 
 import aiohttp
 
+MODEL = "smollm2"  # the served model's id (--model-name), which requests must name
+
 ROOT = __file__.rsplit("/", 2)[0]
 
 
@@ -80,7 +82,7 @@ async def scenario(session: aiohttp.ClientSession, url: str, body: dict) -> dict
             await asyncio.sleep(0.01)
 
     async def stream() -> None:
-        other = {"model": "m", "messages": [{"role": "user", "content": "Tell me a long story about a cat."}],
+        other = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story about a cat."}],
                  "max_tokens": 2000, "stream": True, "temperature": 0.8, "seed": 1, "ignore_eos": True}
         async with session.post(f"{url}/v1/chat/completions", json=other) as resp:
             async for _ in resp.content:
@@ -117,17 +119,18 @@ async def run(args: argparse.Namespace) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-m", "acb.cli", "serve", "--port", str(port), "--log-level", "WARNING"],
-                            env=env, cwd=ROOT)  # -m puts the working directory first on sys.path
+    # -m puts the working directory first on sys.path
+    proc = subprocess.Popen([sys.executable, "-m", "acb.cli", "serve", "--port", str(port), "--log-level", "WARNING",
+                             "--model-name", MODEL], env=env, cwd=ROOT)
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
             await wait_healthy(session, url, proc, 300)
             cases = {
-                "enum": {"model": "m", "max_tokens": 16, "temperature": 0,
+                "enum": {"model": MODEL, "max_tokens": 16, "temperature": 0,
                          "messages": [{"role": "user", "content": "Pick one."}],
                          "response_format": {"type": "json_schema",
                                              "json_schema": {"name": "pick", "schema": enum_schema(args.enum_size)}}},
-                "prompt": {"model": "m", "max_tokens": 16,
+                "prompt": {"model": MODEL, "max_tokens": 16,
                            "messages": [{"role": "user", "content": long_text(args.prompt_tokens)}]},
             }
             for name, body in cases.items():

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import socket
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -124,3 +126,24 @@ async def wait_http_ok(url: str, timeout: float = 120.0, proc: asyncio.subproces
             if loop.time() > deadline:
                 raise AssertionError(f"{url} did not answer within {timeout} s")
             await asyncio.sleep(0.1)
+
+
+@contextlib.asynccontextmanager
+async def acb_serve(*args: str, log: Any, env: dict[str, str] | None = None,
+                    timeout: float = 180.0) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
+    """``python -m acb.cli serve --port N *args`` as a child process (stderr to the open file
+    ``log``); yields (its base URL, the process) once it prints its ready line, and kills it
+    on the way out if it is still running."""
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "acb.cli", "serve", "--port", str(port), *args, stdout=asyncio.subprocess.PIPE,
+        stderr=log, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    try:
+        ready = await asyncio.wait_for(proc.stdout.readline(), timeout)
+        url = f"http://127.0.0.1:{port}"
+        assert url in ready.decode(), f"acb serve did not start (exit {proc.returncode}); see its log {log.name}"
+        yield url, proc
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -252,6 +252,8 @@ async def test_adapters_with_choices_preemption_and_offload():
 
 
 @pytest.mark.extras  # ~20 s on a quiet machine: CI's second step (the default suite is near its budget)
+# peft's get_peft_model reads transformers' deprecated is_gradient_checkpointing (as acb.testing.tiny_lora_model notes)
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 async def test_smollm2_mixed_adapters_match_peft_generate():
     """The real SmolLM2-135M (tied embeddings, 30 layers): two adapters and the base in one batch."""
     from acb.model.loading import load, smollm2

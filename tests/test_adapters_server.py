@@ -68,6 +68,11 @@ async def test_model_names_an_adapter_and_endpoints_load_and_unload(folders):
             assert resp.status == 404
         async with session.get("/v1/models/b", headers=KEY) as resp:
             assert resp.status == 404
+        body = {"model": "b", "prompt": PROMPT, "max_tokens": 2}  # not answered by the base model
+        async with session.post("/v1/completions", json=body, headers=KEY) as resp:
+            error = (await resp.json())["error"]
+            assert resp.status == 404 and error["code"] == "model_not_found"
+            assert error["message"].endswith("this server serves 'tiny', 'a'")
         assert engine.adapters() == ["a"]
 
 

@@ -1,6 +1,6 @@
 """The README's and the docs' Python examples, as printed: every block parses, and every whole
 program on the real SmolLM2 (a block that calls ``smollm2()`` and starts no server) runs in a
-fresh interpreter and prints sensible answers, so the examples cannot rot.
+fresh interpreter and prints sensible answers, and no warning, so the examples cannot rot.
 
 Server examples (aiohttp, Starlette, ``acb serve``) run until stopped: their routes are tested
 with tiny models in test_aiohttp.py, test_starlette.py and test_server.py."""
@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_warnings import warnings_in
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -53,10 +54,12 @@ def test_example_runs_and_answers(name, source, tmp_path):
     script = tmp_path / "example.py"
     script.write_text(source)
     # this checkout's acb, whatever is installed; outside the source tree, as a user runs it
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "PYTHONWARNINGS": "always"}  # every warning shown: users must see acb's own only (test_warnings.py)
     run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, f"{name} failed:\n{run.stdout}\n{run.stderr[-3000:]}"
+    assert warnings_in(run.stderr) == [], f"{name} printed warnings:\n{run.stderr[-3000:]}"
     lines = [line.strip() for line in run.stdout.strip().splitlines()]
     assert lines and all(lines), f"{name} printed an empty answer:\n{run.stdout}"
     if "What is 2+2?" in source:  # the quick start's batch: a greeting, then the sum

@@ -28,6 +28,13 @@ async def test_models_list(client):
     assert [m.id async for m in client.models.list()] == ["tiny"]
 
 
+async def test_an_unknown_model_is_the_clients_not_found_error(client):
+    with pytest.raises(openai.NotFoundError) as error:
+        await client.chat.completions.create(model="tiny-typo", messages=CHAT, max_tokens=2)
+    assert error.value.code == "model_not_found" and error.value.param == "model"
+    assert "'tiny'" in error.value.message
+
+
 async def test_completion_whole_and_streamed(client):
     whole = await client.completions.create(model="tiny", prompt="hello", max_tokens=6, temperature=0)
     assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 6

@@ -20,7 +20,8 @@ CHAT = [{"role": "user", "content": "hello there"}]
 
 @pytest.fixture
 async def server():
-    app = create_app(tiny_engine(), ServerConfig(model_name="tiny"))
+    # served as "smollm2": the load generators' captured bodies below name it (they send the served id)
+    app = create_app(tiny_engine(), ServerConfig(model_name="smollm2"))
     async with running_app(app, handler_cancellation=True) as url, aiohttp.ClientSession(base_url=url) as session:
         yield session, app[ENGINE_KEY]
 

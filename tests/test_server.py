@@ -258,6 +258,40 @@ async def test_unknown_route_and_method_get_json_errors(server):
         assert resp.status == 405 and "POST" in (await resp.json())["error"]["message"]
 
 
+MODEL_ROUTES = {"/v1/completions": {"prompt": "hi", "max_tokens": 2}, "/v1/completions ": {"prompt": "hi",
+                 "max_tokens": 2, "stream": True}, "/v1/chat/completions": {"messages": CHAT, "max_tokens": 2},
+                 "/v1/chat/completions ": {"messages": CHAT, "max_tokens": 2, "stream": True},
+                 "/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [40, 41]}}  # every route that takes model
+
+
+async def test_an_unknown_model_is_a_404_naming_the_served_ids(server):
+    """As OpenAI and vLLM answer it: a mistyped model (or adapter) id is not answered by
+    another model. The served id, or none at all (as vLLM), runs the served model."""
+    _, session, _ = server
+    for path, body in MODEL_ROUTES.items():
+        status, answer = await post(session, path.strip(), {**body, "model": "tiny-typo"})
+        assert (status, answer) == (404, {"error": {
+            "message": "The model 'tiny-typo' does not exist: this server serves 'tiny'",
+            "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}), path
+        for named in ({"model": "tiny"}, {}, {"model": None}):
+            async with session.post(path.strip(), json={**body, **named}) as resp:
+                assert resp.status == 200, (path, named, await resp.text())
+                await resp.read()
+    status, answer = await post(session, "/v1/completions", {"prompt": "hi", "model": 7})
+    assert status == 400 and answer["error"]["param"] == "model"
+
+
+async def test_allow_unknown_model_runs_the_served_model_for_any_id():
+    app, serving = await start(ServerConfig(model_name="tiny", allow_unknown_model=True))
+    async with serving as url, aiohttp.ClientSession(base_url=url) as session:
+        for path, body in MODEL_ROUTES.items():
+            async with session.post(path.strip(), json={**body, "model": "gpt-placeholder"}) as resp:
+                assert resp.status == 200, (path, await resp.text())
+                answer = await resp.read()
+                if path == "/v1/completions":
+                    assert b'"model": "tiny"' in answer
+
+
 async def test_api_key_is_required_on_v1_only():
     _, serving = await start(ServerConfig(api_key="s3cret"))
     async with serving as url, aiohttp.ClientSession(base_url=url) as session:

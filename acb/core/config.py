@@ -11,12 +11,21 @@ from typing import Any
 
 from .checks import is_int, is_number
 
-_SCHEDULERS = ("fifo", "prefill_first", "priority")
-_ATTN_BACKENDS = ("auto", "native", "torch", "triton", "flash_attn")  # acb.attention.selector.BACKENDS
+# The values a str field may take (its checks below; acb serve's flags offer them as choices)
+CHOICES: dict[str, tuple[str, ...]] = {
+    "scheduler": ("fifo", "prefill_first", "priority"),
+    "attn_backend": ("auto", "native", "torch", "triton", "flash_attn"),  # acb.attention.selector.BACKENDS
+    "dtype": ("auto", "float32", "float16", "bfloat16"),
+    "quantization": ("int8",),
+    "kv_cache_dtype": ("auto", "int8"),
+    "speculative_method": ("ngram", "draft"),
+}
+_SCHEDULERS = CHOICES["scheduler"]
+_ATTN_BACKENDS = CHOICES["attn_backend"]
 
 
 @dataclass(frozen=True)
-class EngineConfig:  # ~300 lines: its fields, documented in groups, and one check per field (__post_init__)
+class EngineConfig:  # ~330 lines: its fields (each with its docstring), and one check per field (__post_init__)
     """How the engine uses the hardware: memory, scheduling and kernels.
 
     ``None`` means "choose for the device". Example::
@@ -125,48 +134,104 @@ class EngineConfig:  # ~300 lines: its fields, documented in groups, and one che
     warning naming it at construction.
     """
 
+    # Each field's docstring (the string under it) is its one-line reference: `acb serve --help`
+    # prints it (acb.serving.engine_flags), as the API reference does.
     page_size: int | None = None
+    """Tokens per KV page (None: 16)."""
     num_blocks: int | None = None
+    """KV cache pages (None: sized by max_memory_percent)."""
     max_memory_percent: float = 0.5
+    """Share of the free device memory (available RAM on the CPU) the KV cache may take, in (0, 1]."""
     max_batch_tokens: int | None = None
+    """Tokens one forward pass computes (None: 2048 on the CPU, 8192 on a GPU)."""
     max_requests_per_batch: int | None = None
+    """Requests (rows) one step holds (None: 256)."""
     scheduler: str = "fifo"
+    """Admission order: fifo, prefill_first, or priority (by the requests' priority, lower first)."""
     safety_margin: float | None = None
+    """Share of the KV pages held back from new prefills, in [0, 1) (None: 0.15)."""
     allow_prefix_sharing: bool = True
+    """Prefix caching: requests share the KV pages of a common prompt prefix."""
     cpu_offload_space: float | None = 0.0
+    """GiB of host memory preempted requests' KV pages go to, so they resume without recompute
+    (0: recompute; None: the cap, 80 % of available RAM)."""
     use_cuda_graph: bool | None = None
+    """Replay decode-only steps from CUDA graphs (CUDA only; None: on once a start-up self-check passes)."""
     q_padding_interval_size: int = 0
+    """CUDA graphs: rows are padded to buckets of this many (0: a default)."""
     kv_padding_interval_size: int = 0
+    """CUDA graphs: context tokens are padded to buckets of this many (0: a default)."""
     async_batching: bool = True
+    """Plan step N+1 while step N computes."""
     compile_level: int = 0
+    """torch.compile the forward: 0 off; 1 default mode, dynamic; 2 max-autotune-no-cudagraphs, dynamic;
+    3 the same, static."""
     max_blocks_per_request: int | None = None
+    """Widest block table (pages) the decode fast path serves; wider steps take the PyTorch path
+    (0: fast path off; None: no bound)."""
     attn_backend: str = "auto"
+    """Attention: native, torch, triton or flash_attn (auto: Triton on CUDA, native on the CPU)."""
     device: str | None = None
+    """Torch device, e.g. cpu or cuda:0 (None: cuda if available, else cpu)."""
     dtype: str | None = None
+    """Weights dtype: float32, bfloat16, float16, or auto (the checkpoint's own) (None: bfloat16 on CUDA
+    and CPUs with native bf16, else float32)."""
     debug_checks: bool = False
+    """Check the KV cache's integrity whenever the engine goes idle (slow; for debugging)."""
     fault_hook: Any = field(default=None, repr=False, compare=False)
+    """A callable run at each step stage (fault injection in tests)."""
     varlen_compile_level: int | None = None
+    """compile_level for steps holding a prefill chunk (None: compile_level)."""
     decode_compile_level: int | None = None
+    """compile_level for decode-only steps (None: compile_level)."""
     tensor_parallel_size: int = 1
+    """Shard the model over this many ranks (acb starts the others: gloo on the CPU, NCCL on CUDA)."""
     distributed_timeout_s: float = 120.0
+    """Seconds the tensor-parallel ranks wait for each other."""
     max_waiting_requests: int | None = None
+    """Requests queued beyond the running batch before new ones are refused (EngineOverloadedError;
+    429 with Retry-After from acb serve) (None: 4 x max_requests_per_batch)."""
     priority_aging_steps: int = 5000
+    """scheduler=priority: engine steps per priority level a waiting request ages by (0: no aging)."""
     kv_events: bool = False
+    """Publish the prefix cache's events (BlockStored, BlockRemoved, AllBlocksCleared) to engine.kv_events()
+    (acb serve: GET /v1/kv_events, as server-sent events)."""
     grammar_compile_timeout_s: float | None = 30.0
+    """Seconds a request waits for its structured-output grammar to compile before it is refused (400);
+    it compiles off the event loop either way (None: no bound)."""
     grammar_cache_size: int = 256
+    """Compiled grammars kept, least recently used first out (0: none)."""
     quantization: str | None = None
+    """int8: int8 weights and activations per 64 channels, smoothed and Hadamard-rotated, the lm_head
+    bf16 (CPUs with AVX-512 VNNI or AVX2; docs/performance.md); attention and KV pages keep dtype."""
     kv_cache_dtype: str | None = None
+    """int8: KV pages in int8 with a float32 scale per token and kv head, ~2x the pages of bf16 (acb's
+    native CPU attention only); auto: the model's dtype (None: auto)."""
     max_adapters: int = 4
+    """LoRA adapters loaded at once (0: none)."""
     max_adapter_rank: int = 16
+    """The highest LoRA rank an adapter may have."""
     cpu_kernels: bool = True
+    """acb's native CPU kernels (paged attention, the fused forward's ops); off: torch attention, no
+    fused forward."""
     cpu_prepack: bool = True
+    """oneDNN-prepacked linear weights on the CPU; off: PyTorch's own linears, no fused forward."""
     cpu_fused_forward: bool = True
+    """acb's fused CPU forward in place of transformers' (float32, bfloat16, int8)."""
     cpu_bf16_gemm: bool = True
+    """A bfloat16 model's fused CPU forward on acb's own bf16 GEMMs (float32 residual stream); off:
+    oneDNN's prepacked bf16 linears."""
     speculative_method: str | None = None
+    """Speculative decoding (docs/speculative.md): ngram (proposals found in the prompt and output) or
+    draft (draft_model proposes them) (None: off)."""
     num_speculative_tokens: int = 4
+    """The most proposals a row carries per step (the cost model may choose fewer), 1..64."""
     prompt_lookup_min: int = 2
+    """ngram: the shortest suffix (tokens) matched in the prompt and output."""
     prompt_lookup_max: int = 4
+    """ngram: the longest suffix, tried first."""
     draft_model: Any = field(default=None, repr=False, compare=False)
+    """speculative_method=draft: a model folder (or model object) sharing the model's tokenizer."""
 
     def __post_init__(self) -> None:  # long: one check per field, in field order; not on a hot path
         def bad(name: str, why: str) -> None:
@@ -230,7 +295,7 @@ class EngineConfig:  # ~300 lines: its fields, documented in groups, and one che
                     "ranks yet)")
             if self.use_cuda_graph:
                 bad("use_cuda_graph", "must not be True with tensor_parallel_size > 1 (decode steps run eagerly)")
-        if self.dtype is not None and self.dtype not in ("float32", "float16", "bfloat16", "auto"):
+        if self.dtype is not None and self.dtype not in CHOICES["dtype"]:
             bad("dtype", "must be None, 'auto', 'float32', 'float16' or 'bfloat16'")
         if self.max_waiting_requests is not None and (
             not is_int(self.max_waiting_requests) or self.max_waiting_requests < 1
@@ -253,7 +318,7 @@ class EngineConfig:  # ~300 lines: its fields, documented in groups, and one che
         if not is_int(self.max_adapter_rank) or self.max_adapter_rank < 1:
             bad("max_adapter_rank", "must be an int >= 1")
         if self.quantization is not None:
-            if self.quantization != "int8":
+            if self.quantization not in CHOICES["quantization"]:
                 bad("quantization", "must be None or 'int8'")
             if self.tensor_parallel_size > 1:
                 bad("quantization", "must be None with tensor_parallel_size > 1 (the ranks shard dense weights)")
@@ -263,7 +328,7 @@ class EngineConfig:  # ~300 lines: its fields, documented in groups, and one che
             if self.compile_level or self.varlen_compile_level or self.decode_compile_level:
                 bad("quantization", "must be None with compile_level > 0 (int8 runs acb's fused forward, which "
                     "torch.compile does not trace)")
-        if self.kv_cache_dtype not in (None, "auto", "int8"):
+        if self.kv_cache_dtype not in (None, *CHOICES["kv_cache_dtype"]):
             bad("kv_cache_dtype", "must be None, 'auto' (the model's dtype) or 'int8'")
         if self.kv_cache_dtype == "int8" and self.tensor_parallel_size > 1:
             bad("kv_cache_dtype", "must not be 'int8' with tensor_parallel_size > 1 (int8 pages are read by the "
@@ -284,7 +349,7 @@ class EngineConfig:  # ~300 lines: its fields, documented in groups, and one che
             if self.draft_model is not None:
                 bad("draft_model", "needs speculative_method='draft'")
             return
-        if method not in ("ngram", "draft"):
+        if method not in CHOICES["speculative_method"]:
             bad("speculative_method", "must be None, 'ngram' or 'draft'")
         if method == "draft" and self.draft_model is None:
             bad("draft_model", "must be set (a model folder or a model object sharing the model's tokenizer) with "

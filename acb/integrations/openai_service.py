@@ -103,7 +103,8 @@ class OpenAIService:
 
     def __init__(self, engine: acb.Engine, *, model_name: str = "acb", limits: Limits | None = None,
                  api_key: str | None = None, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = "auto", per_request_metrics: bool = False) -> None:
+                 reasoning_parser: str | None = "auto", per_request_metrics: bool = False,
+                 allow_unknown_model: bool = False) -> None:
         if tool_call_parser is not None:
             acb.tools.get_parser(tool_call_parser)  # ValueError naming the parsers there are
         self.tool_call_parser = tool_call_parser  # None: from the chat template
@@ -118,6 +119,8 @@ class OpenAIService:
         # every answer carries its per-request ``metrics`` (else only those that ask: include_metrics)
         self.per_request_metrics = per_request_metrics
         self.model_name = model_name
+        # a request naming a model this service does not serve runs the served one (else 404)
+        self.allow_unknown_model = allow_unknown_model
         self.limits = limits or Limits()
         self.api_key = api_key
         self.metrics = ServerMetrics()
@@ -261,7 +264,9 @@ class OpenAIService:
 
     def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
         """``POST /tokenize`` (vLLM's extension): ``{"prompt": str}`` or ``{"messages": [...]}``
-        (with ``add_special_tokens``, ``add_generation_prompt``) to token ids."""
+        (with ``add_special_tokens``, ``add_generation_prompt``) to token ids; a ``model`` it
+        names must be served (404)."""
+        self._served_model(body.get("model"))
         tokenizer = self._tokenizer()
         try:
             if "messages" in body:
@@ -282,7 +287,9 @@ class OpenAIService:
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": None}
 
     def detokenize(self, body: dict[str, Any]) -> dict[str, str]:
-        """``POST /detokenize`` (vLLM's extension): ``{"tokens": [ids]}`` to ``{"prompt": text}``."""
+        """``POST /detokenize`` (vLLM's extension): ``{"tokens": [ids]}`` to ``{"prompt": text}``;
+        a ``model`` it names must be served (404)."""
+        self._served_model(body.get("model"))
         tokens = body.get("tokens")
         vocab = self.engine.vocab_size
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
@@ -296,11 +303,21 @@ class OpenAIService:
         return self.engine.tokenizer
 
     def _served_model(self, model: Any) -> str:
-        """The model a request runs: the served model's name, or a loaded adapter's when
-        ``model`` names one (any other name runs the served model, as before adapters)."""
-        if isinstance(model, str) and model != self.model_name and model in self.engine.adapters():
+        """The model a request runs: the served model's name (also for a request that names
+        none, as vLLM does), or a loaded adapter's when ``model`` names one. Any other name
+        is a 404 (``model_not_found``, naming the served ids, as OpenAI and vLLM answer),
+        unless ``allow_unknown_model``: then it runs the served model. (A ``model`` that is
+        not a string is left to the request's parsing: a 400.)"""
+        if not isinstance(model, str) or not model or model == self.model_name:
+            return self.model_name
+        adapters = self.engine.adapters()
+        if model in adapters:
             return model
-        return self.model_name
+        if self.allow_unknown_model:
+            return self.model_name
+        served = ", ".join(repr(name) for name in (self.model_name, *adapters))
+        raise ApiError(404, f"The model {model!r} does not exist: this server serves {served}", param="model",
+                       code="model_not_found")
 
     def models(self, model: str | None = None) -> dict[str, Any]:
         """``GET /v1/models`` (``model=None``) or ``GET /v1/models/{model}``: the served
@@ -315,7 +332,9 @@ class OpenAIService:
         for card in cards:
             if card["id"] == model:
                 return card
-        raise ApiError(404, f"model {model!r} does not exist", param="model", code="model_not_found")
+        served = ", ".join(repr(card["id"]) for card in cards)
+        raise ApiError(404, f"The model {model!r} does not exist: this server serves {served}", param="model",
+                       code="model_not_found")
 
     async def load_lora_adapter(self, body: dict[str, Any]) -> str:
         """``POST /v1/load_lora_adapter`` (vLLM's body ``{"lora_name", "lora_path"}``): load a

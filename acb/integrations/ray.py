@@ -87,13 +87,14 @@ class AcbEngineReplica:
                        api_key: str | None = None, limits: Limits | None = None,
                        max_body_bytes: int = 1 << 20, drain_timeout: float = 30.0,
                        log_interval: float = 0.0, enable_per_request_metrics: bool = False,
-                       publish_kv_events: bool = False) -> None:
+                       publish_kv_events: bool = False, allow_unknown_model: bool = False) -> None:
         self.engine = _build_engine(model, gguf_file, engine_config)
         if publish_kv_events and not self.engine.config.kv_events:
             raise ValueError("the prefix-aware router reads the replicas' KV-cache events, but the model factory "
                              "returned an engine without EngineConfig(kv_events=True)")
         self.service = OpenAIService(self.engine, model_name=model_name, limits=limits, api_key=api_key,
-                                     per_request_metrics=enable_per_request_metrics)
+                                     per_request_metrics=enable_per_request_metrics,
+                                     allow_unknown_model=allow_unknown_model)
         self.max_body_bytes = max_body_bytes
         self.drain_timeout = drain_timeout
         self.replica = serve.get_replica_context().replica_id.unique_id
@@ -290,7 +291,7 @@ def build_app(model: ModelSource, *, num_replicas: int | None = None,  # long: h
               drain_timeout: float = 30.0, ray_actor_options: dict[str, Any] | None = None,
               max_ongoing_requests: int = 256, request_router: type | None = None,
               name: str = "AcbDeployment", log_interval: float = 0.0,
-              enable_per_request_metrics: bool = False,
+              enable_per_request_metrics: bool = False, allow_unknown_model: bool = False,
               request_router_kwargs: dict[str, Any] | None = None) -> serve.Application:
     """A Ray Serve application serving ``model`` over the OpenAI routes; run it with
     ``serve.run(app)`` (or ``acb serve --ray``).
@@ -318,7 +319,9 @@ def build_app(model: ModelSource, *, num_replicas: int | None = None,  # long: h
     ``log_interval`` > 0: every replica logs a throughput/queue line (as ``acb serve``
     does) every that many seconds while busy, to its stderr (Ray forwards it to the
     driver's console). ``enable_per_request_metrics``: every answer carries its per-request
-    ``metrics`` object (as ``acb serve --enable-per-request-metrics``).
+    ``metrics`` object (as ``acb serve --enable-per-request-metrics``). A request whose
+    ``model`` names neither ``model_name`` nor a loaded adapter gets a 404
+    (``model_not_found``), unless ``allow_unknown_model`` (``acb serve --allow-unknown-model``).
 
     Example::
 
@@ -354,7 +357,7 @@ def build_app(model: ModelSource, *, num_replicas: int | None = None,  # long: h
     engines = deployment.bind(model, gguf_file, engine_config, model_name=model_name, api_key=api_key, limits=limits,
                               max_body_bytes=max_body_bytes, drain_timeout=drain_timeout, log_interval=log_interval,
                               enable_per_request_metrics=enable_per_request_metrics,
-                              publish_kv_events=prefix_routing)
+                              publish_kv_events=prefix_routing, allow_unknown_model=allow_unknown_model)
     if not prefix_routing:
         return engines
     most_replicas = num_replicas or (autoscaling_config or {}).get("max_replicas", 1)

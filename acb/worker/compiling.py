@@ -20,6 +20,7 @@ metadata whose Python values would otherwise be specialised and recompiled every
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -51,4 +52,9 @@ def compiled_forward(model: torch.nn.Module, level: int):
     kwargs = compile_kwargs(level)
     if not kwargs:
         return model
-    return torch.compile(model, **kwargs)
+    with warnings.catch_warnings():
+        # torch.compile's first call imports inductor, whose torch.utils.mkldnn still uses the
+        # deprecated torch.jit.script_method (a DeprecationWarning in torch 2.13); nothing acb passes avoids it
+        warnings.filterwarnings("ignore", message="`torch.jit.script_method` is deprecated",
+                                category=DeprecationWarning)
+        return torch.compile(model, **kwargs)
