@@ -25,9 +25,12 @@ from pathlib import Path
 log = logging.getLogger("acb")
 CSRC = Path(__file__).parent / "csrc"
 # The library's source files, each compiled with COMMON_FLAGS and its own (a source's flags are the ones
-# it had as an extension of its own, so its code compiles as it did). Longest to compile first, so ninja
-# starts them first (CPU-seconds on this project's 2-core host: the bindings ~34, pybind11's headers and
-# glue; decode attention ~24; the GEMMs ~13 each, the fused ops ~13, LoRA ~9).
+# it had as an extension of its own, so its code compiles as it did). What one file's object shares with
+# another's at link time is torch's inline code without float arithmetic (reference counts, sizes,
+# strides; `nm` on the objects): acb's vector helpers are static inline (csrc/vec*.h) and its ops in each
+# file's namespace, so no file's float arithmetic runs compiled with another's flags. Longest to compile
+# first, so ninja starts them first (CPU-seconds on this project's 2-core host: the bindings ~33,
+# pybind11's headers and glue; decode attention ~20; the GEMMs and the fused ops ~10-13 each, LoRA ~7).
 COMMON_FLAGS = ["-O3", "-march=native", "-fopenmp"]
 SOURCES = {
     "torch_bindings.cpp": [],
