@@ -290,7 +290,7 @@ async def test_decode_only_steps_attend_in_one_native_call(arch, dtype, monkeypa
     layers over their own pool included; Gemma 2's soft-capping is declined there and takes
     the separate path. In float32 the tokens are generate's either way."""
     _one_call_or_skip()
-    # the Python loop's calls, counted here (a DecodeLoop calls the kernel by address, and takes every
+    # the Python loop's calls, counted here (a DecodeLoop calls the kernel in C++, unseen here, and takes every
     # decode-only step or none: test_a_bf16_decode_step_runs_its_layers_in_one_native_call_with_the_same_bits)
     monkeypatch.setattr(fused, "NATIVE_DECODE_LOOP", False)
     prompts = random_prompts(5, 3, 40, seed=13)

@@ -434,7 +434,7 @@ async def test_decode_only_steps_on_int8_pages_attend_in_one_native_call(dtype, 
     prompts = random_prompts(5, 3, 40, seed=13)
     tokens = {}
     for decline in (False, True):
-        # the Python loop's calls, counted (a DecodeLoop calls the kernel by address: tests/test_fused_forward.py's
+        # the Python loop's calls, counted (a DecodeLoop calls the kernel in C++, unseen: tests/test_fused_forward.py's
         # decode_both_ways checks it takes every decode-only step, with the same bits)
         monkeypatch.setattr(fused, "NATIVE_DECODE_LOOP", False)
         async with tiny_engine("llama", seed=2, dtype=dtype, num_blocks=64, kv_cache_dtype="int8") as engine:

@@ -1,2 +1,3 @@
-"""Optional native kernels. Each is built on first use and falls back to PyTorch ops
-when it cannot be built (no compiler), so acb always works without them."""
+"""Optional native kernels: one C++ library (``csrc/``, :mod:`acb.kernels.cpu`), built on first use;
+where it cannot be built (no compiler) acb logs that once and uses PyTorch ops, so acb always works
+without it."""

@@ -25,17 +25,21 @@ from pathlib import Path
 log = logging.getLogger("acb")
 CSRC = Path(__file__).parent / "csrc"
 # The library's source files, each compiled with COMMON_FLAGS and its own (a source's flags are the ones
-# it had as an extension of its own, so its code compiles as it did): paged_decode_cpu.cpp, the longest
-# to compile, first, so ninja starts it first.
+# it had as an extension of its own, so its code compiles as it did). What one file's object shares with
+# another's at link time is torch's inline code without float arithmetic (reference counts, sizes,
+# strides; `nm` on the objects): acb's vector helpers are static inline (csrc/vec*.h) and its ops in each
+# file's namespace, so no file's float arithmetic runs compiled with another's flags. Longest to compile
+# first, so ninja starts them first (CPU-seconds on this project's 2-core host: the bindings ~33,
+# pybind11's headers and glue; decode attention ~20; the GEMMs and the fused ops ~10-13 each, LoRA ~7).
 COMMON_FLAGS = ["-O3", "-march=native", "-fopenmp"]
 SOURCES = {
+    "torch_bindings.cpp": [],
     "paged_decode_cpu.cpp": ["-ffast-math"],
-    "int8_cpu.cpp": [],
     "bf16_cpu.cpp": [],
+    "int8_cpu.cpp": [],
     # no fast-math, no FMA contraction: its results must match transformers' modules bit for bit
     "fused_cpu.cpp": ["-ffp-contract=off"],
     "lora_cpu.cpp": [],
-    "torch_bindings.cpp": [],
 }
 # Linked without -ffast-math (as torch links an extension): GCC would add crtfastmath.o, which sets
 # flush-to-zero for the whole process when the library loads.
@@ -152,14 +156,17 @@ def _write_ninja_file(folder: Path, name: str) -> None:
 
 def _build_and_load(folder: Path, name: str):
     """Bring the library in ``folder`` up to date with ninja (a first build compiles every source
-    file, MAX_JOBS of them at once, else ninja's default) and import it."""
+    file, MAX_JOBS of them at once, else one per CPU: longest first, so the last to finish is a short
+    one) and import it."""
     import importlib.util
 
     import torch  # noqa: F401  (the library links torch's libraries: torch loads them first)
 
     _write_ninja_file(folder, name)
     jobs = os.environ.get("MAX_JOBS", "")
-    done = subprocess.run([_ninja(), *(["-j", jobs] if jobs.isdigit() else [])], cwd=folder,
+    if not jobs.isdigit():  # the CPUs this process may run on
+        jobs = str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    done = subprocess.run([_ninja(), "-j", jobs], cwd=folder,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"building {folder} failed:\n{done.stdout[-4000:]}")
