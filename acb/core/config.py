@@ -110,7 +110,7 @@ class EngineConfig:  # ~330 lines: its fields (each with its docstring), and one
     own linears, so no fused forward either); ``cpu_fused_forward`` runs acb's fused CPU
     forward in place of transformers' (off: transformers' forward over acb's paged attention);
     ``cpu_bf16_gemm`` computes a bfloat16 model's fused forward with acb's own bf16 GEMMs
-    (``acb/kernels/bf16_cpu.cpp``: AVX-512 BF16, or AVX2 widening the weights; a float32 residual
+    (``acb/kernels/csrc/bf16_cpu.cpp``: AVX-512 BF16, or AVX2 widening the weights; a float32 residual
     stream between them) where they are built (off: oneDNN's prepacked bf16 linears, with bf16
     outputs and residual stream, where oneDNN has native bf16; else transformers' forward). It
     acts on bfloat16 models on the CPU without ``quantization`` (the int8 forward's bf16

@@ -333,7 +333,7 @@ class FusedForward:
 
 
 def native_bf16(enabled: bool = True):
-    """acb's bf16 GEMM module (``acb/kernels/bf16_cpu.cpp``) where it is built with AVX-512 BF16
+    """acb's bf16 GEMM module (``acb/kernels/csrc/bf16_cpu.cpp``) where it is built with AVX-512 BF16
     (vdpbf16ps) or AVX2 (the weights widened to float32 as read), else None (oneDNN's prepacked bf16
     linears compute, with their bf16 outputs); ``enabled=False`` (``EngineConfig.cpu_bf16_gemm=False``,
     or ``ACB_CPU_BF16_GEMM=0`` through ``acb.core.defaults``) keeps to oneDNN's."""

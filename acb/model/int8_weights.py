@@ -261,7 +261,7 @@ def group_of(args: tuple) -> int:
 
 class Bf16Linear(torch.nn.Module):
     """A bias-free linear layer (the ``lm_head``) with bfloat16 weights packed for acb's bf16 GEMM
-    (``acb/kernels/bf16_cpu.cpp``: [ceil(N/16), K/2, 16, 2]), float32 logits out. Where the CPU
+    (``acb/kernels/csrc/bf16_cpu.cpp``: [ceil(N/16), K/2, 16, 2]), float32 logits out. Where the CPU
     lacks AVX-512 BF16 the same kernel widens the weights to float32 as it reads them (AVX2), and
     without either PyTorch's float32 matmul computes over slices of the weight (correct, slower)."""
 

@@ -8,7 +8,7 @@ weights as int8, symmetric, one scale per output channel and group of 64 input c
 bfloat16 and run on acb's bf16 GEMM (:class:`Bf16Linear`). The activations going into each int8
 GEMM are smoothed, rotated (:data:`ROTATION`) and quantized at run time per token and per the
 same groups of 64 channels (``max|x| / 127`` over the group), and the GEMM runs in acb's own kernel
-(``acb/kernels/int8_cpu.cpp``): byte dot products (``vpdpbusd``) accumulated in int32 within a
+(``acb/kernels/csrc/int8_cpu.cpp``): byte dot products (``vpdpbusd``) accumulated in int32 within a
 group, rescaled in float32 across groups, with the epilogues fused (the residual add, SiLU /
 GELU-tanh times the up projection). The residual stream between the layers is float32 (the
 GEMMs add into it); q/k/v, RoPE, attention and the KV pages run in the model's dtype (float32 or
