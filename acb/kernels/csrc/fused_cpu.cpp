@@ -1,7 +1,7 @@
 // Fused elementwise kernels for acb's CPU forward of Llama-family decoders
-// (acb/fused.py): one pass over memory instead of PyTorch's chain of small ops.
+// (acb/model/fused.py): one pass over memory instead of PyTorch's chain of small ops.
 //
-// Built without -ffast-math and with -ffp-contract=off: each value is computed by
+// Built without -ffast-math and with -ffp-contract=off (acb/kernels/cpu.py's SOURCES): each value is computed by
 // the same float operations, in the same order, as transformers' modules (RoPE is
 // bit-identical; RMSNorm differs from PyTorch's only in the order its sum of
 // squares is accumulated).
