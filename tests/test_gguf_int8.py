@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import acb
-from acb.model import gguf_int8, int8_weights, quantization
+from acb.model import gguf_int8, int8_weights
 
 # real GGUF files converted afresh (~40 s and more): CI runs them in its extras step, beside the
 # other slow extras, to keep the default suite within its time
@@ -45,7 +45,7 @@ def smollm2_int8(tmp_path_factory):
 
     mp = pytest.MonkeyPatch()
     mp.setenv("ACB_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-    mp.setattr(quantization, "quantize_weight", spy)
+    mp.setattr(int8_weights, "quantize_weight", spy)
     try:
         model, tok = gguf_int8.load(folder, gguf, torch.float32)
     finally:
