@@ -152,6 +152,7 @@ class StepLoop:
                     inflight, waited = None, inflight
                     await self._complete(waited)
                 launched = self._launch() if self.scheduler.has_work() else None
+                planned = launched is not None  # (without async batching it is done by the time of the check below)
                 if launched is not None and not self.async_batching:
                     launched.fill_masks()
                     await self._complete(launched)
@@ -167,7 +168,7 @@ class StepLoop:
                 inflight = launched
                 if self.kv_events is not None:
                     self.kv_events.flush()  # this iteration's: what schedule() evicted, update() stored
-                if inflight is not None:
+                if planned or inflight is not None:
                     stalled_since = None
                     await anyio.sleep(0)  # let consumers and submitters run
                 elif self.scheduler.has_work():  # nothing planned, nothing in flight (see STALL_S)
