@@ -34,3 +34,12 @@ else
     ENV_NOTE="$ENV_NOTE (made now from $("$BASE" -c 'import sys; print(sys.executable)'))"
   fi
 fi
+
+# WORKERS: pytest's arguments for one worker per core, up to 4 (ACB_TEST_WORKERS sets the count;
+# 1: none), for test.sh and CI's other test steps. The suite is mostly single-threaded Python, so
+# two cores run it in about half the time. A worker's test files stay together (--dist loadfile:
+# a module's fixtures load once); torch takes the worker's share of the cores (tests/conftest.py).
+_workers=${ACB_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}
+if [ "$_workers" -gt 4 ]; then _workers=4; fi
+WORKERS=()
+if [ "$_workers" -gt 1 ]; then WORKERS=(-n "$_workers" --dist loadfile); fi

@@ -5,9 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --extras
 source scripts/python-env.sh
-echo "test-extras: python -m pytest -q -m extras $* with $PY"
+echo "test-extras: python -m pytest -q -m extras ${WORKERS[*]} $* with $PY"
 set +e
-"$PY" -m pytest -q -m extras "$@"
+"$PY" -m pytest -q -m extras "${WORKERS[@]}" "$@"
 rc=$?
 set -e
 # pytest exits 5 when no test carries the marker: nothing to run is not a failure here.

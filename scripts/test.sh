@@ -4,5 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 source scripts/python-env.sh
-echo "test: python -m pytest -q $* with $PY"
-exec "$PY" -m pytest -q "$@"
+echo "test: python -m pytest -q ${WORKERS[*]} $* with $PY"
+exec "$PY" -m pytest -q "${WORKERS[@]}" "$@"

@@ -13,6 +13,16 @@ import pytest  # noqa: E402
 
 from acb.testing import tiny_model, tiny_tokenizer
 
+# Under pytest-xdist (scripts/test.sh runs one worker per core) each worker's torch, and the
+# processes its tests start, take the worker's share of the cores instead of all of them: two
+# workers each spinning two OpenMP threads on two cores ran the suite no faster than one.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+    import torch  # noqa: E402
+
+    torch.set_num_threads(_share)
+
 # `acb serve` processes the tests start log no periodic throughput lines unless a test asks
 os.environ.setdefault("ACB_LOG_INTERVAL", "0")
 
