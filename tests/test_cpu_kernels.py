@@ -325,16 +325,17 @@ def test_an_emulated_build_has_folders_of_its_own_and_a_bad_emulation_is_refused
     monkeypatch.delenv("ACB_CPU_KERNEL_EMULATE", raising=False)
     native = cpu.extension_name()
     folders = {native}
-    for emulation in ("avx512", "avx512-vnni", "avx512-base"):
+    for emulation in ("avx512", "avx512-vnni", "avx512-base", "avx2"):
         monkeypatch.setenv("ACB_CPU_KERNEL_EMULATE", emulation)
         folders.add(cpu.extension_name())
-    assert len(folders) == 4 and all(f.startswith(native) for f in folders)
+    assert len(folders) == 5 and all(f.startswith(native) for f in folders)
     monkeypatch.setenv("ACB_CPU_KERNEL_EMULATE", "avx1024")
     with pytest.raises(ValueError, match="ACB_CPU_KERNEL_EMULATE='avx1024'"):
         cpu.extension_name()
 
 
-@pytest.mark.parametrize("emulation,left_out", [("", []), ("avx512", []), ("avx512-vnni", ["-DACB_EMULATE_NO_BF16"])])
+@pytest.mark.parametrize("emulation,left_out", [("", []), ("avx512", []), ("avx512-vnni", ["-DACB_EMULATE_NO_BF16"]),
+                                                 ("avx2", [])])
 def test_an_emulated_build_targets_avx2_whatever_this_cpu_has(tmp_path, monkeypatch, emulation, left_out):
     """An emulated build compiles for AVX2 + FMA (EMULATION_ARCH), not -march=native: on an AVX-512
     CPU with BF16 the native flags defined the ISA macros the emulation leaves out, so the
@@ -348,7 +349,9 @@ def test_an_emulated_build_targets_avx2_whatever_this_cpu_has(tmp_path, monkeypa
     flags = cpu.compile_flags()
     assert list(flags) == list(cpu.SOURCES) and all((cpu.CSRC / source).is_file() for source in flags)
     for name, cflags in flags.items():
-        if emulation:
+        if emulation == "avx2":  # AVX2 itself, nothing emulated
+            assert "-march=native" not in cflags and cpu.EMULATION_ARCH in cflags and "-include" not in cflags
+        elif emulation:
             assert "-march=native" not in cflags and cpu.EMULATION_ARCH in cflags, (name, cflags)
             assert cflags[-2:] == ["-include", str(Path(cpu.__file__).parent / "csrc" / "avx512_emulated.h")]
             assert [f for f in cflags if f.startswith("-DACB_EMULATE")] == left_out

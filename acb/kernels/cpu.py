@@ -87,7 +87,9 @@ def compile_flags() -> dict[str, list[str]]:
             # AVX2 + FMA whatever this CPU has: on an AVX-512 CPU, -march=native would define the
             # ISA macros the emulation chooses (BF16, VNNI) natively, and build the native kernels
             f = [EMULATION_ARCH if x == "-march=native" else x for x in f]
-            f = [*f, *emulation[1], "-include", str(CSRC / "avx512_emulated.h")]
+            f = [*f, *emulation[1]]
+            if emulation[0] != _AVX2[0]:
+                f += ["-include", str(CSRC / "avx512_emulated.h")]
         flags[source] = f
     return flags
 
@@ -197,7 +199,10 @@ def library():
 # stands for are in csrc/avx512_emulated.h. An emulated build targets EMULATION_ARCH (AVX2 and FMA, no
 # AVX-512), not this CPU: the AVX-512 macros then come from avx512_emulated.h alone.
 EMULATION_ARCH = "-march=x86-64-v3"
+# avx2: no emulation, the AVX2 build an AVX-512 CPU never makes of itself (its AVX2 paths, tested natively)
+_AVX2 = ("_avx2", [])
 _EMULATIONS = {
+    "avx2": _AVX2,
     "avx512": ("_emu512", []),
     "avx512-vnni": ("_emu512vnni", ["-DACB_EMULATE_NO_BF16"]),
     "avx512-base": ("_emu512base", ["-DACB_EMULATE_NO_BF16", "-DACB_EMULATE_NO_VNNI"]),
@@ -208,8 +213,9 @@ def _emulation() -> tuple[str, list[str]] | None:
     """``ACB_CPU_KERNEL_EMULATE=avx512`` (AVX-512 with VNNI and BF16), ``avx512-vnni`` (without BF16)
     or ``avx512-base`` (neither): build the kernels' AVX-512 paths against SIMDe's portable
     intrinsics (``csrc/avx512_emulated.h``; needs Debian's ``libsimde-dev`` or SIMDe's headers on the
-    include path), so a CPU without AVX-512 runs and tests them - slowly; never for speed. Any
-    other value is refused by name rather than ignored."""
+    include path), so a CPU without AVX-512 runs and tests them - slowly; never for speed.
+    ``avx2``: the AVX2 build (no AVX-512, no emulation), so an AVX-512 CPU tests the paths an AVX2
+    one runs. Any other value is refused by name rather than ignored."""
     value = os.environ.get("ACB_CPU_KERNEL_EMULATE", "")
     if value and value not in _EMULATIONS:
         raise ValueError(f"ACB_CPU_KERNEL_EMULATE={value!r}: the emulations acb builds are "
