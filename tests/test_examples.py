@@ -58,11 +58,13 @@ async def streams_a_chat_answer(session: aiohttp.ClientSession, url: str) -> Non
     assert sum(len(c["token_ids"]) for c in chunks) == 8
 
 
+@pytest.mark.extras  # a process on the real model (~10 s): CI's extras step
 async def test_sse_server_example_streams_a_chat_answer(log):
     async with example("sse_server.py", log) as url, aiohttp.ClientSession() as session:
         await streams_a_chat_answer(session, url)
 
 
+@pytest.mark.extras  # a process on the real model (~10 s): CI's extras step
 async def test_fastapi_example_streams_answers_and_reports_metrics(log):
     async with example("fastapi_app.py", log) as url, aiohttp.ClientSession() as session:
         await streams_a_chat_answer(session, url)
@@ -73,6 +75,7 @@ async def test_fastapi_example_streams_answers_and_reports_metrics(log):
             assert 'acb_requests_finished_total{finish_reason="length"} 1' in await resp.text()
 
 
+@pytest.mark.extras  # a process on the real model (~10 s): CI's extras step
 async def test_websocket_chat_example_serves_the_page_and_streams(log):
     async with example("websocket_chat/app.py", log) as url, aiohttp.ClientSession() as session:
         async with session.get(url) as resp:
@@ -197,6 +200,7 @@ def test_minimal_stream_example_prints_an_answer():
     assert out.stdout.strip()
 
 
+@pytest.mark.extras  # a process on the real model (~10 s): CI's extras step
 def test_stream_chat_example_prints_a_throughput_line():
     import subprocess
 
@@ -206,6 +210,7 @@ def test_stream_chat_example_prints_a_throughput_line():
     assert "tok/s" in out.stdout.splitlines()[-1]
 
 
+@pytest.mark.extras  # a process on the real model (~10 s): CI's extras step
 def test_acb_testing_example_passes_under_pytest():
     import subprocess
 

@@ -90,6 +90,7 @@ async def test_tp2_greedy_equals_one_rank_and_transformers(arch, monkeypatch):
     assert len({tuple(t) for t in tp_tokens}) > 1  # the reference is varied, so the check can fail
 
 
+@pytest.mark.extras  # another pair of rank processes (~10 s): CI's extras step
 async def test_tp2_choices_equal_one_rank():
     """n > 1 under tensor parallelism: the forks' rows and their copy-on-write copies reach
     rank 1 (a copy it missed would leave it attending to a page it never wrote). Greedy
@@ -246,6 +247,7 @@ def test_step_input_packs_into_one_int32_tensor_and_back_with_carried_tokens_wri
     assert protocol.unpack_step(packed).token_ids == [5, 6, 7, 9, 42, 41, 11]
 
 
+@pytest.mark.extras  # another pair of rank processes (~10 s): CI's extras step
 async def test_tp2_in_bf16_computes_what_one_rank_does():
     """A bf16 model over two ranks. Its rotary ``inv_freq`` buffers are bf16 (``model.to``) where a
     skeleton built in bf16 makes them float32: sent as they were, rank 1 received half the bytes it

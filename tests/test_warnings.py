@@ -64,6 +64,7 @@ def _int8_kernels() -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.extras  # the tiny model's serve above runs in the default suite
 async def test_acb_serve_smollm2_prints_no_warning(tmp_path):
     stderr = await _serve_answer_stop(tmp_path)
     assert warnings_in(stderr) == [], stderr[-4000:]
