@@ -3,19 +3,22 @@
 # which compare them with references (and, where they must, with each other bit for bit). On a CPU
 # without AVX-512: the AVX-512 paths (the float32, bf16 and int8 attention and GEMM kernels an AVX-512
 # CPU runs), built against SIMDe's portable intrinsics (acb/kernels/csrc/avx512_emulated.h,
-# ACB_CPU_KERNEL_EMULATE=avx512: with VNNI and BF16, as Sapphire Rapids and Zen 4) - slowly: SIMDe's
-# headers compile slowly (~9 CPU-minutes) and the emulated kernels run slowly. On an AVX-512 CPU: the
-# AVX2 build (ACB_CPU_KERNEL_EMULATE=avx2, nothing emulated), whose paths Zen 2/3 and Alder Lake run.
-# EMULATIONS chooses others: "avx512-vnni" (AVX-512 without BF16: Cascade Lake, Ice Lake) and
-# "avx512-base" (Skylake-X) are not in CI's run (each is another emulated build); e.g.
-# EMULATIONS="avx512 avx512-vnni avx2". The builds target AVX2 + FMA on any CPU
+# ACB_CPU_KERNEL_EMULATE=avx512: with VNNI and BF16, as Sapphire Rapids and Zen 4; avx512-vnni:
+# without BF16, as Cascade Lake and Ice Lake) - slowly; built at -O1 (SIMDe at -O3 compiled ~5x
+# slower). On an AVX-512 CPU: the AVX2 build (ACB_CPU_KERNEL_EMULATE=avx2, nothing emulated), whose
+# paths Zen 2/3 and Alder Lake run, and the AVX-512 kind it is not (with or without BF16).
+# EMULATIONS chooses others, e.g. "avx512-base" (Skylake-X: neither VNNI nor BF16) or
+# "avx512 avx512-vnni avx2". The builds target AVX2 + FMA on any CPU
 # (acb.kernels.cpu.EMULATION_ARCH), so each kind is the one named, not this CPU's own; each builds
 # in a folder of its own. CI runs it as a stage.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if grep -qw avx512f /proc/cpuinfo; then DEFAULT=avx2; else DEFAULT=avx512; fi
+# the kinds this CPU does not run natively (its own are the default suite's)
+if ! grep -qw avx512f /proc/cpuinfo; then DEFAULT="avx512 avx512-vnni"
+elif grep -qw avx512_bf16 /proc/cpuinfo; then DEFAULT="avx2 avx512-vnni"
+else DEFAULT="avx2 avx512"; fi
 KINDS=${EMULATIONS:-$DEFAULT}
-if [ "$KINDS" != avx2 ] && [ ! -f /usr/include/simde/x86/avx512.h ]; then
+if [ "$KINDS" != avx2 ] && [ ! -f /usr/include/simde/x86/avx512.h ]; then  # only the AVX-512 kinds need SIMDe
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "test-avx512-emulated: installing Debian's libsimde-dev (SIMDe's headers)"
     apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libsimde-dev
