@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from .common import ApiError
@@ -45,6 +46,85 @@ def _float(body: dict, name: str, lo: float, hi: float = math.inf, *, open_low: 
     if not _number(value) or value > hi or value < lo or (open_low and value == lo):
         raise field_error(name, f"must be a number in {'(' if open_low else '['}{lo}, {hi}], got {value!r}")
     return float(value)
+
+
+@dataclass(frozen=True)
+class Scalar:
+    """A request field holding one number or boolean: its JSON type and range. The parser reads
+    it through :func:`read` and ``GET /openapi.json`` publishes :meth:`schema`: one table, so
+    the published ranges are the ones enforced."""
+
+    type: str  # "integer", "number" or "boolean"
+    lo: float | None = None
+    hi: float | None = None
+    open_low: bool = False  # lo itself excluded
+    doc: str = ""
+    only: bool | None = None  # a boolean acb honours one way only (the other is a 400 naming it)
+
+    def schema(self) -> dict[str, Any]:
+        # null: unset, as clients send optional fields they leave to the server
+        out: dict[str, Any] = {"type": [self.type, "null"]}
+        if self.only is not None:
+            out["enum"] = [self.only, None]
+        if self.lo is not None:
+            out["exclusiveMinimum" if self.open_low else "minimum"] = self.lo
+        if self.hi is not None and self.hi != math.inf:
+            out["maximum"] = self.hi
+        if self.doc:
+            out["description"] = self.doc
+        return out
+
+
+_INT32 = 2**31 - 1
+# The scalar fields of /v1/completions and /v1/chat/completions (CHAT_SCALARS: where chat differs)
+SCALARS: dict[str, Scalar] = {
+    "max_tokens": Scalar("integer", 0, doc="tokens to generate at most (default 16); 0 only with echo: "
+                                             "the prompt scored, nothing generated"),
+    "temperature": Scalar("number", 0.0, doc="0: greedy"),
+    "top_p": Scalar("number", 0.0, 1.0, open_low=True),
+    "top_k": Scalar("integer", -1, doc="-1 or 0: off (vLLM's extension)"),
+    "min_p": Scalar("number", 0.0, 1.0, doc="vLLM's extension"),
+    "seed": Scalar("integer", 0, 2**63 - 1),
+    "presence_penalty": Scalar("number", -2.0, 2.0),
+    "frequency_penalty": Scalar("number", -2.0, 2.0),
+    "repetition_penalty": Scalar("number", 0.0, open_low=True, doc="1: off (vLLM's extension)"),
+    "min_tokens": Scalar("integer", 0, doc="tokens to generate before EOS or a stop ends it (vLLM's extension)"),
+    "timeout_s": Scalar("number", 0.0, open_low=True, doc="acb's own: the request ends with what it has after "
+                                                          "this many seconds"),
+    "priority": Scalar("integer", -_INT32 - 1, _INT32, doc="lower runs first, under acb serve --scheduler priority"),
+    "n": Scalar("integer", 1, doc="choices per prompt"),
+    "best_of": Scalar("integer", 1, doc="must equal n"),
+    "logprobs": Scalar("integer", 0, MAX_LOGPROBS, doc="alternatives per token, with each token's log-probability"),
+    "prompt_logprobs": Scalar("integer", 0, MAX_LOGPROBS, doc="the prompt's log-probabilities (vLLM's extension)"),
+    **{name: Scalar("boolean") for name in (
+        "stream", "echo", "ignore_eos", "return_tokens_as_token_ids", "include_metrics")},
+    "use_beam_search": Scalar("boolean", only=False, doc="beam search is not supported"),
+    "include_stop_str_in_output": Scalar("boolean", only=False, doc="the stop string is never included"),
+    "skip_special_tokens": Scalar("boolean", only=True, doc="special tokens are always skipped in text"),
+    "add_special_tokens": Scalar("boolean", only=True, doc="the tokenizer's special tokens (chat: the template's)"),
+}
+CHAT_SCALARS: dict[str, Scalar] = {
+    **SCALARS,
+    "max_tokens": Scalar("integer", 1, doc="tokens to generate at most (default: the server's)"),
+    "max_completion_tokens": Scalar("integer", 1, doc="max_tokens' newer name"),
+    "logprobs": Scalar("boolean", doc="each generated token's log-probability"),
+    "top_logprobs": Scalar("integer", 0, MAX_LOGPROBS, doc="alternatives per token (needs logprobs)"),
+    "echo": Scalar("boolean", only=False, doc="completions only"),
+    "add_special_tokens": Scalar("boolean", only=False, doc="the chat template places the special tokens"),
+    **{name: Scalar("boolean") for name in ("parallel_tool_calls", "add_generation_prompt",
+                                            "continue_final_message")},
+}
+
+
+def read(body: dict, name: str, chat: bool = False) -> Any:
+    """``body[name]`` checked against its :data:`SCALARS` (chat: :data:`CHAT_SCALARS`) entry:
+    None when unset, else a value of its type within its range, or a 400 naming it."""
+    spec = (CHAT_SCALARS if chat else SCALARS)[name]
+    if spec.type == "boolean":
+        return bool_field(body, name)
+    if spec.type == "integer":
+        return int_field(body, name, int(spec.lo), None if spec.hi is None else int(spec.hi))
+    return _float(body, name, spec.lo, math.inf if spec.hi is None else spec.hi, open_low=spec.open_low)
 
 
 def bool_field(body: dict, name: str) -> bool | None:
@@ -151,12 +231,12 @@ def _structured(body: dict) -> tuple[str, str, Any] | None:
 def _logprobs(body: dict, chat: bool) -> tuple[bool, int]:
     """(chosen-token logprobs wanted, alternatives per token)."""
     if chat:
-        want = bool(bool_field(body, "logprobs"))
-        top = int_field(body, "top_logprobs", 0, MAX_LOGPROBS) or 0
+        want = bool(read(body, "logprobs", chat))
+        top = read(body, "top_logprobs", chat) or 0
         if top and not want:
             raise field_error("top_logprobs", "needs 'logprobs': true")
         return want, top
-    top = int_field(body, "logprobs", 0, MAX_LOGPROBS)
+    top = read(body, "logprobs")
     return top is not None, top or 0
 
 
@@ -166,33 +246,32 @@ def sampling_keywords(body: dict, chat: bool, n: int, *,  # long: one mapping pe
     """The sampling keywords (only those set to something other than the neutral value,
     so a client that spells out defaults works with any engine) and their wire names."""
     limit_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    echo = not chat and bool(bool_field(body, "echo"))
-    max_tokens = int_field(body, limit_name, 0 if echo else 1)  # echo with 0: score the prompt only
+    echo = not chat and bool(read(body, "echo"))
+    max_tokens = read(body, limit_name, chat)
+    if max_tokens == 0 and not echo:  # echo with 0: score the prompt only
+        raise field_error(limit_name, "must be an integer >= 1 (0 only with 'echo'), got 0")
     if max_tokens is None:
         max_tokens = min(default_max_tokens if chat else 16, max_tokens_limit)
     elif max_tokens > max_tokens_limit:
         raise field_error(limit_name, f"is {max_tokens}, more than this server allows ({max_tokens_limit})")
-    top_k = body.get("top_k")
-    if top_k == -1:  # vLLM's spelling of "off"
-        top_k = 0
     sampling: dict[str, Any] = {
         "max_new_tokens": max_tokens or 1,  # (max_tokens 0: the one token sampled is not sent)
-        "temperature": _float(body, "temperature", 0.0),
-        "top_p": _float(body, "top_p", 0.0, 1.0, open_low=True),
-        "top_k": int_field({"top_k": top_k}, "top_k", 0) or None,
-        "min_p": _float(body, "min_p", 0.0, 1.0) or None,
-        "seed": int_field(body, "seed", 0, 2**63 - 1),
+        "temperature": read(body, "temperature"),
+        "top_p": read(body, "top_p"),
+        "top_k": max(read(body, "top_k") or 0, 0) or None,  # -1: vLLM's spelling of "off"
+        "min_p": read(body, "min_p") or None,
+        "seed": read(body, "seed"),
         "stop": _stop(body),
-        "ignore_eos": bool_field(body, "ignore_eos") or None,
-        "presence_penalty": _float(body, "presence_penalty", -2.0, 2.0) or None,
-        "frequency_penalty": _float(body, "frequency_penalty", -2.0, 2.0) or None,
-        "repetition_penalty": _float(body, "repetition_penalty", 0.0, open_low=True),
-        "min_new_tokens": int_field(body, "min_tokens", 0) or None,
+        "ignore_eos": read(body, "ignore_eos") or None,
+        "presence_penalty": read(body, "presence_penalty") or None,
+        "frequency_penalty": read(body, "frequency_penalty") or None,
+        "repetition_penalty": read(body, "repetition_penalty"),
+        "min_new_tokens": read(body, "min_tokens") or None,
         "logit_bias": _logit_bias(body),
         "n": n if n > 1 else None,
-        "timeout_s": _float(body, "timeout_s", 0.0, open_low=True),
+        "timeout_s": read(body, "timeout_s"),
         # honoured under scheduler="priority"; any other engine refuses it by name
-        "priority": int_field(body, "priority", -(2**31), 2**31 - 1) or None,
+        "priority": read(body, "priority") or None,
     }
     if (sampling["min_new_tokens"] or 0) > max_tokens:
         raise field_error("min_tokens", f"({sampling['min_new_tokens']}) must be at most {limit_name} ({max_tokens})")
@@ -203,7 +282,7 @@ def sampling_keywords(body: dict, chat: bool, n: int, *,  # long: one mapping pe
     sampling["top_logprobs"] = top or None
     # the prompt's scores: vLLM's prompt_logprobs, and completions' echo with logprobs (the
     # legacy shape covers the prompt, then the completion)
-    prompt_k = int_field(body, "prompt_logprobs", 0, MAX_LOGPROBS)
+    prompt_k = read(body, "prompt_logprobs")
     if echo and want:
         prompt_k = max(prompt_k or 0, top)
     sampling["prompt_logprobs"] = prompt_k

@@ -24,20 +24,20 @@ from typing import Any
 
 import acb
 
-from .openai_fields import MAX_LOGPROBS, bool_field, field_error, int_field, sampling_keywords
+from .openai_fields import field_error, read, sampling_keywords
 
 log = logging.getLogger("acb.serving.server")
 
 
 # Accepted and without effect here (documented in docs/serving.md); anything not in the
 # tables below is unknown: ignored and logged once.
-_IGNORED = frozenset({
+IGNORED_FIELDS = frozenset({
     "user", "metadata", "store", "service_tier", "prediction", "request_id",
     "safety_identifier", "prompt_cache_key", "reasoning_effort", "verbosity", "web_search_options",
     "guided_decoding_backend", "guided_whitespace_pattern", "length_penalty", "spaces_between_special_tokens",
     "cache_salt", "kv_transfer_params", "vllm_xargs", "mm_processor_kwargs", "documents", "chat_template",
 })
-_COMMON = frozenset({
+COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
     "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "response_format",
     # vLLM's extensions
@@ -49,9 +49,9 @@ _COMMON = frozenset({
     "include_metrics",
     # acb's own
     "timeout_s",
-}) | _IGNORED
-_COMPLETION_FIELDS = _COMMON | {"prompt", "suffix"}
-_CHAT_FIELDS = _COMMON | {
+}) | IGNORED_FIELDS
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "suffix"}
+CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "top_logprobs", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls", "functions",
     "function_call",
     "modalities", "audio", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
@@ -175,7 +175,7 @@ def _chat_messages(body: dict) -> list[dict[str, Any]]:
 
 def _tool_settings(body: dict) -> tuple[list[dict[str, Any]] | None, str, str | None, bool]:
     """(tools, tool_choice kind, the named function, parallel_tool_calls) of a chat request."""
-    parallel = bool_field(body, "parallel_tool_calls")
+    parallel = read(body, "parallel_tool_calls", True)
     tools = body.get("tools")
     choice = body.get("tool_choice")
     if tools in (None, []):
@@ -208,11 +208,11 @@ def _note_unknown(body: dict, known: frozenset[str], route: str) -> None:
 
 def _refuse_unhonourable(body: dict, chat: bool) -> None:
     """400 for known fields set to something acb cannot do."""
-    if bool_field(body, "use_beam_search"):
+    if read(body, "use_beam_search"):
         raise field_error("use_beam_search", "is not supported (beam search)")
-    if bool_field(body, "include_stop_str_in_output"):
+    if read(body, "include_stop_str_in_output"):
         raise field_error("include_stop_str_in_output", "is not supported: the stop string is never included")
-    if bool_field(body, "skip_special_tokens") is False:
+    if read(body, "skip_special_tokens") is False:
         raise field_error("skip_special_tokens", "is not supported: special tokens are always skipped in text")
     for name in ("allowed_token_ids", "bad_words", "guided_grammar", "truncate_prompt_tokens", "suffix", "audio",
                  "functions"):
@@ -222,9 +222,9 @@ def _refuse_unhonourable(body: dict, chat: bool) -> None:
         raise field_error("function_call", "is not supported: send 'tools' and 'tool_choice'")
     if body.get("modalities") not in (None, ["text"]):
         raise field_error("modalities", "must be ['text']: acb generates text only")
-    if bool_field(body, "add_special_tokens") is not None and body["add_special_tokens"] != (not chat):
+    if read(body, "add_special_tokens") is not None and body["add_special_tokens"] != (not chat):
         raise field_error("add_special_tokens", f"is not supported (only {not chat}, the default)")
-    if chat and bool_field(body, "echo"):
+    if chat and read(body, "echo"):
         raise field_error("echo", "is not supported on chat completions")
     for name in ("model", "user"):
         if body.get(name) is not None and not isinstance(body[name], str):
@@ -236,8 +236,8 @@ def _template_options(body: dict) -> dict[str, Any] | None:
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise field_error("chat_template_kwargs", "must be an object")
-    generation = bool_field(body, "add_generation_prompt")
-    continue_final = bool_field(body, "continue_final_message")
+    generation = read(body, "add_generation_prompt", True)
+    continue_final = read(body, "continue_final_message", True)
     if not kwargs and generation in (None, True) and not continue_final:
         return None
     if continue_final and generation:
@@ -253,17 +253,17 @@ def parse_request(body: dict[str, Any], *, chat: bool, limits: Limits,
 
     ``default_temperature`` is what a request without ``temperature`` gets: OpenAI's 1.0,
     or None to leave it to the engine (the model's ``generation_config``)."""
-    _note_unknown(body, _CHAT_FIELDS if chat else _COMPLETION_FIELDS, "/v1/chat/completions" if chat
+    _note_unknown(body, CHAT_FIELDS if chat else COMPLETION_FIELDS, "/v1/chat/completions" if chat
                   else "/v1/completions")
     _refuse_unhonourable(body, chat)
     prompts = [_chat_messages(body)] if chat else _completion_prompts(body)
-    n = int_field(body, "n", 1) or 1
-    best_of = int_field(body, "best_of", 1)
+    n = read(body, "n") or 1
+    best_of = read(body, "best_of")
     if best_of is not None and best_of != n:
         raise field_error("best_of", f"must equal n ({n}): acb returns every sequence it samples")
     if n * len(prompts) > limits.max_n:
         raise field_error("n", f"asks for {n * len(prompts)} choices, more than this server allows ({limits.max_n})")
-    stream = bool(bool_field(body, "stream"))
+    stream = bool(read(body, "stream"))
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise field_error("stream_options", "must be an object like {'include_usage': true}")
@@ -293,9 +293,9 @@ def parse_request(body: dict[str, Any], *, chat: bool, limits: Limits,
         tools=tools if tool_choice != "none" else None, tool_choice=tool_choice, tool_name=tool_name,
         parallel_tool_calls=parallel,
         tool_parser="json" if tool_choice == "required" else None,
-        echo=bool(bool_field(body, "echo")), prompt_logprobs=int_field(body, "prompt_logprobs", 0, MAX_LOGPROBS),
-        scoring_only=limit == 0, tokens_as_ids=bool(bool_field(body, "return_tokens_as_token_ids")), n=n,
-        include_metrics=bool(bool_field(body, "include_metrics") or options.get("include_metrics")),
+        echo=bool(read(body, "echo")), prompt_logprobs=read(body, "prompt_logprobs"),
+        scoring_only=limit == 0, tokens_as_ids=bool(read(body, "return_tokens_as_token_ids")), n=n,
+        include_metrics=bool(read(body, "include_metrics") or options.get("include_metrics")),
         template=_template_options(body) if chat else None, wire_names=wire,
         id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
     )

@@ -36,6 +36,7 @@ from .common import SSE_HEADERS, ApiError, sse_event
 from .metrics import ServerMetrics
 from .openai_requests import Limits, ParsedRequest, long_prompt, parse_request, prompt_token_ids
 from .openai_responses import Shaper, engine_error
+from .openapi import openapi_document
 
 
 def route_error(status: int, method: str, path: str, allowed: str | None = None) -> ApiError:
@@ -266,7 +267,7 @@ class OpenAIService:
         """``POST /tokenize`` (vLLM's extension): ``{"prompt": str}`` or ``{"messages": [...]}``
         (with ``add_special_tokens``, ``add_generation_prompt``) to token ids; a ``model`` it
         names must be served (404)."""
-        self._served_model(body.get("model"))
+        self._model_field(body)
         tokenizer = self._tokenizer()
         try:
             if "messages" in body:
@@ -276,7 +277,8 @@ class OpenAIService:
                 prompt = body.get("prompt")
                 if not isinstance(prompt, str):
                     raise ApiError(400, "'prompt' must be a string (or send 'messages')", param="prompt")
-                special = body.get("add_special_tokens", True)
+                special = body.get("add_special_tokens")
+                special = True if special is None else special
                 if not isinstance(special, bool):
                     raise ApiError(400, "'add_special_tokens' must be a boolean", param="add_special_tokens")
                 ids = list(tokenizer(prompt, add_special_tokens=special)["input_ids"])
@@ -289,13 +291,19 @@ class OpenAIService:
     def detokenize(self, body: dict[str, Any]) -> dict[str, str]:
         """``POST /detokenize`` (vLLM's extension): ``{"tokens": [ids]}`` to ``{"prompt": text}``;
         a ``model`` it names must be served (404)."""
-        self._served_model(body.get("model"))
+        self._model_field(body)
         tokens = body.get("tokens")
         vocab = self.engine.vocab_size
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
                                                    for t in tokens):
             raise ApiError(400, f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
         return {"prompt": self._tokenizer().decode(tokens)}
+
+    def _model_field(self, body: dict[str, Any]) -> str:
+        """The served model a tokenize/detokenize body names (404 for another; 400 for a non-string)."""
+        if body.get("model") is not None and not isinstance(body["model"], str):
+            raise ApiError(400, "'model' must be a string", param="model")
+        return self._served_model(body.get("model"))
 
     def _tokenizer(self) -> Any:
         if self.engine.tokenizer is None:
@@ -388,6 +396,11 @@ class OpenAIService:
                                  "events": [{"type": type(e).__name__, **dataclasses.asdict(e)} for e in batch.events]})
         finally:
             stream.close()
+
+    def openapi(self) -> dict[str, Any]:
+        """``GET /openapi.json``: the OpenAPI 3.1 document of this server's routes, with its limits
+        (:func:`acb.integrations.openapi.openapi_document`)."""
+        return openapi_document(self.limits, model_name=self.model_name, api_key=self.api_key is not None)
 
     def metrics_text(self) -> str:
         """``GET /metrics``: Prometheus text exposition (content type ``metrics.CONTENT_TYPE``)."""

@@ -189,6 +189,11 @@ async def kv_events(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+async def openapi(request: web.Request) -> web.Response:
+    """``GET /openapi.json``: the OpenAPI 3.1 document of these routes."""
+    return web.json_response(request.app[SERVICE_KEY].openapi())
+
+
 async def metrics(request: web.Request) -> web.Response:
     """``GET /metrics``: Prometheus text exposition."""
     text = request.app[SERVICE_KEY].metrics_text()
@@ -235,6 +240,7 @@ def create_app(engine: acb.Engine, config: ServerConfig | None = None) -> web.Ap
     app.router.add_get("/v1/models/{model}", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/v1/kv_events", kv_events)  # its streams end with the engine's drain on shutdown
     app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)  # /v1/: behind the API key
     app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)

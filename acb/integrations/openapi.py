@@ -1,0 +1,220 @@
+"""``GET /openapi.json``: an OpenAPI 3.1 document of every route ``acb serve`` answers.
+
+The request bodies come from the parser's own tables: which fields each route knows
+(:data:`~acb.integrations.openai_requests.COMPLETION_FIELDS`, ``CHAT_FIELDS``, the ones accepted
+and ignored), every scalar's type and range (:data:`~acb.integrations.openai_fields.SCALARS`,
+read by the parser through ``read``), and this server's limits (``max_tokens``, ``n``), so what
+is published is what is enforced. The structured fields (messages, tools, stop, ...) are written
+here beside those tables; ``tests/test_openapi.py`` and schemathesis (CI's extras step) check
+that the parser and the document agree. Unknown fields are ignored (and logged once), as vLLM
+does: every body allows additional properties.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import acb
+
+from .openai_fields import CHAT_SCALARS, SCALARS
+from .openai_requests import CHAT_FIELDS, COMPLETION_FIELDS, IGNORED_FIELDS, Limits
+
+_STR = {"type": "string"}
+_OBJ = {"type": "object"}
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"const": "text"}, "text": _STR}}
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer"}}
+_SCHEMA_VALUE = {"anyOf": [_OBJ, _STR], "description": "a JSON schema (an object, or its JSON text)"}
+_TOOL_CALL = {"type": "object", "required": ["function"], "properties": {
+    "id": _STR, "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": _STR, "arguments": {"anyOf": [_STR, _OBJ]}}}}}
+_MESSAGE = {"type": "object", "required": ["role"], "properties": {
+    "role": {"type": "string", "description": "system, developer, user, assistant or tool"},
+    "content": {"anyOf": [_STR, {"type": "null"}, {"type": "array", "items": _TEXT_PART}]},
+    "tool_calls": {"type": "array", "items": _TOOL_CALL},
+    "tool_call_id": _STR, "name": _STR}}
+_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": _STR, "parameters": _OBJ,
+        "strict": {"type": "boolean"}}}}}
+
+# The fields that are not one number or boolean: their shapes as the parser accepts them
+SHAPES: dict[str, dict[str, Any]] = {
+    "model": {"type": "string", "description": "the served model's id or a loaded adapter's (404 for any other)"},
+    "user": _STR,
+    "prompt": {"anyOf": [_STR, _TOKEN_IDS, {"type": "array", "minItems": 1, "items": {"anyOf": [_STR, _TOKEN_IDS]}}],
+               "description": "text, token ids, or a list of those (one choice set per prompt)"},
+    "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+    "stop": {"anyOf": [_STR, {"type": "array", "items": _STR}, {"type": "null"}]},
+    "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+    "logit_bias": {"type": "object", "description": "token id (a decimal string) -> bias, clamped to [-100, 100]",
+                   "additionalProperties": {"type": "number"}},
+    "stream_options": {"type": "object", "properties": {
+        name: {"type": "boolean"} for name in ("include_usage", "continuous_usage_stats", "include_metrics")}},
+    "response_format": {"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema"]},
+        "json_schema": {"type": "object", "properties": {"name": _STR, "schema": _SCHEMA_VALUE}}}},
+    "guided_json": _SCHEMA_VALUE,
+    "guided_regex": _STR,
+    "guided_choice": {"type": "array", "minItems": 1, "items": _STR},
+    "structured_outputs": {"type": "object", "description": "one of json, json_object, regex, choice",
+                           "properties": {"json": _SCHEMA_VALUE, "json_object": {"type": "boolean"},
+                                          "regex": _STR, "choice": {"type": "array", "minItems": 1, "items": _STR}}},
+    "tools": {"type": "array", "items": _TOOL},
+    "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]}, {
+        "type": "object", "required": ["type", "function"], "properties": {
+            "type": {"const": "function"},
+            "function": {"type": "object", "required": ["name"], "properties": {"name": _STR}}}}]},
+    "chat_template_kwargs": _OBJ,
+    "modalities": {"type": "array", "items": {"const": "text"}},
+    "function_call": {"enum": ["none", "auto"]},
+}
+# Known fields acb refuses when set (400 naming them); published so a client learns they exist
+_REFUSED = ("allowed_token_ids", "bad_words", "guided_grammar", "truncate_prompt_tokens", "suffix", "audio",
+            "functions")
+
+
+def _field_schema(name: str, chat: bool, limits: Limits) -> dict[str, Any]:
+    scalars = CHAT_SCALARS if chat else SCALARS
+    if name in scalars:
+        schema = scalars[name].schema()
+        if name in ("max_tokens", "max_completion_tokens"):
+            schema["maximum"] = limits.max_tokens_limit
+        if name == "n":
+            schema["maximum"] = limits.max_n
+        return schema
+    if name in SHAPES:
+        return dict(SHAPES[name])
+    if name in IGNORED_FIELDS:
+        return {"description": "accepted and ignored"}
+    if name in _REFUSED:
+        return {"description": "not supported: refused (400) unless empty"}
+    return {}
+
+
+def _body(fields: frozenset[str], required: str, chat: bool, limits: Limits) -> dict[str, Any]:
+    return {"type": "object", "required": [required], "additionalProperties": True,
+            "properties": {name: _field_schema(name, chat, limits) for name in sorted(fields)}}
+
+
+_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type"], "properties": {
+        "message": _STR, "type": _STR, "param": {"type": ["string", "null"]},
+        "code": {"type": ["string", "integer", "null"]}}}}}
+_USAGE = {"type": "object", "properties": {k: {"type": "integer"} for k in (
+    "prompt_tokens", "completion_tokens", "total_tokens")}}
+_COMPLETION = {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
+    "id": _STR, "object": {"const": "text_completion"}, "created": {"type": "integer"}, "model": _STR,
+    "choices": {"type": "array", "items": {"type": "object", "required": ["index", "text"], "properties": {
+        "index": {"type": "integer"}, "text": _STR, "finish_reason": {"type": ["string", "null"]}}}},
+    "usage": _USAGE}}
+_CHAT_COMPLETION = {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
+    "id": _STR, "object": {"const": "chat.completion"}, "created": {"type": "integer"}, "model": _STR,
+    "choices": {"type": "array", "items": {"type": "object", "required": ["index", "message"], "properties": {
+        "index": {"type": "integer"}, "finish_reason": {"type": ["string", "null"]},
+        "message": {"type": "object", "required": ["role"], "properties": {
+            "role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
+            "tool_calls": {"type": "array", "items": _TOOL_CALL}}}}}},
+    "usage": _USAGE}}
+_MODEL = {"type": "object", "required": ["id", "object"], "properties": {
+    "id": _STR, "object": {"const": "model"}, "created": {"type": "integer"}, "owned_by": _STR,
+    "root": _STR, "parent": {"type": ["string", "null"]}}}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    why = {400: "a bad request, naming the field", 401: "a missing or wrong API key", 404: "an unknown model",
+           413: "a body too large", 429: "overloaded: retry later", 503: "the engine is not running"}
+    return {str(s): _json({"$ref": "#/components/schemas/Error"}, why[s]) for s in statuses}
+
+
+def _post(summary: str, body: dict[str, Any], ok: dict[str, Any], *errors: int) -> dict[str, Any]:
+    return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
+        "application/json": {"schema": body}}}, "responses": {"200": ok, **_errors(*errors)}}}
+
+
+def openapi_document(limits: Limits, *, model_name: str, api_key: bool) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of ``acb serve`` with these ``limits`` (``api_key``: whether
+    ``/v1/`` routes want ``Authorization: Bearer <key>``)."""
+    generation = (400, 401, 404, 413, 429, 503) if api_key else (400, 404, 413, 429, 503)
+    v1 = (401,) if api_key else ()
+    stream = {"text/event-stream": {"schema": _STR}}
+    paths = {
+        "/v1/completions": _post(
+            "Text completions (OpenAI's legacy API, with vLLM's extensions)",
+            _body(COMPLETION_FIELDS, "prompt", False, limits),
+            {"description": "the completion, or server-sent events with stream",
+             "content": {"application/json": {"schema": _COMPLETION}, **stream}}, *generation),
+        "/v1/chat/completions": _post(
+            "Chat completions (OpenAI's API, with vLLM's extensions)",
+            _body(CHAT_FIELDS, "messages", True, limits),
+            {"description": "the chat completion, or server-sent events with stream",
+             "content": {"application/json": {"schema": _CHAT_COMPLETION}, **stream}}, *generation),
+        "/v1/models": {"get": {"summary": "The served model, then each loaded LoRA adapter", "responses": {
+            "200": _json({"type": "object", "required": ["object", "data"], "properties": {
+                "object": {"const": "list"}, "data": {"type": "array", "items": _MODEL}}}, "the models"),
+            **_errors(*v1)}}},
+        "/v1/models/{model}": {"get": {
+            "summary": "One served model or adapter",
+            "parameters": [{"name": "model", "in": "path", "required": True, "schema": _STR}],
+            "responses": {"200": _json(_MODEL, "the model"), **_errors(*v1, 404)}}},
+        "/tokenize": _post(
+            "Text or chat messages to token ids (vLLM's extension)",
+            {"type": "object", "additionalProperties": True, "properties": {
+                "model": SHAPES["model"], "prompt": _STR, "messages": SHAPES["messages"],
+                "add_special_tokens": {"type": ["boolean", "null"]},
+                "add_generation_prompt": {"type": ["boolean", "null"]}},
+             "anyOf": [{"required": ["prompt"]}, {"required": ["messages"]}]},
+            _json({"type": "object", "required": ["count", "tokens"], "properties": {
+                "count": {"type": "integer"}, "max_model_len": {"type": "integer"},
+                "tokens": {"type": "array", "items": {"type": "integer"}}}}, "the token ids"), 400, 404, 413),
+        "/detokenize": _post(
+            "Token ids to text (vLLM's extension)",
+            {"type": "object", "required": ["tokens"], "additionalProperties": True, "properties": {
+                "model": SHAPES["model"], "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}},
+            _json({"type": "object", "required": ["prompt"], "properties": {"prompt": _STR}}, "the text"),
+            400, 404, 413),
+        "/v1/load_lora_adapter": _post(
+            "Load a PEFT LoRA adapter folder on the server's machine (vLLM's route)",
+            {"type": "object", "required": ["lora_name", "lora_path"], "additionalProperties": True, "properties": {
+                "lora_name": {"type": "string", "minLength": 1}, "lora_path": {"type": "string", "minLength": 1}}},
+            {"description": "loaded", "content": {"text/plain": {"schema": _STR}}}, *v1, 400, 413),
+        "/v1/unload_lora_adapter": _post(
+            "Unload an adapter once the requests running it have ended (vLLM's route)",
+            {"type": "object", "required": ["lora_name"], "additionalProperties": True, "properties": {
+                "lora_name": {"type": "string", "minLength": 1}}},
+            {"description": "unloaded", "content": {"text/plain": {"schema": _STR}}}, *v1, 400, 404, 413),
+        "/health": {"get": {"summary": "200 while the engine takes requests", "responses": {
+            "200": _json({"type": "object", "properties": {"status": _STR}}, "serving"),
+            "503": _json({"type": "object", "properties": {"status": _STR}}, "not serving")}}},
+        "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
+            "200": {"description": "text exposition", "content": {"text/plain": {"schema": _STR}}}}}},
+        "/v1/kv_events": {"get": {"summary": "KV-cache events as server-sent events (acb serve --kv-events)",
+                                  "responses": {"200": {"description": "event batches", "content": stream},
+                                                **_errors(*v1, 400)}}},
+        "/openapi.json": {"get": {"summary": "This document", "responses": {
+            "200": _json(_OBJ, "the OpenAPI document")}}},
+    }
+    doc: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": "acb serve", "version": acb.__version__,
+                 "description": f"An OpenAI-compatible server of {model_name!r} (acb). Unknown request fields "
+                                "are ignored and logged once; known ones acb cannot honour are a 400 naming them."},
+        "paths": paths,
+        "components": {"schemas": {"Error": _ERROR}},
+    }
+    if api_key:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        for path, item in paths.items():
+            if path.startswith("/v1/"):
+                for op in item.values():
+                    op["security"] = [{"bearer": []}]
+    return doc
+
+
+__all__ = ["SHAPES", "openapi_document"]
