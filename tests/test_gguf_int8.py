@@ -68,10 +68,10 @@ def test_the_gguf_is_read_one_tensor_at_a_time_never_a_float32_model(smollm2_int
 
 def test_the_int8_weights_take_at_most_35_percent_of_float32(smollm2_int8):
     model, *_ = smollm2_int8
-    int8_weights = sum(m.out_features * m.in_features for m in model.modules()
-                       if isinstance(m, int8_weights.Int8Linear))
+    quantized = sum(m.out_features * m.in_features for m in model.modules()
+                    if isinstance(m, int8_weights.Int8Linear))
     fp32 = 4 * (sum(p.numel() for p in model.parameters()) + model.lm_head.out_features * model.lm_head.in_features
-                + int8_weights)
+                + quantized)
     print(f"int8 weights: {int8_weights.weight_bytes(model) / fp32:.1%} of float32's")
     assert int8_weights.weight_bytes(model) <= 0.35 * fp32
 
