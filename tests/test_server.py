@@ -347,3 +347,27 @@ async def test_smollm2_answers_a_chat_over_http():
                                                                     "temperature": 0})
     assert status == 200
     assert "Paris" in body["choices"][0]["message"]["content"]
+
+
+def test_a_request_aiohttp_cannot_parse_is_one_info_line_not_a_traceback():
+    """A client's malformed request (schemathesis sends a NUL in a header) is answered 400 by
+    aiohttp, which logged it as an ERROR with a traceback; acb serve's filter makes it one line."""
+    import logging
+
+    from aiohttp.http_exceptions import BadHttpMessage
+
+    from acb.serving import server
+
+    try:
+        raise BadHttpMessage("Invalid header value char:\n\n    b'X-Probe: \\x00'")
+    except BadHttpMessage:
+        import sys
+
+        record = logging.LogRecord("aiohttp.server", logging.ERROR, __file__, 1, "Error handling request from %s",
+                                   ("127.0.0.1",), sys.exc_info())
+    assert server._MALFORMED.filter(record)
+    assert record.levelno == logging.INFO and record.exc_info is None
+    assert record.getMessage().startswith("Error handling request from 127.0.0.1: answered 400 (400, message: Invalid")
+    other = logging.LogRecord("aiohttp.server", logging.ERROR, __file__, 1, "boom", (),
+                              (ValueError, ValueError(), None))
+    assert server._MALFORMED.filter(other) and other.levelno == logging.ERROR and other.exc_info is not None

@@ -140,7 +140,12 @@ def _history_tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise field_error("messages", f"[{i}].tool_calls[{j}] must be {{'type': 'function', 'function': {{name, "
                               "arguments}}}")
+        if call.get("type") not in (None, "function") or not isinstance(call.get("id", ""), (str, type(None))):
+            raise field_error("messages", f"[{i}].tool_calls[{j}] must have type 'function' and a string id")
         args = fn.get("arguments", "{}")
+        if not isinstance(args, (str, dict)):
+            raise field_error("messages",
+                              f"[{i}].tool_calls[{j}].function.arguments must be a JSON string or an object")
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
@@ -161,13 +166,15 @@ def _chat_messages(body: dict) -> list[dict[str, Any]]:
             raise field_error("messages", f"[{i}] must be an object with a string 'role'")
         role = "system" if message["role"] == "developer" else message["role"]
         entry: dict[str, Any] = {"role": role, "content": _content(i, message.get("content"))}
-        if role == "assistant" and message.get("tool_calls"):
-            entry["tool_calls"] = _history_tool_calls(i, message["tool_calls"])
-        if role == "tool":
-            for key in ("tool_call_id", "name"):
-                if message.get(key) is not None:
-                    if not isinstance(message[key], str):
-                        raise field_error("messages", f"[{i}].{key} must be a string")
+        # checked on every message (as /openapi.json publishes them), used where templates read them
+        calls = _history_tool_calls(i, message["tool_calls"]) if message.get("tool_calls") is not None else None
+        if role == "assistant" and calls:
+            entry["tool_calls"] = calls
+        for key in ("tool_call_id", "name"):
+            if message.get(key) is not None:
+                if not isinstance(message[key], str):
+                    raise field_error("messages", f"[{i}].{key} must be a string")
+                if role == "tool":
                     entry[key] = message[key]
         out.append(entry)
     return out

@@ -270,6 +270,8 @@ class OpenAIService:
         self._model_field(body)
         tokenizer = self._tokenizer()
         try:
+            if "messages" in body and "prompt" in body:
+                raise ApiError(400, "send 'prompt' or 'messages', not both", param="prompt")
             if "messages" in body:
                 parsed = parse_request({**body, "max_tokens": 1}, chat=True, limits=self.limits)
                 ids = prompt_token_ids(parsed, parsed.prompts[0], self.engine)

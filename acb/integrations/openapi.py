@@ -26,14 +26,15 @@ _TEXT_PART = {"type": "object", "required": ["type", "text"],
 _TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer"}}
 _SCHEMA_VALUE = {"anyOf": [_OBJ, _STR], "description": "a JSON schema (an object, or its JSON text)"}
 _TOOL_CALL = {"type": "object", "required": ["function"], "properties": {
-    "id": _STR, "type": {"const": "function"},
+    "id": {"type": ["string", "null"]}, "type": {"enum": ["function", None]},
     "function": {"type": "object", "required": ["name"], "properties": {
         "name": _STR, "arguments": {"anyOf": [_STR, _OBJ]}}}}}
+_OPT_STR = {"type": ["string", "null"]}
 _MESSAGE = {"type": "object", "required": ["role"], "properties": {
     "role": {"type": "string", "description": "system, developer, user, assistant or tool"},
     "content": {"anyOf": [_STR, {"type": "null"}, {"type": "array", "items": _TEXT_PART}]},
-    "tool_calls": {"type": "array", "items": _TOOL_CALL},
-    "tool_call_id": _STR, "name": _STR}}
+    "tool_calls": {"anyOf": [{"type": "array", "items": _TOOL_CALL}, {"type": "null"}]},
+    "tool_call_id": _OPT_STR, "name": _OPT_STR}}
 _TOOL = {"type": "object", "required": ["type", "function"], "properties": {
     "type": {"const": "function"},
     "function": {"type": "object", "required": ["name"], "properties": {
@@ -42,8 +43,9 @@ _TOOL = {"type": "object", "required": ["type", "function"], "properties": {
 
 # The fields that are not one number or boolean: their shapes as the parser accepts them
 SHAPES: dict[str, dict[str, Any]] = {
-    "model": {"type": "string", "description": "the served model's id or a loaded adapter's (404 for any other)"},
-    "user": _STR,
+    "model": {"type": ["string", "null"],
+              "description": "the served model's id or a loaded adapter's (404 for any other; none: the served model)"},
+    "user": _OPT_STR,
     "prompt": {"anyOf": [_STR, _TOKEN_IDS, {"type": "array", "minItems": 1, "items": {"anyOf": [_STR, _TOKEN_IDS]}}],
                "description": "text, token ids, or a list of those (one choice set per prompt)"},
     "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
@@ -169,7 +171,7 @@ def openapi_document(limits: Limits, *, model_name: str, api_key: bool) -> dict[
                 "model": SHAPES["model"], "prompt": _STR, "messages": SHAPES["messages"],
                 "add_special_tokens": {"type": ["boolean", "null"]},
                 "add_generation_prompt": {"type": ["boolean", "null"]}},
-             "anyOf": [{"required": ["prompt"]}, {"required": ["messages"]}]},
+             "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]},
             _json({"type": "object", "required": ["count", "tokens"], "properties": {
                 "count": {"type": "integer"}, "max_model_len": {"type": "integer"},
                 "tokens": {"type": "array", "items": {"type": "integer"}}}}, "the token ids"), 400, 404, 413),

@@ -253,10 +253,29 @@ def create_app(engine: acb.Engine, config: ServerConfig | None = None) -> web.Ap
     return app
 
 
+class _MalformedRequests(logging.Filter):
+    """aiohttp logs a request it cannot parse (a NUL in a header, a line too long: the client's
+    fault, answered 400) as an ERROR with a traceback: here one INFO line names it instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, HttpProcessingError):
+            record.msg, record.args = "%s: answered 400 (%s)", (record.getMessage(), " ".join(str(error).split())[:200])
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.exc_info = record.exc_text = None
+        return True
+
+
+_MALFORMED = _MalformedRequests()
+
+
 async def run_server(app: web.Application, host: str = "127.0.0.1", port: int = 8000,
                      ready: Callable[[str], None] | None = None) -> None:
     """Serve ``app`` until SIGINT or SIGTERM, then shut down gracefully (the engine
     drains; a second signal stops it hard). ``ready`` gets the URL once listening."""
+    logging.getLogger("aiohttp.server").addFilter(_MALFORMED)  # (once: a filter is added at most once)
     drain_timeout = app[CONFIG_KEY].drain_timeout if CONFIG_KEY in app else 30.0
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=drain_timeout + 5.0)
     await runner.setup()
