@@ -11,6 +11,7 @@ import aiohttp
 import jsonschema
 import pytest
 from http_helpers import running_app
+from openapi_spec_validator import validate
 
 from acb.integrations.common import ApiError
 from acb.integrations.openai_fields import CHAT_SCALARS, SCALARS
@@ -35,6 +36,7 @@ async def _document(**config) -> tuple[dict, dict]:
 async def test_the_document_names_every_route_the_app_serves_and_validates_as_openapi_3_1():
     doc, _ = await _document()
     assert doc["openapi"] == "3.1.0"
+    validate(doc)  # the OpenAPI 3.1 specification's own schema (openapi-spec-validator)
     app = create_app(tiny_engine(), ServerConfig())
     served = {(r.method.lower(), r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"}
     published = {(method, path) for path, item in doc["paths"].items() for method in item}
@@ -62,6 +64,7 @@ async def test_every_known_field_is_published_with_the_servers_limits():
 
 async def test_with_an_api_key_the_v1_routes_name_bearer_auth_and_the_document_stays_open():
     doc, models = await _document(api_key="k")
+    validate(doc)
     assert models["status"] == 401
     assert doc["components"]["securitySchemes"]["bearer"] == {"type": "http", "scheme": "bearer"}
     for path, item in doc["paths"].items():
