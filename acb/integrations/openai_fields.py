@@ -101,7 +101,7 @@ SCALARS: dict[str, Scalar] = {
     "use_beam_search": Scalar("boolean", only=False, doc="beam search is not supported"),
     "include_stop_str_in_output": Scalar("boolean", only=False, doc="the stop string is never included"),
     "skip_special_tokens": Scalar("boolean", only=True, doc="special tokens are always skipped in text"),
-    "add_special_tokens": Scalar("boolean", only=True, doc="the tokenizer's special tokens (chat: the template's)"),
+    "add_special_tokens": Scalar("boolean", only=True, doc="the tokenizer's special tokens are always added"),
 }
 CHAT_SCALARS: dict[str, Scalar] = {
     **SCALARS,
@@ -109,7 +109,7 @@ CHAT_SCALARS: dict[str, Scalar] = {
     "max_completion_tokens": Scalar("integer", 1, doc="max_tokens' newer name"),
     "logprobs": Scalar("boolean", doc="each generated token's log-probability"),
     "top_logprobs": Scalar("integer", 0, MAX_LOGPROBS, doc="alternatives per token (needs logprobs)"),
-    "echo": Scalar("boolean", only=False, doc="completions only"),
+    "echo": Scalar("boolean", only=False, doc="echo is for completions, not chat completions"),
     "add_special_tokens": Scalar("boolean", only=False, doc="the chat template places the special tokens"),
     **{name: Scalar("boolean") for name in ("parallel_tool_calls", "add_generation_prompt",
                                             "continue_final_message")},
@@ -118,10 +118,14 @@ CHAT_SCALARS: dict[str, Scalar] = {
 
 def read(body: dict, name: str, chat: bool = False) -> Any:
     """``body[name]`` checked against its :data:`SCALARS` (chat: :data:`CHAT_SCALARS`) entry:
-    None when unset, else a value of its type within its range, or a 400 naming it."""
+    None when unset, else a value of its type within its range (a boolean acb honours one way
+    only: that value), or a 400 naming it."""
     spec = (CHAT_SCALARS if chat else SCALARS)[name]
     if spec.type == "boolean":
-        return bool_field(body, name)
+        value = bool_field(body, name)
+        if spec.only is not None and value is not None and value != spec.only:
+            raise field_error(name, f"is not supported (only {spec.only}): {spec.doc}")
+        return value
     if spec.type == "integer":
         return int_field(body, name, int(spec.lo), None if spec.hi is None else int(spec.hi))
     return _float(body, name, spec.lo, math.inf if spec.hi is None else spec.hi, open_low=spec.open_low)

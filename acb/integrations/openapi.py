@@ -17,7 +17,7 @@ from typing import Any
 import acb
 
 from .openai_fields import CHAT_SCALARS, SCALARS
-from .openai_requests import CHAT_FIELDS, COMPLETION_FIELDS, IGNORED_FIELDS, Limits
+from .openai_requests import CHAT_FIELDS, COMPLETION_FIELDS, IGNORED_FIELDS, REFUSED_FIELDS, Limits
 
 _STR = {"type": "string"}
 _OBJ = {"type": "object"}
@@ -73,9 +73,6 @@ SHAPES: dict[str, dict[str, Any]] = {
     "modalities": {"type": "array", "items": {"const": "text"}},
     "function_call": {"enum": ["none", "auto"]},
 }
-# Known fields acb refuses when set (400 naming them); published so a client learns they exist
-_REFUSED = ("allowed_token_ids", "bad_words", "guided_grammar", "truncate_prompt_tokens", "suffix", "audio",
-            "functions")
 
 
 def _field_schema(name: str, chat: bool, limits: Limits) -> dict[str, Any]:
@@ -91,7 +88,7 @@ def _field_schema(name: str, chat: bool, limits: Limits) -> dict[str, Any]:
         return dict(SHAPES[name])
     if name in IGNORED_FIELDS:
         return {"description": "accepted and ignored"}
-    if name in _REFUSED:
+    if name in REFUSED_FIELDS:
         return {"description": "not supported: refused (400) unless empty"}
     return {}
 
@@ -143,8 +140,8 @@ def _post(summary: str, body: dict[str, Any], ok: dict[str, Any], *errors: int) 
 def openapi_document(limits: Limits, *, model_name: str, api_key: bool) -> dict[str, Any]:
     """The OpenAPI 3.1 document of ``acb serve`` with these ``limits`` (``api_key``: whether
     ``/v1/`` routes want ``Authorization: Bearer <key>``)."""
-    generation = (400, 401, 404, 413, 429, 503) if api_key else (400, 404, 413, 429, 503)
     v1 = (401,) if api_key else ()
+    generation = (400, *v1, 404, 413, 429, 503)
     stream = {"text/event-stream": {"schema": _STR}}
     paths = {
         "/v1/completions": _post(
