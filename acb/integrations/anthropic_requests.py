@@ -166,9 +166,11 @@ def _tools(body: dict) -> tuple[list[dict[str, Any]] | None, Any, bool | None]:
     parallel = choice.get("disable_parallel_tool_use", False)
     if not isinstance(parallel, bool):
         raise field_error("tool_choice", "'disable_parallel_tool_use' must be a boolean")
+    if (kind == "tool" or "name" in choice) and not isinstance(choice.get("name"), str):
+        raise field_error("tool_choice", "'name' must be the tool's name (a string; type 'tool' needs it)")
+    if kind in ("any", "tool") and not out:
+        raise field_error("tool_choice", f"of type {kind!r} needs 'tools'")
     if kind == "tool":
-        if not isinstance(choice.get("name"), str):
-            raise field_error("tool_choice", "of type 'tool' needs the tool's 'name'")
         return out or None, {"type": "function", "function": {"name": choice["name"]}}, not parallel
     return out or None, {"any": "required"}.get(kind, kind), not parallel
 
