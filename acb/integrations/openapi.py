@@ -104,8 +104,9 @@ _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type"], "properties": {
         "message": _STR, "type": _STR, "param": {"type": ["string", "null"]},
         "code": {"type": ["string", "integer", "null"]}}}}}
-_USAGE = {"type": "object", "properties": {k: {"type": "integer"} for k in (
-    "prompt_tokens", "completion_tokens", "total_tokens")}}
+_USAGE = {"type": "object", "properties": {
+    **{k: {"type": "integer"} for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+    "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}}}}
 _COMPLETION = {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
     "id": _STR, "object": {"const": "text_completion"}, "created": {"type": "integer"}, "model": _STR,
     "choices": {"type": "array", "items": {"type": "object", "required": ["index", "text"], "properties": {
