@@ -17,7 +17,7 @@ from ..core.prompt_logprobs import PromptSink
 from ..core.reasoning import ReasoningSplitter, prompt_opens_reasoning
 from ..core.sampling_params import SamplingParams
 from ..core.scheduler import Sequence
-from ..core.step import Controls, SamplingBatch, StepPlan, mix_seed
+from ..core.step import Controls, RowProcessors, SamplingBatch, StepPlan, mix_seed
 from .structured import TokenMasks
 
 
@@ -49,7 +49,8 @@ class LiveRequest:
         self.group: Choices | None = None  # n > 1: the request this choice belongs to
         self.index = 0
         self.matcher = matcher  # structured output: the grammar matcher (acb.engine.structured)
-        self.controlled = bool(self.penalized or p.logit_bias or p.min_p or p.min_new_tokens or matcher)
+        self.controlled = bool(self.penalized or p.logit_bias or p.min_p or p.min_new_tokens or matcher
+                               or p.logits_processors)
         self.metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(seq.prompt_ids))
         self.finish_reason: str | None = None
         # time.monotonic() at which timeout_s ends the request (None: no deadline)
@@ -224,6 +225,9 @@ def _controls(controlled: list[tuple[int, LiveRequest, int, Any]], num_rows: int
             c.frequency.append(p.frequency_penalty)
         if p.logit_bias:
             c.bias.extend((row, token, bias) for token, bias in p.logit_bias.items())
+        if p.logits_processors:
+            history = seq.token_at(0, len(seq.prompt_ids) + len(seq.output_ids)) + list(ahead)
+            c.processors.append(RowProcessors(row, req.request_id, p.logits_processors, history, carry_from))
         if seq.num_generated - 1 + len(ahead) < p.min_new_tokens:
             c.banned.extend((row, token) for token in req.min_length_banned)
         min_p[row] = p.min_p
