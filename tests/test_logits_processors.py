@@ -137,3 +137,22 @@ def test_logits_processors_must_be_callables():
     assert acb.SamplingParams(logits_processors=None).logits_processors == ()
     one = Identity()
     assert acb.SamplingParams(logits_processors=one).logits_processors == (one,)
+
+
+async def test_on_a_speculating_engine_a_request_with_processors_gives_what_it_gives_without_speculation():
+    seen: list[int] = []
+
+    def record(input_ids, scores):
+        seen.append(input_ids.shape[1])
+        return scores
+
+    prompt = "abcabcabcabcabcabc"  # n-gram proposals for everyone else
+    async with tiny_engine() as engine:
+        plain = await engine.generate(prompt, max_new_tokens=16, ignore_eos=True, temperature=0)
+    async with tiny_engine(speculative_method="ngram") as engine:
+        other = engine.submit(prompt, max_new_tokens=16, ignore_eos=True, temperature=0)
+        own = await engine.generate(prompt, max_new_tokens=16, ignore_eos=True, temperature=0,
+                                    logits_processors=[record])
+        assert (await other).token_ids == plain.token_ids
+    assert own.token_ids == plain.token_ids
+    assert seen == list(range(len(own.prompt_token_ids), len(own.prompt_token_ids) + 16))  # one call a token

@@ -60,14 +60,14 @@ class Controls:
 
 @dataclass(slots=True, eq=False)
 class RowProcessors:
-    """One sampled row's own logits processors and the ids they read: its ``history``
-    (prompt and output ids known on the host) and, when ``carry`` >= 0, the previous
-    step's sampled id at that index (still on the device) after them."""
+    """One sampled row's own logits processors and the ids they read: ``ids`` (the prompt
+    and output ids known on the host, an int64 CPU tensor [L]) and, when ``carry`` >= 0, the
+    previous step's sampled id at that index (still on the device) after them."""
 
     row: int
     request_id: str
     processors: tuple[Callable[[Any, Any], Any], ...]
-    history: list[int]
+    ids: torch.Tensor
     carry: int = -1
 
 

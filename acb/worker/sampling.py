@@ -122,7 +122,7 @@ def _run_own(logits: torch.Tensor, own: RowProcessors, c: Controls, prev_sampled
     raises or returns anything else is recorded in ``c.failures`` (the engine fails that
     request) and the row keeps acb's own processing; no other row is read or written."""
     dev = logits.device
-    ids = torch.tensor(own.history, dtype=torch.long, device=dev)
+    ids = own.ids.to(dev)
     if own.carry >= 0 and prev_sampled is not None:  # the in-flight token, still on the device
         ids = torch.cat([ids, prev_sampled[own.carry : own.carry + 1].to(torch.long)])
     ids = ids.unsqueeze(0)
