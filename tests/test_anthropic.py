@@ -263,3 +263,31 @@ async def test_leaving_a_stream_frees_its_pages(served):
             if event.type == "content_block_delta":
                 break
     await wait_pages_free(engine)
+
+
+def test_a_thought_streams_as_a_thinking_block_before_the_text():
+    from anthropic.lib.streaming._messages import accumulate_event
+
+    import acb
+    from acb.integrations.anthropic_requests import parse_messages
+    from acb.integrations.anthropic_responses import MessageShaper
+    from acb.integrations.openai_requests import Limits
+
+    request = parse_messages({"max_tokens": 8, "messages": ASK}, limits=Limits())
+    shaper = MessageShaper(request.parsed, "tiny", request.id, [], lambda ids: "", 5)
+    chunks = [acb.Chunk("r", [1], "", reasoning_text="Hmm, "), acb.Chunk("r", [2], "", reasoning_text="Paris."),
+              acb.Chunk("r", [3], "Sunny", reasoning_text=""), acb.Chunk("r", [4], ".", finish_reason="eos")]
+    done = acb.Completion("r", [9] * 5, [1, 2, 3, 4], "Sunny.", None, "eos", reasoning_text="Hmm, Paris.")
+    events = shaper.start() + [e for c in chunks for e in shaper.chunk(c)] + shaper.finish(done)
+    snapshot = None
+    for raw in events:
+        head, data = raw.decode().strip().split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert head == f"event: {event['type']}"
+        if event["type"] != "ping":
+            snapshot = accumulate_event(event=event, current_snapshot=snapshot, json_bufs={})
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in snapshot.content] == \
+        [("thinking", "Hmm, Paris."), ("text", "Sunny.")]
+    assert snapshot.stop_reason == "end_turn" and snapshot.usage.output_tokens == 4
+    whole = MessageShaper(request.parsed, "tiny", request.id, [], lambda ids: "", 5).message(done)
+    assert [b["type"] for b in whole["content"]] == ["thinking", "text"]
