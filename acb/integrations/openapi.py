@@ -18,6 +18,7 @@ from typing import Any
 import acb
 
 from . import anthropic_requests as anthropic
+from . import responses_requests as responses
 from .openai_fields import CHAT_SCALARS, SCALARS
 from .openai_requests import CHAT_FIELDS, COMPLETION_FIELDS, IGNORED_FIELDS, REFUSED_FIELDS, Limits
 
@@ -161,6 +162,45 @@ _MESSAGE = {"type": "object", "required": ["id", "type", "role", "model", "conte
                     "input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")}}}}
 
 
+_RESPONSES_SHAPES: dict[str, dict[str, Any]] = {
+    "model": SHAPES["model"],
+    "input": {"anyOf": [_STR, {"type": "array", "minItems": 1, "items": {"type": "object", "properties": {
+        "type": {"enum": ["message", "function_call", "function_call_output", "reasoning"]},
+        "role": {"enum": ["user", "system", "developer", "assistant"]}}}}],
+        "description": "a string, or messages, function_call and function_call_output items"},
+    "instructions": _OPT_STR,
+    "tools": {"type": ["array", "null"], "items": {"type": "object", "required": ["type", "name"], "properties": {
+        "type": {"const": "function"}, "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+        "description": _OPT_STR, "parameters": {"type": ["object", "null"]}, "strict": {"type": ["boolean", "null"]}}}},
+    "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required", None]}, {
+        "type": "object", "required": ["type", "name"], "properties": {"type": {"const": "function"}, "name": _STR}}]},
+    "text": {"type": ["object", "null"], "properties": {"format": {"type": ["object", "null"], "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema"]}, "name": _OPT_STR,
+        "schema": {"type": ["object", "null"]}}}}},
+}
+_RESPONSE = {"type": "object", "required": ["id", "object", "created_at", "model", "status", "output"], "properties": {
+    "id": _STR, "object": {"const": "response"}, "created_at": {"type": "integer"}, "model": _STR,
+    "status": {"enum": ["completed", "incomplete", "in_progress", "failed"]},
+    "output": {"type": "array", "items": {"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": ["message", "function_call", "reasoning"]}}}},
+    "usage": {"type": ["object", "null"]}}}
+
+
+def _responses_body(limits: Limits) -> dict[str, Any]:
+    properties: dict[str, Any] = {}
+    for name in sorted(responses.KNOWN_FIELDS):
+        if name in responses.SCALARS:
+            properties[name] = responses.SCALARS[name].schema()
+        elif name in _RESPONSES_SHAPES:
+            properties[name] = _RESPONSES_SHAPES[name]
+        elif name in responses.IGNORED_FIELDS:
+            properties[name] = {"description": "accepted and ignored"}
+        else:
+            properties[name] = {"description": "not supported: refused (400) unless empty"}
+    properties["max_output_tokens"]["maximum"] = limits.max_tokens_limit
+    return {"type": "object", "required": ["input"], "additionalProperties": True, "properties": properties}
+
+
 def _anthropic_body(fields: frozenset[str], required: list[str], limits: Limits) -> dict[str, Any]:
     properties: dict[str, Any] = {}
     for name in sorted(fields):
@@ -218,6 +258,11 @@ def openapi_document(limits: Limits, *, model_name: str, api_key: bool) -> dict[
             _body(CHAT_FIELDS, "messages", True, limits),
             {"description": "the chat completion, or server-sent events with stream",
              "content": {"application/json": {"schema": _CHAT_COMPLETION}, **stream}}, *generation),
+        "/v1/responses": _post(
+            "OpenAI's Responses API (stateless: previous_response_id and store are refused)",
+            _responses_body(limits),
+            {"description": "the response, or the Responses server-sent events with stream",
+             "content": {"application/json": {"schema": _RESPONSE}, **stream}}, *generation),
         "/v1/messages": _anthropic_post(
             "Anthropic's Messages API",
             _anthropic_body(anthropic.MESSAGE_FIELDS, ["max_tokens", "messages"], limits),

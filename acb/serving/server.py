@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP server over one acb engine, on aiohttp.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as SSE
-ending with ``data: [DONE]``, or whole), ``POST /v1/messages`` and
+ending with ``data: [DONE]``, or whole), ``POST /v1/responses`` (OpenAI's Responses API,
+stateless, docs/responses.md), ``POST /v1/messages`` and
 ``/v1/messages/count_tokens`` (Anthropic's Messages API, docs/anthropic.md), ``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (Prometheus text), ``GET /v1/kv_events`` (the KV-cache events as SSE,
 with ``--kv-events``), and ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``
@@ -39,6 +40,7 @@ from ..integrations.anthropic_service import AnthropicService
 from ..integrations.metrics import CONTENT_TYPE
 from ..integrations.openai_requests import Limits
 from ..integrations.openai_service import OpenAIService, route_error
+from ..integrations.responses_service import ResponsesService
 
 log = logging.getLogger("acb.serving.server")
 
@@ -95,6 +97,7 @@ class ServerConfig:
 CONFIG_KEY = web.AppKey("acb_server_config", ServerConfig)
 SERVICE_KEY = web.AppKey("acb_openai_service", OpenAIService)
 ANTHROPIC_KEY = web.AppKey("acb_anthropic_service", AnthropicService)
+RESPONSES_KEY = web.AppKey("acb_responses_service", ResponsesService)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -156,6 +159,11 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
 async def messages(request: web.Request) -> web.StreamResponse:
     """``POST /v1/messages`` (Anthropic's Messages API)."""
     return await _send(request, await request.app[ANTHROPIC_KEY].create(await read_json_object(request)))
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/responses`` (OpenAI's Responses API, stateless)."""
+    return await _send(request, await request.app[RESPONSES_KEY].create(await read_json_object(request)))
 
 
 async def count_tokens(request: web.Request) -> web.Response:
@@ -259,12 +267,14 @@ def create_app(engine: acb.Engine, config: ServerConfig | None = None) -> web.Ap
                                    per_request_metrics=config.enable_per_request_metrics,
                                    allow_unknown_model=config.allow_unknown_model)
     app[ANTHROPIC_KEY] = AnthropicService(app[SERVICE_KEY])
+    app[RESPONSES_KEY] = ResponsesService(app[SERVICE_KEY])
     app[CONFIG_KEY] = config
     setup_engine(app, engine, drain_timeout=config.drain_timeout)
     if config.log_interval:
         app.cleanup_ctx.append(_throughput_log(engine, config.log_interval))
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_post("/v1/messages", messages)
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", models)
@@ -367,5 +377,5 @@ def serve(engine: acb.Engine, *, host: str = "127.0.0.1", port: int = 8000, conf
     return 0
 
 
-__all__ = ["ServerConfig", "chat_completions", "completions", "count_tokens", "create_app", "messages", "run_server",
-           "serve"]
+__all__ = ["ServerConfig", "chat_completions", "completions", "count_tokens", "create_app", "messages", "responses",
+           "run_server", "serve"]
