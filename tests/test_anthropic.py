@@ -291,3 +291,16 @@ def test_a_thought_streams_as_a_thinking_block_before_the_text():
     assert snapshot.stop_reason == "end_turn" and snapshot.usage.output_tokens == 4
     whole = MessageShaper(request.parsed, "tiny", request.id, [], lambda ids: "", 5).message(done)
     assert [b["type"] for b in whole["content"]] == ["thinking", "text"]
+
+
+async def test_an_unknown_route_under_messages_answers_in_anthropics_shape(served):
+    _, _, url = served
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{url}/v1/messages/batches", json={}, headers={"x-api-key": "k"}) as resp:
+            assert resp.status == 404
+            assert (await resp.json())["error"]["type"] == "not_found_error"
+        async with session.get(f"{url}/v1/messages", headers={"x-api-key": "k"}) as resp:
+            assert resp.status == 405 and (await resp.json())["type"] == "error"
+        async with session.post(f"{url}/v1/messages", json={"max_tokens": 1, "messages": ASK}) as resp:
+            assert resp.status == 401  # no key at all
+            assert (await resp.json())["error"]["type"] == "authentication_error"
