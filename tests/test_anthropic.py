@@ -304,3 +304,25 @@ async def test_an_unknown_route_under_messages_answers_in_anthropics_shape(serve
         async with session.post(f"{url}/v1/messages", json={"max_tokens": 1, "messages": ASK}) as resp:
             assert resp.status == 401  # no key at all
             assert (await resp.json())["error"]["type"] == "authentication_error"
+
+
+async def test_a_failure_mid_stream_is_an_error_event_the_sdk_raises():
+    import acb
+
+    def fails_on_the_third_token(input_ids, scores):  # (an engine default: every request gets it)
+        if fails_on_the_third_token.calls == 2:
+            raise RuntimeError("out of budget")
+        fails_on_the_third_token.calls += 1
+        return scores
+
+    fails_on_the_third_token.calls = 0
+    engine = tiny_engine(sampling=acb.SamplingParams(logits_processors=[fails_on_the_third_token]))
+    async with running_app(create_app(engine, ServerConfig(model_name="tiny")), handler_cancellation=True) as url:
+        async with anthropic.AsyncAnthropic(base_url=url, api_key="none", max_retries=0) as client:
+            texts = []
+            with pytest.raises(anthropic.APIStatusError) as error:
+                async with client.messages.stream(model="tiny", max_tokens=20, messages=ASK) as stream:
+                    async for text in stream.text_stream:
+                        texts.append(text)
+            assert "out of budget" in str(error.value) and error.value.body["type"] == "error"
+            await wait_pages_free(engine)

@@ -10,8 +10,9 @@ import json
 
 import aiohttp
 import pytest
-from http_helpers import running_app
+from http_helpers import running_app, sse_events, wait_pages_free
 
+import acb
 from acb.integrations.aiohttp import ENGINE_KEY
 from acb.serving.server import ServerConfig, create_app
 from acb.testing import tiny_engine
@@ -156,3 +157,25 @@ async def test_bad_input_is_a_400_naming_the_field(served, body, field):
             assert resp.status == 400
             answer = await resp.json()
     assert answer["error"]["param"] == field and f"'{field}'" in answer["error"]["message"], answer
+
+
+async def test_a_failure_mid_stream_is_an_error_event():
+    calls = []
+
+    def fails_on_the_third_token(input_ids, scores):  # (an engine default: every request gets it)
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("out of budget")
+        return scores
+
+    engine = tiny_engine(sampling=acb.SamplingParams(logits_processors=[fails_on_the_third_token]))
+    async with running_app(create_app(engine, ServerConfig(model_name="tiny")), handler_cancellation=True) as url:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{url}/v1/responses", json={"input": "hi", "stream": True,
+                                                                  "max_output_tokens": 20}) as resp:
+                events = [(name, json.loads(data)) async for name, data in sse_events(resp)]
+        await wait_pages_free(engine)
+    names = [name for name, _ in events]
+    assert names[0] == "response.created" and names[-2:] == ["error", "response.failed"]
+    assert "out of budget" in events[-2][1]["message"]
+    assert events[-1][1]["response"]["status"] == "failed"
