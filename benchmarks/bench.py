@@ -10,6 +10,7 @@
     python benchmarks/bench.py --systems acb --limit 16 # quick look
     python benchmarks/bench.py --systems acb_fp32,acb_int8_bf16 --rounds 3  # ratios, rounds interleaved
     python benchmarks/bench.py --workload realtext --seed 3 --systems acb_fp32,acb_int8_bf16  # other passages
+    python benchmarks/bench.py --shape qwen2.5-0.5b --limit 16 --systems acb_fp32,acb_int8,vllm_fp32 --rounds 3
 
 Each system runs in its own process, so peak RSS is its own. With --rounds N the systems run N times
 in turn (A B A B ...: a host's drift between minutes lands on every system alike); each system's row is
@@ -51,9 +52,9 @@ def matrix_ceiling(w: workloads.Workload) -> dict:
     """Generated tok/s this machine could reach if it did nothing but the workload's
     linear-layer matmuls at the fp32 throughput measured on the model's own shapes."""
     import torch
-    from systems import load_smollm2
+    from systems import load_model
 
-    model, _ = load_smollm2()
+    model, _ = load_model()
     layer_linears = [m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n]
     per_token = sum(m.weight.numel() for m in layer_linears)
     lm_head = model.get_output_embeddings().weight.numel()
@@ -97,6 +98,7 @@ def child(system: str, args: argparse.Namespace) -> dict:
     import systems
 
     w = workloads.build(args.workload, args.workload_file, args.limit, args.rate, args.seed)
+    systems.SHAPE = args.shape
     if system == "acb" or system.startswith("acb_"):
         config = json.loads(args.acb_config) if args.acb_config else {}
         if system.endswith("_kv8"):
@@ -201,6 +203,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0,
                    help="--workload realtext: which passages (0, the default: the recorded prompts; others cut "
                         "other windows of the same texts)")
+    p.add_argument("--shape", default="smollm2", help="the model: smollm2 (the real one) or a popular model's "
+                   "shape with random weights, EOS ignored (benchmarks/shapes.py: qwen2.5-0.5b, qwen2.5-1.5b, "
+                   "qwen3-0.6b, llama-3.2-1b)")
     p.add_argument("--systems", default=None, help=f"comma list from {SYSTEMS}")
     p.add_argument("--vllm-venv", default=os.environ.get("ACB_VLLM_VENV"))
     p.add_argument("--hf-batch-size", type=int, default=8)
@@ -235,7 +240,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     data = {
         "date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "workload": args.workload, "seed": args.seed, "limit": args.limit, "rounds": args.rounds, "results": results,
+        "workload": args.workload, "shape": args.shape, "seed": args.seed, "limit": args.limit, "rounds": args.rounds,
+        "results": results,
         "ceiling": ceiling,
         "source": "python benchmarks/bench.py " + " ".join(sys.argv[1:]),
     }

@@ -14,7 +14,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from shapes import checkpoint, model_dir
 from workloads import Workload
+
+SHAPE = "smollm2"  # bench.py --shape: which model the systems run (shapes.py)
 
 
 def peak_rss_gib() -> float:
@@ -46,10 +49,11 @@ def summarize(name: str, w: Workload, elapsed: float, generated: int, ttft: list
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
-def load_smollm2():
-    from acb.model.loading import load, smollm2
+def load_model():
+    """The benchmark's model (SmolLM2, or ``--shape``'s) in float32, and its tokenizer."""
+    from acb.model.loading import load
 
-    return load(*smollm2())
+    return load(*checkpoint(SHAPE))
 
 
 # ---------------------------------------------------------------------------- acb
@@ -78,12 +82,13 @@ class LagTicker:
 
 def run_acb(w: Workload, config_kwargs: dict | None = None, dtype: str | None = None,
             quantization: str | None = None) -> dict:
-    """acb over SmolLM2 in ``dtype`` (None: what ``Engine.from_pretrained`` picks here by default);
-    ``quantization="int8"``: the GGUF file read straight into int8 (acb.model.gguf_int8, cached conversion)."""
+    """acb over SmolLM2 (or ``--shape``'s model) in ``dtype`` (None: what ``Engine.from_pretrained`` picks
+    here by default); ``quantization="int8"``: the GGUF file read straight into int8 (acb.model.gguf_int8),
+    a folder quantized after loading, either saved once and read back (acb.model.int8_cache)."""
     import acb
     from acb.core.progress import BatchProgress
     from acb.model.int8_weights import weight_bytes
-    from acb.model.loading import default_dtype, load, smollm2
+    from acb.model.loading import default_dtype, load
 
     config = acb.EngineConfig(**(config_kwargs or {}))
     requested = config.dtype or dtype
@@ -91,7 +96,9 @@ def run_acb(w: Workload, config_kwargs: dict | None = None, dtype: str | None = 
     config = dataclasses.replace(config, dtype=dtype, quantization=quantization or config.quantization)
     # loaded in the dtype it runs in, as Engine.from_pretrained does (not float32 and then cast:
     # that would put the float32 copy into the peak RSS reported)
-    model, tok = load(*smollm2(), dtype=dtype, quantization=config.quantization)
+    t_load = time.perf_counter()
+    model, tok = load(*checkpoint(SHAPE), dtype=dtype, quantization=config.quantization)
+    load_s = time.perf_counter() - t_load
     name = f"acb_{config.quantization + '_' if config.quantization else ''}{SHORT[dtype]}" + \
         ("_kv8" if config.kv_cache_dtype == "int8" else "") + ("" if requested else "_default")
 
@@ -136,7 +143,7 @@ def run_acb(w: Workload, config_kwargs: dict | None = None, dtype: str | None = 
                 "max_batch_tokens": s.max_batch_tokens, "total_blocks": s.total_blocks,
                 "dtype": s.dtype, "forward_path": s.forward_path, "quantization": s.quantization,
                 "kv_cache_dtype": config.kv_cache_dtype or s.dtype,
-                "weight_mib": weight_bytes(engine.model) / 2**20,
+                "weight_mib": weight_bytes(engine.model) / 2**20, "load_s": load_s, "shape": SHAPE,
             })
 
     try:
@@ -152,7 +159,7 @@ def run_hf_generate_batch(w: Workload) -> dict:
     """transformers' own continuous batching (``generate_batch``) with its defaults."""
     from transformers import GenerationConfig
 
-    model, tok = load_smollm2()
+    model, tok = load_model()
     model.config._attn_implementation = "sdpa"
     gen = GenerationConfig(max_new_tokens=w.max_new_tokens, do_sample=False, eos_token_id=-1,
                            pad_token_id=tok.pad_token_id or 0)
@@ -177,7 +184,7 @@ def run_hf_generate(w: Workload, batch_size: int = 8, sort: bool = True) -> dict
     from tqdm import tqdm
     from transformers.generation.streamers import BaseStreamer
 
-    model, tok = load_smollm2()
+    model, tok = load_model()
     model.config._attn_implementation = "sdpa"
     order = sorted(range(len(w.prompts)), key=lambda i: len(w.prompts[i])) if sort else list(range(len(w.prompts)))
 
@@ -251,12 +258,9 @@ def run_vllm(w: Workload, venv: str, dtype: str = "auto") -> dict:
     """vLLM's CPU engine, run by the venv's own python as a subprocess (never imported here).
     ``dtype="auto"`` is what ``vllm serve`` runs by default: on x86 CPUs it downcasts a
     float32 checkpoint to bfloat16."""
-    from acb.model.loading import _converted_gguf, smollm2
-
-    model_dir = str(_converted_gguf(*smollm2()))
     py = Path(venv) / "bin" / "python"
     with tempfile.TemporaryDirectory() as tmp:
-        spec = {"model_dir": model_dir, "prompts": w.prompts, "max_new_tokens": w.max_new_tokens,
+        spec = {"model_dir": model_dir(SHAPE), "prompts": w.prompts, "max_new_tokens": w.max_new_tokens,
                 "out": os.path.join(tmp, "out.json"), "dtype": dtype}
         Path(tmp, "spec.json").write_text(json.dumps(spec))
         Path(tmp, "run.py").write_text(VLLM_SCRIPT)

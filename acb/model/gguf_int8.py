@@ -25,35 +25,15 @@ dequantized, smoothed, rotated and requantized in acb's groups of 64.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
 
 import torch
 
+from . import int8_cache
+
 log = logging.getLogger("acb")
-
-
-@contextlib.contextmanager
-def _parameters_on_meta():
-    """Build modules with their parameters on ``meta`` (buffers stay real: RoPE's
-    frequencies are computed as usual), skipping the weights' initialization."""
-    from transformers.initialization import no_init_weights
-
-    register = torch.nn.Module.register_parameter
-
-    def on_meta(module, name, param):
-        if param is not None:
-            param = torch.nn.Parameter(param.to("meta"), requires_grad=False)
-        register(module, name, param)
-
-    torch.nn.Module.register_parameter = on_meta
-    try:
-        with no_init_weights():
-            yield
-    finally:
-        torch.nn.Module.register_parameter = register
 
 
 def tensor_types(path: str | os.PathLike) -> dict[str, int]:
@@ -73,7 +53,7 @@ def load(folder: str, gguf_file: str, dtype: torch.dtype):
     :mod:`acb.model.quantization`), the rest in ``dtype``. The int8 tensors are cached under
     ``acb.model.files.cache_dir()`` (later loads skip the GGUF decoding). ValueError naming
     ``EngineConfig.quantization`` where int8 cannot run this model."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from . import int8_calibration, int8_weights, quantization
     from .files import cache_dir, name_added_tokens
@@ -82,66 +62,31 @@ def load(folder: str, gguf_file: str, dtype: torch.dtype):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
     st = os.stat(path)
-    method = (f"w{int8_weights.GROUP}a{int8_weights.GROUP}-smooth{int8_calibration.SMOOTHING}-f32cal-bf16head"
-              f"{'-hadamard' if int8_weights.ROTATION else ''}")  # the format
-    key = hashlib.sha1(f"{os.path.realpath(path)}|{st.st_size}|{int(st.st_mtime)}|{method}".encode()).hexdigest()[:16]
+    key = hashlib.sha1(f"{os.path.realpath(path)}|{st.st_size}|{int(st.st_mtime)}|{int8_cache.method()}".encode()
+                       ).hexdigest()[:16]
     cached = cache_dir() / "int8" / f"{os.path.splitext(gguf_file)[0]}-{key}"
-    hit = (cached / "weights.pt").is_file()
-    if hit:
+    parts = int8_cache.read(cached)
+    if parts is not None:
         name_added_tokens(cached)  # a cache written before its tokenizer config named them (acb.model.files)
     # the config and the tokenizer are cached too: building them from GGUF metadata takes seconds
-    config = AutoConfig.from_pretrained(cached) if hit else AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
-    tokenizer = AutoTokenizer.from_pretrained(cached) if hit else \
+    config = AutoConfig.from_pretrained(cached) if parts else AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
+    tokenizer = AutoTokenizer.from_pretrained(cached) if parts else \
         AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-    def skeleton(dt: torch.dtype = dtype):
-        with _parameters_on_meta():
-            model = AutoModelForCausalLM.from_config(config, dtype=dt)
-        return model.eval()
-
-    def build(dense: dict, int8: dict, dt: torch.dtype = dtype):
-        model = skeleton(dt)
-        with torch.no_grad():
-            for name, value in dense.items():
-                _set(model, name, value.to(dt))
-        weights = {name: int8_weights.Bf16Linear(*value[1:]) if value[0] == "bf16" else value
-                   for name, value in int8.items()}
-        if "lm_head.weight" not in weights and getattr(config, "tie_word_embeddings", False):
-            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # tied: one matrix serves both
-        quantization.quantize_(model, weights)
-        missing = [n for n, p in model.named_parameters() if p.is_meta]
-        if missing:
-            raise ValueError(f"{gguf_file} lacks tensors the model needs: {missing[:5]}")
-        return model
-
-    quantization.check_dense(skeleton())  # refuse before reading anything
-    if hit:
-        dense, int8 = torch.load(cached / "weights.pt", weights_only=True)
-    else:
+    quantization.check_dense(int8_cache.skeleton(config, dtype))  # refuse before reading anything
+    if parts is None:
         log.info("acb: reading %s into int8 (first load only; cached in %s)", gguf_file, cached)
         # unsmoothed, and float32 whatever dtype was asked: the cached conversion (its key has no
         # dtype) is the same whichever dtype loads the file first
-        plain = build(*_read(path, skeleton(torch.float32), config), torch.float32)
+        plain = int8_cache.build(config, *_read(path, int8_cache.skeleton(config, torch.float32), config),
+                                 torch.float32, gguf_file)
         ids = int8_calibration.calibration_ids(tokenizer, config.vocab_size)
         factors = int8_calibration.smoothing_factors(plain, int8_calibration.input_maxima(plain, ids))
         del plain
-        dense, int8 = _read(path, skeleton(), config, factors)
-        _save(cached, config, tokenizer, (dense, int8))
-    model = build(dense, int8)
+        parts = _read(path, int8_cache.skeleton(config, dtype), config, factors)
+        int8_cache.save(cached, config, tokenizer, parts)
+    model = int8_cache.build(config, *parts, dtype, gguf_file)
     log.info("acb: %s loaded into int8 (%s)", gguf_file, int8_weights.weight_summary(model))
     return model, tokenizer
-
-
-def _save(target, config, tokenizer, weights) -> None:
-    """Cache the converted checkpoint at ``target``, atomically (a folder renamed into place)."""
-    from .files import name_added_tokens, save_atomically
-
-    def write(folder):
-        config.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-        name_added_tokens(folder)
-        torch.save(weights, folder / "weights.pt")
-
-    save_atomically(target, write)
 
 
 def _read(path: str, model: torch.nn.Module, config, factors: dict | None = None) -> tuple[dict, dict]:
@@ -178,7 +123,7 @@ def _read(path: str, model: torch.nn.Module, config, factors: dict | None = None
     settings = config.to_dict()
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=settings)
     names = get_gguf_hf_weights_map(model, processor)
-    targets = _int8_targets(model)
+    targets = int8_cache.int8_targets(model)
     dense, int8 = {}, {}
     for i, tensor in enumerate(reader.tensors):
         if i % 16 == 0:  # hand the freed float32 temporaries back (glibc keeps them: measured 1.5 GB peak
@@ -221,31 +166,6 @@ def _read(path: str, model: torch.nn.Module, config, factors: dict | None = None
 
 _TABLES = ("lm_head.weight", "model.embed_tokens.weight")  # kept bf16 (acb.model.int8_weights.Bf16Linear)
 _SLICE = 4096  # rows decoded at once from a tensor taller than this
-
-
-def _int8_targets(model: torch.nn.Module) -> set[str]:
-    """Names of the weights :func:`acb.model.quantization.quantize_` stores as int8."""
-    from .int8_calibration import projections
-
-    base = model.model
-    names = {"lm_head.weight", "model.embed_tokens.weight"}
-    for i, layer in enumerate(base.layers[: model.config.num_hidden_layers]):
-        for owner, name in projections(layer):
-            prefix = "self_attn" if owner is layer.self_attn else "mlp"
-            names.add(f"model.layers.{i}.{prefix}.{name}.weight")
-    return names
-
-
-def _set(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
-    owner, _, leaf = name.rpartition(".")
-    module = model.get_submodule(owner)
-    if leaf in module._parameters:
-        expected = module._parameters[leaf].shape
-        if tuple(expected) != tuple(value.shape):
-            raise ValueError(f"GGUF tensor {name} has shape {list(value.shape)}, the model expects {list(expected)}")
-        module._parameters[leaf] = torch.nn.Parameter(value.contiguous(), requires_grad=False)
-    else:
-        getattr(module, leaf).copy_(value)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from . import int8_cache
 from .files import cache_dir, name_added_tokens, save_atomically
 
 log = logging.getLogger("acb")
@@ -87,9 +88,10 @@ def load(path: str | os.PathLike, gguf_file: str | None = None, *,
          dtype: str | torch.dtype | None = None, device: str | None = None, quantization: str | None = None,
          **model_kwargs):
     """Return (model, tokenizer) from a HF folder, or a folder plus ``gguf_file``
-    (a path to a ``.gguf`` file is accepted too). ``quantization="int8"`` with a GGUF
-    file reads it straight into int8, one tensor at a time (:mod:`acb.model.gguf_int8`); other
-    checkpoints are quantized by the engine after loading."""
+    (a path to a ``.gguf`` file is accepted too). ``quantization="int8"`` on the CPU: a GGUF
+    file is read straight into int8, one tensor at a time (:mod:`acb.model.gguf_int8`), a folder
+    quantized after loading; either is saved once in int8 and read back on later loads
+    (:mod:`acb.model.int8_cache`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = str(path)
@@ -105,9 +107,14 @@ def load(path: str | os.PathLike, gguf_file: str | None = None, *,
         return gguf_int8.load(path, gguf_file, torch_dtype)
     if gguf_file is not None:
         path = str(_converted_gguf(path, gguf_file))
+    # int8 from a folder: quantized once, read back from acb's cache after (acb.model.int8_cache)
+    saved_int8 = quantization == "int8" and device == "cpu" and not model_kwargs
+    model = int8_cache.cached(path, torch_dtype) if saved_int8 else None
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if model is not None:
+        return model, tokenizer
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **model_kwargs)
     model.to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
     if device == "cpu":
         _own_memory(model)
         from ..kernels.cpu_linear import trim_heap
@@ -115,6 +122,8 @@ def load(path: str | os.PathLike, gguf_file: str | None = None, *,
         # what loading freed (the checkpoint's tensors before the cast and the copies above)
         # goes back to the OS now: glibc keeps it otherwise (bf16 from a float32 file: ~230 MB)
         trim_heap()
+    if saved_int8:
+        int8_cache.quantize_and_save(path, model, tokenizer)
     return model, tokenizer
 
 

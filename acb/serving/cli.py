@@ -16,18 +16,13 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 # acb.tools.PARSERS' names (this module imports acb lazily; tests/test_tool_calls.py checks they agree)
 TOOL_CALL_PARSERS = ("generic", "hermes", "json", "llama3_json", "mistral")
 REASONING_PARSERS = ("think", "deepseek_r1")  # acb.reasoning.PARSERS
 RAY_ROUTERS = ("queue", "free-pages", "prefix")
 
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+from .model_source import HELP_GROUPS, _build_engine, _model_source, _positive  # noqa: E402 (shared with run-batch)
+from .run_batch import add_run_batch, cmd_run_batch  # noqa: E402
 
 
 def _seconds(text: str) -> float:
@@ -46,39 +41,11 @@ def _adapter(text: str) -> tuple[str, str]:
     return name, path
 
 
-def _adapter_rank(folder: str) -> int:
-    """The rank ``r`` a PEFT adapter folder's config names (0 if it names none: load_adapter will say)."""
-    import json
-
-    with open(os.path.join(folder, "adapter_config.json")) as f:
-        rank = json.load(f).get("r", 0)
-    return rank if isinstance(rank, int) else 0
-
-
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be in 0..65535 (0 = any free port), got {value}")
     return value
-
-
-# The help groups of `acb serve --help`, in order (the engine settings' flags join theirs:
-# acb.serving.engine_flags.FIELD_GROUPS)
-HELP_GROUPS = {
-    "model": "model",
-    "server": "server",
-    "requests": "requests (the OpenAI API's limits and defaults)",
-    "scheduling": "scheduling",
-    "cache": "memory and KV cache",
-    "kernels": "attention, torch.compile and CUDA graphs",
-    "cpu": "CPU kernels (each on by default; --no-... turns one off, for A/B measurements and bisecting)",
-    "speculative": "speculative decoding (docs/speculative.md)",
-    "structured": "structured outputs",
-    "adapters": "LoRA adapters (docs/adapters.md)",
-    "distributed": "tensor parallel (docs/distributed.md)",
-    "ray": "Ray Serve (pip install 'acb[ray]'; see docs/scale-out.md)",
-    "logging": "logging and debugging",
-}
 
 
 def add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # long: one line per flag, no logic
@@ -156,51 +123,6 @@ def add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # lo
                           "caching the longest prefix of the prompt, from the replicas' KV-cache events; else by "
                           "free pages). Default: prefix with --kv-events, else queue")
     return p
-
-
-def _model_source(args: argparse.Namespace):
-    """(model folder/file or engine factory, gguf_file, EngineConfig, default model name);
-    a setting EngineConfig refuses is a parser error naming its flag."""
-    import acb
-
-    from .engine_flags import engine_fields, flag_error
-
-    parser = args.command_parser
-    fields = engine_fields(args, parser)
-    if fields["max_adapters"] is None:  # room for the start-up adapters, whatever their number and rank
-        fields["max_adapters"] = max(4, len(args.adapter))
-    if fields["max_adapter_rank"] is None:
-        fields["max_adapter_rank"] = max([16, *(_adapter_rank(path) for _, path in args.adapter)])
-    if args.tiny:
-        fields["page_size"] = fields["page_size"] or 8
-        fields["num_blocks"] = fields["num_blocks"] or 256
-    try:
-        config = acb.EngineConfig(**fields)
-    except ValueError as e:
-        parser.error(flag_error(str(e)))
-    if args.tiny:
-        from acb.testing import tiny_engine
-
-        return tiny_engine, None, config, "acb-tiny"
-    if args.model_dir is None:
-        from acb.model.loading import smollm2
-
-        folder, gguf_file = smollm2()
-        return folder, gguf_file, config, SMOLLM2_NAME
-    name = os.path.basename(os.path.normpath(args.gguf_file or args.model_dir))
-    return args.model_dir, args.gguf_file, config, name.removesuffix(".gguf")
-
-
-def _build_engine(args: argparse.Namespace, parser: argparse.ArgumentParser):
-    import acb
-
-    try:
-        source, gguf_file, config, name = _model_source(args)
-        if callable(source):
-            return source(config=config), name
-        return acb.Engine.from_pretrained(source, gguf_file=gguf_file, config=config), name
-    except (ValueError, FileNotFoundError, OSError) as e:
-        parser.error(str(e))
 
 
 RAY_OPTIONS = ("ray_address", "num_replicas", "max_replicas", "target_queue_depth", "replica_cpus", "replica_gpus",
@@ -326,6 +248,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 Command = Callable[[argparse.Namespace, argparse.ArgumentParser], int]
 COMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], argparse.ArgumentParser], Command]] = {
     "serve": (add_serve, cmd_serve),
+    "run-batch": (add_run_batch, cmd_run_batch),
 }
 
 

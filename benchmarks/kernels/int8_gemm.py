@@ -32,7 +32,11 @@ from pathlib import Path
 
 import torch
 
-SHAPES = [(576, 960), (576, 576), (576, 1536), (1536, 576), (576, 49152)]
+SHAPES = {  # (K, N) of q+k+v joined, o, gate or up, down, lm_head
+    "smollm2": [(576, 960), (576, 576), (576, 1536), (1536, 576), (576, 49152)],
+    "qwen2.5-0.5b": [(896, 1152), (896, 896), (896, 4864), (4864, 896), (896, 151936)],
+    "qwen2.5-1.5b": [(1536, 2048), (1536, 1536), (1536, 8960), (8960, 1536)],
+}
 ROWS = [1, 16, 64, 256, 1024]
 
 
@@ -49,6 +53,9 @@ def timed(fn, seconds: float) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seconds", type=float, default=0.3, help="per measurement")
+    p.add_argument("--shape", default="smollm2", choices=sorted(SHAPES), help="whose projections")
+    p.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma list of M")
+    p.add_argument("--only", default=None, help="comma list of candidates (default: all)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: its acb
@@ -61,9 +68,11 @@ def main() -> None:
     names = ["fp32", "bf16", "acb_int8", "acb_int8+q", "acb_int8_g64", "acb_int8_tok", "onednn_int8", "w8_bf16"]
     print(f"load {os.getloadavg()[0]:.2f}; GOPS (2*M*K*N / s), torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
+    wanted = args.only.split(",") if args.only else names
+    names = [n for n in names if n in wanted]
     print(f"{'M':>5}{'K':>6}{'N':>7}" + "".join(f"{n:>12}" for n in names))
     with torch.inference_mode():
-        for k, n in SHAPES:
+        for k, n in SHAPES[args.shape]:
             w = torch.randn(n, k) * 0.05
             layer = Int8Linear.from_int8(*quantize_weight(w))  # groups of activation_group(k) channels (32)
             g64 = Int8Linear.from_int8(*quantize_weight(w, 64))  # the groups before 2026-12-04
@@ -71,10 +80,11 @@ def main() -> None:
             ws = ws[:, 0].contiguous()
             per_token = Int8Linear.from_int8(wq, ws, group=k)
             pf = torch.ops.mkldnn._reorder_linear_weight(w, None)
-            pb = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None)
+            # oneDNN's bf16 linear needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT
+            pb = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None) if "bf16" in wanted else None
             qw = torch.ops.onednn.qlinear_prepack(wq, None)
             zeros = torch.zeros(n, dtype=torch.int64)
-            for m in ROWS:
+            for m in [int(r) for r in args.rows.split(",")]:
                 if n > 4096 and m > 64:
                     continue
                 x = torch.randn(m, k)
@@ -95,7 +105,8 @@ def main() -> None:
                         tu, 1.0, 128, qw, ws, zeros, None, 1.0, 0, torch.float32, "none", [], ""),
                     "w8_bf16": lambda: torch._weight_int8pack_mm(xb, wq, ws.bfloat16()),
                 }
-                gops = {name: 2 * m * k * n / timed(fn, args.seconds) / 1e9 for name, fn in cands.items()}
+                gops = {name: 2 * m * k * n / timed(fn, args.seconds) / 1e9 for name, fn in cands.items()
+                        if name in wanted}
                 rows.append({"m": m, "k": k, "n": n, **gops})
                 print(f"{m:>5}{k:>6}{n:>7}" + "".join(f"{gops[name]:>12.0f}" for name in names), flush=True)
     print(f"load {os.getloadavg()[0]:.2f} at the end")

@@ -4,6 +4,7 @@
     python benchmarks/kernel_profile.py bf16 48 96 realtext  # bench.py's real-text prompts (prefill-heavy)
     python benchmarks/kernel_profile.py int8_bf16_kv8 48 96  # a _kv8 suffix: int8 KV pages
     PYTHONPATH=. python benchmarks/kernel_profile.py bf16  # from a worktree: its acb, not the installed one
+    python benchmarks/kernel_profile.py int8 16 32 --shape qwen2.5-0.5b  # a popular shape (benchmarks/shapes.py)
     python benchmarks/kernel_profile.py int8_bf16 48 96 realtext --native-loop  # decode as the engine runs it
     python benchmarks/kernel_profile.py int8_bf16 48 96 realtext --native-loop --split-rows 0  # no halves
 
@@ -29,12 +30,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shapes.py
 import torch
 import workloads
+from shapes import checkpoint
 
 import acb
 from acb.attention import paged, selector
-from acb.loading import load, smollm2
+from acb.loading import load
 from acb.model import fused, int8_forward
 
 T: dict = collections.defaultdict(float)  # (step kind, name) -> seconds
@@ -129,6 +132,11 @@ def main() -> None:
         i = argv.index("--split-rows")
         split_rows = int(argv[i + 1])
         del argv[i: i + 2]
+    shape = "smollm2"
+    if "--shape" in argv:
+        i = argv.index("--shape")
+        shape = argv[i + 1]
+        del argv[i: i + 2]
     sys.argv = argv
     variant = sys.argv[1] if len(sys.argv) > 1 else "int8_bf16"  # int8_bf16 | int8 | bf16 | fp32, [_kv8]
     kv8 = variant.endswith("_kv8")
@@ -138,7 +146,7 @@ def main() -> None:
     w = workloads.build(sys.argv[4] if len(sys.argv) > 4 else "standard", None, n_prompts, 2.0)
     dtype = "bfloat16" if variant in ("bf16", "int8_bf16") else "float32"
     quant = "int8" if variant.startswith("int8") else None
-    model, tok = load(*smollm2(), dtype=dtype, quantization=quant)
+    model, tok = load(*checkpoint(shape), dtype=dtype, quantization=quant)
     model = model if quant else model.to(getattr(torch, dtype))
     instrument(n_prompts, native_loop, split_rows)
 
