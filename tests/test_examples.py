@@ -200,6 +200,16 @@ def test_minimal_stream_example_prints_an_answer():
     assert out.stdout.strip()
 
 
+def test_banned_words_example_keeps_the_words_out_of_one_answer():
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(EXAMPLES / "banned_words.py"), "--tiny"], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr  # (it exits 1 if a banned word is in the processed answer)
+    free, banned = out.stdout.splitlines()[-2:]
+    assert free.startswith("without a processor:") and banned.startswith("banning ['a', 'e', 'o']:")
+
+
 @pytest.mark.extras  # a process on the real model (~10 s): CI's extras step
 def test_stream_chat_example_prints_a_throughput_line():
     import subprocess

@@ -55,6 +55,19 @@ async def test_chat_whole_and_streamed_with_usage(client):
     assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
 
 
+async def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(client):
+    long = [{"role": "user", "content": "the same long question, asked twice " * 4}]
+    first = await client.chat.completions.create(model="tiny", messages=long, max_tokens=2, temperature=0)
+    again = await client.chat.completions.create(model="tiny", messages=long, max_tokens=2, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True})
+    usage = [c async for c in again][-1].usage
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # every whole page (page_size 8) of the prompt but the one holding its last token
+    assert usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens - 1) // 8 * 8 > 0
+    text = await client.completions.create(model="tiny", prompt=long[0]["content"], max_tokens=1)
+    assert text.usage.prompt_tokens_details.cached_tokens == 0  # (not the chat template's prefix)
+
+
 async def test_errors_map_to_the_clients_exceptions(client):
     with pytest.raises(openai.BadRequestError) as bad:
         await client.chat.completions.create(model="tiny", messages=CHAT, logprobs=True, top_logprobs=30)

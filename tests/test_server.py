@@ -50,7 +50,8 @@ async def test_completion_has_openai_fields_and_usage(server):
     choice = body["choices"][0]
     expected = await engine.generate("hello", max_new_tokens=7)
     assert (choice["index"], choice["text"], choice["finish_reason"]) == (0, expected.text, "length")
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12,
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # (no whole page to share)
 
 
 async def test_completion_stream_adds_up_and_ends_with_done(server):
@@ -92,7 +93,9 @@ async def test_chat_stream_sends_role_with_the_first_token_then_content_then_usa
     assert all(c["usage"] is None for c in chunks[:-2])
     assert text_of(chunks, chat=True) == whole["choices"][0]["message"]["content"]
     assert chunks[-3]["choices"][0]["finish_reason"] == "length"
-    assert chunks[-2]["choices"] == [] and chunks[-2]["usage"] == whole["usage"]
+    usage = chunks[-2]["usage"]
+    assert chunks[-2]["choices"] == [] and usage == {**whole["usage"], "prompt_tokens_details": {
+        "cached_tokens": usage["prompt_tokens"] // 8 * 8}}  # the same prompt's whole pages (page_size 8), cached
     assert chunks[-1] == "[DONE]"
 
 

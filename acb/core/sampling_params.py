@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -39,6 +40,23 @@ def _logit_bias(bias: Any) -> dict[int, float] | None:
                                       param="logit_bias")
         out[token] = float(value)
     return out or None
+
+
+def _processors(processors: Any) -> tuple[Callable[[Any, Any], Any], ...]:
+    """``logits_processors`` as a tuple of callables (None: none)."""
+    if processors is None:
+        return ()
+    if callable(processors):
+        processors = (processors,)
+    if not isinstance(processors, (list, tuple)):
+        raise InvalidRequestError(f"logits_processors must be a list of callables (input_ids, scores) -> scores, got "
+                                  f"{type(processors).__name__}", param="logits_processors")
+    for i, p in enumerate(processors):
+        if not callable(p):
+            raise InvalidRequestError(f"logits_processors[{i}] must be callable (input_ids, scores) -> scores (a "
+                                      f"transformers LogitsProcessor or a function), got {type(p).__name__}",
+                                      param="logits_processors")
+    return tuple(processors)
 
 
 @dataclass(frozen=True)
@@ -74,6 +92,14 @@ class SamplingParams:
     ``Engine.load_adapter``; rows with different adapters share one step (``acb.model.lora``).
     ``speculative`` (None = the engine's ``EngineConfig.speculative_method``; False: this
     request never carries proposals; see docs/speculative.md).
+    ``logits_processors`` (in-process only, never on the wire): transformers ``LogitsProcessor``
+    objects or plain callables ``(input_ids, scores) -> scores``, applied in order to this
+    request's row alone after acb's own processors (and before a structured output's mask):
+    ``input_ids`` is ``[1, prompt + output so far]`` (int64), ``scores`` ``[1, vocab]``
+    (float32). One that raises or returns another shape fails this request
+    (``RequestFailedError`` naming it); the others in the batch go on untouched. Such a
+    request does not speculate. Cost: one Python call per processor per generated token
+    (docs/streaming.md#per-request-logits-processors).
 
     Example::
 
@@ -107,6 +133,7 @@ class SamplingParams:
     priority: int = 0
     adapter: str | None = None
     speculative: bool | None = None
+    logits_processors: tuple[Callable[[Any, Any], Any], ...] = ()
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and stored as tuples so params stay hashable.
@@ -167,6 +194,7 @@ class SamplingParams:
                                       f"False (this request does not speculate), got {self.speculative!r}",
                                       param="speculative")
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        object.__setattr__(self, "logits_processors", _processors(self.logits_processors))
         self._check_structure()
 
     def _check_number(self, name: str, ok: Any, what: str) -> None:

@@ -38,7 +38,10 @@ class Controls:
     ``token_mask``, when set, blocks until the structured-output masks of this step are
     computed (the engine fills them while the forward runs) and returns (rows, packed
     int32 bitmask [len(rows), ceil(vocab / 32)]: bit ``t % 32`` of word ``t // 32``
-    allows token ``t``)."""
+    allows token ``t``). ``processors``: the rows whose requests bring their own logits
+    processors (``SamplingParams.logits_processors``); ``failures`` is where sampling records
+    (request id, processor, error) of each one that raised or returned another shape, for the
+    engine to fail that request."""
 
     penalized: list[int]
     history: list[list[int]]
@@ -51,6 +54,21 @@ class Controls:
     bias: list[tuple[int, int, float]]
     min_p: list[float] | None = None
     token_mask: Callable[[], tuple[list[int], torch.Tensor] | None] | None = None
+    processors: list[RowProcessors] = field(default_factory=list)
+    failures: list[tuple[str, Any, BaseException]] = field(default_factory=list)
+
+
+@dataclass(slots=True, eq=False)
+class RowProcessors:
+    """One sampled row's own logits processors and the ids they read: ``ids`` (the prompt
+    and output ids known on the host, an int64 CPU tensor [L]) and, when ``carry`` >= 0, the
+    previous step's sampled id at that index (still on the device) after them."""
+
+    row: int
+    request_id: str
+    processors: tuple[Callable[[Any, Any], Any], ...]
+    ids: torch.Tensor
+    carry: int = -1
 
 
 @dataclass(slots=True)

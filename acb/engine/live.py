@@ -10,6 +10,8 @@ import time
 from operator import itemgetter
 from typing import Any
 
+import torch
+
 from ..core.detokenizer import Detokenizer, StopMatcher
 from ..core.mailbox import Mailbox, Outcome
 from ..core.outputs import RequestMetrics
@@ -17,7 +19,7 @@ from ..core.prompt_logprobs import PromptSink
 from ..core.reasoning import ReasoningSplitter, prompt_opens_reasoning
 from ..core.sampling_params import SamplingParams
 from ..core.scheduler import Sequence
-from ..core.step import Controls, SamplingBatch, StepPlan, mix_seed
+from ..core.step import Controls, RowProcessors, SamplingBatch, StepPlan, mix_seed
 from .structured import TokenMasks
 
 
@@ -28,7 +30,7 @@ class LiveRequest:
     __slots__ = ("request_id", "seq", "params", "mailbox", "future", "detok", "stopper",
                  "text_parts", "logprobs", "top_logprobs", "metrics", "finish_reason",
                  "controlled", "penalized", "min_length_banned", "matcher", "group", "index",
-                 "deadline", "prompt_sink", "reasoning", "reasoning_parts", "plain")
+                 "deadline", "prompt_sink", "reasoning", "reasoning_parts", "plain", "own_ids")
 
     def __init__(self, request_id: str, seq: Sequence, params: SamplingParams,
                  mailbox: Mailbox | None, future: Outcome, tokenizer, matcher: Any = None):
@@ -49,7 +51,8 @@ class LiveRequest:
         self.group: Choices | None = None  # n > 1: the request this choice belongs to
         self.index = 0
         self.matcher = matcher  # structured output: the grammar matcher (acb.engine.structured)
-        self.controlled = bool(self.penalized or p.logit_bias or p.min_p or p.min_new_tokens or matcher)
+        self.controlled = bool(self.penalized or p.logit_bias or p.min_p or p.min_new_tokens or matcher
+                               or p.logits_processors)
         self.metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(seq.prompt_ids))
         self.finish_reason: str | None = None
         # time.monotonic() at which timeout_s ends the request (None: no deadline)
@@ -66,6 +69,21 @@ class LiveRequest:
         # a token of its that does not end it is text to its mailbox and nothing else: no grammar,
         # stop strings, logprobs or reasoning parser (Outputs.deliver's shortcut)
         self.plain = not (matcher or p.stop or p.logprobs or p.top_logprobs or self.reasoning is not None)
+        self.own_ids: torch.Tensor | None = None  # logits_processors: the ids they read, as of the last step
+
+    def processor_ids(self, ahead: Any = ()) -> torch.Tensor:
+        """What this request's logits processors read (``input_ids``): its host-known ids
+        (prompt, output so far, then ``ahead``) as an int64 tensor, extended from the last
+        step's by the tokens new since (a step costs its new tokens, not the whole history)."""
+        seq = self.seq
+        known = len(seq.prompt_ids) + len(seq.output_ids)
+        ids = self.own_ids
+        if ids is None or ids.numel() > known:  # (first step, or output taken back)
+            ids = torch.tensor(seq.token_at(0, known), dtype=torch.long)
+        elif ids.numel() < known:
+            ids = torch.cat([ids, torch.tensor(seq.token_at(ids.numel(), known), dtype=torch.long)])
+        self.own_ids = ids
+        return torch.cat([ids, torch.tensor(list(ahead), dtype=torch.long)]) if ahead else ids
 
     @classmethod
     def create(cls, request_id: str, prompt_ids: list[int], params: SamplingParams, mailbox: Mailbox | None,
@@ -224,6 +242,9 @@ def _controls(controlled: list[tuple[int, LiveRequest, int, Any]], num_rows: int
             c.frequency.append(p.frequency_penalty)
         if p.logit_bias:
             c.bias.extend((row, token, bias) for token, bias in p.logit_bias.items())
+        if p.logits_processors:
+            c.processors.append(RowProcessors(row, req.request_id, p.logits_processors, req.processor_ids(ahead),
+                                              carry_from))
         if seq.num_generated - 1 + len(ahead) < p.min_new_tokens:
             c.banned.extend((row, token) for token in req.min_length_banned)
         min_p[row] = p.min_p

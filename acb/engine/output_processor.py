@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from ..core.errors import RequestFailedError, caused
 from ..core.eventloop import LoopHandle
@@ -43,6 +44,18 @@ class Outputs:
                 if req is not None:  # not failed with another choice of its request already
                     self.fail(req, caused(RequestFailedError(
                         f"the model step failed for request {req.request_id}{why}: {error!r}", req.request_id), error))
+
+    def processors_failed(self, failures: list[tuple[str, Any, BaseException]]) -> None:
+        """Fail each request whose own logits processor raised or returned another shape
+        (``Controls.failures``: request id, processor, error); the engine goes on."""
+        for request_id, processor, error in failures:
+            req = self.live.get(request_id)
+            if req is None:  # failed by an earlier entry (another position, another choice)
+                continue
+            name = getattr(processor, "__qualname__", None) or type(processor).__qualname__
+            log.warning("acb: request %s: its logits processor %s failed: %r", request_id, name, error)
+            self.fail(req, caused(RequestFailedError(
+                f"request {request_id}: its logits processor {name} failed: {error!r}", request_id), error))
 
     def cancel(self, request_id: str, index: int | None = None, loop: LoopHandle | None = None) -> bool:
         """End a live request (with ``n`` > 1 every choice, or choice ``index``) with

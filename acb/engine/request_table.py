@@ -219,7 +219,9 @@ class RequestTable:
             req.seq.adapter, req.seq.prefix_root, req.seq.last_page_hash = adapter.slot, adapter.root, adapter.root
             req.seq.lora_id = adapter.lora_id
         self.columns.write(slot, req)
-        if self.scheduler.speculation is not None and params.speculative is not False:
+        # (logits processors read each position's history: a request with its own does not speculate)
+        if self.scheduler.speculation is not None and params.speculative is not False \
+                and not params.logits_processors:
             req.seq.spec = self.scheduler.speculation.state()
         self.live[key] = req
         if req.deadline is not None:

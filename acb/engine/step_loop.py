@@ -271,6 +271,9 @@ class StepLoop:
             speculation.observe_step(plan.num_tokens, out.device_s - out.draft_s)
         if out.draft_s:
             speculation.observe_draft(out.draft_steps, out.draft_s)
+        controls = plan.input.sampling.controls
+        if controls is not None and controls.failures:  # before delivery: their tokens never go out
+            self.outputs.processors_failed(controls.failures)
         if plan.prompt_sinks:
             self.outputs.deliver_prompt_logprobs(plan, out)
         self.outputs.deliver(self.scheduler.update(plan, out), out)

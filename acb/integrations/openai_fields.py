@@ -120,7 +120,11 @@ def read(body: dict, name: str, chat: bool = False) -> Any:
     """``body[name]`` checked against its :data:`SCALARS` (chat: :data:`CHAT_SCALARS`) entry:
     None when unset, else a value of its type within its range (a boolean acb honours one way
     only: that value), or a 400 naming it."""
-    spec = (CHAT_SCALARS if chat else SCALARS)[name]
+    return read_scalar(body, name, (CHAT_SCALARS if chat else SCALARS)[name])
+
+
+def read_scalar(body: dict, name: str, spec: Scalar) -> Any:
+    """``body[name]`` checked against ``spec`` (another API's table: the Anthropic routes')."""
     if spec.type == "boolean":
         value = bool_field(body, name)
         if spec.only is not None and value is not None and value != spec.only:

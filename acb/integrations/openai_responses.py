@@ -42,10 +42,15 @@ def _usage(prompt: int, generated: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
 
-def usage(completions: list[acb.Completion]) -> dict[str, int]:
-    """Usage over the request's prompts: each prompt counted once, every choice's tokens."""
-    return _usage(sum(len(c.prompt_token_ids) for c in completions),
-                  sum(len(choice.token_ids) for c in completions for choice in c.choices))
+def usage(completions: list[acb.Completion]) -> dict[str, Any]:
+    """Usage over the request's prompts: each prompt counted once, every choice's tokens;
+    ``prompt_tokens_details.cached_tokens``: the prompt tokens the prefix cache served (as
+    OpenAI and vLLM report them; a prompt's first choice's count)."""
+    out: dict[str, Any] = _usage(sum(len(c.prompt_token_ids) for c in completions),
+                                 sum(len(choice.token_ids) for c in completions for choice in c.choices))
+    cached = sum(c.metrics.num_cached_prompt_tokens for c in completions if c.metrics is not None)
+    out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
 
 
 @dataclass

@@ -128,31 +128,26 @@ class OpenAIService:
         self.started = int(time.time())
         self.adapter_paths: dict[str, str] = {}  # adapters loaded through this service -> their folders
 
-    def check_api_key(self, authorization: str | None) -> None:
-        """Raise 401 unless ``authorization`` is ``Bearer <api_key>`` (no-op without a key)."""
+    def check_api_key(self, authorization: str | None, x_api_key: str | None = None) -> None:
+        """Raise 401 unless ``authorization`` is ``Bearer <api_key>`` or ``x_api_key`` (the
+        ``x-api-key`` header, as Anthropic's clients send it) is the key (no-op without a key)."""
         if self.api_key is None:
             return
+        key = self.api_key.encode()
+        if x_api_key is not None and hmac.compare_digest(x_api_key.strip().encode(), key):
+            return
         scheme, _, given = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
-            raise ApiError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key):
+            raise ApiError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>' or 'x-api-key: "
+                           "<key>'", code="invalid_api_key")
 
     async def generate(self, body: dict[str, Any], *, chat: bool) -> dict[str, Any] | AsyncGenerator[bytes, None]:
         """Answer a ``/v1/completions`` (``chat=False``) or ``/v1/chat/completions`` body:
         the response object, or for ``stream: true`` an async generator of SSE events.
         Closing that generator early (a client that went away) cancels the request."""
-        model = self._served_model(body.get("model"))
-        parsed = parse_request(body, chat=chat, limits=self.limits, default_temperature=self._default_temperature())
-        if model != self.model_name:  # a loaded LoRA adapter, named as the model (as vLLM does)
-            parsed.sampling["adapter"] = model
-        if parsed.tools:
-            self._tool_format(parsed)
-        if chat and self.reasoning_parser is not None and parsed.tool_choice not in ("required", "function") \
-                and parsed.tool_parser != "generic":  # (a forced call, or the generic JSON, is all answer)
-            parsed.sampling["reasoning_parser"] = self.reasoning_parser
-            parsed.reasoning = True
-        parsed.include_metrics = parsed.include_metrics or self.per_request_metrics
-        handles, prompts = await self._submit_all(parsed)
+        model = self.served_model(body.get("model"))
+        parsed = parse_request(body, chat=chat, limits=self.limits, default_temperature=self.default_temperature())
+        handles, prompts = await self.submit(parsed, model)
         token_text = _token_text(self.engine)
         texts = [self._prompt_text(p, ids) for p, ids in zip(parsed.prompts, prompts)] if parsed.echo else None
         shaper = Shaper(parsed, model, token_text, texts, [len(ids) for ids in prompts])
@@ -169,7 +164,22 @@ class OpenAIService:
             self.metrics.observe(completion)
         return shaper.response(completions)
 
-    def _tool_format(self, parsed: ParsedRequest) -> None:
+    async def submit(self, parsed: ParsedRequest, model: str) -> tuple[list[acb.RequestHandle], list[list[int]]]:
+        """Run a parsed request on ``model`` (the served one or a loaded adapter): its tools
+        formatted for the chat template, chat's thought split off by the reasoning parser; the
+        engine handles and each prompt's token ids. The Anthropic routes submit through it too."""
+        if model != self.model_name:  # a loaded LoRA adapter, named as the model (as vLLM does)
+            parsed.sampling["adapter"] = model
+        if parsed.tools:
+            self.tool_format(parsed)
+        if parsed.chat and self.reasoning_parser is not None and parsed.tool_choice not in ("required", "function") \
+                and parsed.tool_parser != "generic":  # (a forced call, or the generic JSON, is all answer)
+            parsed.sampling["reasoning_parser"] = self.reasoning_parser
+            parsed.reasoning = True
+        parsed.include_metrics = parsed.include_metrics or self.per_request_metrics
+        return await self._submit_all(parsed)
+
+    def tool_format(self, parsed: ParsedRequest) -> None:
         """How a request with tools reaches the model and comes back. A chat template that
         renders tools (and ``--tool-call-parser`` other than ``generic``) gets them natively;
         ``"auto"`` output is read by the parser of the template's format. Otherwise the
@@ -206,7 +216,7 @@ class OpenAIService:
                            f"serve with --tool-call-parser ({', '.join(sorted(acb.tools.PARSERS))})", param="tools")
         return name
 
-    def _default_temperature(self) -> float | None:
+    def default_temperature(self) -> float | None:
         """OpenAI's 1.0 for a request without ``temperature``, unless the model's
         generation_config says how to sample (as vLLM: then the engine applies it)."""
         model = self.engine.generation_defaults
@@ -305,14 +315,14 @@ class OpenAIService:
         """The served model a tokenize/detokenize body names (404 for another; 400 for a non-string)."""
         if body.get("model") is not None and not isinstance(body["model"], str):
             raise ApiError(400, "'model' must be a string", param="model")
-        return self._served_model(body.get("model"))
+        return self.served_model(body.get("model"))
 
     def _tokenizer(self) -> Any:
         if self.engine.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer")
         return self.engine.tokenizer
 
-    def _served_model(self, model: Any) -> str:
+    def served_model(self, model: Any) -> str:
         """The model a request runs: the served model's name (also for a request that names
         none, as vLLM does), or a loaded adapter's when ``model`` names one. Any other name
         is a 404 (``model_not_found``, naming the served ids, as OpenAI and vLLM answer),

@@ -1,4 +1,5 @@
-"""``GET /openapi.json``: an OpenAPI 3.1 document of every route ``acb serve`` answers.
+"""``GET /openapi.json``: an OpenAPI 3.1 document of every route ``acb serve`` answers (the
+Anthropic Messages routes' bodies from :mod:`acb.integrations.anthropic_requests`' tables).
 
 The request bodies come from the parser's own tables: which fields each route knows
 (:data:`~acb.integrations.openai_requests.COMPLETION_FIELDS`, ``CHAT_FIELDS``, the ones accepted
@@ -16,6 +17,8 @@ from typing import Any
 
 import acb
 
+from . import anthropic_requests as anthropic
+from . import responses_requests as responses
 from .openai_fields import CHAT_SCALARS, SCALARS
 from .openai_requests import CHAT_FIELDS, COMPLETION_FIELDS, IGNORED_FIELDS, REFUSED_FIELDS, Limits
 
@@ -102,8 +105,9 @@ _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type"], "properties": {
         "message": _STR, "type": _STR, "param": {"type": ["string", "null"]},
         "code": {"type": ["string", "integer", "null"]}}}}}
-_USAGE = {"type": "object", "properties": {k: {"type": "integer"} for k in (
-    "prompt_tokens", "completion_tokens", "total_tokens")}}
+_USAGE = {"type": "object", "properties": {
+    **{k: {"type": "integer"} for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+    "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}}}}
 _COMPLETION = {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
     "id": _STR, "object": {"const": "text_completion"}, "created": {"type": "integer"}, "model": _STR,
     "choices": {"type": "array", "items": {"type": "object", "required": ["index", "text"], "properties": {
@@ -120,6 +124,106 @@ _CHAT_COMPLETION = {"type": "object", "required": ["id", "object", "created", "m
 _MODEL = {"type": "object", "required": ["id", "object"], "properties": {
     "id": _STR, "object": {"const": "model"}, "created": {"type": "integer"}, "owned_by": _STR,
     "root": _STR, "parent": {"type": ["string", "null"]}}}
+
+
+_BLOCKS = {"anyOf": [_STR, {"type": "array", "items": {"type": "object", "required": ["type"], "properties": {
+    "type": {"enum": ["text", "tool_use", "tool_result", "thinking", "redacted_thinking"]}}}}]}
+_ANTHROPIC_SHAPES: dict[str, dict[str, Any]] = {
+    "model": SHAPES["model"],
+    "messages": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["role", "content"],
+                                                           "properties": {"role": {"enum": ["user", "assistant"]},
+                                                                          "content": _BLOCKS}}},
+    "system": {"anyOf": [_STR, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]},
+    "stop_sequences": {"type": ["array", "null"], "items": _STR},
+    "tools": {"type": ["array", "null"], "items": {"type": "object", "required": ["name", "input_schema"],
+                                                   "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"}, "description": _OPT_STR,
+        "input_schema": _OBJ, "type": {"enum": ["custom", None]}}}},
+    "tool_choice": {"type": ["object", "null"], "required": ["type"], "properties": {
+        "type": {"enum": ["auto", "any", "tool", "none"]}, "name": _STR,
+        "disable_parallel_tool_use": {"type": "boolean"}}},
+    "output_config": {"type": ["object", "null"], "properties": {"format": {
+        "type": ["object", "null"], "required": ["type", "schema"], "properties": {
+            "type": {"const": "json_schema"}, "schema": _OBJ}}}},
+}
+_ANTHROPIC_ERROR = {"type": "object", "required": ["type", "error"], "properties": {
+    "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
+        "type": _STR, "message": _STR}}}}
+_BLOCK_OUT = {"type": "object", "required": ["type"], "properties": {
+    "type": {"enum": ["text", "thinking", "tool_use"]}, "text": _STR, "thinking": _STR, "signature": _STR,
+    "id": _STR, "name": _STR, "input": _OBJ}}
+_MESSAGE = {"type": "object", "required": ["id", "type", "role", "model", "content", "stop_reason", "usage"],
+            "properties": {
+                "id": _STR, "type": {"const": "message"}, "role": {"const": "assistant"}, "model": _STR,
+                "content": {"type": "array", "items": _BLOCK_OUT},
+                "stop_reason": {"enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use"]},
+                "stop_sequence": _OPT_STR,
+                "usage": {"type": "object", "properties": {k: {"type": "integer"} for k in (
+                    "input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")}}}}
+
+
+_RESPONSES_SHAPES: dict[str, dict[str, Any]] = {
+    "model": SHAPES["model"],
+    "input": {"anyOf": [_STR, {"type": "array", "minItems": 1, "items": {"type": "object", "properties": {
+        "type": {"enum": ["message", "function_call", "function_call_output", "reasoning"]},
+        "role": {"enum": ["user", "system", "developer", "assistant"]}}}}],
+        "description": "a string, or messages, function_call and function_call_output items"},
+    "instructions": _OPT_STR,
+    "tools": {"type": ["array", "null"], "items": {"type": "object", "required": ["type", "name"], "properties": {
+        "type": {"const": "function"}, "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+        "description": _OPT_STR, "parameters": {"type": ["object", "null"]}, "strict": {"type": ["boolean", "null"]}}}},
+    "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required", None]}, {
+        "type": "object", "required": ["type", "name"], "properties": {"type": {"const": "function"}, "name": _STR}}]},
+    "text": {"type": ["object", "null"], "properties": {"format": {"type": ["object", "null"], "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema"]}, "name": _OPT_STR,
+        "schema": {"type": ["object", "null"]}}}}},
+}
+_RESPONSE = {"type": "object", "required": ["id", "object", "created_at", "model", "status", "output"], "properties": {
+    "id": _STR, "object": {"const": "response"}, "created_at": {"type": "integer"}, "model": _STR,
+    "status": {"enum": ["completed", "incomplete", "in_progress", "failed"]},
+    "output": {"type": "array", "items": {"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": ["message", "function_call", "reasoning"]}}}},
+    "usage": {"type": ["object", "null"]}}}
+
+
+def _responses_body(limits: Limits) -> dict[str, Any]:
+    properties: dict[str, Any] = {}
+    for name in sorted(responses.KNOWN_FIELDS):
+        if name in responses.SCALARS:
+            properties[name] = responses.SCALARS[name].schema()
+        elif name in _RESPONSES_SHAPES:
+            properties[name] = _RESPONSES_SHAPES[name]
+        elif name in responses.IGNORED_FIELDS:
+            properties[name] = {"description": "accepted and ignored"}
+        else:
+            properties[name] = {"description": "not supported: refused (400) unless empty"}
+    properties["max_output_tokens"]["maximum"] = limits.max_tokens_limit
+    return {"type": "object", "required": ["input"], "additionalProperties": True, "properties": properties}
+
+
+def _anthropic_body(fields: frozenset[str], required: list[str], limits: Limits) -> dict[str, Any]:
+    properties: dict[str, Any] = {}
+    for name in sorted(fields):
+        if name in anthropic.SCALARS:
+            properties[name] = anthropic.SCALARS[name].schema()
+        elif name in _ANTHROPIC_SHAPES:
+            properties[name] = _ANTHROPIC_SHAPES[name]
+        elif name in anthropic.IGNORED_FIELDS:
+            properties[name] = {"description": "accepted and ignored"}
+        else:
+            properties[name] = {"description": "not supported: refused (400) unless empty"}
+    if "max_tokens" in properties:
+        properties["max_tokens"]["maximum"] = limits.max_tokens_limit
+    return {"type": "object", "required": required, "additionalProperties": True, "properties": properties}
+
+
+def _anthropic_post(summary: str, body: dict[str, Any], ok: dict[str, Any], *errors: int) -> dict[str, Any]:
+    """A POST of Anthropic's API: its errors in Anthropic's shape."""
+    op = _post(summary, body, ok)
+    for status in errors:
+        op["post"]["responses"][str(status)] = _json({"$ref": "#/components/schemas/AnthropicError"},
+                                                     _errors(status)[str(status)]["description"])
+    return op
 
 
 def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
@@ -154,6 +258,21 @@ def openapi_document(limits: Limits, *, model_name: str, api_key: bool) -> dict[
             _body(CHAT_FIELDS, "messages", True, limits),
             {"description": "the chat completion, or server-sent events with stream",
              "content": {"application/json": {"schema": _CHAT_COMPLETION}, **stream}}, *generation),
+        "/v1/responses": _post(
+            "OpenAI's Responses API (stateless: previous_response_id and store are refused)",
+            _responses_body(limits),
+            {"description": "the response, or the Responses server-sent events with stream",
+             "content": {"application/json": {"schema": _RESPONSE}, **stream}}, *generation),
+        "/v1/messages": _anthropic_post(
+            "Anthropic's Messages API",
+            _anthropic_body(anthropic.MESSAGE_FIELDS, ["max_tokens", "messages"], limits),
+            {"description": "the message, or Anthropic's server-sent events with stream",
+             "content": {"application/json": {"schema": _MESSAGE}, **stream}}, *generation),
+        "/v1/messages/count_tokens": _anthropic_post(
+            "The prompt's tokens as /v1/messages would run it (Anthropic's)",
+            _anthropic_body(anthropic.COUNT_FIELDS, ["messages"], limits),
+            _json({"type": "object", "required": ["input_tokens"], "properties": {
+                "input_tokens": {"type": "integer"}}}, "the count"), 400, *v1, 404, 413),
         "/v1/models": {"get": {"summary": "The served model, then each loaded LoRA adapter", "responses": {
             "200": _json({"type": "object", "required": ["object", "data"], "properties": {
                 "object": {"const": "list"}, "data": {"type": "array", "items": _MODEL}}}, "the models"),
@@ -205,14 +324,15 @@ def openapi_document(limits: Limits, *, model_name: str, api_key: bool) -> dict[
                  "description": f"An OpenAI-compatible server of {model_name!r} (acb). Unknown request fields "
                                 "are ignored and logged once; known ones acb cannot honour are a 400 naming them."},
         "paths": paths,
-        "components": {"schemas": {"Error": _ERROR}},
+        "components": {"schemas": {"Error": _ERROR, "AnthropicError": _ANTHROPIC_ERROR}},
     }
     if api_key:
-        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"},
+                                                "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
         for path, item in paths.items():
             if path.startswith("/v1/"):
                 for op in item.values():
-                    op["security"] = [{"bearer": []}]
+                    op["security"] = [{"bearer": []}, {"x-api-key": []}]  # either one
     return doc
 
 

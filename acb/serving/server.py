@@ -1,12 +1,15 @@
 """An OpenAI-compatible HTTP server over one acb engine, on aiohttp.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as SSE
-ending with ``data: [DONE]``, or whole), ``GET /v1/models``, ``GET /health``,
+ending with ``data: [DONE]``, or whole), ``POST /v1/responses`` (OpenAI's Responses API,
+stateless, docs/responses.md), ``POST /v1/messages`` and
+``/v1/messages/count_tokens`` (Anthropic's Messages API, docs/anthropic.md), ``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (Prometheus text), ``GET /v1/kv_events`` (the KV-cache events as SSE,
 with ``--kv-events``), and ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``
 (vLLM's: a request's ``model`` may name a loaded adapter; docs/adapters.md). Request
-bodies and ``max_tokens`` are bounded, ``Authorization: Bearer`` is checked when an API
-key is set, and every error is an OpenAI-style JSON object. SIGINT/SIGTERM drain the engine, then stop it hard.
+bodies and ``max_tokens`` are bounded, ``Authorization: Bearer`` (or ``x-api-key``) is checked when an API
+key is set, and every error is JSON in its API's shape (OpenAI's, Anthropic's). SIGINT/SIGTERM
+drain the engine, then stop it hard.
 
 Example::
 
@@ -22,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,9 +35,12 @@ import acb
 
 from ..core.progress import log_throughput
 from ..integrations.aiohttp import ENGINE_KEY, SSE_HEADERS, ApiError, read_json_object, setup_engine
+from ..integrations.anthropic_responses import error_body as anthropic_error_body
+from ..integrations.anthropic_service import AnthropicService
 from ..integrations.metrics import CONTENT_TYPE
 from ..integrations.openai_requests import Limits
 from ..integrations.openai_service import OpenAIService, route_error
+from ..integrations.responses_service import ResponsesService
 
 log = logging.getLogger("acb.serving.server")
 
@@ -90,35 +96,48 @@ class ServerConfig:
 
 CONFIG_KEY = web.AppKey("acb_server_config", ServerConfig)
 SERVICE_KEY = web.AppKey("acb_openai_service", OpenAIService)
+ANTHROPIC_KEY = web.AppKey("acb_anthropic_service", AnthropicService)
+RESPONSES_KEY = web.AppKey("acb_responses_service", ResponsesService)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error_response(request: web.Request, error: ApiError) -> web.Response:
+    """``error`` in the shape of the API the route belongs to: Anthropic's under
+    ``/v1/messages``, OpenAI's everywhere else."""
+    if request.path.startswith("/v1/messages"):
+        return web.json_response(anthropic_error_body(error), status=error.status, headers=error.headers)
+    return error.response()
 
 
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every failure answers OpenAI-style JSON; the API key guards ``/v1/``."""
+    """Every failure answers JSON in its API's shape; the API key (``Authorization: Bearer``
+    or ``x-api-key``) guards ``/v1/``."""
     try:
         if request.path.startswith("/v1/"):
-            request.app[SERVICE_KEY].check_api_key(request.headers.get("Authorization"))
+            request.app[SERVICE_KEY].check_api_key(request.headers.get("Authorization"),
+                                                   request.headers.get("x-api-key"))
         return await handler(request)
     except ApiError as e:
-        return e.response()
+        return _error_response(request, e)
     except web.HTTPException as e:
         if e.status < 400:
             raise
         if isinstance(e, (web.HTTPNotFound, web.HTTPMethodNotAllowed)):
-            resp = route_error(e.status, request.method, request.path, e.headers.get("Allow")).response()
+            error = route_error(e.status, request.method, request.path, e.headers.get("Allow"))
         else:
-            resp = ApiError(e.status, e.text or e.reason).response()
+            error = ApiError(e.status, e.text or e.reason)
+        resp = _error_response(request, error)
         if "Allow" in e.headers:
             resp.headers["Allow"] = e.headers["Allow"]
         return resp
     except Exception:  # a bug: answer in the API's shape and keep serving
         log.exception("unhandled error in %s %s", request.method, request.path)
-        return ApiError(500, "internal server error").response()
+        return _error_response(request, ApiError(500, "internal server error"))
 
 
-async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
-    answer = await request.app[SERVICE_KEY].generate(await read_json_object(request), chat=chat)
+async def _send(request: web.Request, answer: dict[str, Any] | AsyncGenerator[bytes, None]) -> web.StreamResponse:
+    """A whole JSON answer, or a stream of server-sent events (closed however the client leaves)."""
     if isinstance(answer, dict):
         return web.json_response(answer)
     resp = web.StreamResponse(headers=SSE_HEADERS)
@@ -131,6 +150,25 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
     finally:
         await answer.aclose()
     return resp
+
+
+async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
+    return await _send(request, await request.app[SERVICE_KEY].generate(await read_json_object(request), chat=chat))
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/messages`` (Anthropic's Messages API)."""
+    return await _send(request, await request.app[ANTHROPIC_KEY].create(await read_json_object(request)))
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/responses`` (OpenAI's Responses API, stateless)."""
+    return await _send(request, await request.app[RESPONSES_KEY].create(await read_json_object(request)))
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """``POST /v1/messages/count_tokens`` (Anthropic's): ``{"input_tokens": N}``."""
+    return web.json_response(await request.app[ANTHROPIC_KEY].count_tokens(await read_json_object(request)))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -228,12 +266,17 @@ def create_app(engine: acb.Engine, config: ServerConfig | None = None) -> web.Ap
                                    reasoning_parser=config.reasoning_parser,
                                    per_request_metrics=config.enable_per_request_metrics,
                                    allow_unknown_model=config.allow_unknown_model)
+    app[ANTHROPIC_KEY] = AnthropicService(app[SERVICE_KEY])
+    app[RESPONSES_KEY] = ResponsesService(app[SERVICE_KEY])
     app[CONFIG_KEY] = config
     setup_engine(app, engine, drain_timeout=config.drain_timeout)
     if config.log_interval:
         app.cleanup_ctx.append(_throughput_log(engine, config.log_interval))
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
@@ -334,4 +377,5 @@ def serve(engine: acb.Engine, *, host: str = "127.0.0.1", port: int = 8000, conf
     return 0
 
 
-__all__ = ["ServerConfig", "chat_completions", "completions", "create_app", "run_server", "serve"]
+__all__ = ["ServerConfig", "chat_completions", "completions", "count_tokens", "create_app", "messages", "responses",
+           "run_server", "serve"]

@@ -8,8 +8,8 @@ generator seeded by ``(seed, token index)``, so its tokens do not depend on what
 else shares the batch: every processor and warper below works row by row.
 
 The processors run in transformers' order (``logit_bias``, repetition penalty,
-then acb's OpenAI-style presence / frequency penalties, minimum length, then the
-structured-output token mask); the warpers (temperature, top-k, top-p, min-p)
+then acb's OpenAI-style presence / frequency penalties, a request's own logits processors,
+then the structured-output token mask and minimum length); the warpers (temperature, top-k, top-p, min-p)
 only for sampled rows. A batch without any control (``SamplingBatch.controls`` is
 None) skips all of it: the per-step cost stays that of plain sampling.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.step import Controls, SamplingBatch, mix_seed  # noqa: F401  (the step's payloads)
+from ..core.step import Controls, RowProcessors, SamplingBatch, mix_seed  # noqa: F401  (the step's payloads)
 
 MIN_TEMPERATURE = 1e-5
 
@@ -94,6 +94,8 @@ def process(logits: torch.Tensor, c: Controls, prev_sampled: torch.Tensor | None
     if c.penalized:
         rows = torch.tensor(c.penalized, device=dev)
         logits[rows] = _penalize(logits.index_select(0, rows), c, prev_sampled)
+    for own in c.processors:
+        _run_own(logits, own, c, prev_sampled)
     if c.token_mask is not None:
         masked = c.token_mask()
         if masked is not None and masked[0]:
@@ -111,6 +113,31 @@ def process(logits: torch.Tensor, c: Controls, prev_sampled: torch.Tensor | None
             if bool(lifted.any()):
                 logits[rows[lifted], toks[lifted]] = held[lifted]
     return logits
+
+
+def _run_own(logits: torch.Tensor, own: RowProcessors, c: Controls, prev_sampled: torch.Tensor | None) -> None:
+    """A request's own logits processors (``SamplingParams.logits_processors``), in order, on
+    its row alone: transformers' call ``processor(input_ids [1, L], scores [1, V])`` on a copy
+    of the row, written back only when every one returned a tensor of that shape. One that
+    raises or returns anything else is recorded in ``c.failures`` (the engine fails that
+    request) and the row keeps acb's own processing; no other row is read or written."""
+    dev = logits.device
+    ids = own.ids.to(dev)
+    if own.carry >= 0 and prev_sampled is not None:  # the in-flight token, still on the device
+        ids = torch.cat([ids, prev_sampled[own.carry : own.carry + 1].to(torch.long)])
+    ids = ids.unsqueeze(0)
+    scores = logits[own.row : own.row + 1].clone()
+    for processor in own.processors:
+        try:
+            out = processor(ids, scores)
+            if not isinstance(out, torch.Tensor) or out.shape != scores.shape:
+                got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                raise ValueError(f"returned {got}, not scores of shape {tuple(scores.shape)}")
+        except Exception as e:
+            c.failures.append((own.request_id, processor, e))
+            return
+        scores = out
+    logits[own.row] = scores[0].to(device=dev, dtype=logits.dtype)
 
 
 def _penalize(scores: torch.Tensor, c: Controls, prev_sampled: torch.Tensor | None) -> torch.Tensor:
