@@ -23,7 +23,7 @@ if [ -n "$STAMP" ] && [ -f "$STAMP" ] && { [ "$(cat "$STAMP")" = "$WANT" ] || [ 
   echo "setup: acb is already installed in $ENV_NOTE"
   exit 0
 fi
-echo "setup: installing acb with its test, demo and docs packages$([ "$EXTRAS" = 1 ] && echo ' and the extras (Ray, lm-evaluation-harness, schemathesis)') into $ENV_NOTE"
+echo "setup: installing acb with its test, demo and docs packages$([ "$EXTRAS" = 1 ] && echo ' and the extras (Ray, lm-evaluation-harness, schemathesis, openai-agents)') into $ENV_NOTE"
 
 "${PIP[@]}" "torch==2.13.0"
 "${PIP[@]}" -e ".[test,serve,gguf,docs,fastapi,structured]" "torch==2.13.0"
@@ -47,5 +47,7 @@ if [ "$EXTRAS" = 1 ]; then
   "${PIP[@]}" "lm-eval[api]==0.4.13"
   # schemathesis fuzzes acb serve from its /openapi.json (tests/test_fuzz.py)
   "${PIP[@]}" "schemathesis==4.32.5"
+  # OpenAI's Agents SDK (acb[agents]) runs a tool-using agent against /v1/responses (tests/test_responses_agents.py)
+  "${PIP[@]}" "openai-agents==0.24.0"
 fi
 [ -z "$STAMP" ] || echo "$WANT" > "$STAMP"
