@@ -38,7 +38,7 @@ FIELD_GROUPS: dict[str, str] = {
     **dict.fromkeys(("max_batch_tokens", "max_requests_per_batch", "scheduler", "priority_aging_steps",
                      "max_waiting_requests", "safety_margin", "async_batching"), "scheduling"),
     **dict.fromkeys(("page_size", "num_blocks", "max_memory_percent", "allow_prefix_sharing", "cpu_offload_space",
-                     "kv_cache_dtype", "kv_events"), "cache"),
+                     "kv_cache_dtype", "kv_events", "kv_disk_path", "kv_disk_space"), "cache"),
     **dict.fromkeys(("attn_backend", "max_blocks_per_request", "compile_level", "varlen_compile_level",
                      "decode_compile_level", "use_cuda_graph", "q_padding_interval_size",
                      "kv_padding_interval_size"), "kernels"),
