@@ -199,6 +199,14 @@ class DiskTier:
                 self.index.move_to_end(key)
         return payloads
 
+    def idle(self) -> bool:
+        """Whether every page offered so far is written (or given up on): nothing to copy out,
+        nothing queued for the writer."""
+        self.poll()
+        with self._lock:
+            writing = self._writer_busy
+        return not self._pending and not self._queued and not writing
+
     def busy(self) -> bool:
         """Whether pages a prompt waits for are being read (the engine is not stalled)."""
         return bool(self._fetching)
