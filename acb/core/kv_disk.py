@@ -233,6 +233,15 @@ class DiskTier:
                 self._ready.pop(key, None)
                 self.index.pop(key, None)
 
+    def stat_fields(self) -> dict[str, int | float]:
+        """The ``EngineStats.disk_*`` fields."""
+        self.poll()
+        d = self.stats
+        return dict(disk_hits=d.hit_pages, disk_pages_read=d.pages_read, disk_pages_written=d.pages_written,
+                    disk_bytes_read=d.bytes_read, disk_bytes_written=d.bytes_written, disk_errors=d.errors,
+                    disk_dropped_writes=d.dropped_writes, disk_load_s=d.load_s, disk_blocks=len(self.index),
+                    disk_bytes=sum(self.index.values()))
+
     def forget_ready(self) -> None:
         """Nothing waits: drop prefetched pages (their memory)."""
         self._ready.clear()

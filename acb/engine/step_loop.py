@@ -364,18 +364,8 @@ class StepLoop:
             forward_path=runner.forward_path if runner is not None else "",
             forward_reason=runner.forward_reason if runner is not None else "",
             spec_proposed_tokens=spec.proposed if spec else 0, spec_accepted_tokens=spec.accepted if spec else 0,
-            spec_acceptance_rate=spec.acceptance_rate if spec else 0.0, **self._disk_stats(), **fields)
-
-    def _disk_stats(self) -> dict[str, Any]:
-        disk = self.scheduler.kv.disk
-        if disk is None:
-            return {}
-        disk.poll()
-        d = disk.stats
-        return dict(disk_hits=d.hit_pages, disk_pages_read=d.pages_read, disk_pages_written=d.pages_written,
-                    disk_bytes_read=d.bytes_read, disk_bytes_written=d.bytes_written, disk_errors=d.errors,
-                    disk_dropped_writes=d.dropped_writes, disk_load_s=d.load_s, disk_blocks=len(disk.index),
-                    disk_bytes=sum(disk.index.values()))
+            spec_acceptance_rate=spec.acceptance_rate if spec else 0.0,
+            **(kv.disk.stat_fields() if kv.disk is not None else {}), **fields)
 
     def copy_out_for_disk(self, wait: bool = False) -> None:
         """Hand the pages offered to the disk tier since the last call to the step thread, which
