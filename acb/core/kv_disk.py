@@ -174,7 +174,10 @@ class DiskTier:
         if usable <= first_page:
             return []
         run: list[bytes] = []
-        for key in self.keys(token_ids, usable, lora_id)[first_page:]:
+        keys = files.iter_disk_keys(files.disk_root(self.fingerprint, lora_id), token_ids, self.page_size, usable)
+        for i, key in enumerate(keys):
+            if i < first_page:
+                continue  # (in the page pool: matched there)
             if key in self._ready or key in self.index or self._found(key):
                 run.append(key)
             else:

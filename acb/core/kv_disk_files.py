@@ -48,13 +48,16 @@ def disk_root(fingerprint: bytes, lora_id: int | None) -> bytes:
 def disk_keys(root: bytes, token_ids: Sequence[int], page_size: int, num_pages: int) -> list[bytes]:
     """The keys of the first ``num_pages`` full pages of ``token_ids``, each SHA-256 of its
     parent's key and its tokens (signed 64-bit little-endian)."""
-    keys: list[bytes] = []
+    return list(iter_disk_keys(root, token_ids, page_size, num_pages))
+
+
+def iter_disk_keys(root: bytes, token_ids: Sequence[int], page_size: int, num_pages: int) -> Iterator[bytes]:
+    """``disk_keys`` one at a time (a lookup stops at its first miss)."""
     parent = root
     sha = hashlib.sha256
     for i in range(num_pages):
         parent = sha(parent + array("q", token_ids[i * page_size : (i + 1) * page_size]).tobytes()).digest()
-        keys.append(parent)
-    return keys
+        yield parent
 
 
 def page_path(directory: str, key: bytes) -> str:
