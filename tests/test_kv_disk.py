@@ -64,6 +64,24 @@ async def test_a_restarted_engine_loads_the_prefix_from_disk_bit_for_bit(tmp_pat
     assert stats.prefix_hit_rate > 0.8
 
 
+async def test_pages_the_pool_evicted_come_back_from_disk_in_the_same_engine(tmp_path):
+    prompts = random_prompts(5, 88, 90, seed=7)  # 11 full pages each; the pool holds 3 prompts' worth
+    model = tiny_model("llama")
+    async with tiny_engine(kv_disk_path=str(tmp_path), num_blocks=36) as engine:
+        for p in prompts:
+            await run(engine, [p])
+            async with asyncio.timeout(30):
+                while not engine.kv.disk.idle():
+                    await asyncio.sleep(0.01)
+        assert engine.stats().disk_hits == 0
+        again = await engine.generate(prompts[0], max_new_tokens=6, temperature=0, ignore_eos=True)
+        stats = engine.stats()
+    assert again.token_ids == reference_greedy(model, prompts[0], 6)
+    full = (len(prompts[0]) - 1) // PS
+    assert again.metrics.num_cached_prompt_tokens == full * PS
+    assert stats.disk_hits == full  # none of its pages was left in the pool
+
+
 async def test_the_disk_counters_reach_the_metrics_page(tmp_path):
     from acb.integrations.metrics import ServerMetrics
 
