@@ -324,12 +324,14 @@ class DiskTier:
         return size
 
     def _make_room(self) -> None:
-        """Delete the least recently used page files until one more fits in ``space``."""
+        """Delete the least recently used page files until one more fits in ``space``, with a
+        tenth of it to spare (so the directory is not scanned again at every write)."""
         self._since_scan = 0
         entries = sorted(files.scan(self.path), key=lambda e: e[2])
         total = sum(size for _, size, _ in entries)
+        room = max(self.space * 9 // 10, self.file_bytes) if total + self.file_bytes > self.space else self.space
         for key, size, _ in entries:
-            if total + self.file_bytes <= self.space:
+            if total + self.file_bytes <= room:
                 break
             try:
                 os.unlink(files.page_path(self.path, key))
