@@ -68,7 +68,10 @@ class PageTables:
         for i in range(n):
             parent = chain_hash(parent, tokens[i * ps : (i + 1) * ps])
             chains.append(parent)
-        disk.offer(seq.block_table[:n], tokens, chains, seq.lora_id)
+        # registered pages only: a private copy of a chain cached elsewhere (first one wins) goes
+        # back to the free list on release, and its twin is offered by its own sequence
+        registered = self.kv.page_key
+        disk.offer([p if p in registered else -1 for p in seq.block_table[:n]], tokens, chains, seq.lora_id)
 
     def cut(self, seq: Sequence, keep: int) -> None:
         """Give back the entries of ``seq``'s tables from ``keep`` on (pages written for
