@@ -11,16 +11,22 @@ import pytest
 
 import acb
 from acb.core.kv_cache import KVCacheManager
-from acb.testing import tiny_engine
+from acb.testing import tiny_engine, tiny_model
+
+
+def plain_engine() -> acb.Engine:
+    """An engine built as a user builds one, not by ``acb.testing`` (whose engines check anyway)."""
+    return acb.Engine(tiny_model("llama"), config=acb.EngineConfig(num_blocks=64, page_size=8))
 
 
 def test_the_suite_builds_every_engine_with_the_integrity_check_on():
-    assert tiny_engine().config.debug_checks is True
+    assert plain_engine().config.debug_checks is True
     assert acb.EngineConfig().debug_checks is False  # the suite's switch, not the default
+    assert tiny_engine().config.debug_checks is True  # acb.testing's engines, in users' suites too
 
 
 async def test_a_leaked_page_fails_the_check_when_the_engine_goes_idle():
-    engine = tiny_engine()
+    engine = plain_engine()
     async with engine:
         await engine.generate([5, 6, 7, 8, 9], max_new_tokens=3)
         engine.check_integrity()
