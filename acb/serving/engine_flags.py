@@ -78,6 +78,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "allow_prefix_sharing": {"aliases": ("--enable-prefix-caching",)},
     "grammar_compile_timeout_s": {"type": _seconds_or_none, "help_default": "30; 0 = no bound"},
     "draft_model": {"type": str, "metavar": "PATH"},
+    "kv_disk_path": {"metavar": "DIR"},
     "max_adapters": {"default": None, "help_default": "4, or the number of --adapter if more"},
     "max_adapter_rank": {"default": None, "help_default": "16, or the largest rank among --adapter if more"},
     "device": {"metavar": "DEVICE"},
