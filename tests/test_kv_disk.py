@@ -64,6 +64,19 @@ async def test_a_restarted_engine_loads_the_prefix_from_disk_bit_for_bit(tmp_pat
     assert stats.prefix_hit_rate > 0.8
 
 
+@pytest.mark.parametrize("fields", [dict(dtype="bfloat16"), dict(kv_cache_dtype="int8")])
+async def test_pages_from_disk_equal_pages_from_the_cache_in_bf16_and_int8(tmp_path, fields):
+    async with tiny_engine(kv_disk_path=str(tmp_path), **fields) as engine:
+        await run(engine, PROMPTS)
+        warm = await run(engine, PROMPTS)  # from the engine's own pages
+    assert all(c.metrics.num_cached_prompt_tokens > 0 for c in warm)
+    async with tiny_engine(kv_disk_path=str(tmp_path), **fields) as engine:
+        loaded = await run(engine, PROMPTS)
+        stats = engine.stats()
+    assert [c.token_ids for c in loaded] == [c.token_ids for c in warm]
+    assert stats.disk_hits == sum((len(p) - 1) // PS for p in PROMPTS) and stats.disk_errors == 0
+
+
 async def test_pages_the_pool_evicted_come_back_from_disk_in_the_same_engine(tmp_path):
     prompts = random_prompts(5, 88, 90, seed=7)  # 11 full pages each; the pool holds 3 prompts' worth
     model = tiny_model("llama")
