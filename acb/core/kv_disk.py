@@ -53,6 +53,7 @@ class DiskStats:
     errors: int = 0  # files found corrupt, truncated or foreign (deleted), and failed writes
     dropped_writes: int = 0  # writes skipped: the writer was behind, or the directory takes no writes
     load_s: float = 0.0  # seconds the reader spent reading and checking pages
+    copy_s: float = 0.0  # seconds the step thread spent copying pages out of the KV tensors
 
 
 class DiskTier:
@@ -242,7 +243,8 @@ class DiskTier:
         d = self.stats
         return dict(disk_hits=d.hit_pages, disk_pages_read=d.pages_read, disk_pages_written=d.pages_written,
                     disk_bytes_read=d.bytes_read, disk_bytes_written=d.bytes_written, disk_errors=d.errors,
-                    disk_dropped_writes=d.dropped_writes, disk_load_s=d.load_s, disk_blocks=len(self.index),
+                    disk_dropped_writes=d.dropped_writes, disk_load_s=d.load_s, disk_copy_s=d.copy_s,
+                    disk_blocks=len(self.index),
                     disk_bytes=sum(self.index.values()))
 
     def forget_ready(self) -> None:
@@ -260,11 +262,13 @@ class DiskTier:
         return True
 
     # ------------------------------------------------------------------ the step thread's side
-    def submit_writes(self, entries: list[tuple[int, bytes, int]], payloads: list) -> None:
-        """Queue the pages ``entries`` (``take_copies``') with their bytes for the writer.
-        Never blocks: beyond ``_QUEUED_BYTES_CAP`` waiting, the writes are dropped (counted)."""
+    def submit_writes(self, entries: list[tuple[int, bytes, int]], payloads: list, copy_s: float = 0.0) -> None:
+        """Queue the pages ``entries`` (``take_copies``') with their bytes for the writer (``copy_s``:
+        the seconds their copy took). Never blocks: beyond ``_QUEUED_BYTES_CAP`` waiting, the writes
+        are dropped (counted)."""
         size = sum(memoryview(p).nbytes for p in payloads)
         with self._lock:
+            self.stats.copy_s += copy_s
             drop = self._queued_bytes + size > _QUEUED_BYTES_CAP or not self.writable or not self._threads
             if not drop:
                 self._queued_bytes += size

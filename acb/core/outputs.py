@@ -224,8 +224,9 @@ class EngineStats:
             (and checked) and written, ``disk_errors`` files found corrupt, truncated or foreign
             (deleted and recomputed, never served) and failed writes, ``disk_dropped_writes`` writes
             skipped (a directory that takes no more writes, or a writer far behind), ``disk_load_s``
-            seconds spent reading and checking, ``disk_blocks`` / ``disk_bytes`` the page files
-            this engine knows of in the directory.
+            seconds spent reading and checking, ``disk_copy_s`` seconds the step thread spent copying
+            pages out for the writer (the tier's only cost to the steps), ``disk_blocks`` /
+            ``disk_bytes`` the page files this engine knows of in the directory.
     """
 
     running: int
@@ -267,5 +268,6 @@ class EngineStats:
     disk_errors: int = 0  # corrupt / truncated / foreign files (never served) and failed writes
     disk_dropped_writes: int = 0
     disk_load_s: float = 0.0
+    disk_copy_s: float = 0.0  # the step thread's share: copying pages out of the KV tensors
     disk_blocks: int = 0  # page files indexed
     disk_bytes: int = 0

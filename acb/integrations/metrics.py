@@ -142,6 +142,8 @@ class ServerMetrics:
                          "(deleted, recomputed), and failed writes.", stats.disk_errors)
         lines += _metric("acb_kv_disk_load_seconds_total", "counter", "Seconds spent reading and checking page files.",
                          stats.disk_load_s)
+        lines += _metric("acb_kv_disk_copy_seconds_total", "counter", "Seconds the step thread spent copying pages "
+                         "out for the disk tier.", stats.disk_copy_s)
         lines += _metric("acb_kv_disk_blocks", "gauge", "Page files the disk tier indexes.", stats.disk_blocks)
         lines += _metric("acb_kv_disk_bytes", "gauge", "Bytes of the page files the disk tier indexes.",
                          stats.disk_bytes)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -126,8 +127,9 @@ class KVStore:
         """Copy the bytes of the pages ``copies`` names ((page, key, ...) each, from
         ``DiskTier.take_copies``) out and hand them to the disk tier's writer ``disk``; on the step
         thread, ordered before any step that could overwrite them."""
-        disk.submit_writes(copies, disk_pages.read_pages(self.k_cache, self.v_cache, self.page_size,
-                                                         [c[0] for c in copies]))
+        start = time.perf_counter()
+        payloads = disk_pages.read_pages(self.k_cache, self.v_cache, self.page_size, [c[0] for c in copies])
+        disk.submit_writes(copies, payloads, time.perf_counter() - start)
 
     def release(self) -> None:
         """Drop the tensors (and the offload pool, which holds them too)."""
