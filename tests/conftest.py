@@ -27,6 +27,18 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 os.environ.setdefault("ACB_LOG_INTERVAL", "0")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def integrity_checks():
+    """Every engine the suite builds checks its page accounting (refcounts against the live
+    requests' block tables, no page twice in the free list or in one table, the disk tier's
+    index) whenever it goes idle: ``EngineConfig.debug_checks``, turned on by the environment
+    (``acb.core.defaults``), which the ``acb serve`` processes tests start inherit too.
+    tests/test_integrity_checks.py shows it is on."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ACB_DEBUG_CHECKS", "1")
+        yield
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return tiny_tokenizer()

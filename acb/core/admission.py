@@ -51,18 +51,26 @@ class Admission:
             return self._admit_offloaded(plan, seq, budget, scheduled, held_back)
         kv = self.pages.kv
         matched: list[int] = []
+        loads: list[bytes] = []  # keys of the pages after ``matched`` read from the disk tier
         first_hash = None
         last_hash = None
         if seq.num_computed == 0 and not seq.block_table and seq.prefix_lookup:
             tokens = seq.token_at(0, seq.num_tokens)
             matched, last_hash = kv.match_prefix(tokens, seq.prefix_root)
-            if kv.enable_prefix_caching and not matched and len(tokens) > kv.page_size:
+            if kv.disk is not None and kv.enable_prefix_caching:
+                found = kv.disk.lookup(tokens, len(matched), seq.lora_id, kv.num_pages - len(matched))
+                if found is None:
+                    kv.release(matched)
+                    return None  # in order: its next pages are being read from disk (and checked)
+                loads = found
+            if kv.enable_prefix_caching and not matched and not loads and len(tokens) > kv.page_size:
                 first_hash = chain_hash(seq.prefix_root, tokens[: kv.page_size])
                 if self._first_page_in_flight(first_hash):
                     kv.release(matched)
                     return None  # in order: wait until the leader's page is cached
-        n = min(seq.num_tokens - len(matched) * kv.page_size, budget)
-        need = kv.pages_for(len(matched) * kv.page_size + n) - len(matched)
+        cached = len(matched) + len(loads)
+        n = min(seq.num_tokens - cached * kv.page_size, budget)
+        need = kv.pages_for(cached * kv.page_size + n) - len(matched)
         # Below the safety margin only running sequences grow; an idle engine
         # still admits, or a request that needs most of the cache would wait forever.
         if not self._room(plan, seq, need, None, scheduled, held_back):
@@ -70,15 +78,18 @@ class Admission:
             return None
         self.queues.waiting.popleft()
         plan.admitted.append(seq)
-        if matched:
+        if cached:
             seq.block_table = matched
-            seq.num_computed = len(matched) * kv.page_size
-            seq.num_registered_pages = len(matched)
+            seq.num_computed = cached * kv.page_size
+            seq.num_registered_pages = len(matched)  # the loaded pages register when the first row is done
             seq.last_page_hash = last_hash
         if seq.num_preemptions == 0:
             seq.num_cached_prompt_tokens = seq.num_computed
             kv.record_lookup(len(seq.prompt_ids), seq.num_computed)
         self.pages.allocate(seq, need)
+        if loads:  # (``matched`` is the block table now, grown by the allocation)
+            plan.input.disk_pages += seq.block_table[cached - len(loads) : cached]
+            plan.input.disk_payloads += kv.disk.take(loads)
         if first_hash is not None:
             self.pending_first_page[first_hash] = seq
         self._start(plan, seq, n)

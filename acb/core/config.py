@@ -47,6 +47,8 @@ class EngineConfig:  # ~330 lines: its fields (each with its docstring), and one
     what bf16 costs in accuracy), ``debug_checks`` (integrity check whenever the engine goes idle),
     ``cpu_offload_space`` (GiB of host memory that preempted requests' KV pages go to, so
     they resume without recompute; 0 = recompute, None = the cap, 80 % of available RAM).
+    ``kv_disk_path`` / ``kv_disk_space`` (None / 10 GiB): the prefix cache's disk tier, pages kept
+    in files that later requests and later processes load instead of computing (docs/kv_disk.md).
 
     ``compile_level`` 0-3 wraps the forward in ``torch.compile`` (0 off; 1 default mode,
     dynamic; 2 max-autotune-no-cudagraphs, dynamic; 3 the same, static);
@@ -155,6 +157,11 @@ class EngineConfig:  # ~330 lines: its fields (each with its docstring), and one
     cpu_offload_space: float | None = 0.0
     """GiB of host memory preempted requests' KV pages go to, so they resume without recompute
     (0: recompute; None: the cap, 80 % of available RAM)."""
+    kv_disk_path: str | None = None
+    """A directory for the prefix cache's disk tier: full prompt pages are written there in the background and
+    reused by later requests and later processes (None: off; docs/kv_disk.md)."""
+    kv_disk_space: float = 10.0
+    """GiB the disk tier's page files may take in kv_disk_path (least recently used deleted first)."""
     use_cuda_graph: bool | None = None
     """Replay decode-only steps from CUDA graphs (CUDA only; None: on once a start-up self-check passes)."""
     q_padding_interval_size: int = 0
@@ -263,6 +270,14 @@ class EngineConfig:  # ~330 lines: its fields (each with its docstring), and one
             not is_number(self.cpu_offload_space) or self.cpu_offload_space < 0
         ):
             bad("cpu_offload_space", "must be None or a number of GiB >= 0")
+        if self.kv_disk_path is not None and (not isinstance(self.kv_disk_path, str) or not self.kv_disk_path):
+            bad("kv_disk_path", "must be None or a directory path (str)")
+        if not is_number(self.kv_disk_space) or not 0 < self.kv_disk_space < math.inf:
+            bad("kv_disk_space", "must be a finite number of GiB > 0")
+        if self.kv_disk_path is not None and self.tensor_parallel_size > 1:
+            bad("kv_disk_path", "must be None with tensor_parallel_size > 1 (each rank holds part of a page)")
+        if self.kv_disk_path is not None and self.speculative_method == "draft":
+            bad("kv_disk_path", "must be None with speculative_method='draft' (the draft model's pages are not saved)")
         if self.use_cuda_graph is not None and not isinstance(self.use_cuda_graph, bool):
             bad("use_cuda_graph", "must be None or a bool")
         for name in ("q_padding_interval_size", "kv_padding_interval_size"):

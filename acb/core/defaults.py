@@ -6,7 +6,8 @@ called as the engine is put together, each time knowing more (see ``acb.engine.e
 
 - with the config alone: the environment overrides (``ACB_CPU_KERNEL=0``,
   ``ACB_CPU_PREPACK=0``, ``ACB_CPU_FUSED=0``, ``ACB_CPU_BF16_GEMM=0`` turn the matching ``cpu_*`` field off; they
-  only turn things off, for A/B measurements and bisecting), ``page_size`` (16),
+  only turn things off, for A/B measurements and bisecting; ``ACB_DEBUG_CHECKS=1`` turns ``debug_checks``
+  on, as the test suite does), ``page_size`` (16),
   ``max_requests_per_batch`` (256), ``safety_margin`` (0.15; 0 under ``prefill_first``),
   ``varlen_compile_level`` / ``decode_compile_level`` (``compile_level``);
 - with the placed model: ``device`` and ``dtype`` (where it ended; a tensor-parallel engine
@@ -38,6 +39,8 @@ log = logging.getLogger("acb")
 # environment variable -> the EngineConfig field it turns off when set to "0"
 ENV_OVERRIDES = {"ACB_CPU_KERNEL": "cpu_kernels", "ACB_CPU_PREPACK": "cpu_prepack",
                  "ACB_CPU_FUSED": "cpu_fused_forward", "ACB_CPU_BF16_GEMM": "cpu_bf16_gemm"}
+# set to "1", it turns EngineConfig.debug_checks on (the test suite does, for every engine it builds)
+DEBUG_CHECKS_ENV = "ACB_DEBUG_CHECKS"
 PAGE_SIZE = 16
 MAX_REQUESTS = 256
 WAITING_PER_RUNNING = 4
@@ -52,6 +55,8 @@ def resolve(config: EngineConfig, model: Any = None, layout: Any = None,
         if environ.get(var) == "0" and getattr(config, name):
             log.info("acb: %s=0 in the environment turns EngineConfig.%s off", var, name)
             changes[name] = False
+    if environ.get(DEBUG_CHECKS_ENV) == "1" and not config.debug_checks:
+        changes["debug_checks"] = True  # the test suite's engines (tests/conftest.py)
     if config.page_size is None:
         changes["page_size"] = PAGE_SIZE
     if config.max_requests_per_batch is None:

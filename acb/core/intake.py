@@ -60,6 +60,8 @@ class Intake:
                 update.add(seq, first, reason)
                 if reason is not None:
                     self._finish(seq)
+                elif len(seq.output_ids) == 1:  # its prompt is computed: its full pages go to disk
+                    self.pages.offer_to_disk(seq)
         return update
 
     def _verify(self, plan: StepPlan, i: int, first: int, out: StepOutput, update: StepUpdate, at: int) -> None:

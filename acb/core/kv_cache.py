@@ -95,6 +95,7 @@ class KVCacheManager:
         self.medium = medium
         self.hash_to_page: dict[int, int] = {}
         self.cached_lru: OrderedDict[int, None] = OrderedDict()
+        self.disk = None  # the disk tier below the pool (acb.core.kv_disk.DiskTier; EngineConfig.kv_disk_path)
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # prompt tokens found cached
 
@@ -274,17 +275,19 @@ class KVCacheManager:
 
     # -- checks ------------------------------------------------------------------------
     def check_integrity(self, block_tables: Iterable[Sequence[int]] = ()) -> None:
-        """Raise AssertionError unless free + used + cached == total and every
-        refcount equals the number of block tables that hold the page."""
+        """Raise AssertionError unless free + used + cached == total, the free list holds no
+        page twice, no block table holds a page twice, and every refcount equals the number
+        of block tables that hold the page (with a disk tier, its own invariants too)."""
         free = set(self.free_pages)
         cached = set(self.cached_lru)
         assert len(free) == len(self.free_pages), "a page is twice in the free list"
         assert not free & cached, "a page is both free and cached"
         uses = [0] * self.num_pages
         for table in block_tables:
-            for page in table:
-                if page >= 0:
-                    uses[page] += 1
+            held = [page for page in table if page >= 0]
+            assert len(held) == len(set(held)), f"a block table holds a page twice: {table}"
+            for page in held:
+                uses[page] += 1
         for page in range(self.num_pages):
             rc = self.refcount[page]
             assert rc == uses[page], f"page {page}: refcount {rc} but {uses[page]} block-table uses"
@@ -296,6 +299,8 @@ class KVCacheManager:
         for h, page in self.hash_to_page.items():
             assert self.page_key.get(page, (None,))[0] == h, f"hash index of page {page} is stale"
         assert len(free) + len(cached) + sum(1 for c in self.refcount if c) == self.num_pages
+        if self.disk is not None:
+            self.disk.check_integrity(self.free_pages)
 
 
 class HostPool:

@@ -218,6 +218,15 @@ class EngineStats:
         spec_accepted_tokens: of those, the ones accepted (each a token the step made
             beyond its one).
         spec_acceptance_rate: accepted / proposed (0 before any proposal).
+        disk_*: the prefix cache's disk tier (``EngineConfig.kv_disk_path``; all 0 without it):
+            ``disk_hits`` pages admitted from disk instead of computed, ``disk_pages_read`` /
+            ``disk_pages_written`` / ``disk_bytes_read`` / ``disk_bytes_written`` page files read
+            (and checked) and written, ``disk_errors`` files found corrupt, truncated or foreign
+            (deleted and recomputed, never served) and failed writes, ``disk_dropped_writes`` writes
+            skipped (a directory that takes no more writes, or a writer far behind), ``disk_load_s``
+            seconds spent reading and checking, ``disk_copy_s`` seconds the step thread spent copying
+            pages out for the writer (the tier's only cost to the steps), ``disk_blocks`` /
+            ``disk_bytes`` the page files this engine knows of in the directory.
     """
 
     running: int
@@ -251,3 +260,14 @@ class EngineStats:
     spec_proposed_tokens: int = 0  # speculative decoding: tokens proposed and verified
     spec_accepted_tokens: int = 0  # of those, accepted
     spec_acceptance_rate: float = 0.0  # accepted / proposed
+    disk_hits: int = 0  # pages admitted from the disk tier instead of computed
+    disk_pages_read: int = 0
+    disk_pages_written: int = 0
+    disk_bytes_read: int = 0
+    disk_bytes_written: int = 0
+    disk_errors: int = 0  # corrupt / truncated / foreign files (never served) and failed writes
+    disk_dropped_writes: int = 0
+    disk_load_s: float = 0.0
+    disk_copy_s: float = 0.0  # the step thread's share: copying pages out of the KV tensors
+    disk_blocks: int = 0  # page files indexed
+    disk_bytes: int = 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 
-from .kv_cache import RECYCLED, KVCacheManager
+from .kv_cache import RECYCLED, KVCacheManager, chain_hash
 from .sequence import Sequence
 from .step import StepInput
 
@@ -46,12 +46,32 @@ class PageTables:
             seq.swa_table.extend(self.kv_swa.allocate(need))
 
     def release(self, seq: Sequence) -> None:
-        """Give back every page ``seq`` holds in both pools (finished or preempted)."""
+        """Give back every page ``seq`` holds in both pools (finished or preempted), its full
+        pages offered to the disk tier first (once released they may be evicted)."""
+        self.offer_to_disk(seq)
         self.kv.release(seq.block_table)
         seq.block_table = []
         if self.kv_swa is not None:
             self.kv_swa.release(seq.swa_table)
             seq.swa_table = []
+
+    def offer_to_disk(self, seq: Sequence) -> None:
+        """Offer ``seq``'s full, computed pages to the disk tier (``acb.core.kv_disk``), if there is one:
+        those not on disk yet are copied out before any later step and written in the background."""
+        disk = self.kv.disk
+        n = min(seq.num_registered_pages, len(seq.block_table))
+        if disk is None or not disk.active or n == 0:
+            return
+        ps = self.kv.page_size
+        tokens = seq.token_at(0, n * ps)
+        chains, parent = [], seq.prefix_root
+        for i in range(n):
+            parent = chain_hash(parent, tokens[i * ps : (i + 1) * ps])
+            chains.append(parent)
+        # registered pages only: a private copy of a chain cached elsewhere (first one wins) goes
+        # back to the free list on release, and its twin is offered by its own sequence
+        registered = self.kv.page_key
+        disk.offer([p if p in registered else -1 for p in seq.block_table[:n]], tokens, chains, seq.lora_id)
 
     def cut(self, seq: Sequence, keep: int) -> None:
         """Give back the entries of ``seq``'s tables from ``keep`` on (pages written for

@@ -216,6 +216,10 @@ class StepInput:
     # tensor-parallel message: adapters are refused with tensor_parallel_size > 1
     adapters: list[int] = field(default_factory=list)
     prompt_singles: list[int] = field(default_factory=list)  # rows, ascending (usually none)
+    # the prefix cache's disk tier (acb.core.kv_disk): pages whose KV is loaded from these checked
+    # file payloads before the forward (after the swap-ins); not in the tensor-parallel message
+    disk_pages: list[int] = field(default_factory=list)
+    disk_payloads: list[Any] = field(default_factory=list)
 
     def add_row(self, tokens: Sequence[int], start: int, pages: Sequence[int], carry_from: int = -1,
                 sample: bool = True, swa_pages: Sequence[int] = (), adapter: int = -1,

@@ -151,6 +151,41 @@ def build_scheduler(layout, config: EngineConfig, device: torch.device,
     return scheduler
 
 
+def build_disk_tier(model: torch.nn.Module, layout, config: EngineConfig):
+    """The prefix cache's disk tier (``EngineConfig.kv_disk_path``; ``acb.core.kv_disk``), or None: a
+    directory it cannot write to, or a ``kv_disk_space`` smaller than one page, is refused by
+    name (ValueError) now. It serves once the engine starts (``open_disk_tier``)."""
+    if config.kv_disk_path is None:
+        return None
+    from ..core.kv_disk import DiskTier
+    from ..core.kv_disk_files import HEADER_SIZE, check_directory
+    from ..worker.disk_pages import page_bytes
+
+    why = check_directory(config.kv_disk_path)
+    if why is not None:
+        raise ValueError(f"EngineConfig.kv_disk_path {config.kv_disk_path!r} {why}")
+    size = page_bytes(model, config.kv_cache_dtype, layout.page_size)
+    space = int(config.kv_disk_space * 2**30)
+    if space < size + HEADER_SIZE:
+        raise ValueError(f"EngineConfig.kv_disk_space must hold at least one page ({size + HEADER_SIZE} bytes "
+                         f"for this model and page size), got {config.kv_disk_space!r} GiB")
+    if not layout.prefix_caching:
+        log.warning("acb: EngineConfig.kv_disk_path=%r has no effect: prefix caching is off for this model "
+                    "(sliding-window layers, or allow_prefix_sharing=False)", config.kv_disk_path)
+        return None
+    return DiskTier(config.kv_disk_path, space, size, layout.page_size)
+
+
+def open_disk_tier(disk, model: torch.nn.Module, config: EngineConfig, runner) -> None:
+    """Start the disk tier ``disk`` (if any, and not serving) under the fingerprint of the KV values
+    ``runner`` computes (``acb.worker.disk_pages.fingerprint``)."""
+    if disk is None or disk.active:
+        return
+    from ..worker.disk_pages import fingerprint
+
+    disk.open(fingerprint(model, config, runner.kv.k_cache, runner.attn_backend, runner.forward_path))
+
+
 def build_requests(model: torch.nn.Module, tokenizer, config: EngineConfig, sampling: SamplingParams, scheduler,
                    device: torch.device, layout, eos_ids) -> tuple[Any, Any, Any]:
     """The request side of an engine: (grammar compiler, adapter registry, request table)."""

@@ -54,6 +54,7 @@ class Engine:
         self._kv_events = KVEventPublisher(lambda: self.kv.registered()) if self.config.kv_events else None
         self.scheduler = assembly.build_scheduler(self.layout, self.config, self.device, self._kv_events)
         self.kv, self.kv_swa, self.host_pool = self.scheduler.kv, self.scheduler.kv_swa, self.scheduler.host_pool
+        self.kv.disk = assembly.build_disk_tier(model, self.layout, self.config)  # kv_disk_path; refused by name
         self._grammars, self._adapters, self._table = assembly.build_requests(
             model, tokenizer, self.config, self.sampling, self.scheduler, self.device, self.layout, self.eos_token_ids)
         self.generation_defaults = self._table.generation_defaults  # the model's, for fields a request leaves unset
@@ -92,6 +93,7 @@ class Engine:
         runner = self._steps.runner or assembly.build_runner(self.model, self.layout, self.config,
                                                              self.attn_backend, self._tp, self._draft)
         runner.lora = self._adapters.bank
+        assembly.open_disk_tier(self.kv.disk, self.model, self.config, runner)
         self._loop = LoopHandle()
         self._table.event = self._loop.Event
         self._life.move(EngineState.RUNNING)

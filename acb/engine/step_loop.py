@@ -109,7 +109,11 @@ class StepLoop:
 
     def close(self, cpu: bool) -> None:
         """Release the runner (its cache and packed weights) and the step thread."""
+        disk = self.scheduler.kv.disk
         if self.runner is not None:
+            if disk is not None:
+                self.copy_out_for_disk(wait=True)
+                disk.close()  # the writes queued are finished: a later process finds them
             release_runner(self.runner, cpu)
             self.runner = None
         for pool in (self._executor, self._filler):
@@ -122,8 +126,11 @@ class StepLoop:
         step in flight), and forget the prefix cache."""
         if self.runner is None:
             return  # nothing packed yet: start() takes the weights as they are
+        self.copy_out_for_disk()
         await self._loop.wait_future(self._executor.submit(self.runner.refresh_weights, True))
         self.scheduler.kv.forget_prefixes()
+        if self.scheduler.kv.disk is not None:
+            self.scheduler.kv.disk.disable("the weights were reloaded")
         if self.kv_events is not None:
             self.kv_events.flush()
 
@@ -173,8 +180,9 @@ class StepLoop:
                     await anyio.sleep(0)  # let consumers and submitters run
                 elif self.scheduler.has_work():  # nothing planned, nothing in flight (see STALL_S)
                     now = time.monotonic()
-                    stalled_since = stalled_since or now
-                    if now - stalled_since >= STALL_S:
+                    disk = self.scheduler.kv.disk
+                    stalled_since = None if disk is not None and disk.busy() else stalled_since or now
+                    if stalled_since is not None and now - stalled_since >= STALL_S:
                         self._fail_stalled(now - stalled_since)
                         stalled_since = None
                     await anyio.sleep(0.001)
@@ -225,6 +233,7 @@ class StepLoop:
             self._omp_reset()
         hooked, refresh = self._check_model()
         plan = self.scheduler.schedule()
+        self.copy_out_for_disk()  # before this step, which may reuse pages the plan evicted
         if plan.admitted:
             self.table.scheduled(plan, time.monotonic())
         if not plan.seqs:
@@ -289,6 +298,10 @@ class StepLoop:
         if self.life.state is EngineState.DRAINING and not self.table.live:
             return False
         if not self.scheduler.has_work():
+            disk = self.scheduler.kv.disk
+            if disk is not None:
+                self.copy_out_for_disk()
+                disk.forget_ready()  # nothing waits for prefetched pages
             if self.debug_checks:
                 self.check_integrity()
             # nothing else runs between the check and the new event, so a submission
@@ -315,6 +328,7 @@ class StepLoop:
                     self.scheduler.finish(seq)
                 if self.life.reason is not None:  # ended by a device failure, not by stop()
                     self.life.move(EngineState.STOPPED)
+            self.copy_out_for_disk()
         finally:
             if self.kv_events is not None:
                 self.kv_events.close()  # every kv_events() stream ends with the loop
@@ -353,7 +367,25 @@ class StepLoop:
             forward_path=runner.forward_path if runner is not None else "",
             forward_reason=runner.forward_reason if runner is not None else "",
             spec_proposed_tokens=spec.proposed if spec else 0, spec_accepted_tokens=spec.accepted if spec else 0,
-            spec_acceptance_rate=spec.acceptance_rate if spec else 0.0, **fields)
+            spec_acceptance_rate=spec.acceptance_rate if spec else 0.0,
+            **(kv.disk.stat_fields() if kv.disk is not None else {}), **fields)
+
+    def copy_out_for_disk(self, wait: bool = False) -> None:
+        """Hand the pages offered to the disk tier since the last call to the step thread, which
+        copies them out after the steps launched so far and before any launched later (the only
+        ones that could overwrite them), then to the tier's writer thread. ``wait``: until copied."""
+        disk = self.scheduler.kv.disk
+        if disk is None or self.runner is None:
+            return
+        copies = disk.take_copies()
+        if not copies:
+            return
+        if self._executor is None:
+            self.runner.save_disk_pages(copies, disk)
+            return
+        done = self._executor.submit(self.runner.save_disk_pages, copies, disk)
+        if wait:
+            done.result()
 
     def _check_model(self) -> tuple[str | None, bool]:
         """Has the model changed since the last step (hooks, forwards, weights)? When it
@@ -367,6 +399,8 @@ class StepLoop:
                          else "the model's fast paths are back on")
             self.hooked = hooked
             self.scheduler.kv.forget_prefixes()
+            if self.scheduler.kv.disk is not None:
+                self.scheduler.kv.disk.disable("the model changed since the engine started")
         return hooked, changed
 
     def _device_failed(self, error: DeviceError) -> None:

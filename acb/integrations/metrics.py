@@ -129,6 +129,24 @@ class ServerMetrics:
         lines += _metric("acb_offloads_total", "counter", "Preemptions whose KV went to the CPU offload pool.",
                          stats.offloads)
         lines += _metric("acb_restores_total", "counter", "Resumptions that copied offloaded KV back.", stats.restores)
+        lines += _metric("acb_kv_disk_hits_total", "counter", "KV pages admitted from the disk tier, not computed.",
+                         stats.disk_hits)
+        lines += _metric("acb_kv_disk_pages_read_total", "counter", "Page files read and checked by the disk tier.",
+                         stats.disk_pages_read)
+        lines += _metric("acb_kv_disk_pages_written_total", "counter", "Page files written by the disk tier.",
+                         stats.disk_pages_written)
+        lines += _metric("acb_kv_disk_read_bytes_total", "counter", "Bytes of page files read.", stats.disk_bytes_read)
+        lines += _metric("acb_kv_disk_written_bytes_total", "counter", "Bytes of page files written.",
+                         stats.disk_bytes_written)
+        lines += _metric("acb_kv_disk_errors_total", "counter", "Page files found corrupt, truncated or foreign "
+                         "(deleted, recomputed), and failed writes.", stats.disk_errors)
+        lines += _metric("acb_kv_disk_load_seconds_total", "counter", "Seconds spent reading and checking page files.",
+                         stats.disk_load_s)
+        lines += _metric("acb_kv_disk_copy_seconds_total", "counter", "Seconds the step thread spent copying pages "
+                         "out for the disk tier.", stats.disk_copy_s)
+        lines += _metric("acb_kv_disk_blocks", "gauge", "Page files the disk tier indexes.", stats.disk_blocks)
+        lines += _metric("acb_kv_disk_bytes", "gauge", "Bytes of the page files the disk tier indexes.",
+                         stats.disk_bytes)
         lines += _metric("acb_spec_proposed_tokens_total", "counter", "Speculative tokens proposed and verified.",
                          stats.spec_proposed_tokens)
         lines += _metric("acb_spec_accepted_tokens_total", "counter", "Speculative tokens accepted.",

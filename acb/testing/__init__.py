@@ -129,10 +129,13 @@ def tiny_model(arch: str = "llama", seed: int = 0, device: str | None = None) ->
 def tiny_engine(arch: str = "llama", *, seed: int = 0, config: EngineConfig | None = None,
                 sampling: SamplingParams | None = None, **config_fields: Any) -> Engine:
     """An engine over a tiny model and the byte-level tokenizer. Use it as
-    ``async with tiny_engine() as engine: ...``. Keyword arguments are EngineConfig fields."""
+    ``async with tiny_engine() as engine: ...``. Keyword arguments are EngineConfig fields;
+    ``debug_checks`` is on unless they turn it off (the page accounting is checked whenever the
+    engine goes idle: a leak fails the test that caused it)."""
     if config is None:
         config_fields.setdefault("num_blocks", 256)
         config_fields.setdefault("page_size", 8)
+        config_fields.setdefault("debug_checks", True)
         config = EngineConfig(**config_fields)
     elif config_fields:
         raise TypeError("pass either config= or EngineConfig fields, not both")

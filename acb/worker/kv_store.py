@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,7 @@ import torch
 from ..attention import kv_quant
 from ..attention.block_tables import BlockTables
 from ..core.model_shape import ModelShape
-from . import offload
+from . import disk_pages, offload
 
 if TYPE_CHECKING:
     from ..core.step import PageMoves, StepInput
@@ -109,10 +110,26 @@ class KVStore:
             for page in step.swap_in.swa:
                 if page >= 0:
                     self.zeroed_swa[page] = 1
+        if step.disk_pages:
+            self.load_disk_pages(step.disk_pages, step.disk_payloads)
         if step.copy_pages:
             self._copy_pages(step.copy_pages, sliding=False)
         if step.copy_swa_pages:
             self._copy_pages(step.copy_swa_pages, sliding=True)
+
+    def load_disk_pages(self, pages: list[int], payloads: list) -> None:
+        """Write pages read from the disk tier (``acb.core.kv_disk``) whole into ``pages``."""
+        disk_pages.write_pages(self.k_cache, self.v_cache, self.page_size, pages, payloads)
+        for page in pages:
+            self.zeroed[page] = 1  # written whole: never zero it
+
+    def save_disk_pages(self, copies: list[tuple], disk) -> None:
+        """Copy the bytes of the pages ``copies`` names ((page, key, ...) each, from
+        ``DiskTier.take_copies``) out and hand them to the disk tier's writer ``disk``; on the step
+        thread, ordered before any step that could overwrite them."""
+        start = time.perf_counter()
+        payloads = disk_pages.read_pages(self.k_cache, self.v_cache, self.page_size, [c[0] for c in copies])
+        disk.submit_writes(copies, payloads, time.perf_counter() - start)
 
     def release(self) -> None:
         """Drop the tensors (and the offload pool, which holds them too)."""

@@ -153,6 +153,20 @@ class ModelRunner:
             self.stream.synchronize()
         self.kv.tables.check(tables)
 
+    def save_disk_pages(self, copies: list[tuple], disk) -> None:
+        """Copy the pages ``copies`` names out to the disk tier ``disk`` (``acb.core.kv_disk``), on the
+        step thread after the steps launched so far (on CUDA on the runner's stream, so after the
+        steps queued there). A failure is logged and the pages are not written."""
+        try:
+            if self.stream is None:
+                self.kv.save_disk_pages(copies, disk)
+            else:
+                with torch.cuda.stream(self.stream):
+                    self.kv.save_disk_pages(copies, disk)
+        except Exception as e:
+            log.warning("acb: copying %d KV pages out for the disk tier failed: %r", len(copies), e)
+            disk.abandon(copies)
+
     def release(self) -> None:
         """Give back the KV memory, the model's own linears and its attention setting."""
         self.fast_paths.release()  # first: CUDA graphs hold the cache's addresses
