@@ -105,7 +105,8 @@ def main() -> None:
     result = {"dtype": args.dtype, "prefix_tokens": args.prefix, "ttft_s": med,
               "cold_over_disk": med["cold"] / med["disk"], "disk_over_warm": med["disk"] / med["warm"],
               "runs": runs, "cpu": cpu, "cores": os.cpu_count(), "torch_threads": os.environ.get("OMP_NUM_THREADS"),
-              "date": time.strftime("%Y-%m-%d")}
+              "date": time.strftime("%Y-%m-%d %H:%M"),
+              "source": "python benchmarks/kv_disk.py " + " ".join(sys.argv[1:])}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     r = runs[-1]

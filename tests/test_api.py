@@ -4,8 +4,12 @@ uvloop and trio (anyio's pytest plugin runs each coroutine test on every backend
 from __future__ import annotations
 
 import asyncio
+import atexit
 import functools
 import inspect
+import os
+import shutil
+import tempfile
 
 import anyio
 import pytest
@@ -461,6 +465,8 @@ def _planned(name: str, overrides: dict) -> bool:
 
 
 _FAULTS: list = []
+_KV_DISK = os.path.join(tempfile.gettempdir(), f"acb-test-api-kv-disk-{os.getpid()}")  # made by the engine
+atexit.register(shutil.rmtree, _KV_DISK, True)
 # field -> (a non-default value, whether an engine over a tiny model on the CPU shows its effect);
 # None: the field acts elsewhere only and inactive_settings() names it on the CPU; a string:
 # the test that exercises it (it needs other processes)
@@ -475,6 +481,9 @@ _EFFECTS = {
     "safety_margin": ({"safety_margin": 0.3}, "planned"),
     "allow_prefix_sharing": ({"allow_prefix_sharing": False}, lambda e: not e.kv.enable_prefix_caching),
     "cpu_offload_space": ({"cpu_offload_space": 0.01}, lambda e: e.stats().host_blocks > 0),
+    # (the tier's own behaviour: tests/test_kv_disk.py)
+    "kv_disk_path": ({"kv_disk_path": _KV_DISK}, lambda e: e.kv.disk is not None),
+    "kv_disk_space": ({"kv_disk_path": _KV_DISK, "kv_disk_space": 0.5}, lambda e: e.kv.disk.space == 2**29),
     "use_cuda_graph": ({"use_cuda_graph": True}, None),
     "q_padding_interval_size": ({"q_padding_interval_size": 8}, None),
     "kv_padding_interval_size": ({"kv_padding_interval_size": 64}, None),
@@ -553,10 +562,12 @@ def _grammar_compiles(engine, times: int) -> int:
     pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop", marks=pytest.mark.extras),
     pytest.param(("trio", {}), id="trio", marks=pytest.mark.extras),
 ])
-async def test_every_engine_setting_has_an_effect_or_is_named_inactive(caplog):
+async def test_every_engine_setting_has_an_effect_or_is_named_inactive(caplog, monkeypatch):
     """Each EngineConfig field, set away from its default, changes what an engine does on the CPU,
     or inactive_settings() names it and the engine warns naming it: nothing is silently inert."""
     import dataclasses
+
+    monkeypatch.delenv("ACB_DEBUG_CHECKS", raising=False)  # (the suite's: debug_checks=False is seen here)
 
     assert set(_EFFECTS) == {f.name for f in dataclasses.fields(acb.EngineConfig)}, \
         "a new EngineConfig field needs an effect here (or an entry in inactive_settings)"

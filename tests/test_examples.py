@@ -200,6 +200,7 @@ def test_minimal_stream_example_prints_an_answer():
     assert out.stdout.strip()
 
 
+@pytest.mark.extras  # a process on SmolLM2; the processors' behaviour: tests/test_logits_processors.py
 def test_banned_words_example_keeps_the_words_out_of_one_answer():
     import subprocess
 

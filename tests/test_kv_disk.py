@@ -267,6 +267,7 @@ _WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.extras  # a process started, killed and started again: CI's extras step
 def test_a_process_killed_mid_write_never_leaves_a_page_that_is_served(tmp_path):
     """Two writers on one directory (the same prompts, so their writes of a page race too), each
     killed with SIGKILL at its own random point of the writes."""

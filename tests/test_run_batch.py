@@ -101,6 +101,7 @@ def test_an_output_file_that_is_not_results_is_refused(tmp_path):
         finished_ids(tmp_path / "out.jsonl")
 
 
+@pytest.mark.extras  # a process started, killed and started again: CI's extras step
 def test_the_command_killed_mid_run_finishes_when_run_again(tmp_path):
     n = 300
     _write(tmp_path / "in.jsonl", [_line(i, max_tokens=24) for i in range(n)])
