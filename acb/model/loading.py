@@ -108,7 +108,9 @@ def load(path: str | os.PathLike, gguf_file: str | None = None, *,
     if gguf_file is not None:
         path = str(_converted_gguf(path, gguf_file))
     # int8 from a folder: quantized once, read back from acb's cache after (acb.model.int8_cache)
-    saved_int8 = quantization == "int8" and device == "cpu" and not model_kwargs
+    # (another dtype: loaded dense, and the engine refuses it by name as before, nothing quantized for it)
+    saved_int8 = quantization == "int8" and device == "cpu" and not model_kwargs and \
+        torch_dtype in (torch.float32, torch.bfloat16)
     model = int8_cache.cached(path, torch_dtype) if saved_int8 else None
     tokenizer = AutoTokenizer.from_pretrained(path)
     if model is not None:
