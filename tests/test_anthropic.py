@@ -164,8 +164,8 @@ async def test_a_stop_sequence_ends_the_text_and_is_named(served):
 async def test_output_config_json_schema_constrains_the_text(served):
     client, _, _ = served
     schema = SCHEMAS["count_items"]
-    message = await client.messages.create(model="tiny", max_tokens=200, messages=ASK, output_config={
-        "format": {"type": "json_schema", "schema": schema}})
+    message = await client.messages.create(model="tiny", max_tokens=200, messages=ASK, extra_body=GREEDY,
+                                           output_config={"format": {"type": "json_schema", "schema": schema}})
     jsonschema.validate(json.loads(message.content[0].text), schema)
 
 
