@@ -67,14 +67,7 @@ class AnthropicService:
         shaper = MessageShaper(parsed, model, request.id, request.stop_sequences, self._decode, len(prompts[0]))
         if parsed.stream:
             return self._events(handles[0], shaper)
-        try:
-            completion = await handles[0]
-        except acb.AcbError as e:
-            raise engine_error(e, chat=True, wire_names=parsed.wire_names) from None
-        finally:
-            handles[0].cancel()  # a no-op once finished; a failed or abandoned request frees its pages
-        self.openai.metrics.observe(completion)
-        return shaper.message(completion)
+        return shaper.message(await self.openai.completion(handles[0], parsed))
 
     async def _events(self, handle: acb.RequestHandle, shaper: MessageShaper) -> AsyncGenerator[bytes, None]:
         try:

@@ -164,6 +164,18 @@ class OpenAIService:
             self.metrics.observe(completion)
         return shaper.response(completions)
 
+    async def completion(self, handle: acb.RequestHandle, parsed: ParsedRequest) -> acb.Completion:
+        """One request's whole answer, counted in the metrics: an engine error raised as the chat
+        route's API error, the request's pages freed either way (the Anthropic and Responses routes)."""
+        try:
+            completion = await handle
+        except acb.AcbError as e:
+            raise engine_error(e, chat=True, wire_names=parsed.wire_names) from None
+        finally:
+            handle.cancel()  # a no-op once finished; a failed or abandoned request frees its pages
+        self.metrics.observe(completion)
+        return completion
+
     async def submit(self, parsed: ParsedRequest, model: str) -> tuple[list[acb.RequestHandle], list[list[int]]]:
         """Run a parsed request on ``model`` (the served one or a loaded adapter): its tools
         formatted for the chat template, chat's thought split off by the reasoning parser; the

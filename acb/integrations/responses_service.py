@@ -204,14 +204,7 @@ class ResponsesService:
         shaper = ResponsesShaper(request, model, len(prompts[0]))
         if parsed.stream:
             return self._events(handles[0], shaper)
-        try:
-            completion = await handles[0]
-        except acb.AcbError as e:
-            raise engine_error(e, chat=True, wire_names=parsed.wire_names) from None
-        finally:
-            handles[0].cancel()
-        self.openai.metrics.observe(completion)
-        return shaper.whole(completion)
+        return shaper.whole(await self.openai.completion(handles[0], parsed))
 
     async def _events(self, handle: acb.RequestHandle, shaper: ResponsesShaper) -> AsyncGenerator[bytes, None]:
         try:
