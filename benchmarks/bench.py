@@ -6,6 +6,7 @@
     python benchmarks/bench.py --vllm-venv ~/vllm-venv  # adds vLLM's CPU engine (or set ACB_VLLM_VENV)
     python benchmarks/bench.py --systems acb_fp32,acb_bf16,vllm,vllm_fp32 --vllm-venv ~/vllm-venv  # dtypes
     python benchmarks/bench.py --systems acb_fp32,acb_bf16,acb_int8,acb_int8_bf16  # + int8 weights
+    python benchmarks/bench.py --systems acb_fp32,acb_int8,acb_gguf --rounds 3  # + the GGUF file at its widths
     python benchmarks/bench.py --systems acb_bf16,acb_bf16_kv8,acb_int8_bf16_kv8  # + int8 KV pages
     python benchmarks/bench.py --systems acb --limit 16 # quick look
     python benchmarks/bench.py --systems acb_fp32,acb_int8_bf16 --rounds 3  # ratios, rounds interleaved
@@ -42,10 +43,13 @@ import workloads  # noqa: E402
 # the _fp32 / _bf16 variants force a dtype
 # acb_int8: int8 weights and activations in the GEMMs (EngineConfig.quantization="int8"), float32 between
 # them; acb_int8_bf16: the same with bfloat16 between them (and bf16 KV pages); a _kv8 suffix adds int8 KV
-# pages (EngineConfig.kv_cache_dtype="int8")
-SYSTEMS = ("acb", "acb_fp32", "acb_bf16", "acb_int8", "acb_int8_bf16", "acb_fp32_kv8", "acb_bf16_kv8", "acb_int8_kv8",
-           "acb_int8_bf16_kv8", "hf_generate_batch", "hf_generate", "vllm", "vllm_fp32", "vllm_bf16")
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "int8": "float32", "int8_bf16": "bfloat16"}
+# pages (EngineConfig.kv_cache_dtype="int8"); acb_gguf / acb_gguf_bf16: the GGUF file at its own widths
+# (EngineConfig.quantization="gguf", SmolLM2's Q4_1; not with --shape, whose models are folders)
+SYSTEMS = ("acb", "acb_fp32", "acb_bf16", "acb_int8", "acb_int8_bf16", "acb_gguf", "acb_gguf_bf16", "acb_fp32_kv8",
+           "acb_bf16_kv8", "acb_int8_kv8", "acb_int8_bf16_kv8", "hf_generate_batch", "hf_generate", "vllm", "vllm_fp32",
+           "vllm_bf16")
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "int8": "float32", "int8_bf16": "bfloat16", "gguf": "float32",
+           "gguf_bf16": "bfloat16"}
 
 
 def matrix_ceiling(w: workloads.Workload) -> dict:
@@ -104,7 +108,8 @@ def child(system: str, args: argparse.Namespace) -> dict:
         if system.endswith("_kv8"):
             config["kv_cache_dtype"] = "int8"
         return systems.run_acb(w, config or None, _DTYPES.get(system.removeprefix("acb_").removesuffix("_kv8")),
-                               "int8" if system.startswith("acb_int8") else None)
+                               "int8" if system.startswith("acb_int8") else
+                               "gguf" if system.startswith("acb_gguf") else None)
     if system == "hf_generate_batch":
         return systems.run_hf_generate_batch(w)
     if system == "hf_generate":

@@ -16,7 +16,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "scheduler": ("fifo", "prefill_first", "priority"),
     "attn_backend": ("auto", "native", "torch", "triton", "flash_attn"),  # acb.attention.selector.BACKENDS
     "dtype": ("auto", "float32", "float16", "bfloat16"),
-    "quantization": ("int8",),
+    "quantization": ("int8", "gguf"),
     "kv_cache_dtype": ("auto", "int8"),
     "speculative_method": ("ngram", "draft"),
 }
@@ -210,7 +210,9 @@ class EngineConfig:  # ~330 lines: its fields (each with its docstring), and one
     """Compiled grammars kept, least recently used first out (0: none)."""
     quantization: str | None = None
     """int8: int8 weights and activations per 64 channels, smoothed and Hadamard-rotated, the lm_head
-    bf16 (CPUs with AVX-512 VNNI or AVX2; docs/performance.md); attention and KV pages keep dtype."""
+    bf16 (CPUs with AVX-512 VNNI or AVX2; docs/performance.md); attention and KV pages keep dtype.
+    gguf (a GGUF file only: ``from_pretrained(folder, gguf_file=...)``): the file's 4-8 bit blocks kept
+    at their widths and computed by acb's low-bit kernels, lm_head and embedding included (docs/gguf.md)."""
     kv_cache_dtype: str | None = None
     """int8: KV pages in int8 with a float32 scale per token and kv head, ~2x the pages of bf16 (acb's
     native CPU attention only); auto: the model's dtype (None: auto)."""
@@ -334,7 +336,7 @@ class EngineConfig:  # ~330 lines: its fields (each with its docstring), and one
             bad("max_adapter_rank", "must be an int >= 1")
         if self.quantization is not None:
             if self.quantization not in CHOICES["quantization"]:
-                bad("quantization", "must be None or 'int8'")
+                bad("quantization", "must be None, 'int8' or 'gguf'")
             if self.tensor_parallel_size > 1:
                 bad("quantization", "must be None with tensor_parallel_size > 1 (the ranks shard dense weights)")
             if not (self.cpu_kernels and self.cpu_fused_forward):

@@ -274,7 +274,7 @@ class Engine:
             attn_backend=runner.attn_backend if runner is not None else self.attn_backend,
             dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."),
             grammars_compiled=self._grammars.compiles, grammar_cache_hits=self._grammars.hits,
-            quantization="int8" if int8_weights.is_quantized(self.model) else "")
+            quantization=int8_weights.quantization_of(self.model))
 
     def kv_events(self, max_batches: int = 1024) -> KVEventStream:
         """Subscribe to the prefix cache's events (``EngineConfig(kv_events=True)``): an async

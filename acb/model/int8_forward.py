@@ -26,8 +26,11 @@ def why_not_forward(model: torch.nn.Module, packed, kernels) -> str | None:
     """Why :class:`Int8Forward` cannot run ``model`` (already quantized) now, or None."""
     if kernels is None or native_kernels() is None:
         return "the native CPU kernels are not built"
-    if not isinstance(model.model.embed_tokens, Bf16Embedding) or not isinstance(model.lm_head, Bf16Linear):
-        return "the embedding or the lm_head is not acb's bf16 one"
+    from .gguf_native import QuantEmbedding
+
+    if not (isinstance(model.model.embed_tokens, Bf16Embedding) and isinstance(model.lm_head, Bf16Linear)
+            or isinstance(model.model.embed_tokens, QuantEmbedding) and isinstance(model.lm_head, Int8Linear)):
+        return "the embedding or the lm_head is not acb's bf16 or quantized one"
     for layer in model.model.layers[: model.config.num_hidden_layers]:
         if any(not isinstance(getattr(owner, name), Int8Linear) for owner, name in projections(layer)):
             return "a projection is not an Int8Linear (replaced since it was quantized)"
@@ -118,6 +121,10 @@ class Int8Forward(FusedForward):
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """float32 logits of the kept rows ``x``: the final norm into bf16, the bf16 lm_head."""
+        if isinstance(self.lm_head, Int8Linear):  # a GGUF file's quantized lm_head (acb.model.gguf_native)
+            head = self.lm_head
+            logits = self.q8.linear(*self._quantized(x, head.args, self.norm), *head.args, None, torch.float32)
+            return logits[:, : head.out_features]
         weight, eps, gemma = self.norm  # in float32, then rounded once (only the kept rows)
         h = (self.k.rms_norm_f32w(x, weight, eps) if gemma else self.k.rms_norm(x, weight.float(), eps)).bfloat16()
         return self.lm_head(h)  # Bf16Linear: acb's bf16 GEMM where the CPU has it

@@ -337,6 +337,16 @@ def is_quantized(model: torch.nn.Module) -> bool:
     return isinstance(getattr(getattr(layers[0], "self_attn", None), "q_proj", None), Int8Linear)
 
 
+def quantization_of(model: torch.nn.Module) -> str:
+    """``EngineConfig.quantization``'s value for the model's weights: "gguf" (a GGUF file at its own
+    widths, :mod:`acb.model.gguf_native`), "int8" (acb's int8 layers) or "" (dense)."""
+    if not is_quantized(model):
+        return ""
+    from .gguf_native import is_native
+
+    return "gguf" if is_native(model) else "int8"
+
+
 def embed_scale(embed: torch.nn.Module, dtype: torch.dtype) -> float:
     """The factor the embedding module multiplies its rows by (Gemma: sqrt(hidden) in the model's dtype)."""
     scale = getattr(embed, "embed_scale", None)

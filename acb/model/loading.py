@@ -101,6 +101,16 @@ def load(path: str | os.PathLike, gguf_file: str | None = None, *,
         raise FileNotFoundError(f"model folder not found: {path!r} (acb loads local folders only)")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch_dtype = _resolve_dtype(dtype, device, path, gguf_file)
+    if quantization == "gguf":
+        if gguf_file is None:
+            raise ValueError("EngineConfig.quantization='gguf' runs a GGUF file: give gguf_file (or a path to a "
+                             f".gguf file); {path!r} is a folder")
+        if device != "cpu" or model_kwargs:
+            raise ValueError("EngineConfig.quantization='gguf' runs on the CPU only (acb's low-bit kernels), "
+                             "with no other loading options")
+        from . import gguf_native
+
+        return gguf_native.load(path, gguf_file, torch_dtype)
     if gguf_file is not None and quantization == "int8" and device == "cpu" and not model_kwargs:
         from . import gguf_int8
 

@@ -183,24 +183,36 @@ def prepare(model: torch.nn.Module, config, tokenizer=None) -> None:
     ``EngineConfig.quantization`` otherwise. A model that already holds int8 layers (an
     earlier engine quantized this model object, or ``acb.model.loading.load(quantization="int8")``)
     is checked as if ``quantization="int8"`` were set: it runs nowhere else."""
+    from .int8_weights import quantization_of
+
+    held = quantization_of(model)
     if config.quantization is None:
-        if not is_quantized(model):
+        if not held:
             return
         try:
-            config = dataclasses.replace(config, quantization="int8")
+            config = dataclasses.replace(config, quantization=held)
         except ValueError as e:
-            raise ValueError(f"the model holds acb's int8 layers (quantized in place by an earlier engine, or "
-                             f"loaded with quantization='int8'), so it runs only where int8 can: {e}") from None
+            raise ValueError(f"the model holds acb's {held} layers (quantized in place by an earlier engine, or "
+                             f"loaded with quantization={held!r}), so it runs only where {held} can: {e}") from None
+    if config.quantization == "gguf" and held != "gguf":
+        raise ValueError("EngineConfig.quantization='gguf' runs a GGUF file at its own widths: load it with "
+                         "Engine.from_pretrained(folder, gguf_file=..., quantization='gguf') (or acb.loading.load("
+                         "..., quantization='gguf')); this model " + ("holds acb's int8 layers" if held else
+                                                                       "is dense"))
+    if config.quantization == "int8" and held == "gguf":
+        raise ValueError("EngineConfig.quantization='int8' was set, but the model holds a GGUF file's weights at "
+                         "their own widths (quantization='gguf'); set quantization='gguf' or load the file with "
+                         "quantization='int8'")
     param = next(model.parameters())
     if param.device.type != "cpu":
-        raise ValueError(f"EngineConfig.quantization='int8' runs on the CPU only (acb's VNNI kernels); the model is "
-                         f"on {param.device}")
+        raise ValueError(f"EngineConfig.quantization={config.quantization!r} runs on the CPU only (acb's kernels); "
+                         f"the model is on {param.device}")
     if param.dtype not in fused_layers.DTYPES:
-        raise ValueError(f"EngineConfig.quantization='int8' runs with float32 or bfloat16 activations; the model's "
-                         f"other weights are {param.dtype}")
+        raise ValueError(f"EngineConfig.quantization={config.quantization!r} runs with float32 or bfloat16 "
+                         f"activations; the model's other weights are {param.dtype}")
     if is_quantized(model):
         reason = why_not_forward(model, True, True)
         if reason:
-            raise ValueError(f"EngineConfig.quantization='int8' cannot run this model: {reason}")
+            raise ValueError(f"EngineConfig.quantization={config.quantization!r} cannot run this model: {reason}")
         return
     quantize_(model, tokenizer=tokenizer)

@@ -63,9 +63,11 @@ using acb_vec::store16;
 #endif
 
 struct Weight {
-  const uint8_t* w;  // packed [N/16][K/4][16][4], w + 128
-  const float* scale;  // [N/16][ng][16]: one per output channel and group
+  const uint8_t* w;  // packed [N/16][K/4][16][4], w + 128 (a low-bit weight: see "Low-bit weights" below)
+  const float* scale;  // [N/16][ng][16]: one per output channel and group ([N/16][ng][32] for low-bit ones)
   const float* bias;  // or null
+  int kind = 0;  // LowKind: 0 int8 (this file's format), 1 nibbles, 2 bytes (low-bit codes)
+  bool half = false;  // low-bit scales as float16 (`scale` then points at uint16_t), offsets 128 c
 };
 
 // The quantized activations (acb_int8.quantize_rows): q [M, K] signed bytes, scale and offset [M, ng]
@@ -378,16 +380,228 @@ void gemm(const Rows& x, int64_t m, const Weight& w, const Weight* up, int64_t a
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+// Low-bit weights (quantization="gguf": GGUF's Q4_0/Q4_1/Q4_K as nibbles, Q5_0/Q5_1/Q5_K/Q6_K as bytes;
+// acb.model.gguf_native packs them). Each weight is an unsigned code q (0-15 in a nibble, 0-63 in a byte)
+// with one scale d and one offset per output channel and group of G input channels: w = d q - 128 c
+// (c = (d z + m) / 128 for GGUF's w = d (q - z) - m). Codes: nibbles [N/16][K/4][32] (byte j of a k step:
+// its low nibble is column j / 4 of the block's first 8, input channel 4k + j % 4; its high nibble the
+// same of column 8 + j / 4) or bytes [N/16][K/4][16][4] (the int8 layout). Scales [N/16][ng][32]: the
+// group's 16 d, then its 16 c; as float32, or as float16 where the file's own float16 scales hold them
+// exactly (Q4_0/Q4_1/Q5_0/Q5_1: d, and 128 c = d z + m), so the weights take the file's bytes.
+// With the activations as quantize_rows gives them (q_x, xscale s, xoff o = 128 s sum(q_x)):
+//   sum over the group of w x = d s sum(q q_x) - c o.
+// The codes are unsigned and small, so vpmaddubsw (unsigned x signed bytes, pairs summed in int16) cannot
+// saturate, and its int16 sums of several k steps are added in int16 before one vpmaddwd by ones widens
+// them (nibbles: a group's 8 k steps, 16 products of at most 15 x 127 = 30,480; bytes: 2 steps, 4 x 63 x
+// 127 = 32,004): ~2 instructions per 16 products, against 4 for the int8 weights' AVX2 form above.
+// The AVX2 form, also compiled (and run) on AVX-512 CPUs.
+enum LowKind : int { kInt8 = 0, kNibble = 1, kByte = 2 };
+
+template <int KIND>
+struct LowCodes;
+
+template <>
+struct LowCodes<kNibble> {
+  static constexpr int64_t kRun = 8;  // k steps summed in int16
+  static inline void at(const uint8_t* w, int64_t k, __m256i mask, __m256i& lo, __m256i& hi) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 32));
+    lo = _mm256_and_si256(v, mask);
+    hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+  }
+  static constexpr int64_t kStep = 32;  // bytes per k step of a block
+};
+
+template <>
+struct LowCodes<kByte> {
+  static constexpr int64_t kRun = 2;
+  static inline void at(const uint8_t* w, int64_t k, __m256i, __m256i& lo, __m256i& hi) {
+    lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 64));
+    hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 64 + 32));
+  }
+  static constexpr int64_t kStep = 64;
+};
+
+// acc + the int16 pair sums of codes (unsigned bytes) times a (signed bytes), written as two instructions:
+// from the intrinsics GCC 12 made a register copy per accumulator and k step and kept one accumulator in
+// memory, a store and a load in its dependency chain every step (as madd_add and dpbusd above)
+inline __m256i maddubs_add(__m256i acc, __m256i codes, __m256i a) {
+  __m256i t;
+  __asm__("vpmaddubsw %3, %2, %1\n\tvpaddw %1, %0, %0" : "+x"(acc), "=&x"(t) : "x"(codes), "x"(a));
+  return acc;
+}
+
+// acc[r][h] (columns 8h..8h+7 of one 16-column block) = sum over the ng groups of the rows' dot products
+// with the block's weights; w: the block's codes, wscale: its [ng][32] scales
+// 8 scales from float32, or from float16 (F16C: every AVX2 CPU has it)
+template <bool HALF>
+inline __m256 scales8(const float* p, int64_t i) {
+  if constexpr (HALF)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(p) + i)));
+  else
+    return _mm256_loadu_ps(p + i);
+}
+
+template <int KIND, int MR, bool HALF>
+inline void low_dot(const int8_t* x, int64_t xs, const uint8_t* w, int64_t ng, int64_t g4, const float* wscale,
+                    const float* xscale, const float* xoff, __m256 (&acc)[MR][2]) {
+  using L = LowCodes<KIND>;
+  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    __m256i s32[MR][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) s32[r][0] = s32[r][1] = _mm256_setzero_si256();
+    const int64_t end = (g + 1) * g4;
+    for (int64_t k0 = g * g4; k0 < end; k0 += L::kRun) {
+      const int64_t k1 = std::min(k0 + L::kRun, end);
+      __m256i s16[MR][2];
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
+      for (int64_t k = k0; k < k1; ++k) {
+        __m256i lo, hi;
+        L::at(w, k, mask, lo, hi);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          int32_t a32;
+          std::memcpy(&a32, x + r * xs + 4 * k, 4);
+          const __m256i a = _mm256_set1_epi32(a32);
+          s16[r][0] = maddubs_add(s16[r][0], lo, a);
+          s16[r][1] = maddubs_add(s16[r][1], hi, a);
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        s32[r][0] = _mm256_add_epi32(s32[r][0], _mm256_madd_epi16(s16[r][0], ones));
+        s32[r][1] = _mm256_add_epi32(s32[r][1], _mm256_madd_epi16(s16[r][1], ones));
+      }
+    }
+    const __m256 d0 = scales8<HALF>(wscale, g * 32), d1 = scales8<HALF>(wscale, g * 32 + 8);
+    const __m256 c0 = scales8<HALF>(wscale, g * 32 + 16), c1 = scales8<HALF>(wscale, g * 32 + 24);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m256 s = _mm256_set1_ps(xscale[r * ng + g]);
+      // float16 offsets hold 128 c: o / 128 (exact) in their place
+      const __m256 o = _mm256_set1_ps(HALF ? xoff[r * ng + g] * 0.0078125f : xoff[r * ng + g]);
+      acc[r][0] = _mm256_fnmadd_ps(c0, o, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s32[r][0]), s), d0,
+                                                          acc[r][0]));
+      acc[r][1] = _mm256_fnmadd_ps(c1, o, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s32[r][1]), s), d1,
+                                                          acc[r][1]));
+    }
+  }
+}
+
+inline __m256 low_biased(__m256 acc, const float* bias) {
+  return bias ? _mm256_add_ps(acc, _mm256_loadu_ps(bias)) : acc;
+}
+
+// One tile: rows [m0, m0 + MR) x the 16 columns of block b, with the epilogues of the int8 tiles
+template <typename T, int KIND, int MR, bool HALF>
+void low_tile(const Rows& x, const Weight& w, const Weight* up, int64_t act, int64_t epi, const T* other,
+              int64_t other_stride, T* out, int64_t out_stride, int64_t m0, int64_t b) {
+  const int64_t k = x.k, ng = x.ng, k4 = k / 4, g4 = k4 / ng, panel = k4 * LowCodes<KIND>::kStep;
+  const int8_t* xq = x.q + m0 * k;
+  const float* xs = x.scale + m0 * ng;
+  const float* xo = x.off + m0 * ng;
+  __m256 acc[MR][2], v[MR][2];
+  auto dot = [&](const Weight& wt) {
+    // (a float16 scale is half a float32: the block's first scale is b * ng * 16 floats in)
+    low_dot<KIND, MR, HALF>(xq, k, wt.w + b * panel, ng, g4, wt.scale + b * ng * (HALF ? 16 : 32), xs, xo, acc);
+  };
+  dot(w);
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < 2; ++h) v[r][h] = low_biased(acc[r][h], w.bias ? w.bias + b * 16 + 8 * h : nullptr);
+  if (up != nullptr) {  // v holds the gate: act(gate) * up
+    for (int r = 0; r < MR; ++r)
+      for (int h = 0; h < 2; ++h) v[r][h] = acb_vec::act256(v[r][h], act);
+    dot(*up);
+    for (int r = 0; r < MR; ++r)
+      for (int h = 0; h < 2; ++h)
+        v[r][h] = _mm256_mul_ps(v[r][h], low_biased(acc[r][h], up->bias ? up->bias + b * 16 + 8 * h : nullptr));
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < 2; ++h) {
+      const int64_t n = b * 16 + 8 * h;
+      __m256 o = v[r][h];
+      if (epi == kAdd) o = _mm256_add_ps(o, acb_vec::load8(other + (m0 + r) * other_stride + n));
+      acb_vec::store8(out + (m0 + r) * out_stride + n, o);
+    }
+}
+
+constexpr int64_t kLowMR = 4;  // rows per tile: 8 int16 sums, 2 code registers, the broadcast, the mask
+
+template <typename T, int KIND, bool HALF>
+void low_tile_rows(int64_t rows, const Rows& x, const Weight& w, const Weight* up, int64_t act, int64_t epi,
+                   const T* other, int64_t os, T* out, int64_t ostride, int64_t m0, int64_t b) {
+  switch (rows) {
+    case 4: low_tile<T, KIND, 4, HALF>(x, w, up, act, epi, other, os, out, ostride, m0, b); break;
+    case 3: low_tile<T, KIND, 3, HALF>(x, w, up, act, epi, other, os, out, ostride, m0, b); break;
+    case 2: low_tile<T, KIND, 2, HALF>(x, w, up, act, epi, other, os, out, ostride, m0, b); break;
+    default: low_tile<T, KIND, 1, HALF>(x, w, up, act, epi, other, os, out, ostride, m0, b); break;
+  }
+}
+
+// (16-column block, row chunk) items, blocks outermost: a block's codes stay in L1/L2 across a chunk's
+// row tiles (as the int8 GEMMs)
+template <typename T, int KIND, bool HALF>
+void low_gemm_kind(const Rows& x, int64_t m, const Weight& w, const Weight* up, int64_t act, int64_t epi,
+                   const torch::Tensor* other, torch::Tensor& out, int64_t n) {
+  const int64_t blocks = n / 16, chunk = 96, row_chunks = (m + chunk - 1) / chunk;
+  const T* op = other ? reinterpret_cast<const T*>(other->data_ptr()) : nullptr;
+  const int64_t os = other ? other->stride(0) : 0;
+  T* outp = reinterpret_cast<T*>(out.data_ptr());
+  const int64_t ostride = out.stride(0);
+  at::parallel_for(0, blocks * row_chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / row_chunks, rc = item % row_chunks;
+      const int64_t first = rc * chunk, stop = std::min(m, first + chunk);
+      for (int64_t m0 = first; m0 < stop; m0 += kLowMR)
+        low_tile_rows<T, KIND, HALF>(std::min(kLowMR, stop - m0), x, w, up, act, epi, op, os, outp, ostride, m0, b);
+    }
+  });
+}
+
+template <typename T>
+void low_gemm(const Rows& x, int64_t m, const Weight& w, const Weight* up, int64_t act, int64_t epi,
+              const torch::Tensor* other, torch::Tensor& out, int64_t n) {
+  if (w.kind == kNibble && w.half)
+    low_gemm_kind<T, kNibble, true>(x, m, w, up, act, epi, other, out, n);
+  else if (w.kind == kNibble)
+    low_gemm_kind<T, kNibble, false>(x, m, w, up, act, epi, other, out, n);
+  else if (w.half)
+    low_gemm_kind<T, kByte, true>(x, m, w, up, act, epi, other, out, n);
+  else
+    low_gemm_kind<T, kByte, false>(x, m, w, up, act, epi, other, out, n);
+}
+#define ACB_LOWBIT 1
+#endif
+
+// A low-bit weight's kind (LowKind) from its tensors' shapes, 0 for an int8 one: scales [N/16, ng, 32]
+// (16 scales, 16 offsets) mark a low-bit weight, its codes' [.., 8, 4] nibbles, [.., 16, 4] bytes
+int kind_of(const torch::Tensor& w, const torch::Tensor& scale) {
+  if (!(scale.dim() == 3 && scale.size(2) == 32)) return 0;
+  return w.dim() == 4 && w.size(2) == 8 ? 1 : 2;
+}
+
 // ng: the activations' groups per row; the weight's scales hold ng per output channel
 void check_weight(const torch::Tensor& w, const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias,
                   int64_t k, int64_t ng) {
-  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 4 && w.size(2) == 16 && w.size(3) == 4 && w.is_contiguous(),
-              "the weight must be a contiguous packed uint8 (int8 + 128) [N/16, K/4, 16, 4]");
+  const int kind = kind_of(w, scale);
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 4 && w.size(2) == (kind == 1 ? 8 : 16) &&
+                  w.size(3) == 4 && w.is_contiguous(),
+              "the weight must be a contiguous packed uint8 [N/16, K/4, 16, 4] (int8 + 128, or low-bit codes with "
+              "[N/16, groups, 32] scales) or low-bit nibbles [N/16, K/4, 8, 4]");
   TORCH_CHECK(w.size(1) * 4 == k, "the weight's K (", w.size(1) * 4, ") is not the input's (", k, ")");
-  const int64_t n = w.size(0) * 16;
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == n * ng,
-              "the weight's scales must be a contiguous float32 [N/16, groups, 16] with the input's ", ng,
-              " group(s) per row (it has ", scale.numel() / std::max<int64_t>(n, 1), ")");
+  const int64_t n = w.size(0) * 16, per = kind ? 2 : 1;
+  TORCH_CHECK((scale.scalar_type() == torch::kFloat32 || (kind && scale.scalar_type() == torch::kHalf)) &&
+                  scale.is_contiguous() && scale.numel() == per * n * ng,
+              "the weight's scales must be a contiguous float32 (or, low-bit, float16) [N/16, groups, ", per * 16,
+              "] with the input's ", ng, " group(s) per row (it has ", scale.numel() / std::max<int64_t>(per * n, 1),
+              ")");
+#if !defined(ACB_LOWBIT)
+  TORCH_CHECK(kind == 0, "acb's low-bit (GGUF) kernels need AVX2 and FMA");
+#endif
   if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n,
                         "bias must be a contiguous float32 [N]");
 }
@@ -407,7 +621,8 @@ Rows check_input(const torch::Tensor& xq, const torch::Tensor& xscale, const tor
 }
 
 Weight weight_of(const torch::Tensor& w, const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias) {
-  return Weight{w.data_ptr<uint8_t>(), scale.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr};
+  return Weight{w.data_ptr<uint8_t>(), reinterpret_cast<const float*>(scale.data_ptr()),
+                bias ? bias->data_ptr<float>() : nullptr, kind_of(w, scale), scale.scalar_type() == torch::kHalf};
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -817,6 +1032,15 @@ torch::Tensor linear(const torch::Tensor& xq, const torch::Tensor& xscale, const
                              other->size(1) == n && other->stride(1) == 1,
                          "other must be [M, N] of the output's dtype with contiguous rows");
   const Weight wt = weight_of(w, scale, bias);
+#if defined(ACB_LOWBIT)
+  if (wt.kind != kInt8) {
+    if (m > 0 && dtype == torch::kFloat32)
+      low_gemm<float>(x, m, wt, nullptr, 0, other ? kAdd : kNone, other ? &*other : nullptr, out, n);
+    else if (m > 0)
+      low_gemm<uint16_t>(x, m, wt, nullptr, 0, other ? kAdd : kNone, other ? &*other : nullptr, out, n);
+    return out;
+  }
+#endif
 #if defined(__AVX512VNNI__) || defined(ACB_INT8_AVX2)
   if (m > 0) {
     if (dtype == torch::kFloat32)
@@ -843,6 +1067,17 @@ torch::Tensor glu(const torch::Tensor& xq, const torch::Tensor& xscale, const to
   const int64_t n = wg.size(0) * 16, m = xq.size(0);
   auto out = torch::empty({m, n}, xq.options().dtype(dtype));
   const Weight g = weight_of(wg, sg, bg), u = weight_of(wu, su, bu);
+  TORCH_CHECK(g.kind == u.kind && g.half == u.half && sg.sizes() == su.sizes(),
+              "gate and up must have the same weight format");
+#if defined(ACB_LOWBIT)
+  if (g.kind != kInt8) {
+    if (m > 0 && dtype == torch::kFloat32)
+      low_gemm<float>(x, m, g, &u, act, kNone, nullptr, out, n);
+    else if (m > 0)
+      low_gemm<uint16_t>(x, m, g, &u, act, kNone, nullptr, out, n);
+    return out;
+  }
+#endif
 #if defined(__AVX512VNNI__) || defined(ACB_INT8_AVX2)
   if (m > 0) {
     if (dtype == torch::kFloat32)
