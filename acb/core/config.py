@@ -211,8 +211,7 @@ class EngineConfig:  # ~330 lines: its fields (each with its docstring), and one
     quantization: str | None = None
     """int8: int8 weights and activations per 64 channels, smoothed and Hadamard-rotated, the lm_head
     bf16 (CPUs with AVX-512 VNNI or AVX2; docs/performance.md); attention and KV pages keep dtype.
-    gguf (a GGUF file only: ``from_pretrained(folder, gguf_file=...)``): the file's 4-8 bit blocks kept
-    at their widths and computed by acb's low-bit kernels, lm_head and embedding included (docs/gguf.md)."""
+    gguf (a GGUF file's model only): its 4-8 bit blocks run at their widths on acb's kernels (docs/gguf.md)."""
     kv_cache_dtype: str | None = None
     """int8: KV pages in int8 with a float32 scale per token and kv head, ~2x the pages of bf16 (acb's
     native CPU attention only); auto: the model's dtype (None: auto)."""

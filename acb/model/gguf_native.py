@@ -5,8 +5,9 @@ requantizes it to acb's int8 groups). Here each block-quantized tensor is decode
 into unsigned codes and one scale and offset per output channel and block, with no float copy of the
 weight at any point, and packed for acb's low-bit kernels (``acb/kernels/csrc/int8_cpu.cpp``, "Low-bit
 weights"): the codes of ``Q4_0``/``Q4_1``/``Q4_K`` as nibbles (half a byte a weight, as in the file),
-those of ``Q5_0``/``Q5_1``/``Q5_K``/``Q6_K`` as bytes; ``Q8_0`` (the embedding and lm_head of both real
-models here) is exactly acb's int8 format in groups of 32 (:class:`~acb.model.int8_weights.Int8Linear`,
+those of ``Q5_0``/``Q5_1``/``Q5_K`` in 5 bits (a nibble and a bit), those of ``Q6_K`` as bytes; ``Q8_0``
+(the embedding and lm_head of both real models here) is exactly acb's int8 format in groups of 32
+(:class:`~acb.model.int8_weights.Int8Linear`,
 no smoothing, no rotation). A tensor of another quantized type is dequantized and requantized to int8
 in groups of 32, said once in the log. Norms and biases are read in the model's dtype.
 
@@ -28,7 +29,7 @@ import os
 import numpy as np
 import torch
 
-from .int8_weights import Int8Linear, native_kernels, pack_scales, weight_summary
+from .int8_weights import Int8Linear, QuantEmbedding, native_kernels, pack_scales, weight_summary
 
 log = logging.getLogger("acb")
 
@@ -138,6 +139,8 @@ class GgufLinear(Int8Linear):
         blocked = codes.view(-1, 16, k // 4, 4).permute(0, 2, 1, 3)  # [N/16, K/4, 16, 4]
         if bits <= 4:
             packed = (blocked[:, :, :8] | (blocked[:, :, 8:] << 4)).contiguous()
+        elif bits == 5:
+            packed = _pack5(blocked)
         else:
             packed = blocked.contiguous()
         offset = d * zero + m  # 128 c
@@ -151,10 +154,8 @@ class GgufLinear(Int8Linear):
 
     def codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes uint8 [N, K], d, c float32 [N, K/G]) unpacked."""
-        w = self.weight
-        nb, k4 = w.shape[:2]
-        if self.bits <= 4:
-            w = torch.cat([w & 0x0F, w >> 4], dim=2)
+        nb, k4 = self.weight.shape[:2]
+        w = _blocked(self.weight, self.bits)
         codes = w.permute(0, 2, 1, 3).reshape(nb * 16, k4 * 4)[: self.out_features]
         s = self.weight_scale.float()
         if s.dtype != self.weight_scale.dtype:
@@ -180,21 +181,39 @@ class GgufLinear(Int8Linear):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} per {self.group}"
 
 
-def int8_rows(table: Int8Linear, ids: torch.Tensor) -> torch.Tensor:
-    """float32 [T, K]: rows ``ids`` of an int8 table (Q8_0), widened as ``gguf`` dequantizes them."""
-    b, c = ids // 16, ids % 16
-    q = table.weight[b, :, c, :].reshape(ids.shape[0], -1).to(torch.int16) - 128
-    s = table.weight_scale[b, :, c]  # [T, groups]
-    return s.repeat_interleave(table.in_features // s.shape[1], 1) * q.float()
+def _pack5(blocked: torch.Tensor) -> torch.Tensor:
+    """5-bit codes [N/16, K/4, 16, 4] -> the kernel's layout [N/16, K/4, 10, 4]: per 4 k steps their low
+    nibbles as the 4-bit layout has them (4 x 32 bytes), then 32 bytes of fifth bits (bit 2i of byte j: the
+    fifth bit of byte j of step i's first 8 columns, bit 2i + 1: of its last 8)."""
+    nb, k4 = blocked.shape[:2]
+    nibbles = ((blocked[:, :, :8] & 0x0F) | ((blocked[:, :, 8:] & 0x0F) << 4)).reshape(nb, k4 // 4, 4, 32)
+    lo = (blocked[:, :, :8] >> 4).reshape(nb, k4 // 4, 4, 32)
+    hi = (blocked[:, :, 8:] >> 4).reshape(nb, k4 // 4, 4, 32)
+    fifth = torch.zeros(nb, k4 // 4, 32, dtype=torch.uint8)
+    for i in range(4):
+        fifth |= (lo[:, :, i] << (2 * i)) | (hi[:, :, i] << (2 * i + 1))
+    return torch.cat([nibbles.reshape(nb, k4 // 4, 128), fifth], dim=2).reshape(nb, k4, 10, 4).contiguous()
+
+
+def _blocked(w: torch.Tensor, bits: int) -> torch.Tensor:
+    """The codes of packed 16-column blocks ``w`` [B, K/4, *, 4] as bytes [B, K/4, 16, 4]."""
+    if bits <= 4:
+        return torch.cat([w & 0x0F, w >> 4], dim=2)
+    if bits == 5:
+        nb, k4 = w.shape[:2]
+        quads = w.reshape(nb, k4 // 4, 160)
+        nibbles = quads[:, :, :128].reshape(nb, k4 // 4, 4, 32)
+        fifth = quads[:, :, 128:]
+        lo = torch.stack([(fifth >> (2 * i)) & 1 for i in range(4)], dim=2) << 4  # [nb, k4/4, 4, 32]
+        hi = torch.stack([(fifth >> (2 * i + 1)) & 1 for i in range(4)], dim=2) << 4
+        codes = torch.cat([(nibbles & 0x0F) | lo, (nibbles >> 4) | hi], dim=3)  # [nb, k4/4, 4, 64]
+        return codes.reshape(nb, k4, 16, 4)
+    return w
 
 
 def _rows(table: GgufLinear, ids: torch.Tensor) -> torch.Tensor:
     b, c = ids // 16, ids % 16
-    w = table.weight
-    if table.bits <= 4:
-        q = w[b, :, c % 8, :] >> (4 * (c >= 8)).to(torch.uint8)[:, None, None] & 0x0F
-    else:
-        q = w[b, :, c, :]
+    q = _blocked(table.weight[b], table.bits)[torch.arange(ids.shape[0]), :, c, :]  # [T, K/4, 4]
     q = q.reshape(ids.shape[0], -1)
     s = table.weight_scale
     group = table.group
@@ -203,35 +222,6 @@ def _rows(table: GgufLinear, ids: torch.Tensor) -> torch.Tensor:
         return d * (q.float() - table.zero)
     offset = s[b, :, 16 + c].float().repeat_interleave(group, 1)
     return d * q.float() - (offset if s.dtype == torch.float16 else offset * 128)
-
-
-class QuantEmbedding(torch.nn.Module):
-    """An embedding whose rows are widened from a quantized table (the tied lm_head's, or its own:
-    an :class:`Int8Linear` of Q8_0 or a :class:`GgufLinear`) as tokens are looked up, times ``scale``
-    (Gemma's ``sqrt(hidden)`` in the model's dtype), in ``dtype``."""
-
-    def __init__(self, table: Int8Linear, dtype: torch.dtype, scale: float = 1.0) -> None:
-        super().__init__()
-        self.table = table  # a submodule: shared with lm_head when tied (one copy of the bytes)
-        self.num_embeddings = table.out_features
-        self.embedding_dim = table.in_features
-        self.scale = scale
-        self.dtype = dtype
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
-            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
-        rows = self.table.rows(flat) if isinstance(self.table, GgufLinear) else int8_rows(self.table, flat)
-        out = rows.to(self.dtype)
-        if self.scale != 1.0:
-            out = out * torch.tensor(self.scale, dtype=self.dtype)
-        return out.view(*ids.shape, self.embedding_dim)
-
-
-def is_native(model: torch.nn.Module) -> bool:
-    """Whether ``model`` was loaded by :func:`load` (its embedding a :class:`QuantEmbedding`)."""
-    return isinstance(getattr(getattr(model, "model", None), "embed_tokens", None), QuantEmbedding)
 
 
 def _module(kind: str, data: np.ndarray, k: int, rows: np.ndarray | None, bias: torch.Tensor | None) -> Int8Linear:
@@ -266,7 +256,7 @@ def _joined(parts: list[Int8Linear]) -> list[Int8Linear]:
     return out
 
 
-FORMAT = 2  # the saved parts' layout (bump it when the packing changes)
+FORMAT = 3  # the saved parts' layout (bump it when the packing changes)
 
 
 def load(folder: str, gguf_file: str, dtype: torch.dtype):

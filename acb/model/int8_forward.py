@@ -13,7 +13,7 @@ from . import fused, fused_layers
 from .fused import FusedForward, _Logits, kept_rows
 from .fused_layers import Layer
 from .int8_calibration import projections
-from .int8_weights import Bf16Embedding, Bf16Linear, Int8Linear, group_of, native_kernels
+from .int8_weights import Bf16Embedding, Bf16Linear, Int8Linear, QuantEmbedding, group_of, native_kernels
 
 if TYPE_CHECKING:
     from ..attention.context import ForwardContext
@@ -26,8 +26,6 @@ def why_not_forward(model: torch.nn.Module, packed, kernels) -> str | None:
     """Why :class:`Int8Forward` cannot run ``model`` (already quantized) now, or None."""
     if kernels is None or native_kernels() is None:
         return "the native CPU kernels are not built"
-    from .gguf_native import QuantEmbedding
-
     if not (isinstance(model.model.embed_tokens, Bf16Embedding) and isinstance(model.lm_head, Bf16Linear)
             or isinstance(model.model.embed_tokens, QuantEmbedding) and isinstance(model.lm_head, Int8Linear)):
         return "the embedding or the lm_head is not acb's bf16 or quantized one"

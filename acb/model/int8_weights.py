@@ -213,6 +213,13 @@ class Int8Linear(torch.nn.Module):
             w = hadamard(w)
         return w if self.input_scale is None else w * self.input_scale
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [T, K]: rows ``ids`` widened (a quantized table's lookup: a GGUF file's Q8_0 embedding)."""
+        b, c = ids // 16, ids % 16
+        q = self.weight[b, :, c, :].reshape(ids.shape[0], -1).to(torch.int16) - 128
+        s = self.weight_scale[b, :, c]  # [T, groups]
+        return s.repeat_interleave(self.in_features // s.shape[1], 1) * q.float()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = native_kernels()
         dtype = x.dtype if x.dtype in fused_layers.DTYPES else torch.float32
@@ -329,6 +336,29 @@ class Bf16Embedding(torch.nn.Module):
         return out.view(*ids.shape, self.embedding_dim)
 
 
+class QuantEmbedding(torch.nn.Module):
+    """An embedding whose rows are widened from a quantized table (the tied lm_head's, or its own:
+    an :class:`Int8Linear` of Q8_0 or an ``acb.model.gguf_native.GgufLinear``) as tokens are looked up, times ``scale``
+    (Gemma's ``sqrt(hidden)`` in the model's dtype), in ``dtype``."""
+
+    def __init__(self, table: Int8Linear, dtype: torch.dtype, scale: float = 1.0) -> None:
+        super().__init__()
+        self.table = table  # a submodule: shared with lm_head when tied (one copy of the bytes)
+        self.num_embeddings = table.out_features
+        self.embedding_dim = table.in_features
+        self.scale = scale
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+        out = self.table.rows(flat).to(self.dtype)
+        if self.scale != 1.0:
+            out = out * torch.tensor(self.scale, dtype=self.dtype)
+        return out.view(*ids.shape, self.embedding_dim)
+
+
 def is_quantized(model: torch.nn.Module) -> bool:
     """Whether ``model`` holds acb's int8 layers (:func:`quantize_` ran on it)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -342,9 +372,7 @@ def quantization_of(model: torch.nn.Module) -> str:
     widths, :mod:`acb.model.gguf_native`), "int8" (acb's int8 layers) or "" (dense)."""
     if not is_quantized(model):
         return ""
-    from .gguf_native import is_native
-
-    return "gguf" if is_native(model) else "int8"
+    return "gguf" if isinstance(model.model.embed_tokens, QuantEmbedding) else "int8"
 
 
 def embed_scale(embed: torch.nn.Module, dtype: torch.dtype) -> float:

@@ -381,7 +381,7 @@ void gemm(const Rows& x, int64_t m, const Weight& w, const Weight* up, int64_t a
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-// Low-bit weights (quantization="gguf": GGUF's Q4_0/Q4_1/Q4_K as nibbles, Q5_0/Q5_1/Q5_K/Q6_K as bytes;
+// Low-bit weights (quantization="gguf": GGUF's Q4_0/Q4_1/Q4_K as nibbles, Q5_0/Q5_1/Q5_K in 5 bits, Q6_K as bytes;
 // acb.model.gguf_native packs them). Each weight is an unsigned code q (0-15 in a nibble, 0-63 in a byte)
 // with one scale d and one offset per output channel and group of G input channels: w = d q - 128 c
 // (c = (d z + m) / 128 for GGUF's w = d (q - z) - m). Codes: nibbles [N/16][K/4][32] (byte j of a k step:
@@ -396,7 +396,7 @@ void gemm(const Rows& x, int64_t m, const Weight& w, const Weight* up, int64_t a
 // them (nibbles: a group's 8 k steps, 16 products of at most 15 x 127 = 30,480; bytes: 2 steps, 4 x 63 x
 // 127 = 32,004): ~2 instructions per 16 products, against 4 for the int8 weights' AVX2 form above.
 // The AVX2 form, also compiled (and run) on AVX-512 CPUs.
-enum LowKind : int { kInt8 = 0, kNibble = 1, kByte = 2 };
+enum LowKind : int { kInt8 = 0, kNibble = 1, kByte = 2, kNibble5 = 3 };
 
 template <int KIND>
 struct LowCodes;
@@ -420,6 +420,28 @@ struct LowCodes<kByte> {
     hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 64 + 32));
   }
   static constexpr int64_t kStep = 64;
+};
+
+// 5-bit codes in 5 bits: per 4 k steps (160 bytes), their 4 x 32 bytes of low nibbles as kNibble's, then
+// 32 bytes of the fifth bits: bit 2i of byte j is the fifth bit of the low register's byte j at step i of
+// the four, bit 2i + 1 the high register's
+template <>
+struct LowCodes<kNibble5> {
+  static constexpr int64_t kRun = 4;  // 4 steps x 2 products x 31 x 127 = 31,496
+  static inline void at(const uint8_t* w, int64_t k, __m256i mask, __m256i& lo, __m256i& hi) {
+    const uint8_t* q = w + (k >> 2) * 160;
+    const int i = static_cast<int>(k & 3);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * 32));
+    // step i's two bits of every byte at bits 0 and 1 (the bits a 16-bit shift brings in from the next
+    // byte land above bit 1: never read)
+    const __m256i h = _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 128)),
+                                       _mm_cvtsi32_si128(2 * i));
+    const __m256i bit4 = _mm256_set1_epi8(0x10);
+    lo = _mm256_or_si256(_mm256_and_si256(v, mask), _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
+    hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask),
+                         _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4));
+  }
+  static constexpr int64_t kStep = 40;
 };
 
 // acc + the int16 pair sums of codes (unsigned bytes) times a (signed bytes), written as two instructions:
@@ -565,7 +587,11 @@ void low_gemm_kind(const Rows& x, int64_t m, const Weight& w, const Weight* up, 
 template <typename T>
 void low_gemm(const Rows& x, int64_t m, const Weight& w, const Weight* up, int64_t act, int64_t epi,
               const torch::Tensor* other, torch::Tensor& out, int64_t n) {
-  if (w.kind == kNibble && w.half)
+  if (w.kind == kNibble5 && w.half)
+    low_gemm_kind<T, kNibble5, true>(x, m, w, up, act, epi, other, out, n);
+  else if (w.kind == kNibble5)
+    low_gemm_kind<T, kNibble5, false>(x, m, w, up, act, epi, other, out, n);
+  else if (w.kind == kNibble && w.half)
     low_gemm_kind<T, kNibble, true>(x, m, w, up, act, epi, other, out, n);
   else if (w.kind == kNibble)
     low_gemm_kind<T, kNibble, false>(x, m, w, up, act, epi, other, out, n);
@@ -581,17 +607,17 @@ void low_gemm(const Rows& x, int64_t m, const Weight& w, const Weight* up, int64
 // (16 scales, 16 offsets) mark a low-bit weight, its codes' [.., 8, 4] nibbles, [.., 16, 4] bytes
 int kind_of(const torch::Tensor& w, const torch::Tensor& scale) {
   if (!(scale.dim() == 3 && scale.size(2) == 32)) return 0;
-  return w.dim() == 4 && w.size(2) == 8 ? 1 : 2;
+  return w.dim() == 4 && w.size(2) == 8 ? 1 : w.dim() == 4 && w.size(2) == 10 ? 3 : 2;
 }
 
 // ng: the activations' groups per row; the weight's scales hold ng per output channel
 void check_weight(const torch::Tensor& w, const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias,
                   int64_t k, int64_t ng) {
   const int kind = kind_of(w, scale);
-  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 4 && w.size(2) == (kind == 1 ? 8 : 16) &&
-                  w.size(3) == 4 && w.is_contiguous(),
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 4 && w.size(2) == (kind == 1 ? 8 : kind == 3 ? 10 : 16)
+                  && w.size(3) == 4 && w.is_contiguous() && (kind != 3 || w.size(1) % 4 == 0),
               "the weight must be a contiguous packed uint8 [N/16, K/4, 16, 4] (int8 + 128, or low-bit codes with "
-              "[N/16, groups, 32] scales) or low-bit nibbles [N/16, K/4, 8, 4]");
+              "[N/16, groups, 32] scales), low-bit nibbles [N/16, K/4, 8, 4] or 5-bit codes [N/16, K/4, 10, 4]");
   TORCH_CHECK(w.size(1) * 4 == k, "the weight's K (", w.size(1) * 4, ") is not the input's (", k, ")");
   const int64_t n = w.size(0) * 16, per = kind ? 2 : 1;
   TORCH_CHECK((scale.scalar_type() == torch::kFloat32 || (kind && scale.scalar_type() == torch::kHalf)) &&

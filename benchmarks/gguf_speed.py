@@ -1,8 +1,8 @@
 """A GGUF file run by acb and by llama.cpp, the same shape of work: llama-batched-bench's.
 
-    python benchmarks/gguf.py --llama-bin /path/to/llama.cpp/build/bin            # SmolLM2's Q4_1 file
-    python benchmarks/gguf.py --model gemma3 --llama-bin ... --npl 1,16            # Gemma 3 270M Q4_K_M
-    python benchmarks/gguf.py --systems acb_gguf,acb_int8 --npl 1                  # acb alone
+    python benchmarks/gguf_speed.py --llama-bin /path/to/llama.cpp/build/bin            # SmolLM2's Q4_1 file
+    python benchmarks/gguf_speed.py --model gemma3 --llama-bin ... --npl 1,16            # Gemma 3 270M Q4_K_M
+    python benchmarks/gguf_speed.py --systems acb_gguf,acb_int8 --npl 1                  # acb alone
 
 For each batch size B of ``--npl``: B sequences of ``--npp`` prompt tokens each, then ``--ntg`` new
 tokens each (EOS ignored), as ``llama-batched-bench -npp N -ntg N -npl B`` runs them. acb's systems
