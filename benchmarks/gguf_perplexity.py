@@ -4,11 +4,11 @@ against ``llama-perplexity`` on the same file, the same text and the same contex
     python benchmarks/gguf_perplexity.py --llama-bin /path/to/llama.cpp/build/bin            # SmolLM2 Q4_1
     python benchmarks/gguf_perplexity.py --model gemma3 --llama-bin ... --ctx 512
 
-The text: the Debian license texts quality.py holds out (written to a file for llama.cpp). llama.cpp's way,
-repeated here: the text tokenized whole, cut into chunks of ``--ctx`` tokens, each chunk's first token
-replaced by BOS where the model adds one, and only each chunk's second half scored (every token after
-position ctx/2, predicted from the logits before it). acb tokenizes with the tokenizer transformers builds
-from the same file; the token counts of both are printed (a difference there moves the comparison).
+The text: the Debian license texts quality.py holds out (written to a file for llama.cpp). llama.cpp's
+way, repeated here: the text tokenized whole (by llama.cpp's ``llama-tokenize`` where ``--llama-bin`` is
+given, so both score the same tokens; else by transformers' tokenizer of the file), cut into chunks of
+``--ctx`` tokens, each chunk's first token replaced by BOS where the model adds one, and only each
+chunk's second half scored (every token after position ctx/2, predicted from the logits before it).
 Also reported: top-1 agreement of acb's ``gguf`` with the file in float32 over the scored positions.
 Writes JSON (default bench-results/gguf-perplexity-<model>.json).
 """
@@ -89,6 +89,12 @@ def main() -> None:
     rows = {}
     quantized, tok = load(folder, name, dtype="float32", quantization="gguf")
     ids = tok(text, add_special_tokens=False)["input_ids"]
+    own = len(ids)
+    if args.llama_bin:  # llama.cpp's own tokens (its tokenizer and transformers' split some whitespace apart)
+        out = subprocess.run([str(Path(args.llama_bin) / "llama-tokenize"), "-m", os.path.join(folder, name), "-f",
+                              str(text_file), "--ids", "--log-disable", "--no-bos"], capture_output=True, text=True,
+                             check=True)
+        ids = json.loads(out.stdout.strip().splitlines()[-1])
     bos = tok.bos_token_id if getattr(tok, "add_bos_token", False) or args.model == "gemma3" else None
     nll_q, top_q = acb_scores(quantized, ids, args.ctx, bos, args.chunks)
     del quantized
@@ -100,7 +106,7 @@ def main() -> None:
     if args.llama_bin:
         rows["llama_cpp"] = llama_perplexity(args.llama_bin, os.path.join(folder, name), str(text_file), args.ctx,
                                              args.chunks)
-    print(f"{cpu_class()}; {name}, ctx {args.ctx}, acb's tokens {len(ids)}")
+    print(f"{cpu_class()}; {name}, ctx {args.ctx}, {len(ids)} tokens scored from (transformers' tokenizer: {own})")
     for system, r in rows.items():
         print(f"{system:<10} PPL {r['ppl']:.4f}" + (f"  ({r['scored']} tokens scored)" if "scored" in r else
                                                      f"  ({r.get('chunks')} chunks)"))
@@ -109,8 +115,8 @@ def main() -> None:
     print(f"top-1 agreement, acb gguf with the file in float32: {agreement:.2%}")
     out = Path(args.out or f"bench-results/gguf-perplexity-{args.model}.json")
     out.write_text(json.dumps({"cpu": cpu_class(), "date": time.strftime("%Y-%m-%d %H:%M"), "model": name,
-                               "ctx": args.ctx, "acb_tokens": len(ids), "rows": rows, "top1_agreement": agreement},
-                              indent=1))
+                               "ctx": args.ctx, "tokens": len(ids), "transformers_tokens": own, "rows": rows,
+                               "top1_agreement": agreement}, indent=1))
     print(f"wrote {out}")
 
 

@@ -132,3 +132,18 @@ def test_a_dense_model_is_refused_by_quantization_gguf():
 
     with pytest.raises(ValueError, match="quantization='gguf'.*GGUF file"):
         acb.Engine(tiny_model("llama"), tiny_tokenizer(), config=acb.EngineConfig(quantization="gguf"))
+
+
+def test_a_gguf_file_of_an_architecture_transformers_cannot_read_is_refused_by_name(tmp_path):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "odd.gguf"), "notamodel")
+    writer.add_block_count(1)
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(8, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _needs_kernels()
+    with pytest.raises(ValueError, match="quantization='gguf'.*odd.gguf.*architecture"):
+        gguf_native.load(str(tmp_path), "odd.gguf", torch.float32)

@@ -171,3 +171,18 @@ def test_acb_serve_takes_quantization_gguf():  # (its server, run by hand: docs/
     from acb.serving.cli import build_parser
 
     assert build_parser().parse_args(["serve", "--quantization", "gguf"]).quantization == "gguf"
+
+
+def test_a_type_without_a_kernel_runs_as_int8_and_is_named_once(tmp_path, monkeypatch, caplog):
+    """(Q4_1 taken out of the native types for the test: SmolLM2's layers then go the way a Q2_K or IQ
+    tensor goes)."""
+    from acb.model.loading import smollm2
+
+    monkeypatch.setenv("ACB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gguf_native, "NATIVE", {k: v for k, v in gguf_native.NATIVE.items() if k != "Q4_1"})
+    with caplog.at_level("INFO", logger="acb"):
+        model, _ = gguf_native.load(*smollm2(), torch.float32)
+    assert type(model.model.layers[0].mlp.down_proj) is int8_weights.Int8Linear
+    assert [r.getMessage() for r in caplog.records].count(
+        "acb: SmolLM2-135M-Instruct.Q4_1.gguf has Q4_1 tensors, which have no native kernel here: they run as int8 "
+        "per 32 channels") == 1
