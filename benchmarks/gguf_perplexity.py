@@ -22,6 +22,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -83,8 +84,7 @@ def main() -> None:
 
     folder, name = model_file(args.model)
     text = held_out_text()
-    text_file = Path(args.out or f"bench-results/gguf-perplexity-{args.model}.json").with_suffix(".txt")
-    text_file.parent.mkdir(parents=True, exist_ok=True)
+    text_file = Path(tempfile.gettempdir()) / "acb-held-out-licenses.txt"  # quality.py's text, for llama.cpp
     text_file.write_text(text)
     rows = {}
     quantized, tok = load(folder, name, dtype="float32", quantization="gguf")
@@ -114,6 +114,7 @@ def main() -> None:
         print(f"acb gguf / llama.cpp: {rows['acb_gguf']['ppl'] / rows['llama_cpp']['ppl']:.4f}")
     print(f"top-1 agreement, acb gguf with the file in float32: {agreement:.2%}")
     out = Path(args.out or f"bench-results/gguf-perplexity-{args.model}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"cpu": cpu_class(), "date": time.strftime("%Y-%m-%d %H:%M"), "model": name,
                                "ctx": args.ctx, "tokens": len(ids), "transformers_tokens": own, "rows": rows,
                                "top1_agreement": agreement}, indent=1))
