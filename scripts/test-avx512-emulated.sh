@@ -30,7 +30,7 @@ fi
 bash scripts/setup.sh
 source scripts/python-env.sh
 FILES=(tests/test_cpu_kernels.py tests/test_fused_forward.py tests/test_kv_int8.py tests/test_bf16_gemm.py
-  tests/test_lora_kernels.py tests/test_quantization.py tests/test_gguf_int8.py tests/test_dtype_defaults.py
+  tests/test_lora_kernels.py tests/test_quantization.py tests/test_gguf_int8.py tests/test_gguf_native.py tests/test_dtype_defaults.py
   tests/test_adapters.py)
 for emulation in $KINDS; do
   # built, and built as that kind of AVX-512: a kernel that failed to build would make its tests skip
