@@ -60,11 +60,15 @@ def cpu_class() -> str:
     return f"{model.group(1) if model else platform.processor()}, {kind}, {os.cpu_count()} cores"
 
 
-def run_acb(system: str, model: str, npp: int, ntg: int, npls: list[int]) -> dict:
+def run_acb(system: str, model: str, npp: int, ntg: int, npls: list[int], threads: int) -> dict:
     """One acb system over every batch size, in this process."""
     import asyncio
 
+    import torch
+
     import acb
+
+    torch.set_num_threads(threads)
 
     folder, gguf_file = model_file(model)
     quantization = {"acb_fp32": None, "acb_int8": "int8", "acb_gguf": "gguf"}[system]
@@ -138,13 +142,14 @@ def main() -> None:
     ap.add_argument("--ntg", type=int, default=128)
     ap.add_argument("--npl", default="1,16,64")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="acb's torch threads and llama.cpp's -t")
     ap.add_argument("--llama-bin", default=os.environ.get("ACB_LLAMA_BIN"), help="llama.cpp's build/bin folder")
     ap.add_argument("--out")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # run one acb system in this process (the child)
     args = ap.parse_args()
     npls = [int(x) for x in args.npl.split(",")]
     if args.one:
-        print(json.dumps(run_acb(args.one, args.model, args.npp, args.ntg, npls)))
+        print(json.dumps(run_acb(args.one, args.model, args.npp, args.ntg, npls, args.threads)))
         return
     systems = args.systems.split(",")
     runs: dict[str, list[dict]] = {s: [] for s in systems}
@@ -154,10 +159,11 @@ def main() -> None:
                 if not args.llama_bin:
                     print("llama_cpp skipped: give --llama-bin (llama.cpp's build/bin)", file=sys.stderr)
                     continue
-                runs[s].append(run_llama(args.llama_bin, args.model, args.npp, args.ntg, npls, os.cpu_count()))
+                runs[s].append(run_llama(args.llama_bin, args.model, args.npp, args.ntg, npls, args.threads))
             else:
                 child = subprocess.run([sys.executable, __file__, "--model", args.model, "--npp", str(args.npp),
-                                        "--ntg", str(args.ntg), "--npl", args.npl, "--one", s],
+                                        "--ntg", str(args.ntg), "--npl", args.npl, "--threads", str(args.threads),
+                                        "--one", s],
                                        capture_output=True, text=True)
                 if child.returncode:
                     sys.exit(f"{s} failed:\n{child.stderr[-3000:]}")
@@ -176,7 +182,8 @@ def main() -> None:
             row["peak_rss_mib"] = statistics.median(r["peak_rss_mib"] for r in rs if r.get("peak_rss_mib"))
             row["weight_mib"] = rs[0].get("weight_mib")
             table.append(row)
-    print(f"\n{cpu_class()}; {args.model}, npp {args.npp}, ntg {args.ntg}, median of {args.rounds} round(s)")
+    print(f"\n{cpu_class()}; {args.model}, npp {args.npp}, ntg {args.ntg}, {args.threads} thread(s), median of "
+          f"{args.rounds} round(s)")
     print(f"{'system':<10} {'B':>3} {'prompt tok/s':>13} {'decode tok/s':>13} {'all tok/s':>10} {'weights MiB':>12} "
           f"{'peak RSS MiB':>13}")
     for r in table:
@@ -186,7 +193,8 @@ def main() -> None:
     out = Path(args.out or f"bench-results/gguf-{args.model}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"cpu": cpu_class(), "date": time.strftime("%Y-%m-%d %H:%M"), "model": args.model,
-                               "npp": args.npp, "ntg": args.ntg, "rounds": args.rounds, "table": table, "runs": runs},
+                               "npp": args.npp, "ntg": args.ntg, "threads": args.threads, "rounds": args.rounds,
+                               "table": table, "runs": runs},
                               indent=1))
     print(f"wrote {out}")
 

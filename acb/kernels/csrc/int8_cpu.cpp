@@ -395,7 +395,7 @@ void gemm(const Rows& x, int64_t m, const Weight& w, const Weight* up, int64_t a
 // saturate, and its int16 sums of several k steps are added in int16 before one vpmaddwd by ones widens
 // them (nibbles: a group's 8 k steps, 16 products of at most 15 x 127 = 30,480; bytes: 2 steps, 4 x 63 x
 // 127 = 32,004): ~2 instructions per 16 products, against 4 for the int8 weights' AVX2 form above.
-// The AVX2 form, also compiled (and run) on AVX-512 CPUs.
+// The AVX2 form; on AVX-512 VNNI CPUs the same layout through vpdpbusd (low_dot512).
 enum LowKind : int { kInt8 = 0, kNibble = 1, kByte = 2, kNibble5 = 3 };
 
 template <int KIND>
@@ -564,6 +564,97 @@ void low_tile_rows(int64_t rows, const Rows& x, const Weight& w, const Weight* u
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// The same GEMM on AVX-512 VNNI: a 16-column block's codes of a k step as one register of 16 x 4 unsigned
+// bytes (the two halves the AVX2 form unpacks, side by side), vpdpbusd summing each row's products straight
+// into int32 (no int16 step: nothing to saturate), then the same flush per group.
+template <int KIND>
+inline __m512i codes512(const uint8_t* w, int64_t k, __m256i mask) {
+  __m256i lo, hi;
+  LowCodes<KIND>::at(w, k, mask, lo, hi);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+template <bool HALF>
+inline __m512 scales16(const float* p, int64_t i) {
+  if constexpr (HALF)
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const uint16_t*>(p) + i)));
+  else
+    return _mm512_loadu_ps(p + i);
+}
+
+template <int KIND, int MR, bool HALF>
+inline void low_dot512(const int8_t* x, int64_t xs, const uint8_t* w, int64_t ng, int64_t g4, const float* wscale,
+                       const float* xscale, const float* xoff, __m512 (&acc)[MR]) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512i iacc[MR];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) iacc[r] = _mm512_setzero_si512();
+    for (int64_t k = g * g4; k < (g + 1) * g4; ++k) {
+      const __m512i b = codes512<KIND>(w, k, mask);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        int32_t a32;
+        std::memcpy(&a32, x + r * xs + 4 * k, 4);
+        iacc[r] = dpbusd(iacc[r], b, _mm512_set1_epi32(a32));
+      }
+    }
+    const __m512 d = scales16<HALF>(wscale, g * 32), c = scales16<HALF>(wscale, g * 32 + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m512 s = _mm512_set1_ps(xscale[r * ng + g]);
+      const __m512 o = _mm512_set1_ps(HALF ? xoff[r * ng + g] * 0.0078125f : xoff[r * ng + g]);
+      acc[r] = _mm512_fnmadd_ps(c, o, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(iacc[r]), s), d, acc[r]));
+    }
+  }
+}
+
+template <typename T, int KIND, int MR, bool HALF>
+void low_tile512(const Rows& x, const Weight& w, const Weight* up, int64_t act, int64_t epi, const T* other,
+                 int64_t other_stride, T* out, int64_t out_stride, int64_t m0, int64_t b) {
+  const int64_t k = x.k, ng = x.ng, k4 = k / 4, g4 = k4 / ng, panel = k4 * LowCodes<KIND>::kStep;
+  const int8_t* xq = x.q + m0 * k;
+  const float* xs = x.scale + m0 * ng;
+  const float* xo = x.off + m0 * ng;
+  __m512 acc[MR], v[MR];
+  auto dot = [&](const Weight& wt) {
+    low_dot512<KIND, MR, HALF>(xq, k, wt.w + b * panel, ng, g4, wt.scale + b * ng * (HALF ? 16 : 32), xs, xo, acc);
+  };
+  dot(w);
+  for (int r = 0; r < MR; ++r) v[r] = biased(acc[r], w.bias ? w.bias + b * 16 : nullptr);
+  if (up != nullptr) {  // v holds the gate: act(gate) * up
+    for (int r = 0; r < MR; ++r) v[r] = act512(v[r], act);
+    dot(*up);
+    for (int r = 0; r < MR; ++r) v[r] = _mm512_mul_ps(v[r], biased(acc[r], up->bias ? up->bias + b * 16 : nullptr));
+  }
+  for (int r = 0; r < MR; ++r) {
+    __m512 o = v[r];
+    if (epi == kAdd) o = _mm512_add_ps(o, load16(other + (m0 + r) * other_stride + b * 16));
+    store16(out + (m0 + r) * out_stride + b * 16, o);
+  }
+}
+
+constexpr int64_t kLowMR512 = 8;  // rows per tile: 8 int32 and 8 float32 sums, the codes, the broadcast
+
+template <typename T, int KIND, bool HALF>
+void low_tile512_rows(int64_t rows, const Rows& x, const Weight& w, const Weight* up, int64_t act, int64_t epi,
+                      const T* other, int64_t os, T* out, int64_t ostride, int64_t m0, int64_t b) {
+  switch (rows) {
+    case 8: low_tile512<T, KIND, 8, HALF>(x, w, up, act, epi, other, os, out, ostride, m0, b); break;
+    case 7: low_tile512<T, KIND, 7, HALF>(x, w, up, act, epi, other, os, out, ostride, m0, b); break;
+    case 6: low_tile512<T, KIND, 6, HALF>(x, w, up, act, epi, other, os, out, ostride, m0, b); break;
+    case 5: low_tile512<T, KIND, 5, HALF>(x, w, up, act, epi, other, os, out, ostride, m0, b); break;
+    case 4: low_tile512<T, KIND, 4, HALF>(x, w, up, act, epi, other, os, out, ostride, m0, b); break;
+    case 3: low_tile512<T, KIND, 3, HALF>(x, w, up, act, epi, other, os, out, ostride, m0, b); break;
+    case 2: low_tile512<T, KIND, 2, HALF>(x, w, up, act, epi, other, os, out, ostride, m0, b); break;
+    default: low_tile512<T, KIND, 1, HALF>(x, w, up, act, epi, other, os, out, ostride, m0, b); break;
+  }
+}
+#endif
+
 // (16-column block, row chunk) items, blocks outermost: a block's codes stay in L1/L2 across a chunk's
 // row tiles (as the int8 GEMMs)
 template <typename T, int KIND, bool HALF>
@@ -578,8 +669,14 @@ void low_gemm_kind(const Rows& x, int64_t m, const Weight& w, const Weight* up, 
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / row_chunks, rc = item % row_chunks;
       const int64_t first = rc * chunk, stop = std::min(m, first + chunk);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+      for (int64_t m0 = first; m0 < stop; m0 += kLowMR512)
+        low_tile512_rows<T, KIND, HALF>(std::min(kLowMR512, stop - m0), x, w, up, act, epi, op, os, outp, ostride, m0,
+                                        b);
+#else
       for (int64_t m0 = first; m0 < stop; m0 += kLowMR)
         low_tile_rows<T, KIND, HALF>(std::min(kLowMR, stop - m0), x, w, up, act, epi, op, os, outp, ostride, m0, b);
+#endif
     }
   });
 }
