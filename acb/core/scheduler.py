@@ -43,6 +43,12 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
     together, and a waiting sequence that does not fit preempts running ones that rank after
     it, least urgent first, when that makes it fit.
 
+    Prefill-only sequences (embedding requests, ``Sequence.prefill_only``) wait in a queue of
+    their own and are planned after every other row, each policy alike, within
+    ``max_prefill_only_tokens`` per step while generation requests are live (the whole budget
+    left when none is): a batch of a thousand texts shares steps with streaming chats without
+    starving them, neither their decode rows nor the admission of new ones.
+
     When pages run out for a running sequence, the running sequence that ranks last and has
     no row in this step yet is preempted (``acb.core.preemption``); if there is none, the
     sequence that needs the page preempts itself.
@@ -59,12 +65,16 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
         host_pool: HostPool | None = None,
         kv_swa: KVCacheManager | None = None,
         aging_steps: int = 0,
+        max_prefill_only_tokens: int | None = None,
     ) -> None:
         self.kv = kv
         self.kv_swa = kv_swa  # hybrid models: the sliding layers' pool (``sliding_window`` is then theirs)
         self.host_pool = host_pool
         self.max_batch_tokens = max_batch_tokens
         self.max_requests = max_requests
+        # prompt tokens of prefill-only sequences a step holds beside generation (None: no cap)
+        self.max_prefill_only_tokens = max_prefill_only_tokens
+        self.num_prefill_only = 0  # prefill-only sequences queued or running
         self.queues = RunQueues(policy, aging_steps)
         self.policy, self.aging_steps, self.safety_margin = policy, aging_steps, safety_margin
         self.pages = PageTables(kv, kv_swa, sliding_window)
@@ -77,6 +87,7 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
 
     # what the engine, its stats and tests read, kept where they were
     waiting = property(lambda self: self.queues.waiting)
+    waiting_prefill_only = property(lambda self: self.queues.prefill_only)
     running = property(lambda self: self.queues.running)
     sliding_window = property(lambda self: self.pages.sliding_window)
     num_preemptions = property(lambda self: self.preemption.num_preemptions)
@@ -99,6 +110,7 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
             seq.forks = forks
             for s in forks:
                 s.status = FORKING
+        self.num_prefill_only += seq.prefill_only
         for s in (seq, *(seq.forks or ())):
             s.queued_plan = self.plan_index
             s.rank = self.queues.rank(s)
@@ -109,6 +121,7 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
         finished sequence stays finished: finishing it again does nothing."""
         if seq.status is FINISHED:
             return
+        self.num_prefill_only -= seq.prefill_only
         self.queues.remove(seq)
         if seq.forks:  # its other choices are not forked yet: the next one prefills for them
             heir, *rest = seq.forks
@@ -141,7 +154,7 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
         return self.pages.sent_tables(self.queues.running)
 
     def has_work(self) -> bool:
-        return bool(self.queues.waiting or self.queues.running)
+        return bool(self.queues.waiting or self.queues.running or self.queues.prefill_only)
 
     # ------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -158,14 +171,34 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
             # and took the pages the other one then lacked, and the two took turns forever
             held_back = self._running_need() if self.queues.waiting else 0
             budget = self.admission.admit(plan, budget, self.max_requests, held_back)
-            self._continue_running(plan, budget)
+            budget = self._continue_running(plan, budget)
         elif self.queues.policy == "priority":
-            self._plan_by_rank(plan, budget)
+            budget = self._plan_by_rank(plan, budget)
         else:
             budget = self._continue_running(plan, budget)
-            self.admission.admit(plan, budget, self.max_requests)
+            budget = self.admission.admit(plan, budget, self.max_requests)
+        self._plan_prefill_only(plan, budget)
         self.preemption.take_swap_outs(plan)
         return plan
+
+    def _plan_prefill_only(self, plan: StepPlan, budget: int) -> None:
+        """The prefill-only sequences' rows, after every other row: the running ones' next
+        chunks, then admissions from their queue, in arrival order, within ``budget`` and,
+        while any generation request is live, ``max_prefill_only_tokens``."""
+        if not self.num_prefill_only:
+            return
+        queues = self.queues
+        running = [seq for seq in queues.running if seq.prefill_only]
+        cap = self.max_prefill_only_tokens
+        if cap is not None and (queues.waiting or len(running) < len(queues.running)):
+            budget = min(budget, cap)
+        # (never a victim for their pages: a generation sequence; they preempt only each other)
+        scheduled = {id(seq) for seq in plan.seqs} | {id(seq) for seq in queues.running if not seq.prefill_only}
+        for seq in running:
+            if budget <= 0 or len(plan.seqs) >= self.max_requests:
+                return
+            budget = self._continue(plan, seq, budget, scheduled)
+        self.admission.admit(plan, budget, self.max_requests, prefill_only=True)
 
     def _running_need(self) -> int:
         """Pages the running sequences' next rows take (each as if it got the whole budget:
@@ -197,7 +230,7 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
         end = start + n
         drafts = seq.drafts  # set by _propose for this row only (its last token is known then)
         d = len(drafts)
-        sample = end - d == seq.num_tokens
+        sample = end - d == seq.num_tokens and not seq.prefill_only
         carry_from = -1
         if sample and seq.num_inflight > 0:  # its last token is in flight: a placeholder here
             tokens = seq.token_at(start, end - 1)
@@ -282,7 +315,8 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
         for seq in list(self.queues.running):
             if budget <= 0 or len(plan.seqs) >= self.max_requests:
                 break
-            budget = self._continue(plan, seq, budget, scheduled)
+            if not seq.prefill_only:  # (planned last: _plan_prefill_only)
+                budget = self._continue(plan, seq, budget, scheduled)
         return budget
 
     def _continue(self, plan: StepPlan, seq: Sequence, budget: int, scheduled: set[int]) -> int:
@@ -355,7 +389,8 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
         k = 0
         admitting = True
         while budget > 0 and len(plan.seqs) < self.max_requests:
-            while k < len(running) and (running[k].status is not RUNNING or id(running[k]) in scheduled):
+            while k < len(running) and (running[k].status is not RUNNING or id(running[k]) in scheduled
+                                        or running[k].prefill_only):
                 k += 1
             seq = running[k] if k < len(running) else None
             waiting = self.queues.waiting
