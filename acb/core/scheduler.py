@@ -24,6 +24,7 @@ from .intake import Intake
 from .kv_cache import HostPool, KVCacheManager
 from .page_tables import PageTables
 from .preemption import Preemption
+from .prefill_only import PrefillOnly
 from .run_queues import RunQueues
 from .sequence import FINISHED, FORKING, RUNNING, WAITING, SeqStatus, Sequence
 from .step import StepOutput, StepPlan, StepUpdate
@@ -43,11 +44,7 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
     together, and a waiting sequence that does not fit preempts running ones that rank after
     it, least urgent first, when that makes it fit.
 
-    Prefill-only sequences (embedding requests, ``Sequence.prefill_only``) wait in a queue of
-    their own and are planned after every other row, each policy alike, within
-    ``max_prefill_only_tokens`` per step while generation requests are live (the whole budget
-    left when none is): a batch of a thousand texts shares steps with streaming chats without
-    starving them, neither their decode rows nor the admission of new ones.
+    Prefill-only sequences (embeddings) are planned after every other row (``acb.core.prefill_only``).
 
     When pages run out for a running sequence, the running sequence that ranks last and has
     no row in this step yet is preempted (``acb.core.preemption``); if there is none, the
@@ -72,22 +69,19 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
         self.host_pool = host_pool
         self.max_batch_tokens = max_batch_tokens
         self.max_requests = max_requests
-        # prompt tokens of prefill-only sequences a step holds beside generation (None: no cap)
-        self.max_prefill_only_tokens = max_prefill_only_tokens
-        self.num_prefill_only = 0  # prefill-only sequences queued or running
         self.queues = RunQueues(policy, aging_steps)
         self.policy, self.aging_steps, self.safety_margin = policy, aging_steps, safety_margin
         self.pages = PageTables(kv, kv_swa, sliding_window)
         self.preemption = Preemption(self.queues, self.pages, host_pool)
         self.admission = Admission(self.queues, self.pages, self.preemption, safety_margin, self._start)
         self.intake = Intake(self.pages, self.finish)
+        self.prefill_only = PrefillOnly(self.queues, self.admission, max_prefill_only_tokens, self._continue)
         self.plan_index = 0
         # the common decode row has a shortcut (_decode_row) without sliding windows
         self._plain_decode = sliding_window is None and kv_swa is None
 
     # what the engine, its stats and tests read, kept where they were
     waiting = property(lambda self: self.queues.waiting)
-    waiting_prefill_only = property(lambda self: self.queues.prefill_only)
     running = property(lambda self: self.queues.running)
     sliding_window = property(lambda self: self.pages.sliding_window)
     num_preemptions = property(lambda self: self.preemption.num_preemptions)
@@ -110,7 +104,7 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
             seq.forks = forks
             for s in forks:
                 s.status = FORKING
-        self.num_prefill_only += seq.prefill_only
+        self.prefill_only.count += seq.prefill_only
         for s in (seq, *(seq.forks or ())):
             s.queued_plan = self.plan_index
             s.rank = self.queues.rank(s)
@@ -121,7 +115,7 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
         finished sequence stays finished: finishing it again does nothing."""
         if seq.status is FINISHED:
             return
-        self.num_prefill_only -= seq.prefill_only
+        self.prefill_only.count -= seq.prefill_only
         self.queues.remove(seq)
         if seq.forks:  # its other choices are not forked yet: the next one prefills for them
             heir, *rest = seq.forks
@@ -177,28 +171,9 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
         else:
             budget = self._continue_running(plan, budget)
             budget = self.admission.admit(plan, budget, self.max_requests)
-        self._plan_prefill_only(plan, budget)
+        self.prefill_only.plan(plan, budget, self.max_requests)
         self.preemption.take_swap_outs(plan)
         return plan
-
-    def _plan_prefill_only(self, plan: StepPlan, budget: int) -> None:
-        """The prefill-only sequences' rows, after every other row: the running ones' next
-        chunks, then admissions from their queue, in arrival order, within ``budget`` and,
-        while any generation request is live, ``max_prefill_only_tokens``."""
-        if not self.num_prefill_only:
-            return
-        queues = self.queues
-        running = [seq for seq in queues.running if seq.prefill_only]
-        cap = self.max_prefill_only_tokens
-        if cap is not None and (queues.waiting or len(running) < len(queues.running)):
-            budget = min(budget, cap)
-        # (never a victim for their pages: a generation sequence; they preempt only each other)
-        scheduled = {id(seq) for seq in plan.seqs} | {id(seq) for seq in queues.running if not seq.prefill_only}
-        for seq in running:
-            if budget <= 0 or len(plan.seqs) >= self.max_requests:
-                return
-            budget = self._continue(plan, seq, budget, scheduled)
-        self.admission.admit(plan, budget, self.max_requests, prefill_only=True)
 
     def _running_need(self) -> int:
         """Pages the running sequences' next rows take (each as if it got the whole budget:
@@ -312,11 +287,10 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
 
     def _continue_running(self, plan: StepPlan, budget: int) -> int:
         scheduled: set[int] = {id(seq) for seq in plan.seqs}
-        for seq in list(self.queues.running):
+        for seq in [s for s in self.queues.running if not s.prefill_only]:  # (those: acb.core.prefill_only)
             if budget <= 0 or len(plan.seqs) >= self.max_requests:
                 break
-            if not seq.prefill_only:  # (planned last: _plan_prefill_only)
-                budget = self._continue(plan, seq, budget, scheduled)
+            budget = self._continue(plan, seq, budget, scheduled)
         return budget
 
     def _continue(self, plan: StepPlan, seq: Sequence, budget: int, scheduled: set[int]) -> int:

@@ -203,7 +203,7 @@ class StepLoop:
     def _fail_stalled(self, seconds: float) -> None:
         """Fail the requests the scheduler has planned nothing for in ``seconds`` (see
         ``STALL_S``), naming it; the engine goes on serving new ones."""
-        stuck = [*self.scheduler.running, *self.scheduler.waiting, *self.scheduler.waiting_prefill_only]
+        stuck = [*self.scheduler.running, *self.scheduler.waiting, *self.scheduler.queues.prefill_only]
         log.error("acb: the scheduler planned no step for %.1f s with %d requests live and none in flight "
                   "(id, status, computed, tokens, pages: %s): failing them (a bug in acb, please report it)",
                   seconds, len(stuck), [(seq.seq_id, seq.status.name, seq.num_computed, seq.num_tokens,
@@ -329,7 +329,7 @@ class StepLoop:
                     except Exception:
                         pass
             if self.life.halting:
-                for seq in [*self.scheduler.running, *self.scheduler.waiting, *self.scheduler.waiting_prefill_only]:
+                for seq in [*self.scheduler.running, *self.scheduler.waiting, *self.scheduler.queues.prefill_only]:
                     self.scheduler.finish(seq)
                 if self.life.reason is not None:  # ended by a device failure, not by stop()
                     self.life.move(EngineState.STOPPED)

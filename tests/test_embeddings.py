@@ -1,0 +1,202 @@
+"""Embeddings from the engine that generates (``Engine.embed``, ``POST /v1/embeddings``, batch
+files): pooled final hidden states equal transformers' within 1e-4 in float32, on every tiny
+architecture and on SmolLM2, with generation in the same steps, chunked prefill and the prefix
+cache; a thousand texts do not starve a streaming chat; bad input is refused by name."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import acb
+from acb.testing import ARCHITECTURES, random_prompts, reference_embedding, reference_greedy, tiny_model
+
+TOL = 1e-4
+
+
+def _engine(arch: str = "llama", fused: bool = True, **fields) -> acb.Engine:
+    fields = {"num_blocks": 256, "page_size": 8, "dtype": "float32", "debug_checks": True, **fields}
+    return acb.Engine(tiny_model(arch), tokenizer=acb.testing.tiny_tokenizer(),
+                      config=acb.EngineConfig(cpu_fused_forward=fused, **fields))
+
+
+def _record_steps(engine: acb.Engine) -> list[tuple[int, int]]:
+    """Per step the engine runs from now on: (rows sampled, prompt tokens of its embedding rows)."""
+    runner = engine.runner
+    steps: list[tuple[int, int]] = []
+    execute = runner.execute
+
+    def recording(step):
+        pooled = 0
+        if step.pooling is not None:
+            counts = step.counts()
+            pooled = sum(counts[i] for i in set(step.pooling.rows))
+        steps.append((sum(step.sample), pooled))
+        return execute(step)
+
+    runner.execute = recording
+    return steps
+
+
+def _max_error(got: list[float], want: torch.Tensor) -> float:
+    return (torch.tensor(got) - want).abs().max().item()
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "transformers"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+async def test_pooled_vectors_equal_transformers_beside_generation(arch, fused):
+    """last, mean and cls pooling equal transformers' base model's last_hidden_state pooled the same way,
+    with greedy chats in the same steps (which still equal transformers' generate token for token)."""
+    model_prompts = random_prompts(6, 2, 70, seed=3)
+    chat_prompts = random_prompts(2, 5, 20, seed=4)
+    engine = _engine(arch, fused, max_batch_tokens=48, max_embedding_tokens=24)
+    async with engine:
+        steps = _record_steps(engine)
+        chats = [engine.submit(p, max_new_tokens=10, ignore_eos=True) for p in chat_prompts]
+        vectors = {pooling: await engine.embed(model_prompts, pooling=pooling, normalize=False)
+                   for pooling in ("last", "mean", "cls")}
+        normalized = await engine.embed(model_prompts)
+        done = [await c for c in chats]
+        path = engine.stats().forward_path
+    assert path == ("fused" if fused else "transformers") or arch.startswith("gemma")
+    assert any(sampled and pooled for sampled, pooled in steps), "no step held both a chat and an embedding"
+    for pooling, got in vectors.items():
+        for p, v in zip(model_prompts, got):
+            want = reference_embedding(engine.model, p, pooling, normalize=False)
+            assert len(v) == want.shape[0]
+            assert _max_error(v, want) < TOL, (pooling, len(p))
+    for p, v in zip(model_prompts, normalized):
+        assert _max_error(v, reference_embedding(engine.model, p)) < TOL
+        assert abs(sum(x * x for x in v) - 1) < 1e-5
+    for p, c in zip(chat_prompts, done):
+        assert c.token_ids == reference_greedy(engine.model, p, 10)
+
+
+async def test_long_prompts_are_pooled_across_chunks():
+    """A prompt longer than a step's embedding share is computed in chunks; mean pooling sums them all."""
+    prompt = random_prompts(1, 150, 150, seed=5)[0]
+    async with _engine(max_batch_tokens=64, max_embedding_tokens=16) as engine:
+        steps = _record_steps(engine)
+        chat = engine.submit([5, 6, 7], max_new_tokens=40, ignore_eos=True)
+        (mean,) = await engine.embed([prompt], pooling="mean", normalize=False)
+        (last,) = await engine.embed(prompt, pooling="last", normalize=False)
+        await chat
+    pooled = [n for _, n in steps if n]
+    assert len(pooled) >= 150 // 16 and max(pooled) <= 16
+    assert _max_error(mean, reference_embedding(engine.model, prompt, "mean", normalize=False)) < TOL
+    assert _max_error(last, reference_embedding(engine.model, prompt, "last", normalize=False)) < TOL
+
+
+async def test_alone_embeddings_fill_the_step():
+    """With no generation live, the embedding share does not bound a step: they fill its budget."""
+    prompts = random_prompts(8, 30, 30, seed=6)
+    async with _engine(max_batch_tokens=256, max_embedding_tokens=16) as engine:
+        steps = _record_steps(engine)
+        await engine.embed(prompts)
+    assert max(n for _, n in steps) > 16
+
+
+async def test_the_prefix_cache_never_changes_a_vector():
+    """last pooling starts from cached pages (the last position is always computed, a fully cached
+    prompt included); mean pooling computes every position whatever the cache holds."""
+    prompt = random_prompts(1, 40, 40, seed=7)[0]
+    async with _engine() as engine:
+        await engine.generate(prompt, max_new_tokens=2)  # its prompt's full pages are cached now
+        hits = engine.kv.prefix_hits
+        (last,) = await engine.embed(prompt, normalize=False)
+        assert engine.kv.prefix_hits > hits  # started from the cache
+        hits = engine.kv.prefix_hits
+        (mean,) = await engine.embed(prompt, pooling="mean", normalize=False)
+        assert engine.kv.prefix_hits == hits  # did not
+        (again,) = await engine.embed(prompt, normalize=False)
+    assert _max_error(last, reference_embedding(engine.model, prompt, "last", normalize=False)) < TOL
+    assert _max_error(again, reference_embedding(engine.model, prompt, "last", normalize=False)) < TOL
+    assert _max_error(mean, reference_embedding(engine.model, prompt, "mean", normalize=False)) < TOL
+
+
+async def test_a_thousand_texts_do_not_starve_a_streaming_chat(tokenizer):
+    """A chat streams while 1,000 texts are embedded in the same engine: it is admitted ahead of
+    the queued embeddings, and every step it runs in holds at most max_embedding_tokens of them."""
+    texts = [f"document number {i}: " + "lorem ipsum " * (i % 5 + 1) for i in range(1000)]
+    async with _engine(max_batch_tokens=256, max_embedding_tokens=32, num_blocks=512) as engine:
+        steps = _record_steps(engine)
+        batch = asyncio.ensure_future(engine.embed(texts, pooling="mean"))
+        while not engine.stats().running:  # the batch is running
+            await asyncio.sleep(0)
+        arrivals = []
+        async for chunk in engine.stream("hello there", max_new_tokens=24, ignore_eos=True):
+            arrivals.append(batch.done())
+        vectors = await batch
+    assert len(vectors) == 1000 and len(set(map(tuple, vectors))) > 990
+    assert len(arrivals) >= 1 and not any(arrivals), "the chat waited for the embedding batch"
+    chat_steps = [pooled for sampled, pooled in steps if sampled]
+    assert len(chat_steps) >= 24 and max(chat_steps) <= 32
+
+
+async def test_bad_input_is_refused_by_name_and_the_engine_goes_on():
+    async with _engine() as engine:
+        cases = [([], "inputs is empty"), ([""], r"inputs\[0\]: prompt is empty"),
+                 (["ok", [1, 2, 999999]], r"inputs\[1\]: prompt token id 999999"),
+                 ([[1] * 5000], r"inputs\[0\] is 5000 tokens, more than this engine can hold"),
+                 ([{"role": "user"}], r"inputs\[0\] must be a string or a list of token ids"), (3, "inputs must be")]
+        for inputs, message in cases:
+            with pytest.raises(acb.InvalidRequestError, match=message) as e:
+                await engine.embed(inputs)
+            assert e.value.param == "inputs"
+        with pytest.raises(acb.InvalidRequestError, match="pooling must be one of 'last', 'mean', 'cls', got 'max'"):
+            await engine.embed("hi", pooling="max")
+        with pytest.raises(acb.InvalidRequestError, match="normalize must be a bool"):
+            await engine.embed("hi", normalize="yes")
+        assert len((await engine.embed(["still", "serving"]))[1]) == 64
+        assert (await engine.generate("still serving", max_new_tokens=3)).finish_reason == "length"
+
+
+async def test_cancelling_the_call_cancels_its_prompts():
+    prompts = random_prompts(200, 20, 40, seed=8)
+    async with _engine(max_batch_tokens=32) as engine:
+        task = asyncio.ensure_future(engine.embed(prompts))
+        while not engine.stats().running:
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await engine.generate("after", max_new_tokens=2)  # a step after the cancel: pages back
+        stats = engine.stats()
+    assert stats.running == stats.waiting == 0 and stats.free_blocks == stats.total_blocks
+
+
+async def test_a_hard_stop_fails_the_embedding_call():
+    async with _engine(max_batch_tokens=32) as engine:
+        task = asyncio.ensure_future(engine.embed(random_prompts(100, 20, 40, seed=9)))
+        while not engine.stats().running:
+            await asyncio.sleep(0)
+        await engine.stop(hard=True)
+        with pytest.raises(acb.EngineStoppedError):
+            await task
+
+
+@pytest.mark.slow
+async def test_smollm2_embeddings_and_cosine_similarities_equal_transformers():
+    """On the real model in float32: last and mean pooled vectors within 1e-4 of transformers',
+    batched with a streaming chat, and the sentence-transformers-style cosine similarity matrix
+    agrees too (the same nearest neighbour for each sentence)."""
+    from acb.loading import load, smollm2
+
+    model, tok = load(*smollm2(), dtype="float32")
+    sentences = ["A cat sits on the mat.", "A kitten is resting on a rug.", "The stock market fell sharply today.",
+                 "Shares dropped at the close of trading.", "How do I bake bread at home?",
+                 "A simple recipe for homemade bread."]
+    config = acb.EngineConfig(num_blocks=128, max_batch_tokens=64, max_embedding_tokens=16, dtype="float32")
+    async with acb.Engine(model, tokenizer=tok, config=config) as engine:
+        chat = engine.submit([{"role": "user", "content": "Name a cat breed."}], max_new_tokens=16)
+        got = {p: await engine.embed(sentences, pooling=p) for p in ("last", "mean")}
+        await chat
+    for pooling, vectors in got.items():
+        want = torch.stack([reference_embedding(model, tok(s)["input_ids"], pooling) for s in sentences])
+        have = torch.tensor(vectors)
+        assert (have - want).abs().max().item() < TOL, pooling
+        cos_have, cos_want = have @ have.T, want @ want.T
+        assert (cos_have - cos_want).abs().max().item() < TOL, pooling
+        assert torch.equal((cos_have - 2 * torch.eye(6)).argmax(1), (cos_want - 2 * torch.eye(6)).argmax(1))
