@@ -200,3 +200,139 @@ async def test_smollm2_embeddings_and_cosine_similarities_equal_transformers():
         cos_have, cos_want = have @ have.T, want @ want.T
         assert (cos_have - cos_want).abs().max().item() < TOL, pooling
         assert torch.equal((cos_have - 2 * torch.eye(6)).argmax(1), (cos_want - 2 * torch.eye(6)).argmax(1))
+
+
+# ---------------------------------------------------------------------------- the wire
+
+
+@pytest.fixture
+async def served():
+    from http_helpers import running_app
+
+    from acb.integrations.aiohttp import ENGINE_KEY
+    from acb.serving.server import ServerConfig, create_app
+
+    openai = pytest.importorskip("openai")
+    app = create_app(acb.testing.tiny_engine(max_batch_tokens=64, max_embedding_tokens=16), ServerConfig(
+        model_name="tiny"))
+    async with running_app(app) as url:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        yield client, app[ENGINE_KEY], url
+        await client.close()
+
+
+async def test_the_openai_client_gets_the_engines_vectors_and_usage(served):
+    """embeddings.create (the client asks for base64 and decodes it itself) answers the engine's own
+    vectors, in input order, with usage counting the inputs' tokens; token-id inputs too."""
+    client, engine, _ = served
+    texts = ["a cat sat on the mat", "the stock market fell", "bread at home"]
+    answer = await client.embeddings.create(model="tiny", input=texts)
+    want = await engine.embed(texts)
+    assert [d.index for d in answer.data] == [0, 1, 2] and answer.model == "tiny" and answer.object == "list"
+    for d, w in zip(answer.data, want):
+        assert d.object == "embedding" and len(d.embedding) == 64
+        assert _max_error(d.embedding, torch.tensor(w)) == 0
+        assert _max_error(d.embedding, reference_embedding(engine.model, engine.tokenize(texts[d.index]))) < TOL
+    tokens = sum(len(engine.tokenize(t)) for t in texts)
+    assert (answer.usage.prompt_tokens, answer.usage.total_tokens) == (tokens, tokens)
+    ids = [engine.tokenize(t) for t in texts]
+    by_ids = await client.embeddings.create(model="tiny", input=ids, encoding_format="float",
+                                            extra_body={"pooling": "mean", "normalize": False})
+    for d, p in zip(by_ids.data, ids):
+        assert _max_error(d.embedding, reference_embedding(engine.model, p, "mean", normalize=False)) < TOL
+    one = await client.embeddings.create(model="tiny", input=ids[0], user="someone")
+    assert len(one.data) == 1 and _max_error(one.data[0].embedding, torch.tensor(want[0])) < 1e-6
+
+
+async def test_base64_is_little_endian_float32_of_the_float_answer(served):
+    import base64
+
+    import numpy as np
+
+    _, engine, url = served
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        body = {"model": "tiny", "input": ["one text", "another text"]}
+        async with session.post(f"{url}/v1/embeddings", json={**body, "encoding_format": "float"}) as r:
+            floats = [d["embedding"] for d in (await r.json())["data"]]
+        async with session.post(f"{url}/v1/embeddings", json={**body, "encoding_format": "base64"}) as r:
+            encoded = [d["embedding"] for d in (await r.json())["data"]]
+    assert all(isinstance(e, str) for e in encoded)
+    decoded = [np.frombuffer(base64.b64decode(e), dtype="<f4") for e in encoded]
+    assert [d.tolist() for d in decoded] == floats  # float32 values both ways, bit for bit
+
+
+async def test_a_streaming_chat_and_an_embedding_batch_share_the_server(served):
+    client, _, _ = served
+    texts = [f"text number {i} " * 3 for i in range(200)]
+    batch = asyncio.ensure_future(client.embeddings.create(model="tiny", input=texts))
+    tokens = []
+    stream = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=16, temperature=0, stream=True)
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content is not None:
+            tokens.append(batch.done())
+    answer = await batch
+    assert len(answer.data) == 200 and tokens and not all(tokens)
+
+
+@pytest.mark.parametrize("body, param, needle", [
+    ({"input": "x", "dimensions": 32}, "dimensions", "'dimensions' is not supported"),
+    ({"input": []}, "input", "'input' must be a non-empty string"),
+    ({}, "input", "'input' must be a non-empty string"),
+    ({"input": ["ok", ""]}, "input", "'input[1]' is an empty string"),
+    ({"input": [[1, 2], "x", [3, True]]}, "input", "'input[2]' must be a non-empty string or a non-empty list"),
+    ({"input": [[1, 99999]]}, "input", "'input[0]' cannot be embedded: prompt token id 99999 is out"),
+    ({"input": "x" * 3000}, "input", "input[0] is 3000 tokens, more than this engine can hold (1024"),
+    ({"input": "x", "encoding_format": "int8"}, "encoding_format", "must be 'float' or 'base64'"),
+    ({"input": "x", "pooling": "max"}, "pooling", "must be 'last', 'mean' or 'cls'"),
+    ({"input": "x", "normalize": "yes"}, "normalize", "must be a boolean"),
+    ({"input": "x", "truncate_prompt_tokens": 8}, "truncate_prompt_tokens", "is not supported"),
+    ({"input": "x", "add_special_tokens": False}, "add_special_tokens", "must be true"),
+    ({"input": "x", "user": 5}, "user", "must be a string"),
+])
+async def test_bad_bodies_get_a_400_naming_the_field_and_the_server_goes_on(served, body, param, needle):
+    import aiohttp
+
+    _, engine, url = served
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{url}/v1/embeddings", json={"model": "tiny", **body}) as r:
+            assert r.status == 400
+            error = (await r.json())["error"]
+        assert error["param"] == param and needle in error["message"] and error["type"] == "invalid_request_error"
+        async with session.post(f"{url}/v1/embeddings", json={"model": "nope", "input": "x"}) as r:
+            assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
+        async with session.post(f"{url}/v1/embeddings", json={"model": "tiny", "input": "still here"}) as r:
+            assert r.status == 200 and len((await r.json())["data"][0]["embedding"]) == 64
+
+
+async def test_a_batch_file_embeds_its_embedding_lines(tmp_path):
+    """run-batch: /v1/embeddings lines answered with the engine's vectors beside chat lines; refusals as error lines."""
+    import json
+
+    from acb.integrations.batch_files import run_batch_file
+    from acb.integrations.openai_service import OpenAIService
+
+    texts = [f"line {i} to embed" for i in range(6)]
+    lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+              "body": {"model": "tiny", "input": [t, t + "!"], "encoding_format": "float"}}
+             for i, t in enumerate(texts)]
+    lines.append({"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}})
+    lines.append({"custom_id": "bad", "method": "POST", "url": "/v1/embeddings",
+                  "body": {"model": "tiny", "input": "x", "dimensions": 8}})
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    async with acb.testing.tiny_engine() as engine:
+        summary = await run_batch_file(OpenAIService(engine, model_name="tiny"), tmp_path / "in.jsonl",
+                                       tmp_path / "out.jsonl")
+        want = {i: await engine.embed([t, t + "!"]) for i, t in enumerate(texts)}
+    assert (summary.succeeded, summary.failed) == (7, 1)
+    results = {r["custom_id"]: r for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    for i in range(6):
+        body = results[f"e{i}"]["response"]["body"]
+        assert results[f"e{i}"]["error"] is None and body["object"] == "list"
+        assert [d["embedding"] for d in body["data"]] == want[i]
+    assert results["chat"]["response"]["body"]["object"] == "chat.completion"
+    bad = results["bad"]
+    assert bad["response"]["status_code"] == 400 and bad["response"]["body"]["error"]["param"] == "dimensions"
