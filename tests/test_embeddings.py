@@ -190,9 +190,11 @@ async def test_smollm2_embeddings_and_cosine_similarities_equal_transformers():
                  "A simple recipe for homemade bread."]
     config = acb.EngineConfig(num_blocks=128, max_batch_tokens=64, max_embedding_tokens=16, dtype="float32")
     async with acb.Engine(model, tokenizer=tok, config=config) as engine:
+        steps = _record_steps(engine)
         chat = engine.submit([{"role": "user", "content": "Name a cat breed."}], max_new_tokens=16)
         got = {p: await engine.embed(sentences, pooling=p) for p in ("last", "mean")}
         await chat
+    assert any(sampled and pooled for sampled, pooled in steps), "no step held both the chat and embeddings"
     for pooling, vectors in got.items():
         want = torch.stack([reference_embedding(model, tok(s)["input_ids"], pooling) for s in sentences])
         have = torch.tensor(vectors)
