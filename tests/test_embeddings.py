@@ -116,6 +116,21 @@ async def test_the_prefix_cache_never_changes_a_vector():
     assert _max_error(mean, reference_embedding(engine.model, prompt, "mean", normalize=False)) < TOL
 
 
+@pytest.mark.parametrize("offload", [0.0, 0.01], ids=["recompute", "offload"])
+async def test_preempted_embedding_prompts_pool_each_position_once(offload):
+    """Embedding prompts that preempt each other for pages (recomputed, or restored from host memory)
+    pool every position exactly once: their vectors stay transformers'."""
+    prompts = random_prompts(6, 60, 90, seed=12)
+    engine = _engine(num_blocks=14, max_batch_tokens=40, safety_margin=0.0, cpu_offload_space=offload)
+    async with engine:
+        got = {p: await engine.embed(prompts, pooling=p, normalize=False) for p in ("mean", "last")}
+        stats = engine.stats()
+    assert stats.preemptions > 0 and (stats.offloads > 0) == bool(offload)
+    for pooling, vectors in got.items():
+        for p, v in zip(prompts, vectors):
+            assert _max_error(v, reference_embedding(engine.model, p, pooling, normalize=False)) < TOL
+
+
 async def test_a_thousand_texts_do_not_starve_a_streaming_chat(tokenizer):
     """A chat streams while 1,000 texts are embedded in the same engine: it is admitted ahead of
     the queued embeddings, and every step it runs in holds at most max_embedding_tokens of them."""
