@@ -140,6 +140,8 @@ async def test_a_thousand_texts_do_not_starve_a_streaming_chat(tokenizer):
         batch = asyncio.ensure_future(engine.embed(texts, pooling="mean"))
         while not engine.stats().running:  # the batch is running
             await asyncio.sleep(0)
+        stats = engine.stats()
+        assert stats.embeddings_waiting > 900 and stats.waiting == 0  # queued apart from generation
         arrivals = []
         async for chunk in engine.stream("hello there", max_new_tokens=24, ignore_eos=True):
             arrivals.append(batch.done())

@@ -373,6 +373,7 @@ class StepLoop:
             forward_reason=runner.forward_reason if runner is not None else "",
             spec_proposed_tokens=spec.proposed if spec else 0, spec_accepted_tokens=spec.accepted if spec else 0,
             spec_acceptance_rate=spec.acceptance_rate if spec else 0.0,
+            embeddings_waiting=len(sched.queues.prefill_only),
             **(kv.disk.stat_fields() if kv.disk is not None else {}), **fields)
 
     def copy_out_for_disk(self, wait: bool = False) -> None:

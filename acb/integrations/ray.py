@@ -174,7 +174,8 @@ class AcbEngineReplica:
     def record_routing_stats(self) -> dict[str, Any]:
         """What the replica reports to routers: its queue depth and free KV pages."""
         stats = self.engine.stats()
-        return {"queue_depth": stats.running + stats.waiting, "free_kv_pages": stats.free_blocks}
+        return {"queue_depth": stats.running + stats.waiting + stats.embeddings_waiting,
+                "free_kv_pages": stats.free_blocks}
 
     async def __del__(self) -> None:
         """Ray Serve calls this once running requests are done (scale-down, redeploy,
