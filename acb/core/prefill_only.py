@@ -36,8 +36,10 @@ class PrefillOnly:
         running = [seq for seq in queues.running if seq.prefill_only]
         if self.max_tokens is not None and (queues.waiting or len(running) < len(queues.running)):
             budget = min(budget, self.max_tokens)
-        # never a victim for their pages: a generation sequence (they preempt only each other)
-        scheduled = {id(seq) for seq in plan.seqs} | {id(seq) for seq in queues.running if not seq.prefill_only}
+        # never a victim for their pages: a generation sequence (they preempt only each other), nor one whose
+        # prompt is all computed (its pages come back when that step is delivered; preempted, it computes again)
+        scheduled = {id(seq) for seq in plan.seqs} | {id(seq) for seq in queues.running
+                                                        if not seq.prefill_only or seq.num_computed >= seq.num_tokens}
         for seq in running:
             if budget <= 0 or len(plan.seqs) >= max_requests:
                 return
