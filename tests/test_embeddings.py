@@ -178,7 +178,7 @@ async def test_cancelling_the_call_cancels_its_prompts():
             await asyncio.sleep(0)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
-            await task
+            await asyncio.wait_for(task, 30)
         await engine.generate("after", max_new_tokens=2)  # a step after the cancel: pages back
         stats = engine.stats()
     assert stats.running == stats.waiting == 0 and stats.free_blocks == stats.total_blocks
@@ -191,7 +191,7 @@ async def test_a_hard_stop_fails_the_embedding_call():
             await asyncio.sleep(0)
         await engine.stop(hard=True)
         with pytest.raises(acb.EngineStoppedError):
-            await task
+            await asyncio.wait_for(task, 30)
 
 
 @pytest.mark.slow
