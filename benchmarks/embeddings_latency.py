@@ -4,15 +4,15 @@
     python benchmarks/embeddings_latency.py --texts 300 --chats 2 # shorter
     python benchmarks/embeddings_latency.py --dtype float32 --caps 256,2048
 
-One engine over SmolLM2-135M-Instruct (the default settings, ``--dtype`` aside). Each scenario runs
-``--chats`` streaming chats (greedy, ``--new`` tokens each, ``ignore_eos``) and measures the gap
-between consecutive chunks of each stream (inter-token latency, ITL) and each chat's time to first
-token:
+One engine per scenario over SmolLM2-135M-Instruct, loaded once (the default settings, ``--dtype``
+aside). Each scenario runs ``--chats`` streaming chats (greedy, ``--new`` tokens each, ``ignore_eos``)
+and measures the gap between consecutive chunks of each stream (inter-token latency, ITL) and each
+chat's time to first token:
 
 - ``alone``: the chats by themselves;
 - ``embed cap=N``: ``engine.embed(texts, pooling="mean")`` over ``--texts`` synthetic texts (10 to 60
   words) is started first, and the chats start once it runs, with ``EngineConfig.max_embedding_tokens=N``
-  (the default cap is ``max_batch_tokens / 8``; a cap of ``max_batch_tokens`` is "no cap": embeddings
+  (the default cap is ``max_batch_tokens / 32``; a cap of ``max_batch_tokens`` is "no cap": embeddings
   then take whatever the chats leave of each step). Only the gaps that end while the batch still runs
   count in that scenario's ITL; the batch's own time and texts/s are printed beside.
 
@@ -31,7 +31,7 @@ import statistics
 import time
 
 import acb
-from acb.loading import smollm2
+from acb.loading import default_dtype, load, smollm2
 
 WORDS = ("the a cat dog market bread river city engine token model cloud rain price garden music light quiet "
          "quickly slowly under over between report data small large history science answer question green "
@@ -92,12 +92,13 @@ async def scenario(engine: acb.Engine, args, batch: list[str] | None) -> dict:
 async def run(args) -> dict:
     """Scenarios: alone, the engine's default cap, then each of ``args.caps``."""
     folder, gguf = smollm2()
+    dtype = args.dtype or default_dtype("cpu")  # what from_pretrained loads on this CPU
+    model, tokenizer = load(folder, gguf, dtype=dtype)  # once: each scenario's engine takes it in turn
     batch = texts(args.texts)
     results = {}
     for name, cap, embed in [("alone", None, False), ("embed cap=default", None, True),
                              *((f"embed cap={c}", c, True) for c in args.caps)]:
-        engine = acb.Engine.from_pretrained(folder, gguf_file=gguf,
-                                            config=acb.EngineConfig(dtype=args.dtype, max_embedding_tokens=cap))
+        engine = acb.Engine(model, tokenizer=tokenizer, config=acb.EngineConfig(max_embedding_tokens=cap))
         async with engine:
             await engine.generate("Warm up.", max_new_tokens=4)
             await engine.embed(batch[:8])

@@ -14,7 +14,7 @@ called as the engine is put together, each time knowing more (see ``acb.engine.e
   keeps the device kind its ranks share);
 - with the cache's layout (``acb.worker.sizing.layout``, which sizes the cache from the model and
   memory): ``num_blocks``, ``max_batch_tokens`` and ``max_waiting_requests`` (four times
-  the requests per batch) and ``max_embedding_tokens`` (an eighth of ``max_batch_tokens``).
+  the requests per batch) and ``max_embedding_tokens`` (``max_batch_tokens`` / 32).
 
 Resolving twice changes nothing. What stays ``None`` on purpose: ``use_cuda_graph`` (on
 CUDA once a start-up self-check passes: decided by the fast paths when the check runs),
@@ -44,7 +44,7 @@ DEBUG_CHECKS_ENV = "ACB_DEBUG_CHECKS"
 PAGE_SIZE = 16
 MAX_REQUESTS = 256
 WAITING_PER_RUNNING = 4
-EMBEDDING_SHARE = 8  # max_embedding_tokens: an eighth of a step's tokens (docs/embeddings.md measures it)
+EMBEDDING_SHARE = 32  # max_embedding_tokens: 64 of the CPU's 2048 tokens a step (docs/embeddings.md measures it)
 DTYPES = ("float32", "bfloat16", "float16")  # what EngineConfig.dtype can name
 
 
