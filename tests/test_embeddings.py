@@ -23,20 +23,19 @@ def _engine(arch: str = "llama", fused: bool = True, **fields) -> acb.Engine:
 
 
 def _record_steps(engine: acb.Engine) -> list[tuple[int, int]]:
-    """Per step the engine runs from now on: (rows sampled, prompt tokens of its embedding rows)."""
-    runner = engine.runner
+    """Per step the engine plans from now on: (rows that sample, prompt tokens of its embedding rows)."""
+    scheduler = engine.scheduler
     steps: list[tuple[int, int]] = []
-    execute = runner.execute
+    schedule = scheduler.schedule
 
-    def recording(step):
-        pooled = 0
-        if step.pooling is not None:
-            counts = step.counts()
-            pooled = sum(counts[i] for i in set(step.pooling.rows))
-        steps.append((sum(step.sample), pooled))
-        return execute(step)
+    def recording():
+        plan = schedule()
+        if plan.seqs:
+            counts = plan.input.counts()
+            steps.append((sum(plan.input.sample), sum(n for seq, n in zip(plan.seqs, counts) if seq.prefill_only)))
+        return plan
 
-    runner.execute = recording
+    scheduler.schedule = recording
     return steps
 
 
@@ -89,13 +88,22 @@ async def test_long_prompts_are_pooled_across_chunks():
     assert _max_error(last, reference_embedding(engine.model, prompt, "last", normalize=False)) < TOL
 
 
-async def test_alone_embeddings_fill_the_step():
-    """With no generation live, the embedding share does not bound a step: they fill its budget."""
-    prompts = random_prompts(8, 30, 30, seed=6)
-    async with _engine(max_batch_tokens=256, max_embedding_tokens=16) as engine:
-        steps = _record_steps(engine)
-        await engine.embed(prompts)
-    assert max(n for _, n in steps) > 16
+async def test_a_chat_arriving_while_only_embeddings_run_waits_for_small_steps():
+    """With no generation live the embedding share still bounds a step, so a chat arriving then
+    starts within a few steps; a larger share holds more per step."""
+    prompts = random_prompts(60, 30, 30, seed=6)
+    for cap in (16, 128):
+        async with _engine(max_batch_tokens=256, max_embedding_tokens=cap) as engine:
+            steps = _record_steps(engine)
+            batch = asyncio.ensure_future(engine.embed(prompts))
+            while len(steps) < 3:
+                await asyncio.sleep(0)
+            before = len(steps)
+            await engine.generate([5, 6, 7], max_new_tokens=1)
+            waited = len(steps) - before
+            await batch
+        assert max(n for _, n in steps) == cap
+        assert waited <= 3  # the steps in flight, then the chat's own
 
 
 async def test_the_prefix_cache_never_changes_a_vector():
@@ -121,7 +129,8 @@ async def test_preempted_embedding_prompts_pool_each_position_once(offload):
     """Embedding prompts that preempt each other for pages (recomputed, or restored from host memory)
     pool every position exactly once: their vectors stay transformers'."""
     prompts = random_prompts(6, 60, 90, seed=12)
-    engine = _engine(num_blocks=14, max_batch_tokens=40, safety_margin=0.0, cpu_offload_space=offload)
+    engine = _engine(num_blocks=14, max_batch_tokens=40, max_embedding_tokens=40, safety_margin=0.0,
+                     cpu_offload_space=offload)
     async with engine:
         got = {p: await engine.embed(prompts, pooling=p, normalize=False) for p in ("mean", "last")}
         stats = engine.stats()

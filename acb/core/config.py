@@ -240,7 +240,7 @@ class EngineConfig:  # ~330 lines: its fields (each with its docstring), and one
     draft_model: Any = field(default=None, repr=False, compare=False)
     """speculative_method=draft: a model folder (or model object) sharing the model's tokenizer."""
     max_embedding_tokens: int | None = None
-    """Embedding prompt tokens one step computes while generation is live (None: max_batch_tokens / 32)."""
+    """Embedding prompt tokens one step computes, beside generation or not (None: max_batch_tokens / 32)."""
 
     def __post_init__(self) -> None:  # long: one check per field, in field order; not on a hot path
         def bad(name: str, why: str) -> None:

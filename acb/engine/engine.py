@@ -238,8 +238,8 @@ class Engine:
         (so dot products are cosine similarities). Texts are tokenized as ``generate`` does.
 
         The prompts run as prefill-only requests in the engine's own steps, beside generation
-        (``EngineConfig.max_embedding_tokens`` bounds their share of a step while any generation
-        request is live, so streams keep their pace). Bad input raises ``InvalidRequestError``
+        (``EngineConfig.max_embedding_tokens`` bounds their share of every step, so streams keep
+        their pace). Bad input raises ``InvalidRequestError``
         naming it (``inputs[i]``, ``pooling``); the engine goes on. Cancelling the call cancels
         every one of its prompts. See docs/embeddings.md.
 
