@@ -30,6 +30,8 @@ import random
 import statistics
 import time
 
+import torch
+
 import acb
 from acb.loading import default_dtype, load, smollm2
 
@@ -133,7 +135,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args), "cpus": os.cpu_count(),
-                   "results": results}, f, indent=1)
+                   "threads": torch.get_num_threads(), "results": results}, f, indent=1)
     print(f"written to {args.out}")
 
 
