@@ -530,6 +530,7 @@ _EFFECTS = {
     "prompt_lookup_max": ({"prompt_lookup_max": 6}, None),
     # the draft of speculative_method="draft" (refused by name without it): tests/test_speculative_draft.py
     "draft_model": ({}, "tests/test_speculative_draft.py"),
+    "max_embedding_tokens": ({"max_embedding_tokens": 5}, lambda e: e.scheduler.prefill_only.max_tokens == 5),
 }
 
 

@@ -30,11 +30,13 @@ class Admission:
         # computing it again in the same step
         self.pending_first_page: dict[int, Sequence] = {}
 
-    def admit(self, plan: StepPlan, budget: int, max_requests: int, held_back: int = 0) -> int:
+    def admit(self, plan: StepPlan, budget: int, max_requests: int, held_back: int = 0,
+              prefill_only: bool = False) -> int:
         """Admit from the head while the budget and the request cap allow; the budget left.
         ``held_back``: pages admission leaves free beside the safety margin while others run
-        (prefill_first: the pages the running sequences' rows of this step need)."""
-        waiting = self.queues.waiting
+        (prefill_first: the pages the running sequences' rows of this step need).
+        ``prefill_only``: from the queue of prefill-only sequences (embeddings), not the waiting one."""
+        waiting = self.queues.prefill_only if prefill_only else self.queues.waiting
         while waiting and budget > 0 and len(plan.seqs) < max_requests:
             left = self.admit_one(plan, waiting[0], budget, held_back=held_back)
             if left is None:
@@ -76,7 +78,7 @@ class Admission:
         if not self._room(plan, seq, need, None, scheduled, held_back):
             kv.release(matched)
             return None
-        self.queues.waiting.popleft()
+        self.queues.dequeue(seq)
         plan.admitted.append(seq)
         if cached:
             seq.block_table = matched
@@ -106,7 +108,7 @@ class Admission:
         swa_need = sum(seq.host_swa) + extra if seq.host_swa is not None else 0
         if not self._room(plan, seq, need, swa_need, scheduled, held_back):
             return None
-        self.queues.waiting.popleft()
+        self.queues.dequeue(seq)
         plan.admitted.append(seq)
         self.preemption.restore(plan, seq, need, swa_need)
         self._start(plan, seq, n)

@@ -240,6 +240,8 @@ class EngineConfig:  # ~330 lines: its fields (each with its docstring), and one
     """ngram: the longest suffix, tried first."""
     draft_model: Any = field(default=None, repr=False, compare=False)
     """speculative_method=draft: a model folder (or model object) sharing the model's tokenizer."""
+    max_embedding_tokens: int | None = None
+    """Embedding prompt tokens one step computes, beside generation or not (None: max_batch_tokens / 32)."""
 
     def __post_init__(self) -> None:  # long: one check per field, in field order; not on a hot path
         def bad(name: str, why: str) -> None:
@@ -313,10 +315,9 @@ class EngineConfig:  # ~330 lines: its fields (each with its docstring), and one
                 bad("use_cuda_graph", "must not be True with tensor_parallel_size > 1 (decode steps run eagerly)")
         if self.dtype is not None and self.dtype not in CHOICES["dtype"]:
             bad("dtype", "must be None, 'auto', 'float32', 'float16' or 'bfloat16'")
-        if self.max_waiting_requests is not None and (
-            not is_int(self.max_waiting_requests) or self.max_waiting_requests < 1
-        ):
-            bad("max_waiting_requests", "must be None or an int >= 1")
+        for name in ("max_waiting_requests", "max_embedding_tokens"):
+            if getattr(self, name) is not None and (not is_int(getattr(self, name)) or getattr(self, name) < 1):
+                bad(name, "must be None or an int >= 1")
         if not isinstance(self.kv_events, bool):
             bad("kv_events", "must be a bool")
         timeout = self.grammar_compile_timeout_s

@@ -14,7 +14,7 @@ called as the engine is put together, each time knowing more (see ``acb.engine.e
   keeps the device kind its ranks share);
 - with the cache's layout (``acb.worker.sizing.layout``, which sizes the cache from the model and
   memory): ``num_blocks``, ``max_batch_tokens`` and ``max_waiting_requests`` (four times
-  the requests per batch).
+  the requests per batch) and ``max_embedding_tokens`` (``max_batch_tokens`` / 32).
 
 Resolving twice changes nothing. What stays ``None`` on purpose: ``use_cuda_graph`` (on
 CUDA once a start-up self-check passes: decided by the fast paths when the check runs),
@@ -44,6 +44,7 @@ DEBUG_CHECKS_ENV = "ACB_DEBUG_CHECKS"
 PAGE_SIZE = 16
 MAX_REQUESTS = 256
 WAITING_PER_RUNNING = 4
+EMBEDDING_SHARE = 32  # max_embedding_tokens: 64 of the CPU's 2048 tokens a step (docs/embeddings.md measures it)
 DTYPES = ("float32", "bfloat16", "float16")  # what EngineConfig.dtype can name
 
 
@@ -75,6 +76,8 @@ def resolve(config: EngineConfig, model: Any = None, layout: Any = None,
             changes["dtype"] = dtype  # (a float64 model keeps None: it runs as it is, on the torch path)
     if layout is not None:
         changes.update(num_blocks=layout.num_pages, max_batch_tokens=layout.max_batch_tokens)
+        if config.max_embedding_tokens is None:
+            changes["max_embedding_tokens"] = max(1, layout.max_batch_tokens // EMBEDDING_SHARE)
         if config.max_waiting_requests is None:
             changes["max_waiting_requests"] = WAITING_PER_RUNNING * layout.max_requests
     changes = {k: v for k, v in changes.items() if getattr(config, k) != v}

@@ -180,8 +180,8 @@ class EngineStats:
     """What ``engine.stats()`` returns: load, KV-cache occupancy and counters since start.
 
     Attributes:
-        running: requests in the running batch.
-        waiting: requests queued for admission.
+        running: requests in the running batch (embedding prompts included).
+        waiting: requests queued for admission (``embeddings_waiting`` apart).
         total_blocks: KV-cache pages in all.
         free_blocks: pages a request can take now (never used, or cached and evictable).
         cached_blocks: unreferenced pages kept for prefix hits (counted in ``free_blocks``).
@@ -227,6 +227,8 @@ class EngineStats:
             seconds spent reading and checking, ``disk_copy_s`` seconds the step thread spent copying
             pages out for the writer (the tier's only cost to the steps), ``disk_blocks`` /
             ``disk_bytes`` the page files this engine knows of in the directory.
+        embeddings_waiting: embedding prompts (``Engine.embed``) queued for admission, in a queue
+            of their own (docs/embeddings.md).
     """
 
     running: int
@@ -271,3 +273,4 @@ class EngineStats:
     disk_copy_s: float = 0.0  # the step thread's share: copying pages out of the KV tensors
     disk_blocks: int = 0  # page files indexed
     disk_bytes: int = 0
+    embeddings_waiting: int = 0  # embedding prompts queued (their own queue; not in waiting)

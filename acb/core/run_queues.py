@@ -1,5 +1,7 @@
-"""The scheduler's two queues: the waiting sequences and the running ones, both in rank
-order (the order of admission and of preemption). Plain Python."""
+"""The scheduler's queues: the waiting sequences and the running ones, both in rank order
+(the order of admission and of preemption), and the prefill-only sequences waiting
+(embedding requests: admitted in arrival order with the step's embedding share,
+``Scheduler._plan_prefill_only``). Plain Python."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ class RunQueues:
         self.aging_steps = aging_steps
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.prefill_only: deque[Sequence] = deque()
 
     def rank(self, seq: Sequence) -> tuple[int, ...]:
         if self.policy != "priority":
@@ -35,7 +38,9 @@ class RunQueues:
         """Put ``seq`` in the waiting queue: in rank order under ``priority``; else at the
         tail (new) or the head (``front``: a victim or an heir, older than what waits)."""
         seq.status = WAITING
-        if self.policy == "priority":
+        if seq.prefill_only:  # (preempted ones resume first: they hold pooled positions already)
+            self.prefill_only.appendleft(seq) if front else self.prefill_only.append(seq)
+        elif self.policy == "priority":
             bisect.insort(self.waiting, seq, key=_rank_of)
         elif front:
             self.waiting.appendleft(seq)
@@ -51,13 +56,17 @@ class RunQueues:
             i -= 1
         self.running.insert(i, seq)
 
+    def dequeue(self, seq: Sequence) -> None:
+        """Take ``seq``, the head of its waiting queue, out of it (it is being admitted)."""
+        (self.prefill_only if seq.prefill_only else self.waiting).popleft()
+
     def remove(self, seq: Sequence) -> None:
         """Take ``seq`` out of whichever queue holds it (a choice not forked yet: out of its
         leader's list of choices)."""
         if seq.status is RUNNING:
             self.running.remove(seq)
         elif seq.status is WAITING:
-            self.waiting.remove(seq)
+            (self.prefill_only if seq.prefill_only else self.waiting).remove(seq)
         elif seq.status is FORKING:
             for leader in (*self.waiting, *self.running):
                 if leader.forks and seq in leader.forks:

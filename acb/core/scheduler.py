@@ -24,6 +24,7 @@ from .intake import Intake
 from .kv_cache import HostPool, KVCacheManager
 from .page_tables import PageTables
 from .preemption import Preemption
+from .prefill_only import PrefillOnly
 from .run_queues import RunQueues
 from .sequence import FINISHED, FORKING, RUNNING, WAITING, SeqStatus, Sequence
 from .step import StepOutput, StepPlan, StepUpdate
@@ -43,6 +44,8 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
     together, and a waiting sequence that does not fit preempts running ones that rank after
     it, least urgent first, when that makes it fit.
 
+    Prefill-only sequences (embeddings) are planned after every other row (``acb.core.prefill_only``).
+
     When pages run out for a running sequence, the running sequence that ranks last and has
     no row in this step yet is preempted (``acb.core.preemption``); if there is none, the
     sequence that needs the page preempts itself.
@@ -59,6 +62,7 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
         host_pool: HostPool | None = None,
         kv_swa: KVCacheManager | None = None,
         aging_steps: int = 0,
+        max_prefill_only_tokens: int | None = None,
     ) -> None:
         self.kv = kv
         self.kv_swa = kv_swa  # hybrid models: the sliding layers' pool (``sliding_window`` is then theirs)
@@ -71,6 +75,7 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
         self.preemption = Preemption(self.queues, self.pages, host_pool)
         self.admission = Admission(self.queues, self.pages, self.preemption, safety_margin, self._start)
         self.intake = Intake(self.pages, self.finish)
+        self.prefill_only = PrefillOnly(self.queues, self.admission, max_prefill_only_tokens, self._continue)
         self.plan_index = 0
         # the common decode row has a shortcut (_decode_row) without sliding windows
         self._plain_decode = sliding_window is None and kv_swa is None
@@ -99,6 +104,7 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
             seq.forks = forks
             for s in forks:
                 s.status = FORKING
+        self.prefill_only.count += seq.prefill_only
         for s in (seq, *(seq.forks or ())):
             s.queued_plan = self.plan_index
             s.rank = self.queues.rank(s)
@@ -109,6 +115,7 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
         finished sequence stays finished: finishing it again does nothing."""
         if seq.status is FINISHED:
             return
+        self.prefill_only.count -= seq.prefill_only
         self.queues.remove(seq)
         if seq.forks:  # its other choices are not forked yet: the next one prefills for them
             heir, *rest = seq.forks
@@ -141,7 +148,7 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
         return self.pages.sent_tables(self.queues.running)
 
     def has_work(self) -> bool:
-        return bool(self.queues.waiting or self.queues.running)
+        return bool(self.queues.waiting or self.queues.running or self.queues.prefill_only)
 
     # ------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -158,12 +165,13 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
             # and took the pages the other one then lacked, and the two took turns forever
             held_back = self._running_need() if self.queues.waiting else 0
             budget = self.admission.admit(plan, budget, self.max_requests, held_back)
-            self._continue_running(plan, budget)
+            budget = self._continue_running(plan, budget)
         elif self.queues.policy == "priority":
-            self._plan_by_rank(plan, budget)
+            budget = self._plan_by_rank(plan, budget)
         else:
             budget = self._continue_running(plan, budget)
-            self.admission.admit(plan, budget, self.max_requests)
+            budget = self.admission.admit(plan, budget, self.max_requests)
+        self.prefill_only.plan(plan, budget, self.max_requests)
         self.preemption.take_swap_outs(plan)
         return plan
 
@@ -197,7 +205,7 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
         end = start + n
         drafts = seq.drafts  # set by _propose for this row only (its last token is known then)
         d = len(drafts)
-        sample = end - d == seq.num_tokens
+        sample = end - d == seq.num_tokens and not seq.prefill_only
         carry_from = -1
         if sample and seq.num_inflight > 0:  # its last token is in flight: a placeholder here
             tokens = seq.token_at(start, end - 1)
@@ -279,7 +287,7 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
 
     def _continue_running(self, plan: StepPlan, budget: int) -> int:
         scheduled: set[int] = {id(seq) for seq in plan.seqs}
-        for seq in list(self.queues.running):
+        for seq in [s for s in self.queues.running if not s.prefill_only]:  # (those: acb.core.prefill_only)
             if budget <= 0 or len(plan.seqs) >= self.max_requests:
                 break
             budget = self._continue(plan, seq, budget, scheduled)
@@ -355,7 +363,8 @@ class Scheduler:  # ~320 lines: the three policies' row planning (continue, admi
         k = 0
         admitting = True
         while budget > 0 and len(plan.seqs) < self.max_requests:
-            while k < len(running) and (running[k].status is not RUNNING or id(running[k]) in scheduled):
+            while k < len(running) and (running[k].status is not RUNNING or id(running[k]) in scheduled
+                                        or running[k].prefill_only):
                 k += 1
             seq = running[k] if k < len(running) else None
             waiting = self.queues.waiting

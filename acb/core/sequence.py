@@ -76,6 +76,9 @@ class Sequence:
     # False: never start from the prefix cache (a request scoring its prompt needs every
     # prompt position's logits, which cached pages do not keep); its pages are still registered
     prefix_lookup: bool = True
+    # an embedding request's (acb.core.pooling): its prompt is computed and nothing is sampled; it
+    # waits in its own queue and its rows take the embedding share of a step (Scheduler._plan_prefill_only)
+    prefill_only: bool = False
     # LoRA: the adapter's slot in the runner's stacked weights (-1: the base model) and the
     # parent hash of its prefix chain's first page (acb.core.kv_cache.adapter_root; None: base)
     adapter: int = -1

@@ -132,6 +132,40 @@ class PromptLogprobRows:
         return len(self.targets)
 
 
+@dataclass(slots=True, eq=False)
+class PoolingRows:
+    """The prompt positions whose final hidden states a step pools (embeddings,
+    ``acb.core.pooling``), columnar, on ``StepInput`` (rank 0 only): entry ``j`` sums the
+    hidden states of ``counts[j]`` positions from token ``first[j]`` of row ``rows[j]``."""
+
+    rows: list[int] = field(default_factory=list)
+    first: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+
+    def add(self, row: int, first: int, count: int) -> None:
+        self.rows.append(row)
+        self.first.append(first)
+        self.counts.append(count)
+
+    def keep(self, token_offsets: list[int]) -> list[int]:
+        """The packed indexes of the pooled positions, entry after entry."""
+        out: list[int] = []
+        for row, first, count in zip(self.rows, self.first, self.counts, strict=True):
+            q0 = token_offsets[row] + first
+            out.extend(range(q0, q0 + count))
+        return out
+
+    def entries(self) -> list[int]:
+        """The entry of each pooled position, in the order of :meth:`keep`."""
+        out: list[int] = []
+        for j, count in enumerate(self.counts):
+            out += [j] * count
+        return out
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
 # (logprob per scored position, rank per position, top ids per position, top logprobs per position)
 Scores = tuple[list[float], list[int], list[list[int]], list[list[float]]]
 
@@ -211,6 +245,8 @@ class StepInput:
     # the prompt positions whose logits are kept and scored too (prompt_logprobs; not in the
     # tensor-parallel message: only rank 0 keeps logits)
     prompt_logprobs: PromptLogprobRows | None = None
+    # the prompt positions whose final hidden states are pooled (embeddings; rank 0 only, as above)
+    pooling: PoolingRows | None = None
     refresh: bool = False  # the weights changed: rebuild the fast paths first (ModelRunner.check_model)
     # per row, the LoRA adapter slot it runs with (-1: the base model; acb.model.lora); not in the
     # tensor-parallel message: adapters are refused with tensor_parallel_size > 1
@@ -304,6 +340,8 @@ class StepPlan:
     # prompt_logprobs: per row that scores prompt positions, its request's sink and first position
     # (acb.core.prompt_logprobs.PromptSink, its row): the requests' sinks, engine-side state
     prompt_sinks: list[tuple[Any, int]] = field(default_factory=list)
+    # embeddings: per StepInput.pooling entry, its live request (whose pool_sink takes the entry)
+    pooled_requests: list[Any] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -329,6 +367,9 @@ class StepOutput:
     top_ids: list[list[int]] | None = None  # per sampled row: the k most likely tokens
     top_logprobs: list[list[float]] | None = None  # and their logprobs
     prompt_logprobs: Scores | None = None  # the scored prompt positions (StepInput.prompt_logprobs)
+    # per StepInput.pooling entry, the sum of its positions' final hidden states: a float32 CPU tensor
+    # [entries, hidden]
+    pooled: Any = None
     # seconds the step computed: on CPU the worker thread's time in the step; on CUDA the
     # device's, between events around its work on the runner's stream (a step that samples
     # nothing is reported with the next one that does: its events complete no sooner)

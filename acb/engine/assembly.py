@@ -138,7 +138,8 @@ def build_scheduler(layout, config: EngineConfig, device: torch.device,
     scheduler = Scheduler(kv, layout.max_batch_tokens, layout.max_requests, policy=config.scheduler,
                           safety_margin=config.safety_margin, sliding_window=layout.sliding_window,
                           host_pool=HostPool(layout.host_pages) if layout.host_pages else None, kv_swa=swa,
-                          aging_steps=config.priority_aging_steps)
+                          aging_steps=config.priority_aging_steps,
+                          max_prefill_only_tokens=config.max_embedding_tokens)
     if config.speculative_method == "ngram":
         from ..core.speculative import Speculation
 

@@ -21,6 +21,7 @@ from ..model import int8_weights
 from ..worker import sizing
 from ..worker.runner import ModelRunner
 from . import assembly
+from .embeddings import check_pooling, embedding_prompts
 from .inputs import tokenize
 from .output_processor import Outputs
 from .request_table import Prepared
@@ -225,6 +226,38 @@ class Engine:
             return []
         self._steps.wake()
         return await gather_batch(reqs, self._loop.Event, progress, lambda rid: self._out.cancel(rid, None, self._loop))
+
+    async def embed(self, inputs: Any, *, pooling: str = "last", normalize: bool = True) -> list[list[float]]:
+        """Embed texts or token-id prompts: one vector (a list of floats, the model's hidden size)
+        per input, in input order. ``inputs``: a string, a list of strings, a list of token ids
+        (one prompt) or a list of token-id lists; a single string or token-id list gives a list
+        of one vector. The vectors pool the model's final hidden states (after its final norm,
+        transformers' ``last_hidden_state``) over each prompt: ``pooling="last"`` the last
+        token's (decoder embedders such as Qwen3-Embedding), ``"mean"`` the mean over every
+        token, ``"cls"`` the first token's; ``normalize=True`` scales each to unit length
+        (so dot products are cosine similarities). Texts are tokenized as ``generate`` does.
+
+        The prompts run as prefill-only requests in the engine's own steps, beside generation
+        (``EngineConfig.max_embedding_tokens`` bounds their share of every step, so streams keep
+        their pace). Bad input raises ``InvalidRequestError``
+        naming it (``inputs[i]``, ``pooling``); the engine goes on. Cancelling the call cancels
+        every one of its prompts. See docs/embeddings.md.
+
+        Example::
+
+            vectors = await engine.embed(["a cat sat", "a dog ran"], pooling="mean")
+            similarity = sum(a * b for a, b in zip(*vectors))
+        """
+        self._life.check_accepting()
+        if self._tp is not None:
+            raise NotImplementedError("embed() with tensor_parallel_size > 1: the ranks' step message does not "
+                                      "carry pooled positions yet")
+        check_pooling(pooling, normalize)
+        prompts = await embedding_prompts(inputs, pooling, self.tokenizer, self.vocab_size, self.max_model_len)
+        self._life.check_accepting()  # tokenizing awaited: check again
+        reqs = self._table.register_pooled(prompts, pooling, normalize)
+        self._steps.wake()
+        return await gather_batch(reqs, self._loop.Event, False, lambda rid: self._out.cancel(rid, None, self._loop))
 
     # ------------------------------------------------------------------ adapters
     async def load_adapter(self, source: Any, adapter_name: str) -> None:

@@ -30,7 +30,8 @@ class LiveRequest:
     __slots__ = ("request_id", "seq", "params", "mailbox", "future", "detok", "stopper",
                  "text_parts", "logprobs", "top_logprobs", "metrics", "finish_reason",
                  "controlled", "penalized", "min_length_banned", "matcher", "group", "index",
-                 "deadline", "prompt_sink", "reasoning", "reasoning_parts", "plain", "own_ids")
+                 "deadline", "prompt_sink", "reasoning", "reasoning_parts", "plain", "own_ids",
+                 "pool_sink")
 
     def __init__(self, request_id: str, seq: Sequence, params: SamplingParams,
                  mailbox: Mailbox | None, future: Outcome, tokenizer, matcher: Any = None):
@@ -70,6 +71,7 @@ class LiveRequest:
         # stop strings, logprobs or reasoning parser (Outputs.deliver's shortcut)
         self.plain = not (matcher or p.stop or p.logprobs or p.top_logprobs or self.reasoning is not None)
         self.own_ids: torch.Tensor | None = None  # logits_processors: the ids they read, as of the last step
+        self.pool_sink: Any = None  # an embedding request's pooled positions (acb.core.pooling.PoolSink)
 
     def processor_ids(self, ahead: Any = ()) -> torch.Tensor:
         """What this request's logits processors read (``input_ids``): its host-known ids

@@ -22,6 +22,7 @@ from ..core.errors import RequestFailedError, caused
 from ..core.eventloop import LoopHandle
 from ..core.outputs import Completion
 from ..core.step import StepOutput, StepPlan, StepUpdate
+from .embeddings import vector
 from .live import LiveRequest
 from .request_table import RequestTable
 
@@ -96,6 +97,19 @@ class Outputs:
                 self.table.scoring.discard(sink)
                 self.table.prompt_scored(sink)
             offset += count
+
+    def deliver_pooled(self, plan: StepPlan, out: StepOutput) -> None:
+        """Add a step's pooled hidden states to their requests' sinks; a request whose sink
+        is complete ends with its vector (``acb.engine.embeddings.vector``)."""
+        counts = plan.input.pooling.counts
+        for j, req in enumerate(plan.pooled_requests):
+            if self.live.get(req.request_id) is not req:  # cancelled or failed meanwhile
+                continue
+            if req.pool_sink.take(counts[j], out.pooled[j]):
+                self.table.forget(req)  # (its sequence ends here: its pages come back)
+                req.finish_reason = "embedded"
+                req.metrics.finish_time = req.metrics.last_token_time = time.monotonic()
+                req.future.set_result(vector(req.pool_sink))
 
     def deliver(self, update: StepUpdate, out: StepOutput) -> None:
         """Turn the tokens ``Scheduler.update`` took into their requests' text and chunks."""

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import uuid
 from typing import Any
 
 from ..core.errors import EngineOverloadedError, InvalidRequestError
 from ..core.mailbox import ChoicesMailbox, Mailbox, Outcome
+from ..core.pooling import PoolSink
 from ..core.prompt_logprobs import PromptSink
 from ..core.sampling_params import SamplingParams
 from ..core.scheduler import FINISHED, Scheduler
@@ -31,6 +33,9 @@ from .inputs import prepare, sampling_params, tokenize_off_loop
 from .live import Choices, LiveRequest, SamplingColumns
 from .structured import Grammars
 
+# what an embedding request's sequence runs with: it samples nothing and never speculates
+_PREFILL_ONLY = SamplingParams(max_new_tokens=1, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
+                               repetition_penalty=1.0, speculative=False)
 # choice i of a seeded n > 1 request samples with seed + i * this (mod 2**63)
 _CHOICE_SEED_STRIDE = 0x9E3779B97F4A7C15
 
@@ -65,6 +70,7 @@ class RequestTable:
         self.groups: dict[str, Choices] = {}
         self.deadlines = 0  # live requests with a timeout_s: the loop scans for expired ones while > 0
         self.scoring: set[PromptSink] = set()  # prompt_logprobs still to compute: the loop plans them while any
+        self.pooling = 0  # live embedding requests: the loop plans their pooled positions while any
         self.event: Any = None  # the running loop's Event class (bound by Engine.start)
         self.columns = SamplingColumns()  # the live requests' sampling settings, by slot
         self._arrivals = itertools.count()
@@ -228,6 +234,21 @@ class RequestTable:
             self.deadlines += 1
         return req
 
+    def register_pooled(self, prompts: list[list[int]], pooling: str, normalize: bool) -> list[LiveRequest]:
+        """Make embedding requests live and queue them, in order: prefill-only sequences
+        (``acb.core.pooling``) pooling their prompts' final hidden states by ``pooling``
+        (``mean`` computes every position, so it does not start from the prefix cache)."""
+        reqs = []
+        for ids in prompts:
+            req = self._add(uuid.uuid4().hex, ids, _PREFILL_ONLY, None, None)
+            req.seq.prefill_only = True
+            req.seq.prefix_lookup = pooling != "mean"
+            req.pool_sink = PoolSink(pooling, len(ids), normalize)
+            self.pooling += 1
+            self.scheduler.add(req.seq)
+            reqs.append(req)
+        return reqs
+
     def score_prompt(self, members: list[LiveRequest], k: int) -> None:
         """``members`` (a request, or the choices of one) score their shared prompt with
         ``k`` alternatives per token (``SamplingParams.prompt_logprobs``)."""
@@ -255,6 +276,8 @@ class RequestTable:
                 self.adapters.release(req.seq.adapter)
             if req.deadline is not None:
                 self.deadlines -= 1
+            if req.pool_sink is not None:
+                self.pooling -= 1
         if req.seq.status is not FINISHED:
             self.scheduler.finish(req.seq)
         sink = req.prompt_sink

@@ -30,6 +30,7 @@ from ..core.eventloop import LoopHandle
 from ..core.kv_events import KVEventPublisher
 from ..core.lifecycle import EngineState, Lifecycle
 from ..core.outputs import EngineStats
+from ..core.pooling import plan_pooling
 from ..core.prompt_logprobs import plan_rows
 from ..core.step import StepOutput, StepPlan
 from ..worker.runner import ModelRunner, PendingOutput
@@ -202,7 +203,7 @@ class StepLoop:
     def _fail_stalled(self, seconds: float) -> None:
         """Fail the requests the scheduler has planned nothing for in ``seconds`` (see
         ``STALL_S``), naming it; the engine goes on serving new ones."""
-        stuck = [*self.scheduler.running, *self.scheduler.waiting]
+        stuck = [*self.scheduler.running, *self.scheduler.waiting, *self.scheduler.queues.prefill_only]
         log.error("acb: the scheduler planned no step for %.1f s with %d requests live and none in flight "
                   "(id, status, computed, tokens, pages: %s): failing them (a bug in acb, please report it)",
                   seconds, len(stuck), [(seq.seq_id, seq.status.name, seq.num_computed, seq.num_tokens,
@@ -242,6 +243,8 @@ class StepLoop:
         step.sampling = sampling_batch(plan, self.table.columns, self.vocab_size)
         if self.table.scoring:
             step.prompt_logprobs, plan.prompt_sinks = plan_rows(plan, self.table.live)
+        if self.table.pooling:
+            step.pooling, plan.pooled_requests = plan_pooling(plan, self.table.live)
         step.plain = hooked is not None
         step.refresh = refresh
         controls = step.sampling.controls
@@ -286,6 +289,8 @@ class StepLoop:
         if plan.prompt_sinks:
             self.outputs.deliver_prompt_logprobs(plan, out)
         self.outputs.deliver(self.scheduler.update(plan, out), out)
+        if plan.pooled_requests:  # after the update: a finished prompt's pages are registered first
+            self.outputs.deliver_pooled(plan, out)
         if self._tables_check is not None and self._tables_check.done():
             check, self._tables_check = self._tables_check, None
             check.result()  # a failed block-table check (AssertionError) stops the loop
@@ -324,7 +329,7 @@ class StepLoop:
                     except Exception:
                         pass
             if self.life.halting:
-                for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+                for seq in [*self.scheduler.running, *self.scheduler.waiting, *self.scheduler.queues.prefill_only]:
                     self.scheduler.finish(seq)
                 if self.life.reason is not None:  # ended by a device failure, not by stop()
                     self.life.move(EngineState.STOPPED)
@@ -368,6 +373,7 @@ class StepLoop:
             forward_reason=runner.forward_reason if runner is not None else "",
             spec_proposed_tokens=spec.proposed if spec else 0, spec_accepted_tokens=spec.accepted if spec else 0,
             spec_acceptance_rate=spec.acceptance_rate if spec else 0.0,
+            embeddings_waiting=len(sched.queues.prefill_only),
             **(kv.disk.stat_fields() if kv.disk is not None else {}), **fields)
 
     def copy_out_for_disk(self, wait: bool = False) -> None:

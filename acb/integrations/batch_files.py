@@ -4,9 +4,10 @@ The input is OpenAI's batch format, one JSON request per line::
 
     {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m", "messages": [...]}}
 
-``url`` is ``/v1/chat/completions`` or ``/v1/completions`` (the body as the served routes take it, with
-the same limits and errors; ``stream`` is refused). The output holds one line per request, in the
-order they finish, as OpenAI writes them::
+``url`` is ``/v1/chat/completions``, ``/v1/completions`` or ``/v1/embeddings`` (the body as the served
+routes take it, with the same limits and errors; ``stream`` is refused). Embedding lines run as
+``Engine.embed``'s prefill-only requests, in the same steps as the generation lines. The output
+holds one line per request, in the order they finish, as OpenAI writes them::
 
     {"id": "batch_req_...", "custom_id": "q1", "response": {"status_code": 200, "request_id": "...",
      "body": {...the chat completion...}}, "error": null}
@@ -35,9 +36,11 @@ from pathlib import Path
 from typing import Any
 
 from .common import ApiError
+from .embeddings_service import EmbeddingsService
 from .openai_service import OpenAIService
 
-URLS = {"/v1/chat/completions": True, "/v1/completions": False}  # url -> chat
+# url -> chat (None: embeddings)
+URLS = {"/v1/chat/completions": True, "/v1/completions": False, "/v1/embeddings": None}
 RETRY_STATUSES = (429, 503)  # overload: wait and submit again, never an error line
 
 
@@ -128,7 +131,11 @@ async def _answer(service: OpenAIService, request: BatchRequest) -> dict[str, An
             if request.body.get("stream"):
                 raise ApiError(400, "'stream' is not supported in a batch file: each result is written whole",
                                param="stream")
-            body = await service.generate(request.body, chat=URLS[request.url])
+            chat = URLS[request.url]
+            if chat is None:
+                body = await EmbeddingsService(service).create(request.body)
+            else:
+                body = await service.generate(request.body, chat=chat)
             return _result(request.custom_id, 200, body, None)
         except ApiError as e:
             if e.status in RETRY_STATUSES:

@@ -210,7 +210,8 @@ def _tool_settings(body: dict) -> tuple[list[dict[str, Any]] | None, str, str | 
 
 
 
-def _note_unknown(body: dict, known: frozenset[str], route: str) -> None:
+def note_unknown(body: dict, known: frozenset[str], route: str) -> None:
+    """Log each field of ``body`` not in ``known`` (ignored), once per field name."""
     for name in sorted(set(body) - known):
         if name not in _warned_unknown:
             _warned_unknown.add(name)
@@ -255,7 +256,7 @@ def parse_request(body: dict[str, Any], *, chat: bool, limits: Limits,
 
     ``default_temperature`` is what a request without ``temperature`` gets: OpenAI's 1.0,
     or None to leave it to the engine (the model's ``generation_config``)."""
-    _note_unknown(body, CHAT_FIELDS if chat else COMPLETION_FIELDS, "/v1/chat/completions" if chat
+    note_unknown(body, CHAT_FIELDS if chat else COMPLETION_FIELDS, "/v1/chat/completions" if chat
                   else "/v1/completions")
     _refuse_unhonourable(body, chat)
     prompts = [_chat_messages(body)] if chat else _completion_prompts(body)

@@ -241,6 +241,25 @@ def _post(summary: str, body: dict[str, Any], ok: dict[str, Any], *errors: int) 
         "application/json": {"schema": body}}}, "responses": {"200": ok, **_errors(*errors)}}}
 
 
+_TOKENS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_EMBEDDINGS_BODY = {"type": "object", "required": ["input"], "additionalProperties": True, "properties": {
+    "input": {"oneOf": [{"type": "string", "minLength": 1}, _TOKENS,
+                        {"type": "array", "minItems": 1, "items": {"oneOf": [{"type": "string", "minLength": 1},
+                                                                             _TOKENS]}}]},
+    "model": {"type": ["string", "null"]}, "encoding_format": {"enum": ["float", "base64", None]},
+    "dimensions": {"type": "null", "description": "refused: the model's embeddings have one size"},
+    "user": {"type": ["string", "null"]}, "pooling": {"enum": ["last", "mean", "cls", None]},
+    "normalize": {"type": ["boolean", "null"]}, "truncate_prompt_tokens": {"type": "null"},
+    "add_special_tokens": {"enum": [True, None]}}}
+_EMBEDDINGS = {"type": "object", "required": ["object", "data", "model", "usage"], "properties": {
+    "object": {"const": "list"}, "model": {"type": "string"},
+    "data": {"type": "array", "items": {"type": "object", "required": ["object", "index", "embedding"], "properties": {
+        "object": {"const": "embedding"}, "index": {"type": "integer"},
+        "embedding": {"oneOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}]}}}},
+    "usage": {"type": "object", "properties": {"prompt_tokens": {"type": "integer"},
+                                               "total_tokens": {"type": "integer"}}}}}
+
+
 def openapi_document(limits: Limits, *, model_name: str, api_key: bool) -> dict[str, Any]:
     """The OpenAPI 3.1 document of ``acb serve`` with these ``limits`` (``api_key``: whether
     ``/v1/`` routes want ``Authorization: Bearer <key>``)."""
@@ -263,6 +282,9 @@ def openapi_document(limits: Limits, *, model_name: str, api_key: bool) -> dict[
             _responses_body(limits),
             {"description": "the response, or the Responses server-sent events with stream",
              "content": {"application/json": {"schema": _RESPONSE}, **stream}}, *generation),
+        "/v1/embeddings": _post(
+            "Embeddings (OpenAI's API; acb's pooling and normalize; dimensions refused)", _EMBEDDINGS_BODY,
+            _json(_EMBEDDINGS, "the embeddings: floats, or base64 of little-endian float32"), 400, *v1, 404, 413, 503),
         "/v1/messages": _anthropic_post(
             "Anthropic's Messages API",
             _anthropic_body(anthropic.MESSAGE_FIELDS, ["max_tokens", "messages"], limits),

@@ -4,7 +4,7 @@ or a cluster (``pip install acb[ray]``).
 Each replica of :class:`AcbDeployment` builds and owns one :class:`acb.Engine` (from a
 model path, or a factory called inside the replica) and serves the routes of ``acb
 serve`` (``/v1/completions``, ``/v1/chat/completions`` with SSE streaming,
-``/v1/models``, ``/health``, ``/metrics``) through the same
+``/v1/embeddings``, ``/v1/models``, ``/health``, ``/metrics``) through the same
 :class:`~acb.integrations.openai_service.OpenAIService`, so parsing, response shapes
 and errors are identical. Ray Serve routes each request to one replica (a stream
 stays on the replica it started on), autoscales on the replicas' queue depth (their
@@ -42,6 +42,7 @@ import acb
 from ..core.progress import log_throughput
 from . import ray_prefix
 from .common import ApiError, json_object, stop_engine
+from .embeddings_service import EmbeddingsService
 from .metrics import CONTENT_TYPE
 from .openai_requests import Limits
 from .openai_service import SSE_HEADERS, OpenAIService
@@ -95,6 +96,7 @@ class AcbEngineReplica:
         self.service = OpenAIService(self.engine, model_name=model_name, limits=limits, api_key=api_key,
                                      per_request_metrics=enable_per_request_metrics,
                                      allow_unknown_model=allow_unknown_model)
+        self.embeddings = EmbeddingsService(self.service)
         self.max_body_bytes = max_body_bytes
         self.drain_timeout = drain_timeout
         self.replica = serve.get_replica_context().replica_id.unique_id
@@ -134,6 +136,14 @@ class AcbEngineReplica:
         finally:
             await answer.aclose()  # a client that went away (Serve cancels this call) cancels the request
 
+    async def embeddings_answer(self, body: dict[str, Any], authorization: str | None) -> tuple[int, Any, str]:
+        """``POST /v1/embeddings`` for the front: (status, body, replica)."""
+        try:
+            self.service.check_api_key(authorization)
+            return 200, await self.embeddings.create(body), self.replica
+        except ApiError as e:
+            return e.status, e.body(), self.replica
+
     def prompt_tokenizer(self) -> tuple[Any, int]:
         """The engine's tokenizer and vocabulary size: the front tokenizes prompts with them to
         route on their cached prefix."""
@@ -164,7 +174,8 @@ class AcbEngineReplica:
     def record_routing_stats(self) -> dict[str, Any]:
         """What the replica reports to routers: its queue depth and free KV pages."""
         stats = self.engine.stats()
-        return {"queue_depth": stats.running + stats.waiting, "free_kv_pages": stats.free_blocks}
+        return {"queue_depth": stats.running + stats.waiting + stats.embeddings_waiting,
+                "free_kv_pages": stats.free_blocks}
 
     async def __del__(self) -> None:
         """Ray Serve calls this once running requests are done (scale-down, redeploy,
@@ -207,6 +218,15 @@ class AcbDeployment(AcbEngineReplica):
     async def chat_completions(self, request: Request) -> Response:
         """``POST /v1/chat/completions``."""
         return await self._generate(request, chat=True)
+
+    @api.post("/v1/embeddings")
+    async def embeddings_route(self, request: Request) -> Response:
+        """``POST /v1/embeddings``."""
+        self.service.check_api_key(request.headers.get("Authorization"))
+        raw = await request.body()
+        if len(raw) > self.max_body_bytes:
+            raise ApiError(413, f"request body too large: {len(raw)} bytes, at most {self.max_body_bytes}")
+        return JSONResponse(await self.embeddings.create(json_object(raw)), headers=self._headers())
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> Response:

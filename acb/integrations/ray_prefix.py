@@ -292,6 +292,16 @@ class AcbFront:
         """``POST /v1/chat/completions``."""
         return await self._generate(request, chat=True)
 
+    @front_api.post("/v1/embeddings")
+    async def embeddings(self, request: Request) -> Response:
+        """``POST /v1/embeddings``: on the engine replica Serve routes it to (by load: no prompt prefix to route on)."""
+        raw = await request.body()
+        if len(raw) > self.max_body_bytes:
+            raise ApiError(413, f"request body too large: {len(raw)} bytes, at most {self.max_body_bytes}")
+        status, body, replica = await self.engines.embeddings_answer.remote(json_object(raw),
+                                                                           request.headers.get("Authorization"))
+        return JSONResponse(body, status_code=status, headers={REPLICA_HEADER: replica})
+
     @front_api.get("/v1/models")
     async def models(self, request: Request) -> Response:
         """``GET /v1/models``."""

@@ -36,7 +36,8 @@ from ..core.config import CHOICES, EngineConfig
 FIELD_GROUPS: dict[str, str] = {
     **dict.fromkeys(("device", "dtype", "quantization"), "model"),
     **dict.fromkeys(("max_batch_tokens", "max_requests_per_batch", "scheduler", "priority_aging_steps",
-                     "max_waiting_requests", "safety_margin", "async_batching"), "scheduling"),
+                     "max_waiting_requests", "safety_margin", "async_batching", "max_embedding_tokens"),
+                    "scheduling"),
     **dict.fromkeys(("page_size", "num_blocks", "max_memory_percent", "allow_prefix_sharing", "cpu_offload_space",
                      "kv_cache_dtype", "kv_events", "kv_disk_path", "kv_disk_space"), "cache"),
     **dict.fromkeys(("attn_backend", "max_blocks_per_request", "compile_level", "varlen_compile_level",

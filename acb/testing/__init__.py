@@ -177,6 +177,20 @@ def reference_log_softmax(model: torch.nn.Module, prompt_ids: list[int]) -> torc
     return torch.log_softmax(logits.float(), dim=-1).cpu()
 
 
+def reference_embedding(model: torch.nn.Module, prompt_ids: list[int], pooling: str = "last",
+                        normalize: bool = True) -> torch.Tensor:
+    """transformers' own base model over ``prompt_ids`` (a private copy of ``model``): its
+    ``last_hidden_state`` (after the final norm) pooled as ``Engine.embed`` pools (``last``,
+    ``mean``, ``cls``), float32 [hidden]. The reference of embeddings."""
+    ref = _reference_copy(model)
+    ids = torch.tensor([prompt_ids], device=next(ref.parameters()).device)
+    with torch.inference_mode():
+        states = getattr(ref, ref.base_model_prefix)(ids, attention_mask=torch.ones_like(ids)).last_hidden_state[0]
+    states = states.float().cpu()
+    v = {"last": states[-1], "mean": states.mean(dim=0), "cls": states[0]}[pooling]
+    return torch.nn.functional.normalize(v, dim=0) if normalize else v
+
+
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -225,6 +239,6 @@ def _reference_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 __all__ = [
     "ARCHITECTURES", "BOS_ID", "EOS_ID", "LORA_TARGETS", "PAD_ID", "VOCAB_SIZE", "StepCounts", "random_prompts",
-    "reference_greedy", "reference_log_softmax", "tiny_lora_model",
+    "reference_embedding", "reference_greedy", "reference_log_softmax", "tiny_lora_model",
     "runner_of", "speculate_always", "step_counts", "tiny_config", "tiny_engine", "tiny_model", "tiny_tokenizer",
 ]

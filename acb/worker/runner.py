@@ -23,6 +23,7 @@ from ..core.step import StepInput, StepOutput
 from ..model import lora
 from .fast_paths import FastPaths
 from .kv_store import KVStore
+from .pooling import pooled_forward
 from .sampling import sample, top_alternatives
 
 log = logging.getLogger("acb")
@@ -34,7 +35,7 @@ class PendingOutput:
     blocking it) and then takes ``result()``, which no longer waits. ``timings`` are
     (start, end) timing events of the device work it reports (``StepOutput.device_s``)."""
 
-    __slots__ = ("event", "ids", "logprobs", "top", "timings", "prompt", "proposals")
+    __slots__ = ("event", "ids", "logprobs", "top", "timings", "prompt", "proposals", "pooled")
 
     def __init__(self, event, ids: torch.Tensor, logprobs: torch.Tensor | None,
                  top: tuple[torch.Tensor, torch.Tensor] | None = None, timings: list[tuple] = ()) -> None:
@@ -45,6 +46,7 @@ class PendingOutput:
         self.timings = timings
         self.prompt = None  # the step's prompt scores (prompt_logprobs), already on the host
         self.proposals = None  # (a draft model's proposals in pinned host memory, its chain's steps)
+        self.pooled = None  # the step's pooled hidden states (embeddings), already on the host
 
     def ready(self) -> bool:
         return bool(self.event.query())
@@ -55,6 +57,7 @@ class PendingOutput:
         out = _step_output(self.ids, self.logprobs, self.top)
         out.device_s = sum(start.elapsed_time(end) for start, end in self.timings) / 1e3
         out.prompt_logprobs = self.prompt
+        out.pooled = self.pooled
         if self.proposals is not None:
             out.proposals, out.draft_steps = self.proposals[0].tolist(), self.proposals[1]
         return out
@@ -114,6 +117,7 @@ class ModelRunner:
         self.draft = None  # acb.worker.draft.DraftRunner: a draft model proposing (speculative_method="draft")
         self._proposals: torch.Tensor | None = None  # the packed index of this step's draft proposals
         self._proposed_ids: torch.Tensor | None = None  # ... into these input ids
+        self._pooled: torch.Tensor | None = None  # this step's pooled hidden states (StepOutput.pooled)
         self.step_index = 0
         self.fast_decode_steps = 0  # steps whose decode rows ran on a kernel reading pages in place
         self.plain_steps = 0  # steps that ran the model's own forward (a hook, a replaced forward)
@@ -198,7 +202,7 @@ class ModelRunner:
                 return self._execute(step)
         except BaseException:
             self.prev_sampled = None
-            self._proposals = self._proposed_ids = None
+            self._proposals = self._proposed_ids = self._pooled = None
             if self._timings:
                 self._timings.pop()  # never recorded its end
             raise
@@ -211,11 +215,12 @@ class ModelRunner:
             # on CUDA this waits for the step's device work, on this worker thread
             prompt = prompt_logprobs.score(logits[n:], step.prompt_logprobs)
             logits = logits[:n]
+        pooled, self._pooled = self._pooled, None
         if not step.sampling.temperature:
             self.prev_sampled = None
             if self.stream is not None:  # reported with the next step that samples
                 self._timings[-1][1].record(self.stream)
-            return StepOutput([], None, prompt_logprobs=prompt)
+            return StepOutput([], None, prompt_logprobs=prompt, pooled=pooled)
         if self.fault_hook is not None:
             self.fault_hook(self.step_index, "sample")
         if sampled is not None:
@@ -235,6 +240,7 @@ class ModelRunner:
         if self.stream is None:
             out = _step_output(ids, logprobs, top)
             out.prompt_logprobs = prompt
+            out.pooled = pooled
             if proposals is not None:
                 out.proposals, out.draft_steps, out.draft_s = proposals.tolist(), self.draft.chain_steps, \
                     self.draft.chain_s
@@ -242,6 +248,7 @@ class ModelRunner:
         proposed = (_to_pinned(proposals), self.draft.chain_steps) if proposals is not None else None
         pending = self._pending(ids, logprobs, top)  # (its event is recorded after that copy)
         pending.prompt = prompt
+        pending.pooled = pooled
         pending.proposals = proposed
         return pending
 
@@ -286,14 +293,21 @@ class ModelRunner:
             self.plain_steps += 1
             forward = self.model
         else:
-            # (CUDA graphs were captured without LoRA: a step with adapter rows runs eagerly)
-            replayed = self.fast_paths.replay(step, input_ids, position_ids, keep, meta) if adapters is None else None
+            # (CUDA graphs were captured without LoRA: a step with adapter rows runs eagerly; a step
+            # pooling positions holds prompt rows, never a graph's)
+            graphed = adapters is None and step.pooling is None
+            replayed = self.fast_paths.replay(step, input_ids, position_ids, keep, meta) if graphed else None
             if replayed is not None:
                 return replayed
             forward = self.fast_paths.forward_for(meta)
         # the step's one forward context: acb's fused forwards take it as an argument, transformers'
         # modules read it while the forward runs (acb.attention.context)
-        out = context.run(forward, context.ForwardContext(meta, adapters), input_ids=input_ids.unsqueeze(0),
+        ctx = context.ForwardContext(meta, adapters)
+        if step.pooling is not None:  # embeddings: the pooled positions' final hidden states too
+            logits, self._pooled = pooled_forward(forward, self.model, ctx, input_ids, position_ids, keep,
+                                                  step.pooling)
+            return logits, None
+        out = context.run(forward, ctx, input_ids=input_ids.unsqueeze(0),
                           position_ids=position_ids.unsqueeze(0), attention_mask=None, use_cache=False,
                           logits_to_keep=keep)
         return out.logits[0], None
@@ -303,6 +317,8 @@ class ModelRunner:
         p = packing.pack(step)
         if step.prompt_logprobs is not None:  # scored prompt positions: their logits after the sampled rows'
             p.keep += step.prompt_logprobs.keep(step.token_offsets)
+        if step.pooling is not None:  # pooled positions (embeddings): their hidden states, last
+            p.keep += step.pooling.keep(step.token_offsets)
         width, padded = self.fast_paths.pad_decode(p)  # a decode-only step may be padded to a graph bucket
         input_ids = self._tensor(p.tokens)
         # After a failed step there is nothing to carry: those rows belong to failed
