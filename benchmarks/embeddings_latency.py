@@ -28,6 +28,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 
 import torch
@@ -134,7 +135,8 @@ def main() -> None:
     results = asyncio.run(run(args))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args), "cpus": os.cpu_count(),
+        json.dump({"source": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"),
+                   "args": vars(args), "cpus": os.cpu_count(),
                    "threads": torch.get_num_threads(), "results": results}, f, indent=1)
     print(f"written to {args.out}")
 

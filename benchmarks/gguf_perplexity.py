@@ -115,7 +115,8 @@ def main() -> None:
     print(f"top-1 agreement, acb gguf with the file in float32: {agreement:.2%}")
     out = Path(args.out or f"bench-results/gguf-perplexity-{args.model}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"cpu": cpu_class(), "date": time.strftime("%Y-%m-%d %H:%M"), "model": name,
+    out.write_text(json.dumps({"source": "python " + " ".join(sys.argv), "cpu": cpu_class(),
+                               "date": time.strftime("%Y-%m-%d %H:%M"), "model": name,
                                "ctx": args.ctx, "tokens": len(ids), "transformers_tokens": own, "rows": rows,
                                "top1_agreement": agreement}, indent=1))
     print(f"wrote {out}")

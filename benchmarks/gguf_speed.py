@@ -192,7 +192,8 @@ def main() -> None:
               f"{w:>12} {r['peak_rss_mib']:>13.0f}")
     out = Path(args.out or f"bench-results/gguf-{args.model}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"cpu": cpu_class(), "date": time.strftime("%Y-%m-%d %H:%M"), "model": args.model,
+    out.write_text(json.dumps({"source": "python " + " ".join(sys.argv), "cpu": cpu_class(),
+                               "date": time.strftime("%Y-%m-%d %H:%M"), "model": args.model,
                                "npp": args.npp, "ntg": args.ntg, "threads": args.threads, "rounds": args.rounds,
                                "table": table, "runs": runs},
                               indent=1))

@@ -140,6 +140,7 @@ async def test_preempted_embedding_prompts_pool_each_position_once(offload):
             assert _max_error(v, reference_embedding(engine.model, p, pooling, normalize=False)) < TOL
 
 
+@pytest.mark.extras  # ~45 s on two cores (1,000 requests through the scheduler): CI's extras step
 async def test_a_thousand_texts_do_not_starve_a_streaming_chat(tokenizer):
     """A chat streams while 1,000 texts are embedded in the same engine: it is admitted ahead of
     the queued embeddings, and every step it runs in holds at most max_embedding_tokens of them."""

@@ -566,7 +566,7 @@ async def test_a_model_quantized_by_an_earlier_engine_runs_again_and_is_refused_
 
 
 @pytest.mark.parametrize("fields,needle", [
-    (dict(quantization="int4"), "must be None or 'int8'"),
+    (dict(quantization="int4"), "must be None, 'int8' or 'gguf'"),
     (dict(quantization="int8", tensor_parallel_size=2), "tensor_parallel_size"),
     (dict(quantization="int8", compile_level=1), "compile_level"),
 ])

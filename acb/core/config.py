@@ -209,9 +209,8 @@ class EngineConfig:  # ~330 lines: its fields (each with its docstring), and one
     grammar_cache_size: int = 256
     """Compiled grammars kept, least recently used first out (0: none)."""
     quantization: str | None = None
-    """int8: int8 weights and activations per 64 channels, smoothed and Hadamard-rotated, the lm_head
-    bf16 (CPUs with AVX-512 VNNI or AVX2; docs/performance.md); attention and KV pages keep dtype.
-    gguf (a GGUF file's model only): its 4-8 bit blocks run at their widths on acb's kernels (docs/gguf.md)."""
+    """int8: int8 weights and activations per 64 channels, smoothed, Hadamard-rotated, bf16 lm_head (CPU);
+    gguf: a GGUF file's 4-8 bit blocks run at their own widths on acb's kernels (CPU; docs/gguf.md)."""
     kv_cache_dtype: str | None = None
     """int8: KV pages in int8 with a float32 scale per token and kv head, ~2x the pages of bf16 (acb's
     native CPU attention only); auto: the model's dtype (None: auto)."""
