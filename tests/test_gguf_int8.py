@@ -117,7 +117,6 @@ def test_int8_next_token_agreement_and_perplexity_on_held_out_text(smollm2_int8)
     from pathlib import Path
 
     from acb.model.loading import load, smollm2
-    from acb.worker.runner import ModelRunner
 
     text = Path("/usr/share/common-licenses/GPL-3")
     if not text.is_file():
@@ -126,26 +125,30 @@ def test_int8_next_token_agreement_and_perplexity_on_held_out_text(smollm2_int8)
     ids = tok(text.read_text())["input_ids"][:1025]
     fp32, _ = load(*smollm2(), dtype="float32")
 
-    def scores(m):
-        runner = ModelRunner(m, 40, 16)
-        runner.configure_fast_paths(acb.EngineConfig(), 1)
-        nll, top = [], []
-        try:
-            for s in range(0, 1024, 512):
-                chunk = ids[s: s + 513]
-                logits = _window_logits(runner, chunk[:-1])
-                logp = torch.log_softmax(logits.double(), -1)
-                nll += (-logp.gather(1, torch.tensor(chunk[1:])[:, None])[:, 0]).tolist()
-                top += logits.argmax(-1).tolist()
-        finally:
-            runner.release()
-        return sum(nll) / len(nll), top
-
-    (nll8, top8), (nll32, top32) = scores(model), scores(fp32)
+    (nll8, top8), (nll32, top32) = teacher_forced(model, ids), teacher_forced(fp32, ids)
     agree = sum(a == b for a, b in zip(top8, top32, strict=True)) / len(top32)
     ppl_ratio = float(torch.exp(torch.tensor(nll8 - nll32)))
     print(f"int8: top-1 agreement {agree:.2%}, perplexity {ppl_ratio - 1:+.2%}")
     assert agree >= 0.96 and ppl_ratio <= 1.01
+
+
+def teacher_forced(model, ids: list[int]) -> tuple[float, list[int]]:
+    """(mean negative log-likelihood, argmaxes) over ``ids`` (1,025 tokens) in two 512-token prefills."""
+    from acb.worker.runner import ModelRunner
+
+    runner = ModelRunner(model, 40, 16)
+    runner.configure_fast_paths(acb.EngineConfig(), 1)
+    nll, top = [], []
+    try:
+        for s in range(0, 1024, 512):
+            chunk = ids[s: s + 513]
+            logits = _window_logits(runner, chunk[:-1])
+            logp = torch.log_softmax(logits.double(), -1)
+            nll += (-logp.gather(1, torch.tensor(chunk[1:])[:, None])[:, 0]).tolist()
+            top += logits.argmax(-1).tolist()
+    finally:
+        runner.release()
+    return sum(nll) / len(nll), top
 
 
 def _window_logits(runner, tokens: list[int]) -> torch.Tensor:

@@ -92,10 +92,9 @@ def test_next_token_agreement_and_perplexity_against_float32(smollm2_gguf):
     activations are rounded to bytes per 32 channels, the weights are the file's)."""
     from pathlib import Path
 
-    from test_gguf_int8 import _window_logits
+    from test_gguf_int8 import teacher_forced
 
     from acb.model.loading import load, smollm2
-    from acb.worker.runner import ModelRunner
 
     text = Path("/usr/share/common-licenses/GPL-3")
     if not text.is_file():
@@ -104,22 +103,7 @@ def test_next_token_agreement_and_perplexity_against_float32(smollm2_gguf):
     ids = tok(text.read_text())["input_ids"][:1025]
     fp32, _ = load(*smollm2(), dtype="float32")
 
-    def scores(m):
-        runner = ModelRunner(m, 40, 16)
-        runner.configure_fast_paths(acb.EngineConfig(), 1)
-        nll, top = [], []
-        try:
-            for s in range(0, 1024, 512):
-                chunk = ids[s: s + 513]
-                logits = _window_logits(runner, chunk[:-1])
-                logp = torch.log_softmax(logits.double(), -1)
-                nll += (-logp.gather(1, torch.tensor(chunk[1:])[:, None])[:, 0]).tolist()
-                top += logits.argmax(-1).tolist()
-        finally:
-            runner.release()
-        return sum(nll) / len(nll), top
-
-    (nll_q, top_q), (nll32, top32) = scores(model), scores(fp32)
+    (nll_q, top_q), (nll32, top32) = teacher_forced(model, ids), teacher_forced(fp32, ids)
     agree = sum(a == b for a, b in zip(top_q, top32, strict=True)) / len(top32)
     ppl_ratio = float(torch.exp(torch.tensor(nll_q - nll32)))
     print(f"gguf: top-1 agreement {agree:.2%}, perplexity {ppl_ratio - 1:+.2%} against the file in float32")

@@ -29,7 +29,7 @@ import os
 import numpy as np
 import torch
 
-from .int8_weights import Int8Linear, QuantEmbedding, native_kernels, pack_scales, weight_summary
+from .int8_weights import Int8Linear, QuantEmbedding, check_ids, native_kernels, pack_scales, weight_summary
 
 log = logging.getLogger("acb")
 
@@ -212,6 +212,7 @@ def _blocked(w: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _rows(table: GgufLinear, ids: torch.Tensor) -> torch.Tensor:
+    check_ids(ids, table.out_features)
     b, c = ids // 16, ids % 16
     q = _blocked(table.weight[b], table.bits)[torch.arange(ids.shape[0]), :, c, :]  # [T, K/4, 4]
     q = q.reshape(ids.shape[0], -1)

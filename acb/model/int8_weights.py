@@ -215,6 +215,7 @@ class Int8Linear(torch.nn.Module):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 [T, K]: rows ``ids`` widened (a quantized table's lookup: a GGUF file's Q8_0 embedding)."""
+        check_ids(ids, self.out_features)
         b, c = ids // 16, ids % 16
         q = self.weight[b, :, c, :].reshape(ids.shape[0], -1).to(torch.int16) - 128
         s = self.weight_scale[b, :, c]  # [T, groups]
@@ -260,6 +261,12 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     return x.view(shape)
 
 
+def check_ids(ids: torch.Tensor, rows: int) -> None:
+    """IndexError where a token id is outside a table of ``rows`` rows."""
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+        raise IndexError(f"token id out of range [0, {rows})")
+
+
 def group_of(args: tuple) -> int:
     """Input channels per scale of a kernel weight tuple (packed, scales, bias)."""
     packed, scale = args[0], args[1]
@@ -293,8 +300,7 @@ class Bf16Linear(torch.nn.Module):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """bf16 [T, K]: the weight's rows ``ids`` (the tied embedding's lookup)."""
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out_features):
-            raise IndexError(f"token id out of range [0, {self.out_features})")
+        check_ids(ids, self.out_features)
         return self.weight[ids // 16, :, ids % 16, :].reshape(ids.shape[0], self.in_features)
 
     def dense(self) -> torch.Tensor:
@@ -336,27 +342,9 @@ class Bf16Embedding(torch.nn.Module):
         return out.view(*ids.shape, self.embedding_dim)
 
 
-class QuantEmbedding(torch.nn.Module):
-    """An embedding whose rows are widened from a quantized table (the tied lm_head's, or its own:
-    an :class:`Int8Linear` of Q8_0 or an ``acb.model.gguf_native.GgufLinear``) as tokens are looked up, times ``scale``
-    (Gemma's ``sqrt(hidden)`` in the model's dtype), in ``dtype``."""
-
-    def __init__(self, table: Int8Linear, dtype: torch.dtype, scale: float = 1.0) -> None:
-        super().__init__()
-        self.table = table  # a submodule: shared with lm_head when tied (one copy of the bytes)
-        self.num_embeddings = table.out_features
-        self.embedding_dim = table.in_features
-        self.scale = scale
-        self.dtype = dtype
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
-            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
-        out = self.table.rows(flat).to(self.dtype)
-        if self.scale != 1.0:
-            out = out * torch.tensor(self.scale, dtype=self.dtype)
-        return out.view(*ids.shape, self.embedding_dim)
+class QuantEmbedding(Bf16Embedding):
+    """A :class:`Bf16Embedding` whose rows are widened from a quantized table (the tied lm_head's, or its
+    own: an :class:`Int8Linear` of Q8_0 or an ``acb.model.gguf_native.GgufLinear``) as tokens are looked up."""
 
 
 def is_quantized(model: torch.nn.Module) -> bool:
