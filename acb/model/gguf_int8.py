@@ -150,18 +150,25 @@ def _read(path: str, model: torch.nn.Module, config, factors: dict | None = None
             int8[hf_name] = Int8Linear.from_rounded(torch.cat([q for q, _ in parts]), torch.cat([c for _, c in parts]),
                                                     smoothing=s).packed
             continue
-        weights = dequantize(tensor.data, tensor.tensor_type)
-        result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names,
-                                   parsed_parameters={"tensors": {}, "config": settings})
-        hf_name = names.get(result.name)
-        if result.weights is None or hf_name is None:
+        done = processed(processor, tensor.name, dequantize(tensor.data, tensor.tensor_type), names, settings)
+        if done is None:
             continue
-        value = as_tensor(result.weights)
+        hf_name, value = done[0], as_tensor(done[1])
         if hf_name in targets:
             int8[hf_name] = packed(hf_name, value)
         else:
             dense[hf_name] = value
     return dense, int8
+
+
+def processed(processor, name: str, values, names: dict, settings: dict):
+    """(the model's parameter name, the values) of GGUF tensor ``name`` after transformers' GGUF
+    processor for its architecture (Llama's q/k permuted back, Gemma's norms shifted), or None where
+    the model has no such parameter."""
+    result = processor.process(weights=values, name=name, tensor_key_mapping=names,
+                               parsed_parameters={"tensors": {}, "config": settings})
+    hf_name = names.get(result.name)
+    return None if result.weights is None or hf_name is None else (hf_name, result.weights)
 
 
 _TABLES = ("lm_head.weight", "model.embed_tokens.weight")  # kept bf16 (acb.model.int8_weights.Bf16Linear)

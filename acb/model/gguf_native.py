@@ -36,7 +36,6 @@ log = logging.getLogger("acb")
 # GGUF block types with a native kernel here: (bits, group, zero): w = d (q - zero) - m
 NATIVE = {"Q4_0": (4, 32, 8), "Q4_1": (4, 32, 0), "Q4_K": (4, 32, 0), "Q5_0": (5, 32, 16), "Q5_1": (5, 32, 0),
           "Q5_K": (5, 32, 0), "Q6_K": (6, 16, 32), "Q8_0": (8, 32, 0)}
-DENSE = ("F32", "F16", "BF16")
 # types whose scales and offsets are the file's float16 values: kept as float16 (the K-quants' are
 # products of a float16 and a 6- or 8-bit integer, which float16 cannot hold: float32)
 HALF_SCALES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1")
@@ -330,6 +329,7 @@ def _read(path: str, model: torch.nn.Module, config) -> tuple[dict, dict]:
     )
 
     from . import int8_cache
+    from .gguf_int8 import processed
     from .int8_weights import quantize_weight
 
     reader = GGUFReader(path)
@@ -357,13 +357,9 @@ def _read(path: str, model: torch.nn.Module, config) -> tuple[dict, dict]:
             weights[hf_name] = (getattr(module, "kind", "int8"), module.weight, module.weight_scale,
                                 module.out_features)
             continue
-        values = dequantize(tensor.data, tensor.tensor_type)
-        result = processor.process(weights=values, name=tensor.name, tensor_key_mapping=names,
-                                   parsed_parameters={"tensors": {}, "config": settings})
-        hf_name = names.get(result.name)
-        if result.weights is None or hf_name is None:
-            continue
-        dense[hf_name] = torch.from_numpy(np.array(result.weights, dtype=np.float32))
+        done = processed(processor, tensor.name, dequantize(tensor.data, tensor.tensor_type), names, settings)
+        if done is not None:
+            dense[done[0]] = torch.from_numpy(np.array(done[1], dtype=np.float32))
     for kind in sorted(widened):
         log.info("acb: %s has %s tensors, which have no native kernel here: they run as int8 per 32 channels",
                  os.path.basename(path), kind)
@@ -428,12 +424,13 @@ def _row_order(processor, name: str, names: dict, settings: dict, n: int) -> np.
     """The permutation of output rows transformers' GGUF processor applies to tensor ``name`` (Llama's
     q and k), found by passing it the rows' indices; None where it keeps them. ValueError where the
     processor does more than reorder rows (no quantized form could follow it)."""
+    from .gguf_int8 import processed
+
     probe = np.arange(n, dtype=np.float32)[:, None]
-    result = processor.process(weights=probe, name=name, tensor_key_mapping=names,
-                               parsed_parameters={"tensors": {}, "config": settings})
-    if result.weights is None:
+    done = processed(processor, name, probe, names, settings)
+    if done is None:
         return None
-    order = np.asarray(result.weights, dtype=np.float32).reshape(-1)
+    order = np.asarray(done[1], dtype=np.float32).reshape(-1)
     if order.shape[0] != n or not np.array_equal(np.sort(order), probe[:, 0]):
         raise ValueError(f"EngineConfig.quantization='gguf': transformers rewrites {name}'s values on reading it, "
                          "so it cannot stay quantized")
