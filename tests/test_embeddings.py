@@ -317,9 +317,14 @@ async def test_a_streaming_chat_and_an_embedding_batch_share_the_server(served):
     ({"input": "x", "encoding_format": "int8"}, "encoding_format", "must be 'float' or 'base64'"),
     ({"input": "x", "pooling": "max"}, "pooling", "must be 'last', 'mean' or 'cls'"),
     ({"input": "x", "normalize": "yes"}, "normalize", "must be a boolean"),
+    ({"input": "x", "normalize": 0}, "normalize", "must be a boolean"),  # 0 == False in Python, not in JSON
+    ({"input": "x", "pooling": ""}, "pooling", "must be 'last', 'mean' or 'cls'"),
+    ({"input": "x", "encoding_format": 0}, "encoding_format", "must be 'float' or 'base64'"),
     ({"input": "x", "truncate_prompt_tokens": 8}, "truncate_prompt_tokens", "is not supported"),
     ({"input": "x", "add_special_tokens": False}, "add_special_tokens", "must be true"),
+    ({"input": "x", "add_special_tokens": 1}, "add_special_tokens", "must be true"),
     ({"input": "x", "user": 5}, "user", "must be a string"),
+    ({"input": "x", "model": {}}, "model", "'model' must be a string"),
 ])
 async def test_bad_bodies_get_a_400_naming_the_field_and_the_server_goes_on(served, body, param, needle):
     import aiohttp

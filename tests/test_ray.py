@@ -326,6 +326,24 @@ async def test_scaling_down_lets_running_streams_finish(url):
         await _complete(session, url, "after", 4)  # the remaining replica serves
 
 
+async def test_embeddings_through_the_ray_app_and_its_prefix_routed_front(url, prefix_url):
+    """POST /v1/embeddings on a replica (and through the prefix-routed app's front): a single engine's
+    vectors, named in x-acb-replica; a refused field is the same 400."""
+    texts = ["a cat sat", "a dog ran", "bread at home"]
+    async with tiny_engine(config=CONFIG) as engine:
+        want = await engine.embed(texts)
+    async with aiohttp.ClientSession() as session:
+        for base in (url, prefix_url):
+            async with session.post(f"{base}/v1/embeddings", json={"model": "acb", "input": texts}) as resp:
+                assert resp.status == 200 and resp.headers[REPLICA_HEADER], await resp.text()
+                body = await resp.json()
+            got = [d["embedding"] for d in body["data"]]
+            assert max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w)) < 1e-5
+            assert body["usage"]["prompt_tokens"] == sum(len(t) for t in texts)  # (the byte-level tokenizer)
+            async with session.post(f"{base}/v1/embeddings", json={"input": "x", "dimensions": 8}) as resp:
+                assert resp.status == 400 and (await resp.json())["error"]["param"] == "dimensions"
+
+
 async def test_acb_serve_ray_serves_the_openai_routes_and_exits_0_on_sigint(url):
     """Last: the command's app takes the module's place on the same Ray cluster and port."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -369,21 +387,3 @@ async def test_acb_serve_ray_serves_the_openai_routes_and_exits_0_on_sigint(url)
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-
-
-async def test_embeddings_through_the_ray_app_and_its_prefix_routed_front(url, prefix_url):
-    """POST /v1/embeddings on a replica (and through the prefix-routed app's front): a single engine's
-    vectors, named in x-acb-replica; a refused field is the same 400."""
-    texts = ["a cat sat", "a dog ran", "bread at home"]
-    async with tiny_engine(config=CONFIG) as engine:
-        want = await engine.embed(texts)
-    async with aiohttp.ClientSession() as session:
-        for base in (url, prefix_url):
-            async with session.post(f"{base}/v1/embeddings", json={"model": "acb", "input": texts}) as resp:
-                assert resp.status == 200 and resp.headers[REPLICA_HEADER], await resp.text()
-                body = await resp.json()
-            got = [d["embedding"] for d in body["data"]]
-            assert max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w)) < 1e-5
-            assert body["usage"]["prompt_tokens"] == sum(len(t) for t in texts)  # (the byte-level tokenizer)
-            async with session.post(f"{base}/v1/embeddings", json={"input": "x", "dimensions": 8}) as resp:
-                assert resp.status == 400 and (await resp.json())["error"]["param"] == "dimensions"

@@ -189,7 +189,7 @@ class SamplingParams:
         if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
             raise InvalidRequestError(f"adapter must be None (the base model) or the name of a loaded adapter, got "
                                       f"{self.adapter!r}", param="adapter")
-        if self.speculative not in (None, False):
+        if self.speculative is not None and self.speculative is not False:  # (0 == False: no 0)
             raise InvalidRequestError(f"speculative must be None (the engine's EngineConfig.speculative_method) or "
                                       f"False (this request does not speculate), got {self.speculative!r}",
                                       param="speculative")

@@ -66,23 +66,26 @@ def _inputs(body: dict[str, Any]) -> list[str | list[int]]:
 
 def _options(body: dict[str, Any]) -> tuple[str, str, bool]:
     """(encoding_format, pooling, normalize) of ``body``; a 400 naming a field acb cannot honour."""
-    encoding = body.get("encoding_format") or "float"
-    if encoding not in ENCODINGS:
+    # identity checks, never ``in``/``or``: 0 == False and 1 == True, "" is falsy, and a JSON 0 is no boolean
+    encoding = body.get("encoding_format")
+    encoding = "float" if encoding is None else encoding
+    if not isinstance(encoding, str) or encoding not in ENCODINGS:
         raise field_error("encoding_format", f"must be 'float' or 'base64', got {encoding!r}")
     if body.get("dimensions") is not None:
         raise field_error("dimensions", "is not supported: this model's embeddings have one size (its hidden size); "
                           "leave it out")
     if body.get("truncate_prompt_tokens") is not None:
         raise field_error("truncate_prompt_tokens", "is not supported: send inputs that fit the model's context")
-    if body.get("add_special_tokens") not in (None, True):
+    if body.get("add_special_tokens") is not None and body["add_special_tokens"] is not True:
         raise field_error("add_special_tokens", "must be true: texts are tokenized as the model's tokenizer does")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise field_error("user", "must be a string")
-    pooling = body.get("pooling") or "last"
-    if pooling not in POOLINGS:
+    pooling = body.get("pooling")
+    pooling = "last" if pooling is None else pooling
+    if not isinstance(pooling, str) or pooling not in POOLINGS:
         raise field_error("pooling", f"must be 'last', 'mean' or 'cls', got {pooling!r}")
     normalize = body.get("normalize")
-    if normalize not in (None, True, False):
+    if normalize is not None and not isinstance(normalize, bool):
         raise field_error("normalize", f"must be a boolean, got {normalize!r}")
     return encoding, pooling, normalize is not False
 
@@ -114,7 +117,7 @@ class EmbeddingsService:
 
     async def create(self, body: dict[str, Any]) -> dict[str, Any]:
         """The embeddings response of ``body``, or an :class:`ApiError` (400 naming the field)."""
-        model = self.service.served_model(body.get("model"))
+        model = self.service.model_field(body)
         if model != self.service.model_name:
             raise field_error("model", f"names the LoRA adapter {model!r}: embeddings come from the served model "
                               f"{self.service.model_name!r}")

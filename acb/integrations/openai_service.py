@@ -289,7 +289,7 @@ class OpenAIService:
         """``POST /tokenize`` (vLLM's extension): ``{"prompt": str}`` or ``{"messages": [...]}``
         (with ``add_special_tokens``, ``add_generation_prompt``) to token ids; a ``model`` it
         names must be served (404)."""
-        self._model_field(body)
+        self.model_field(body)
         tokenizer = self._tokenizer()
         try:
             if "messages" in body and "prompt" in body:
@@ -315,7 +315,7 @@ class OpenAIService:
     def detokenize(self, body: dict[str, Any]) -> dict[str, str]:
         """``POST /detokenize`` (vLLM's extension): ``{"tokens": [ids]}`` to ``{"prompt": text}``;
         a ``model`` it names must be served (404)."""
-        self._model_field(body)
+        self.model_field(body)
         tokens = body.get("tokens")
         vocab = self.engine.vocab_size
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
@@ -323,8 +323,8 @@ class OpenAIService:
             raise ApiError(400, f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
         return {"prompt": self._tokenizer().decode(tokens)}
 
-    def _model_field(self, body: dict[str, Any]) -> str:
-        """The served model a tokenize/detokenize body names (404 for another; 400 for a non-string)."""
+    def model_field(self, body: dict[str, Any]) -> str:
+        """The served model a body names (404 for another; 400 for a non-string)."""
         if body.get("model") is not None and not isinstance(body["model"], str):
             raise ApiError(400, "'model' must be a string", param="model")
         return self.served_model(body.get("model"))
