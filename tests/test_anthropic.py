@@ -191,7 +191,7 @@ async def test_a_history_of_tool_use_and_results_is_rendered_as_the_chat_route_r
     assert count.input_tokens == len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-@pytest.mark.parametrize(("body", "field"), [
+BAD_INPUTS = [
     ({"messages": ASK}, "max_tokens"),
     ({"max_tokens": 4, "messages": ASK, "temperature": 1.5}, "temperature"),
     ({"max_tokens": 4, "messages": ASK, "top_k": -1}, "top_k"),
@@ -211,16 +211,19 @@ async def test_a_history_of_tool_use_and_results_is_rendered_as_the_chat_route_r
     ({"max_tokens": 4, "messages": ASK, "tool_choice": {"type": "any"}}, "tool_choice"),
     ({"max_tokens": 4, "messages": ASK, "mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]},
      "mcp_servers"),
-])
-async def test_bad_input_is_a_400_in_anthropics_shape_naming_the_field(served, body, field):
+]
+
+
+async def test_bad_input_is_a_400_in_anthropics_shape_naming_the_field(served):
     _, _, url = served
     async with aiohttp.ClientSession() as session:
-        async with session.post(f"{url}/v1/messages", json={"model": "tiny", **body},
-                                headers={"x-api-key": "k"}) as resp:
-            assert resp.status == 400
-            answer = await resp.json()
-    assert answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error"
-    assert answer["error"]["message"].startswith(f"'{field}'"), answer
+        for body, field in BAD_INPUTS:
+            async with session.post(f"{url}/v1/messages", json={"model": "tiny", **body},
+                                    headers={"x-api-key": "k"}) as resp:
+                assert resp.status == 400, body
+                answer = await resp.json()
+            assert answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error"
+            assert answer["error"]["message"].startswith(f"'{field}'"), answer
 
 
 async def test_the_sdk_raises_its_own_errors(served):

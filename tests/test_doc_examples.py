@@ -48,11 +48,9 @@ def test_example_parses(name, source):
     compile(source, name, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT | ast.PyCF_ONLY_AST)
 
 
-# README's and the streaming page's first in the default suite; the rest (the same engine calls on
-# other pages, or trio and the blocking helper) in CI's extras step: each is a process on the real
-# model (~14 s)
-RUNS = [pytest.param(name, source, id=name,
-                     marks=() if name.startswith("README.md:") or name == "docs/streaming.md:4" else pytest.mark.extras)
+# README's in the default suite; the rest (the same engine calls on other pages, or trio and the
+# blocking helper) in CI's extras step: each is a process on the real model (~14-20 s)
+RUNS = [pytest.param(name, source, id=name, marks=() if name.startswith("README.md:") else pytest.mark.extras)
         for name, source in PROGRAMS]
 
 

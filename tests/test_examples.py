@@ -169,6 +169,7 @@ def chromium() -> str:
     return CHROMIUM
 
 
+@pytest.mark.extras  # a real browser (~15 s): CI's extras step, which installs Chromium
 async def test_chat_page_streams_an_answer_and_stops_one_in_chromium(log, tmp_path, chromium):
     async with example("websocket_chat/app.py", log) as url, browser_page(tmp_path, chromium) as page:
         await page.call("Page.navigate", url=f"{url}/?prompt=Hello&max_new_tokens=12&temperature=0")
@@ -191,6 +192,7 @@ async def test_chat_page_streams_an_answer_and_stops_one_in_chromium(log, tmp_pa
         await page.wait_until("document.body.dataset.finishReason === 'cancelled'")
 
 
+@pytest.mark.extras  # a process on the real model (~12 s), as README's quick start in the default suite
 def test_minimal_stream_example_prints_an_answer():
     import subprocess
 

@@ -117,8 +117,8 @@ async def test_max_blocks_per_request_bounds_the_decode_fast_path(max_blocks):
 
 
 
-@pytest.mark.parametrize("kv", [None, "int8"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, kv", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "int8"),
+                                       pytest.param(torch.bfloat16, "int8", marks=pytest.mark.extras)])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 async def test_a_prompts_logprobs_are_the_same_bits_however_it_was_cut(arch, dtype, kv):
     """On the native kernels a prompt's logits do not depend on how it was chunked. A

@@ -127,6 +127,7 @@ async def test_lm_evaluation_harness_scores_equal_its_transformers_backend(tmp_p
         assert got_greedy == want_greedy, item
 
 
+@pytest.mark.extras  # ~30 s on two cores; tests/test_tool_calls.py runs the same paths on the tiny model
 async def test_tool_calls_through_the_openai_client(smollm2):
     """An agent turn on the default model, whose template renders no tools (the generic
     format): auto, required and a named function, whole and streamed, arguments valid."""
