@@ -344,6 +344,41 @@ async def test_embeddings_through_the_ray_app_and_its_prefix_routed_front(url, p
                 assert resp.status == 400 and (await resp.json())["error"]["param"] == "dimensions"
 
 
+async def test_anthropic_messages_and_openai_responses_through_the_ray_app_and_its_front(url, prefix_url):
+    """The Anthropic and OpenAI SDKs against a replica's routes and the prefix-routed front:
+    Messages (whole, streamed, count_tokens) and Responses (whole, streamed) answer as one engine
+    does; a bad Messages body is a 400 in Anthropic's shape, a bad Responses body in OpenAI's."""
+    anthropic = pytest.importorskip("anthropic")
+    openai = pytest.importorskip("openai")
+    ask = [{"role": "user", "content": "hi there"}]
+    texts = set()
+    for base in (url, prefix_url):
+        claude = anthropic.AsyncAnthropic(base_url=base, api_key="none", max_retries=0)
+        greedy = {"temperature": 0}  # (the anthropic package no longer sends sampling fields: extra_body does)
+        whole = await claude.messages.create(model="acb", max_tokens=8, messages=ask, extra_body=greedy)
+        async with claude.messages.stream(model="acb", max_tokens=8, messages=ask, extra_body=greedy) as stream:
+            final = await stream.get_final_message()
+        assert whole.content[0].text == final.content[0].text and 1 <= whole.usage.output_tokens <= 8
+        texts.add(whole.content[0].text)
+        assert (await claude.messages.count_tokens(model="acb", messages=ask)).input_tokens > 0
+        client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        answer = await client.responses.create(model="acb", input="hi there", max_output_tokens=8, temperature=0)
+        events = [e async for e in await client.responses.create(model="acb", input="hi there", max_output_tokens=8,
+                                                                 temperature=0, stream=True)]
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == answer.output_text
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{base}/v1/messages/count_tokens", json={"model": "acb", "messages": ask}) as resp:
+                assert resp.status == 200 and resp.headers[REPLICA_HEADER]
+            async with session.post(f"{base}/v1/messages", json={"model": "acb", "messages": ask}) as resp:
+                assert resp.status == 400
+                body = await resp.json()
+            assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+            assert body["error"]["message"].startswith("'max_tokens'"), body
+            async with session.post(f"{base}/v1/responses", json={"input": "hi", "conversation": "c1"}) as resp:
+                assert resp.status == 400 and (await resp.json())["error"]["param"] == "conversation"
+    assert len(texts) == 1  # a replica's answer and the front's: the same engine's greedy tokens
+
+
 async def test_acb_serve_ray_serves_the_openai_routes_and_exits_0_on_sigint(url):
     """Last: the command's app takes the module's place on the same Ray cluster and port."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}

@@ -4,9 +4,10 @@ or a cluster (``pip install acb[ray]``).
 Each replica of :class:`AcbDeployment` builds and owns one :class:`acb.Engine` (from a
 model path, or a factory called inside the replica) and serves the routes of ``acb
 serve`` (``/v1/completions``, ``/v1/chat/completions`` with SSE streaming,
-``/v1/embeddings``, ``/v1/models``, ``/health``, ``/metrics``) through the same
-:class:`~acb.integrations.openai_service.OpenAIService`, so parsing, response shapes
-and errors are identical. Ray Serve routes each request to one replica (a stream
+``/v1/embeddings``, ``/v1/responses``, Anthropic's ``/v1/messages`` and
+``/v1/messages/count_tokens``, ``/v1/models``, ``/health``, ``/metrics``) through the same
+:class:`~acb.integrations.openai_service.OpenAIService` and the services over it, so
+parsing, response shapes and errors (Anthropic's shape under ``/v1/messages``) are identical. Ray Serve routes each request to one replica (a stream
 stays on the replica it started on), autoscales on the replicas' queue depth (their
 ongoing requests), restarts a replica whose actor or engine died, and drains a
 replica before stopping it. Every answer names its replica in ``x-acb-replica``.
@@ -41,13 +42,15 @@ import acb
 
 from ..core.progress import log_throughput
 from . import ray_prefix
+from .anthropic_service import AnthropicService
 from .common import ApiError, json_object, stop_engine
 from .embeddings_service import EmbeddingsService
 from .metrics import CONTENT_TYPE
 from .openai_requests import Limits
 from .openai_service import SSE_HEADERS, OpenAIService
-from .ray_http import REPLICA_HEADER, EventStream, new_api
+from .ray_http import REPLICA_HEADER, EventStream, error_body, new_api
 from .ray_prefix import AcbFront, PrefixAwareRouter
+from .responses_service import ResponsesService
 
 log = logging.getLogger("acb.integrations.ray")
 
@@ -97,6 +100,8 @@ class AcbEngineReplica:
                                      per_request_metrics=enable_per_request_metrics,
                                      allow_unknown_model=allow_unknown_model)
         self.embeddings = EmbeddingsService(self.service)
+        self.anthropic = AnthropicService(self.service)
+        self.responses = ResponsesService(self.service)
         self.max_body_bytes = max_body_bytes
         self.drain_timeout = drain_timeout
         self.replica = serve.get_replica_context().replica_id.unique_id
@@ -135,6 +140,38 @@ class AcbEngineReplica:
                 yield event
         finally:
             await answer.aclose()  # a client that went away (Serve cancels this call) cancels the request
+
+    def _answer(self, route: str, body: dict[str, Any]) -> Any:
+        """The awaitable answer of ``route`` ("messages", "count_tokens" or "responses") to ``body``."""
+        if route == "messages":
+            return self.anthropic.create(body)
+        if route == "count_tokens":
+            return self.anthropic.count_tokens(body)
+        if route == "responses":
+            return self.responses.create(body)
+        raise ValueError(f"unknown route {route!r}")
+
+    async def api(self, route: str, body: dict[str, Any], authorization: str | None,
+                  x_api_key: str | None = None) -> AsyncGenerator[Any, None]:
+        """Answer a ``/v1/messages`` (``route`` "messages"), ``/v1/messages/count_tokens``
+        ("count_tokens") or ``/v1/responses`` ("responses") body for the front, as :meth:`openai`
+        streams its answer (errors in the route's API's shape)."""
+        path = "/v1/responses" if route == "responses" else "/v1/messages"
+        try:
+            self.service.check_api_key(authorization, x_api_key)
+            answer = await self._answer(route, body)
+        except ApiError as e:
+            yield "json", e.status, error_body(path, e), e.headers, self.replica
+            return
+        if isinstance(answer, dict):
+            yield "json", 200, answer, {}, self.replica
+            return
+        yield "sse", 200, None, dict(SSE_HEADERS), self.replica
+        try:
+            async for event in answer:
+                yield event
+        finally:
+            await answer.aclose()
 
     async def embeddings_answer(self, body: dict[str, Any], authorization: str | None) -> tuple[int, Any, str]:
         """``POST /v1/embeddings`` for the front: (status, body, replica)."""
@@ -199,15 +236,22 @@ class AcbDeployment(AcbEngineReplica):
     def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         return {**(extra or {}), REPLICA_HEADER: self.replica}
 
-    async def _generate(self, request: Request, *, chat: bool) -> Response:
-        self.service.check_api_key(request.headers.get("Authorization"))
+    async def _body(self, request: Request) -> dict[str, Any]:
+        """The request's JSON object, once its API key (``Authorization: Bearer`` or ``x-api-key``)
+        and size are checked."""
+        self.service.check_api_key(request.headers.get("Authorization"), request.headers.get("x-api-key"))
         raw = await request.body()
         if len(raw) > self.max_body_bytes:
             raise ApiError(413, f"request body too large: {len(raw)} bytes, at most {self.max_body_bytes}")
-        answer = await self.service.generate(json_object(raw), chat=chat)
+        return json_object(raw)
+
+    def _respond(self, answer: Any) -> Response:
         if isinstance(answer, dict):
             return JSONResponse(answer, headers=self._headers())
         return EventStream(answer, self._headers(SSE_HEADERS))
+
+    async def _generate(self, request: Request, *, chat: bool) -> Response:
+        return self._respond(await self.service.generate(await self._body(request), chat=chat))
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
@@ -222,11 +266,22 @@ class AcbDeployment(AcbEngineReplica):
     @api.post("/v1/embeddings")
     async def embeddings_route(self, request: Request) -> Response:
         """``POST /v1/embeddings``."""
-        self.service.check_api_key(request.headers.get("Authorization"))
-        raw = await request.body()
-        if len(raw) > self.max_body_bytes:
-            raise ApiError(413, f"request body too large: {len(raw)} bytes, at most {self.max_body_bytes}")
-        return JSONResponse(await self.embeddings.create(json_object(raw)), headers=self._headers())
+        return JSONResponse(await self.embeddings.create(await self._body(request)), headers=self._headers())
+
+    @api.post("/v1/messages")
+    async def messages(self, request: Request) -> Response:
+        """``POST /v1/messages`` (Anthropic's Messages API; its error shape)."""
+        return self._respond(await self._answer("messages", await self._body(request)))
+
+    @api.post("/v1/messages/count_tokens")
+    async def count_tokens(self, request: Request) -> Response:
+        """``POST /v1/messages/count_tokens`` (Anthropic's)."""
+        return self._respond(await self._answer("count_tokens", await self._body(request)))
+
+    @api.post("/v1/responses")
+    async def responses_route(self, request: Request) -> Response:
+        """``POST /v1/responses`` (OpenAI's Responses API, stateless)."""
+        return self._respond(await self._answer("responses", await self._body(request)))
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> Response:

@@ -1,5 +1,6 @@
 """The HTTP side shared by the Ray Serve deployments (:mod:`acb.integrations.ray`): the
-FastAPI apps' error answers and the SSE response that cancels its request however it ends."""
+FastAPI apps' error answers (Anthropic's shape under ``/v1/messages``, OpenAI's elsewhere, as
+``acb serve`` answers) and the SSE response that cancels its request however it ends."""
 
 import logging
 from typing import Any
@@ -8,6 +9,7 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, StreamingResponse
 
+from .anthropic_responses import error_body as anthropic_error_body
 from .common import ApiError
 from .openai_service import route_error
 
@@ -16,8 +18,13 @@ log = logging.getLogger("acb.integrations.ray")
 REPLICA_HEADER = "x-acb-replica"
 
 
+def error_body(path: str, error: ApiError) -> dict[str, Any]:
+    """``error``'s JSON in the shape of the API ``path`` belongs to."""
+    return anthropic_error_body(error) if path.startswith("/v1/messages") else error.body()
+
+
 async def _api_error(request: Request, error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+    return JSONResponse(error_body(request.url.path, error), status_code=error.status, headers=error.headers)
 
 
 async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
@@ -26,12 +33,13 @@ async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
         api_error = route_error(error.status_code, request.method, request.url.path, allowed)
     else:
         api_error = ApiError(error.status_code, str(error.detail))
-    return JSONResponse(api_error.body(), status_code=api_error.status, headers=error.headers)
+    return JSONResponse(error_body(request.url.path, api_error), status_code=api_error.status,
+                        headers=error.headers)
 
 
 async def _bug(request: Request, error: Exception) -> JSONResponse:
     log.exception("unhandled error in %s %s", request.method, request.url.path)
-    return JSONResponse(ApiError(500, "internal server error").body(), status_code=500)
+    return JSONResponse(error_body(request.url.path, ApiError(500, "internal server error")), status_code=500)
 
 
 def new_api() -> FastAPI:
@@ -58,4 +66,4 @@ class EventStream(StreamingResponse):
             await self._events.aclose()
 
 
-__all__ = ["REPLICA_HEADER", "EventStream", "new_api"]
+__all__ = ["REPLICA_HEADER", "EventStream", "error_body", "new_api"]

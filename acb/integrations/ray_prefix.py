@@ -264,14 +264,27 @@ class AcbFront:
         except (ApiError, acb.AcbError, TypeError, ValueError):
             return None
 
-    async def _generate(self, request: Request, *, chat: bool) -> Response:
+    async def _body(self, request: Request) -> dict[str, Any]:
         raw = await request.body()
         if len(raw) > self.max_body_bytes:
             raise ApiError(413, f"request body too large: {len(raw)} bytes, at most {self.max_body_bytes}")
-        body = json_object(raw)
+        return json_object(raw)
+
+    async def _generate(self, request: Request, *, chat: bool) -> Response:
+        body = await self._body(request)
         routing = await self._routing_token_ids(body, chat)
-        answer = self.engines.options(stream=True).openai.remote(body, chat, request.headers.get("Authorization"),
-                                                                 routing_token_ids=routing)
+        return await self._relay(self.engines.options(stream=True).openai.remote(
+            body, chat, request.headers.get("Authorization"), routing_token_ids=routing))
+
+    async def _api(self, request: Request, route: str) -> Response:
+        """Anthropic's Messages and OpenAI's Responses routes: on the engine replica Serve routes
+        them to by load (their prompts are not tokenized here to route on a cached prefix)."""
+        body = await self._body(request)
+        return await self._relay(self.engines.options(stream=True).api.remote(
+            route, body, request.headers.get("Authorization"), request.headers.get("x-api-key")))
+
+    async def _relay(self, answer: Any) -> Response:
+        """The replica's streamed answer (:meth:`AcbEngineReplica.openai`'s form) as the response."""
         try:
             kind, status, payload, headers, replica = await answer.__anext__()
         except BaseException:
@@ -301,6 +314,21 @@ class AcbFront:
         status, body, replica = await self.engines.embeddings_answer.remote(json_object(raw),
                                                                            request.headers.get("Authorization"))
         return JSONResponse(body, status_code=status, headers={REPLICA_HEADER: replica})
+
+    @front_api.post("/v1/messages")
+    async def messages(self, request: Request) -> Response:
+        """``POST /v1/messages`` (Anthropic's Messages API)."""
+        return await self._api(request, "messages")
+
+    @front_api.post("/v1/messages/count_tokens")
+    async def count_tokens(self, request: Request) -> Response:
+        """``POST /v1/messages/count_tokens`` (Anthropic's)."""
+        return await self._api(request, "count_tokens")
+
+    @front_api.post("/v1/responses")
+    async def responses(self, request: Request) -> Response:
+        """``POST /v1/responses`` (OpenAI's Responses API, stateless)."""
+        return await self._api(request, "responses")
 
     @front_api.get("/v1/models")
     async def models(self, request: Request) -> Response:
