@@ -267,3 +267,21 @@ async def test_tp2_in_bf16_computes_what_one_rank_does():
     assert [g[0] for g in got] == [w[0] for w in want]
     agreement = sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g, w)) / (12 * len(prompts))
     assert agreement >= (0.9 if native_bf16() is not None else 0.5), agreement
+
+
+async def test_tp2_embeddings_equal_one_ranks_beside_generation():
+    """Engine.embed on two ranks: the pooled positions stay on rank 0 (as prompt logprobs do; the
+    other rank only computes the layers with it), so the vectors are one rank's, while a greedy
+    stream beside them keeps its tokens."""
+    model = tiny_model("llama")
+    texts = [[5, 17, 33, 60, 91], [7, 8, 9], list(range(3, 40))]
+    prompt = [11, 12, 13, 14]
+    async with acb.Engine(model, tokenizer=tiny_tokenizer(), config=tp_config(tensor_parallel_size=1)) as one:
+        want = {p: await one.embed(texts, pooling=p) for p in ("last", "mean")}
+        tokens = (await one.generate(prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True)).token_ids
+        async with acb.Engine(model, tokenizer=tiny_tokenizer(), config=tp_config()) as engine:
+            stream = asyncio.ensure_future(engine.generate(prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True))
+            got = {p: await engine.embed(texts, pooling=p) for p in ("last", "mean")}
+            assert (await stream).token_ids == tokens
+    for p in want:
+        assert torch.allclose(torch.tensor(got[p]), torch.tensor(want[p]), atol=1e-5), p

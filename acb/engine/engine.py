@@ -249,9 +249,6 @@ class Engine:
             similarity = sum(a * b for a, b in zip(*vectors))
         """
         self._life.check_accepting()
-        if self._tp is not None:
-            raise NotImplementedError("embed() with tensor_parallel_size > 1: the ranks' step message does not "
-                                      "carry pooled positions yet")
         check_pooling(pooling, normalize)
         prompts = await embedding_prompts(inputs, pooling, self.tokenizer, self.vocab_size, self.max_model_len)
         self._life.check_accepting()  # tokenizing awaited: check again

@@ -134,8 +134,6 @@ class EmbeddingsService:
             raise ApiError(400, str(e).replace("inputs", "input"), param="input") from None
         except acb.AcbError as e:
             raise engine_error(e, chat=False) from None
-        except NotImplementedError as e:  # (tensor parallelism)
-            raise ApiError(501, str(e), type="not_implemented") from None
         tokens = sum(len(ids) for ids in prompts)
         return {"object": "list", "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
                 "data": [{"object": "embedding", "index": i, "embedding": encoded(v, encoding)}

@@ -7,10 +7,11 @@ serve`` (``/v1/completions``, ``/v1/chat/completions`` with SSE streaming,
 ``/v1/embeddings``, ``/v1/responses``, Anthropic's ``/v1/messages`` and
 ``/v1/messages/count_tokens``, ``/v1/models``, ``/health``, ``/metrics``) through the same
 :class:`~acb.integrations.openai_service.OpenAIService` and the services over it, so
-parsing, response shapes and errors (Anthropic's shape under ``/v1/messages``) are identical. Ray Serve routes each request to one replica (a stream
-stays on the replica it started on), autoscales on the replicas' queue depth (their
-ongoing requests), restarts a replica whose actor or engine died, and drains a
-replica before stopping it. Every answer names its replica in ``x-acb-replica``.
+parsing, response shapes and errors (Anthropic's shape under ``/v1/messages``) are
+identical. Ray Serve routes each request to one replica (a stream stays on the replica
+it started on), autoscales on the replicas' queue depth (their ongoing requests),
+restarts a replica whose actor or engine died, and drains a replica before stopping it.
+Every answer names its replica in ``x-acb-replica``.
 
 Example::
 
