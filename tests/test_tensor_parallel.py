@@ -269,6 +269,7 @@ async def test_tp2_in_bf16_computes_what_one_rank_does():
     assert agreement >= (0.9 if native_bf16() is not None else 0.5), agreement
 
 
+@pytest.mark.extras  # another pair of rank processes (~20 s): CI's extras step
 async def test_tp2_embeddings_equal_one_ranks_beside_generation():
     """Engine.embed on two ranks: the pooled positions stay on rank 0 (as prompt logprobs do; the
     other rank only computes the layers with it), so the vectors are one rank's, while a greedy
