@@ -342,6 +342,7 @@ async def test_embeddings_through_the_ray_app_and_its_prefix_routed_front(url, p
             assert body["usage"]["prompt_tokens"] == sum(len(t) for t in texts)  # (the byte-level tokenizer)
             async with session.post(f"{base}/v1/embeddings", json={"input": "x", "dimensions": 8}) as resp:
                 assert resp.status == 400 and (await resp.json())["error"]["param"] == "dimensions"
+                assert resp.headers[REPLICA_HEADER]  # an error names its replica too
 
 
 async def test_anthropic_messages_and_openai_responses_through_the_ray_app_and_its_front(url, prefix_url):
@@ -370,7 +371,7 @@ async def test_anthropic_messages_and_openai_responses_through_the_ray_app_and_i
             async with session.post(f"{base}/v1/messages/count_tokens", json={"model": "acb", "messages": ask}) as resp:
                 assert resp.status == 200 and resp.headers[REPLICA_HEADER]
             async with session.post(f"{base}/v1/messages", json={"model": "acb", "messages": ask}) as resp:
-                assert resp.status == 400
+                assert resp.status == 400 and resp.headers[REPLICA_HEADER]
                 body = await resp.json()
             assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
             assert body["error"]["message"].startswith("'max_tokens'"), body

@@ -49,7 +49,7 @@ from .embeddings_service import EmbeddingsService
 from .metrics import CONTENT_TYPE
 from .openai_requests import Limits
 from .openai_service import SSE_HEADERS, OpenAIService
-from .ray_http import REPLICA_HEADER, EventStream, error_body, new_api
+from .ray_http import REPLICA_HEADER, EventStream, error_body, name_replica, new_api
 from .ray_prefix import AcbFront, PrefixAwareRouter
 from .responses_service import ResponsesService
 
@@ -106,6 +106,7 @@ class AcbEngineReplica:
         self.max_body_bytes = max_body_bytes
         self.drain_timeout = drain_timeout
         self.replica = serve.get_replica_context().replica_id.unique_id
+        name_replica(self.replica)  # (one replica per process) the HTTP app's errors name it too
         await self.engine.start()
         self._throughput_task = None
         if log_interval:
