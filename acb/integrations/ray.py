@@ -119,32 +119,11 @@ class AcbEngineReplica:
                 self.engine, self.replica, ray_prefix.index_name(context.app_name, context.deployment)))
 
     # -- what AcbFront calls through a handle (prefix-aware routing) ------------------
-    async def openai(self, body: dict[str, Any], chat: bool, authorization: str | None,
-                     routing_token_ids: list[int] | None = None) -> AsyncGenerator[Any, None]:
-        """Answer a ``/v1/completions`` or ``/v1/chat/completions`` body for the front, as a
-        stream: first ``(kind, status, payload, headers, replica)`` (``kind`` "json": the
-        whole answer or an error in ``payload``; "sse": the SSE events follow as bytes).
-        ``routing_token_ids`` is the prompt as the front tokenized it, for
-        :class:`PrefixAwareRouter` (which reads it from the call); the engine tokenizes
-        the body itself."""
-        try:
-            self.service.check_api_key(authorization)
-            answer = await self.service.generate(body, chat=chat)
-        except ApiError as e:
-            yield "json", e.status, e.body(), e.headers, self.replica
-            return
-        if isinstance(answer, dict):
-            yield "json", 200, answer, {}, self.replica
-            return
-        yield "sse", 200, None, dict(SSE_HEADERS), self.replica
-        try:
-            async for event in answer:
-                yield event
-        finally:
-            await answer.aclose()  # a client that went away (Serve cancels this call) cancels the request
-
     def _answer(self, route: str, body: dict[str, Any]) -> Any:
-        """The awaitable answer of ``route`` ("messages", "count_tokens" or "responses") to ``body``."""
+        """The awaitable answer of ``route`` to ``body``: "completions", "chat" (OpenAI's),
+        "messages", "count_tokens" (Anthropic's) or "responses" (OpenAI's Responses API)."""
+        if route in ("completions", "chat"):
+            return self.service.generate(body, chat=route == "chat")
         if route == "messages":
             return self.anthropic.create(body)
         if route == "count_tokens":
@@ -153,16 +132,19 @@ class AcbEngineReplica:
             return self.responses.create(body)
         raise ValueError(f"unknown route {route!r}")
 
-    async def api(self, route: str, body: dict[str, Any], authorization: str | None,
-                  x_api_key: str | None = None) -> AsyncGenerator[Any, None]:
-        """Answer a ``/v1/messages`` (``route`` "messages"), ``/v1/messages/count_tokens``
-        ("count_tokens") or ``/v1/responses`` ("responses") body for the front, as :meth:`openai`
-        streams its answer (errors in the route's API's shape)."""
-        path = "/v1/responses" if route == "responses" else "/v1/messages"
+    async def api(self, route: str, body: dict[str, Any], authorization: str | None, x_api_key: str | None = None,
+                  routing_token_ids: list[int] | None = None) -> AsyncGenerator[Any, None]:
+        """Answer a body of ``route`` (see :meth:`_answer`) for the front, as a stream: first
+        ``(kind, status, payload, headers, replica)`` (``kind`` "json": the whole answer or an
+        error, in the route's API's shape, in ``payload``; "sse": the SSE events follow as
+        bytes). ``routing_token_ids`` is the prompt as the front tokenized it, for
+        :class:`PrefixAwareRouter` (which reads it from the call); the engine tokenizes the
+        body itself."""
         try:
             self.service.check_api_key(authorization, x_api_key)
             answer = await self._answer(route, body)
         except ApiError as e:
+            path = "/v1/messages" if route in ("messages", "count_tokens") else "/v1/"
             yield "json", e.status, error_body(path, e), e.headers, self.replica
             return
         if isinstance(answer, dict):
@@ -173,7 +155,7 @@ class AcbEngineReplica:
             async for event in answer:
                 yield event
         finally:
-            await answer.aclose()
+            await answer.aclose()  # a client that went away (Serve cancels this call) cancels the request
 
     async def embeddings_answer(self, body: dict[str, Any], authorization: str | None) -> tuple[int, Any, str]:
         """``POST /v1/embeddings`` for the front: (status, body, replica)."""
@@ -252,18 +234,15 @@ class AcbDeployment(AcbEngineReplica):
             return JSONResponse(answer, headers=self._headers())
         return EventStream(answer, self._headers(SSE_HEADERS))
 
-    async def _generate(self, request: Request, *, chat: bool) -> Response:
-        return self._respond(await self.service.generate(await self._body(request), chat=chat))
-
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         """``POST /v1/completions``."""
-        return await self._generate(request, chat=False)
+        return self._respond(await self._answer("completions", await self._body(request)))
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         """``POST /v1/chat/completions``."""
-        return await self._generate(request, chat=True)
+        return self._respond(await self._answer("chat", await self._body(request)))
 
     @api.post("/v1/embeddings")
     async def embeddings_route(self, request: Request) -> Response:

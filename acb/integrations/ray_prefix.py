@@ -272,19 +272,22 @@ class AcbFront:
 
     async def _generate(self, request: Request, *, chat: bool) -> Response:
         body = await self._body(request)
-        routing = await self._routing_token_ids(body, chat)
-        return await self._relay(self.engines.options(stream=True).openai.remote(
-            body, chat, request.headers.get("Authorization"), routing_token_ids=routing))
+        return await self._call(request, "chat" if chat else "completions", body,
+                                await self._routing_token_ids(body, chat))
 
     async def _api(self, request: Request, route: str) -> Response:
         """Anthropic's Messages and OpenAI's Responses routes: on the engine replica Serve routes
         them to by load (their prompts are not tokenized here to route on a cached prefix)."""
-        body = await self._body(request)
+        return await self._call(request, route, await self._body(request), None)
+
+    async def _call(self, request: Request, route: str, body: dict[str, Any], routing: list[int] | None) -> Response:
+        """``route``'s answer from an engine replica (:meth:`AcbEngineReplica.api`), streamed through."""
         return await self._relay(self.engines.options(stream=True).api.remote(
-            route, body, request.headers.get("Authorization"), request.headers.get("x-api-key")))
+            route, body, request.headers.get("Authorization"), request.headers.get("x-api-key"),
+            routing_token_ids=routing))
 
     async def _relay(self, answer: Any) -> Response:
-        """The replica's streamed answer (:meth:`AcbEngineReplica.openai`'s form) as the response."""
+        """The replica's streamed answer (:meth:`AcbEngineReplica.api`'s form) as the response."""
         try:
             kind, status, payload, headers, replica = await answer.__anext__()
         except BaseException:
