@@ -1,6 +1,6 @@
 """int8 weights on the CPU (``EngineConfig(quantization="int8")``): W8A8 on AVX-512 VNNI, or on AVX2
-(the same kernel's AVX2 form: both operands widened to int16, ``vpmaddwd``; the same int32 sums and
-outputs).
+(the same kernel's AVX2 form: ``vpmaddubsw`` on the weights' magnitudes and the activations with their
+signs, widened by ``vpmaddwd``; the same int32 sums and outputs).
 
 Every linear layer of the decoder (the attention's and the MLP's projections) keeps its
 weights as int8, symmetric, one scale per output channel and group of 64 input channels

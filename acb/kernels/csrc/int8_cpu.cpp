@@ -245,121 +245,145 @@ void gemm(const Rows& x, int64_t m, const Weight& w, const Weight* up, int64_t a
 #if defined(ACB_INT8_AVX2)
 // The same GEMM on AVX2 (no VNNI, no AVX-512: Zen 2/3, Haswell to Alder Lake): the same packed
 // weights, the same int32 sums per group and the same float32 flush, so the same outputs bit for bit.
-// vpmaddubsw (unsigned times signed bytes, pairs summed in int16) would saturate on weights + 128
-// (255 * 127 * 2 > 32767), so both operands are widened to int16 and multiplied by vpmaddwd (pairs
-// summed in int32, exact): the activations once per call (int16 rows), each 16 weight bytes (4
-// columns x 4 k) as they are loaded. A vpmaddwd lane holds one column's two k products, so a
-// group's sums are its lanes added in pairs (one vphaddd per row and 8 columns, at the flush).
-// Tiles: MR rows x 8 columns (half a packed block): 2 MR int32 accumulators.
+// vpmaddubsw (unsigned times signed bytes, pairs summed in int16) would saturate on the packed weights
+// w + 128 (255 * 127 * 2 > 32767), so the sign trick llama.cpp's AVX2 dot products use: the signed
+// weight w = (w + 128) ^ 0x80, its magnitude |w| as the unsigned operand and the activation with w's
+// sign as the signed one (vpsignb): |w| sign(w) x = w x, and a pair sums to at most 2 * 128 * 127 =
+// 32,512, exact in int16; vpmaddwd by ones then widens the pairs to int32 lanes, one column per lane.
+// That gives sum(w x); the kernel adds the +128's share back, 128 sum(x) per row and group (summed
+// once per call), to reach the VNNI form's int32 sums. Four vector instructions per 32 products,
+// against the int16-widened form's vpmaddwd and vpaddd per 16 (AMD Zen 3: vpmaddwd issues once a
+// cycle, so that form ran no faster than float32's FMAs; this one runs 1.2-1.4x it, docs/journal).
+// Tiles: MR rows x 16 columns (a packed block): 2 MR int32 accumulators, the block's two 8-column
+// halves as signed weights and magnitudes, the broadcast, ones.
 using acb_vec::act256;  // SiLU / GELU-tanh on 8 lanes (vec_avx2.h)
 
 using acb_vec::load8;  // 8 float32 or bf16 lanes in, float32 or rounded bf16 out (vec_avx2.h)
 using acb_vec::store8;
 
-// acc + the int32 pair sums of a * b (vpmaddwd, then vpaddd), written as two instructions: GCC 12
-// compiles the intrinsics with a register copy per accumulator and k step (as dpbusd above)
-inline __m256i madd_add(__m256i acc, __m256i a, __m256i b) {
+// acc + the int32 sums of w x over each lane's 4 bytes: aw = |w| (unsigned), w the signed weights, x the
+// activations (signed), written as four instructions: GCC 12 compiles the intrinsics with a register copy
+// per accumulator and k step (as dpbusd above)
+inline __m256i dot_add(__m256i acc, __m256i aw, __m256i w, __m256i x, __m256i ones) {
   __m256i t;
-  __asm__("vpmaddwd %3, %2, %1\n\tvpaddd %1, %0, %0" : "+x"(acc), "=&x"(t) : "x"(a), "x"(b));
+  __asm__("vpsignb %3, %2, %1\n\tvpmaddubsw %1, %4, %1\n\tvpmaddwd %5, %1, %1\n\tvpaddd %1, %0, %0"
+          : "+x"(acc), "=&x"(t)
+          : "x"(x), "x"(w), "x"(aw), "x"(ones));
   return acc;
 }
 
-// acc[r] (8 columns) = sum over the ng groups of wscale_g * (int32 dot of the group * xscale[r, g] -
-// xoff[r, g]), as dot_tile computes it. x: int16 rows (stride xs); w: the half block's first weight
-// bytes (its k steps 64 bytes apart); wscale: the half block's first scale ([ng][16] per block).
-template <int MR>
-inline void dot_tile8(const int16_t* x, int64_t xs, const uint8_t* w, int64_t ng, int64_t g4, const float* wscale,
-                      const float* xscale, const float* xoff, __m256 (&acc)[MR]) {
-  // vphaddd leaves the columns as 0 1 4 5 2 3 6 7: the scales are read in that order and the sums
-  // put back in order once at the end
-  const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+// acc[r][h] (columns 8h to 8h + 7 of the block) = sum over the ng groups of wscale_g * ((int32 dot of the
+// group + xsum[r, g]) * xscale[r, g] - xoff[r, g]), as dot_tile computes it. x: the int8 rows (stride xs);
+// w: the block's first weight bytes (its k steps 64 bytes apart); wscale: the block's first scale ([ng][16]);
+// xsum: 128 sum(x) per row and group. G4: the group's k steps when known at compile time (0: g4).
+template <int MR, int G4>
+inline void dot_tile16(const int8_t* x, int64_t xs, const uint8_t* w, int64_t ng, int64_t g4, const float* wscale,
+                       const float* xscale, const float* xoff, const int32_t* xsum, __m256 (&acc)[MR][2]) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  const int64_t steps = G4 ? G4 : g4;
 #pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < ng; ++g) {
-    __m256i lo[MR], hi[MR];  // columns 0-3 and 4-7, two lanes each
+    __m256i ia[MR][2];
 #pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
-    for (int64_t k = g * g4; k < (g + 1) * g4; ++k) {
-      const __m256i b0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * 64)));
-      const __m256i b1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * 64 + 16)));
+    for (int r = 0; r < MR; ++r) ia[r][0] = ia[r][1] = _mm256_setzero_si256();
+    const uint8_t* wg = w + g * steps * 64;
+    const int8_t* xg = x + g * steps * 4;
+#pragma GCC unroll 16
+    for (int64_t k = 0; k < steps; ++k) {
+      __m256i sw[2], aw[2];
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        sw[h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + k * 64 + h * 32)), flip);
+        aw[h] = _mm256_abs_epi8(sw[h]);
+      }
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
-        int64_t a64;
-        std::memcpy(&a64, x + r * xs + 4 * k, 8);
-        const __m256i a = _mm256_set1_epi64x(a64);
-        lo[r] = madd_add(lo[r], b0, a);
-        hi[r] = madd_add(hi[r], b1, a);
+        int32_t a32;
+        std::memcpy(&a32, xg + r * xs + 4 * k, 4);
+        const __m256i a = _mm256_set1_epi32(a32);
+        ia[r][0] = dot_add(ia[r][0], aw[0], sw[0], a, ones);
+        ia[r][1] = dot_add(ia[r][1], aw[1], sw[1], a, ones);
       }
     }
-    const __m256 ws = _mm256_permutevar8x32_ps(_mm256_loadu_ps(wscale + g * 16), order);
+    const __m256 ws0 = _mm256_loadu_ps(wscale + g * 16), ws1 = _mm256_loadu_ps(wscale + g * 16 + 8);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const __m256 s = _mm256_set1_ps(xscale[r * ng + g]), z = _mm256_set1_ps(xoff[r * ng + g]);
-      const __m256i sums = _mm256_hadd_epi32(lo[r], hi[r]);
-      acc[r] = _mm256_fmadd_ps(_mm256_fmsub_ps(_mm256_cvtepi32_ps(sums), s, z), ws, acc[r]);
+      const __m256i back = _mm256_set1_epi32(xsum[r * ng + g]);
+      acc[r][0] = _mm256_fmadd_ps(_mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(ia[r][0], back)), s, z), ws0,
+                                  acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(_mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(ia[r][1], back)), s, z), ws1,
+                                  acc[r][1]);
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r) acc[r] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(acc[r]), 0xD8));
 }
 
 inline __m256 biased8(__m256 acc, const float* bias) { return bias ? _mm256_add_ps(acc, _mm256_loadu_ps(bias)) : acc; }
 
-// One tile: rows [m0, m0 + MR) x columns [c0, c0 + 8) of the output (c0 a multiple of 8)
+// One tile: rows [m0, m0 + MR) x the 16 columns of block b of the output
 template <typename T, int MR>
-void tile8(const int16_t* x16, const Rows& x, const Weight& w, const Weight* up, int64_t act, int64_t epi,
-           const T* other, int64_t other_stride, T* out, int64_t out_stride, int64_t m0, int64_t c0) {
-  const int64_t k = x.k, ng = x.ng, k4 = k / 4, panel = k4 * 64, g4 = k4 / ng;
-  const int64_t block = c0 / 16, half = (c0 / 8) % 2;
-  const int16_t* xr = x16 + m0 * k;
+void tile16(const int32_t* xsum, const Rows& x, const Weight& w, const Weight* up, int64_t act, int64_t epi,
+            const T* other, int64_t other_stride, T* out, int64_t out_stride, int64_t m0, int64_t b) {
+  const int64_t k = x.k, ng = x.ng, k4 = k / 4, panel = k4 * 64, g4 = k4 / ng, c0 = b * 16;
+  const int8_t* xr = x.q + m0 * k;
   const float* xs = x.scale + m0 * ng;
   const float* xo = x.off + m0 * ng;
-  __m256 acc[MR], v[MR];
+  const int32_t* xb = xsum + m0 * ng;
+  __m256 acc[MR][2], v[MR][2];
   auto dot = [&](const Weight& wt) {
-    dot_tile8<MR>(xr, k, wt.w + block * panel + half * 32, ng, g4, wt.scale + block * ng * 16 + half * 8, xs, xo, acc);
+    if (g4 == 16)  // acb's groups of 64 channels (int8_weights.GROUP): the k loop unrolled whole
+      dot_tile16<MR, 16>(xr, k, wt.w + b * panel, ng, g4, wt.scale + b * ng * 16, xs, xo, xb, acc);
+    else
+      dot_tile16<MR, 0>(xr, k, wt.w + b * panel, ng, g4, wt.scale + b * ng * 16, xs, xo, xb, acc);
   };
   dot(w);
-  for (int r = 0; r < MR; ++r) v[r] = biased8(acc[r], w.bias ? w.bias + c0 : nullptr);
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < 2; ++h) v[r][h] = biased8(acc[r][h], w.bias ? w.bias + c0 + 8 * h : nullptr);
   if (up != nullptr) {  // v holds the gate: act(gate) * up
-    for (int r = 0; r < MR; ++r) v[r] = act256(v[r], act);
+    for (int r = 0; r < MR; ++r)
+      for (int h = 0; h < 2; ++h) v[r][h] = act256(v[r][h], act);
     dot(*up);
-    for (int r = 0; r < MR; ++r) v[r] = _mm256_mul_ps(v[r], biased8(acc[r], up->bias ? up->bias + c0 : nullptr));
+    for (int r = 0; r < MR; ++r)
+      for (int h = 0; h < 2; ++h)
+        v[r][h] = _mm256_mul_ps(v[r][h], biased8(acc[r][h], up->bias ? up->bias + c0 + 8 * h : nullptr));
   }
-  for (int r = 0; r < MR; ++r) {
-    __m256 o = v[r];
-    if (epi == kAdd) o = _mm256_add_ps(o, load8(other + (m0 + r) * other_stride + c0));
-    store8(out + (m0 + r) * out_stride + c0, o);
-  }
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < 2; ++h) {
+      __m256 o = v[r][h];
+      if (epi == kAdd) o = _mm256_add_ps(o, load8(other + (m0 + r) * other_stride + c0 + 8 * h));
+      store8(out + (m0 + r) * out_stride + c0 + 8 * h, o);
+    }
 }
 
-constexpr int64_t kMR8 = 4;  // rows per AVX2 tile: 8 accumulators, 2 weight registers, the broadcast
+constexpr int64_t kMR16 = 4;  // rows per AVX2 tile: 8 accumulators, 4 weight registers, the broadcast, ones
 
 template <typename T>
-void tile8_rows(int64_t rows, const int16_t* x16, const Rows& x, const Weight& w, const Weight* up, int64_t act,
-                int64_t epi, const T* other, int64_t os, T* out, int64_t ostride, int64_t m0, int64_t c0) {
+void tile16_rows(int64_t rows, const int32_t* xsum, const Rows& x, const Weight& w, const Weight* up, int64_t act,
+                 int64_t epi, const T* other, int64_t os, T* out, int64_t ostride, int64_t m0, int64_t b) {
   switch (rows) {
-    case 4: tile8<T, 4>(x16, x, w, up, act, epi, other, os, out, ostride, m0, c0); break;
-    case 3: tile8<T, 3>(x16, x, w, up, act, epi, other, os, out, ostride, m0, c0); break;
-    case 2: tile8<T, 2>(x16, x, w, up, act, epi, other, os, out, ostride, m0, c0); break;
-    default: tile8<T, 1>(x16, x, w, up, act, epi, other, os, out, ostride, m0, c0); break;
+    case 4: tile16<T, 4>(xsum, x, w, up, act, epi, other, os, out, ostride, m0, b); break;
+    case 3: tile16<T, 3>(xsum, x, w, up, act, epi, other, os, out, ostride, m0, b); break;
+    case 2: tile16<T, 2>(xsum, x, w, up, act, epi, other, os, out, ostride, m0, b); break;
+    default: tile16<T, 1>(xsum, x, w, up, act, epi, other, os, out, ostride, m0, b); break;
   }
 }
 
 template <typename T>
 void gemm(const Rows& x, int64_t m, const Weight& w, const Weight* up, int64_t act, int64_t epi,
           const torch::Tensor* other, torch::Tensor& out, int64_t n) {
-  const int64_t k = x.k;
-  // the activations as int16, once per call (kept per calling thread: a prefill's are megabytes)
-  thread_local std::vector<int16_t> widened;
-  if (static_cast<int64_t>(widened.size()) < m * k) widened.resize(m * k);
-  int16_t* x16 = widened.data();
+  const int64_t k = x.k, ng = x.ng, group = k / ng;
+  // 128 sum(x) per row and group, once per call (kept per calling thread)
+  thread_local std::vector<int32_t> sums;
+  if (static_cast<int64_t>(sums.size()) < m * ng) sums.resize(m * ng);
+  int32_t* xsum = sums.data();
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t b, int64_t e) {
-    for (int64_t i = b * k; i < e * k; i += 16)  // k is a multiple of 4; rows end to end: 16 at a time, then the rest
-      if (i + 16 <= e * k)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(x16 + i),
-                            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x.q + i))));
-      else
-        for (int64_t j = i; j < e * k; ++j) x16[j] = x.q[j];
+    for (int64_t i = b * ng; i < e * ng; ++i) {
+      const int8_t* q = x.q + i * group;
+      int32_t s = 0;
+      for (int64_t j = 0; j < group; ++j) s += q[j];
+      xsum[i] = 128 * s;
+    }
   });
   // (16-column block, row chunk) items, blocks outermost as in the AVX-512 gemm: a block's weights
   // (16 K bytes) stay in L1/L2 across the chunk's row tiles
@@ -372,9 +396,8 @@ void gemm(const Rows& x, int64_t m, const Weight& w, const Weight* up, int64_t a
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / row_chunks, rc = item % row_chunks;
       const int64_t first = rc * chunk, stop = std::min(m, first + chunk);
-      for (int64_t m0 = first; m0 < stop; m0 += kMR8)
-        for (int64_t c0 = b * 16; c0 < b * 16 + 16; c0 += 8)
-          tile8_rows<T>(std::min(kMR8, stop - m0), x16, x, w, up, act, epi, op, os, outp, ostride, m0, c0);
+      for (int64_t m0 = first; m0 < stop; m0 += kMR16)
+        tile16_rows<T>(std::min(kMR16, stop - m0), xsum, x, w, up, act, epi, op, os, outp, ostride, m0, b);
     }
   });
 }
@@ -394,7 +417,7 @@ void gemm(const Rows& x, int64_t m, const Weight& w, const Weight* up, int64_t a
 // The codes are unsigned and small, so vpmaddubsw (unsigned x signed bytes, pairs summed in int16) cannot
 // saturate, and its int16 sums of several k steps are added in int16 before one vpmaddwd by ones widens
 // them (nibbles: a group's 8 k steps, 16 products of at most 15 x 127 = 30,480; bytes: 2 steps, 4 x 63 x
-// 127 = 32,004): ~2 instructions per 16 products, against 4 for the int8 weights' AVX2 form above.
+// 127 = 32,004): ~2 instructions per 16 products, against 2 for the int8 weights' AVX2 form above.
 // The AVX2 form; on AVX-512 VNNI CPUs the same layout through vpdpbusd (low_dot512).
 enum LowKind : int { kInt8 = 0, kNibble = 1, kByte = 2, kNibble5 = 3 };
 
