@@ -152,6 +152,9 @@ def main() -> None:
         print(json.dumps(run_acb(args.one, args.model, args.npp, args.ntg, npls, args.threads)))
         return
     systems = args.systems.split(",")
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        ap.error(f"--systems: unknown {', '.join(unknown)} (choose from {', '.join(SYSTEMS)})")
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     for _ in range(args.rounds):
         for s in systems:
