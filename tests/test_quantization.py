@@ -73,6 +73,30 @@ def test_int8_gemm_matches_a_dequantized_reference(m, n, k, group, dtype):
     torch.testing.assert_close(got.double(), want.to(dtype).double(), rtol=tol, atol=tol * want.abs().max().item())
 
 
+@pytest.mark.parametrize("m", [1, 4, 9])
+def test_int8_gemm_is_exact_at_the_extreme_bytes(m):
+    """Weights of -128 and 127 (a GGUF Q8_0 block may hold -128) against activations of +-127: every
+    pair of products at its largest (2 x 128 x 127), where a kernel that multiplies unsigned by signed
+    bytes in int16 (AVX2's vpmaddubsw) would saturate. The int32 sums are exact, so the output equals a
+    float64 reference over the same integers to float32's rounding."""
+    q8 = _q8()
+    n, k, group = 48, 128, 64
+    g = torch.Generator().manual_seed(m)
+    wq = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    wq[:, ::2] = -128
+    wq[: n // 2, 1::2] = 127
+    ws = torch.rand(n, k // group, generator=g) * 1e-2 + 1e-3
+    layer = Int8Linear.from_int8(wq, ws, torch.randn(n, generator=g))
+    x = torch.randn(m, k, generator=g)
+    xq, xs, xo = _quantize(q8, x, group)
+    xq[:, ::2] = 127
+    xq[:, 1::4] = -127
+    xo = 128 * xq.float().view(m, k // group, group).sum(2) * xs  # the offsets of these bytes (quantize_rows' rule)
+    want = _dequantized_rows(xq, xs) @ (wq.double() * ws.double().repeat_interleave(group, 1)).T + layer.bias.double()
+    got = q8.linear(xq, xs, xo, *layer.args, None, torch.float32)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
 @pytest.mark.parametrize("act,fn", [(0, torch.nn.functional.silu),
                                     (1, lambda t: torch.nn.functional.gelu(t, approximate="tanh"))])
 @pytest.mark.parametrize("m", [3, 70])
