@@ -54,6 +54,9 @@ from .ray_prefix import AcbFront, PrefixAwareRouter
 from .responses_service import ResponsesService
 
 log = logging.getLogger("acb.integrations.ray")
+# the routes AcbEngineReplica.api answers, and the path each stands for (its errors take that API's shape)
+ROUTE_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "messages": "/v1/messages",
+               "count_tokens": "/v1/messages/count_tokens", "responses": "/v1/responses"}
 
 ModelSource = str | os.PathLike | Callable[..., acb.Engine]
 
@@ -144,8 +147,7 @@ class AcbEngineReplica:
             self.service.check_api_key(authorization, x_api_key)
             answer = await self._answer(route, body)
         except ApiError as e:
-            path = "/v1/messages" if route in ("messages", "count_tokens") else "/v1/"
-            yield "json", e.status, error_body(path, e), e.headers, self.replica
+            yield "json", e.status, error_body(ROUTE_PATHS.get(route, ""), e), e.headers, self.replica
             return
         if isinstance(answer, dict):
             yield "json", 200, answer, {}, self.replica

@@ -23,22 +23,23 @@ def error_body(path: str, error: ApiError) -> dict[str, Any]:
     return anthropic_error_body(error) if path.startswith("/v1/messages") else error.body()
 
 
-_replica: list[str] = []  # this process's engine replica (one per process), once it has started
+_replica: str | None = None  # this process's engine replica (one per process), once it has started
 
 
 def name_replica(replica: str) -> None:
     """Name this process's engine replica in its HTTP app's error answers too (``x-acb-replica``)."""
-    _replica[:] = [replica]
+    global _replica
+    _replica = replica
 
 
-def _named(request: Request, headers: Any) -> dict[str, str]:
+def _named(headers: Any) -> dict[str, str]:
     """``headers`` and, in an engine replica's process, its name."""
-    return {**(headers or {}), **({REPLICA_HEADER: _replica[0]} if _replica else {})}
+    return {**(headers or {}), **({REPLICA_HEADER: _replica} if _replica else {})}
 
 
 async def _api_error(request: Request, error: ApiError) -> JSONResponse:
     return JSONResponse(error_body(request.url.path, error), status_code=error.status,
-                        headers=_named(request, error.headers))
+                        headers=_named(error.headers))
 
 
 async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
@@ -48,13 +49,13 @@ async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
     else:
         api_error = ApiError(error.status_code, str(error.detail))
     return JSONResponse(error_body(request.url.path, api_error), status_code=api_error.status,
-                        headers=_named(request, error.headers))
+                        headers=_named(error.headers))
 
 
 async def _bug(request: Request, error: Exception) -> JSONResponse:
     log.exception("unhandled error in %s %s", request.method, request.url.path)
     return JSONResponse(error_body(request.url.path, ApiError(500, "internal server error")), status_code=500,
-                        headers=_named(request, None))
+                        headers=_named(None))
 
 
 def new_api() -> FastAPI:

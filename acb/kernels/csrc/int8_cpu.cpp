@@ -272,8 +272,9 @@ inline __m256i dot_add(__m256i acc, __m256i aw, __m256i w, __m256i x, __m256i on
   return acc;
 }
 
-// acc[r][h] (columns 8h to 8h + 7 of the block) = sum over the ng groups of wscale_g * ((int32 dot of the
-// group + xsum[r, g]) * xscale[r, g] - xoff[r, g]), as dot_tile computes it. x: the int8 rows (stride xs);
+// acc[r][h] (columns 8h to 8h + 7 of the block) = sum over the ng groups of wscale_g * ((xsum[r, g] + int32
+// dot of the group) * xscale[r, g] - xoff[r, g]), as dot_tile computes it (each group's int32 sums start
+// from xsum, the +128's share). x: the int8 rows (stride xs);
 // w: the block's first weight bytes (its k steps 64 bytes apart); wscale: the block's first scale ([ng][16]);
 // xsum: 128 sum(x) per row and group. G4: the group's k steps when known at compile time (0: g4).
 template <int MR, int G4>
@@ -286,7 +287,7 @@ inline void dot_tile16(const int8_t* x, int64_t xs, const uint8_t* w, int64_t ng
   for (int64_t g = 0; g < ng; ++g) {
     __m256i ia[MR][2];
 #pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) ia[r][0] = ia[r][1] = _mm256_setzero_si256();
+    for (int r = 0; r < MR; ++r) ia[r][0] = ia[r][1] = _mm256_set1_epi32(xsum[r * ng + g]);
     const uint8_t* wg = w + g * steps * 64;
     const int8_t* xg = x + g * steps * 4;
 #pragma GCC unroll 16
@@ -310,11 +311,8 @@ inline void dot_tile16(const int8_t* x, int64_t xs, const uint8_t* w, int64_t ng
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const __m256 s = _mm256_set1_ps(xscale[r * ng + g]), z = _mm256_set1_ps(xoff[r * ng + g]);
-      const __m256i back = _mm256_set1_epi32(xsum[r * ng + g]);
-      acc[r][0] = _mm256_fmadd_ps(_mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(ia[r][0], back)), s, z), ws0,
-                                  acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(_mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(ia[r][1], back)), s, z), ws1,
-                                  acc[r][1]);
+      acc[r][0] = _mm256_fmadd_ps(_mm256_fmsub_ps(_mm256_cvtepi32_ps(ia[r][0]), s, z), ws0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(_mm256_fmsub_ps(_mm256_cvtepi32_ps(ia[r][1]), s, z), ws1, acc[r][1]);
     }
   }
 }
