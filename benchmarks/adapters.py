@@ -39,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import workloads  # noqa: E402
-from systems import load_smollm2, pct  # noqa: E402
+from systems import load_model, pct  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -137,7 +137,7 @@ async def main_async(args) -> dict:
     from acb.testing import runner_of
 
     w = workloads.build("standard", args.workload_file, args.limit, 2.0)
-    model, tok = load_smollm2()
+    model, tok = load_model()
     config = acb.EngineConfig(max_adapters=8, max_adapter_rank=16)
     adapters = [random_adapter(model, 16, seed) for seed in range(10)]  # (before the engine prepacks the model)
     out: dict = {"load_start": os.getloadavg(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),

@@ -229,7 +229,8 @@ def vllm_scored(venv: str, dtype: str, ids: list[int], window: int, prompts: lis
     import subprocess
     import tempfile
 
-    from acb.loading import _converted_gguf, smollm2
+    from acb.loading import smollm2
+    from acb.model.loading import _converted_gguf
 
     windows = [ids[s: s + window + 1] for s in range(0, len(ids) - 1, window)]
     windows = [c for c in windows if len(c) >= 2]
@@ -305,9 +306,9 @@ def main() -> None:
     p.add_argument("--out", default="bench-results/quality.json")
     args = p.parse_args()
 
-    from systems import load_smollm2
+    from systems import load_model
 
-    base, tok = load_smollm2()  # float32, never run itself: each dtype runs a fresh copy (an engine
+    base, tok = load_model()  # float32, never run itself: each dtype runs a fresh copy (an engine
     # prepacks the model it holds, and reference_greedy caches a copy on it)
     ids = tok(held_out_text())["input_ids"][: args.tokens + 1]
     w = workloads.build("standard", None, args.prompts, 2.0)
@@ -328,7 +329,7 @@ def main() -> None:
         dtype, quantization, kv = variant(name)
         model = copy.deepcopy(base).to(dtype)
         if quantization:  # in place, as the engine does (transformers' forward then runs the int8 modules too)
-            from acb.quantization import quantize_
+            from acb.model.quantization import quantize_
 
             quantize_(model, tokenizer=tok)  # the smoothing calibrated on acb's calibration text, as the engine does
         hf_tf = None if kv else hf_teacher_forced(model, ids, args.window)  # transformers has no int8 pages

@@ -52,11 +52,11 @@ async def run(engine, prompts: list[list[int]], new: int, label: str = "warm-up"
 
 
 async def main(args) -> None:
-    from systems import load_smollm2
+    from systems import load_model
 
     import acb
 
-    model, tok = load_smollm2()
+    model, tok = load_model()
     rng = random.Random(0)
     engine = acb.Engine(model, tokenizer=tok, config=acb.EngineConfig(max_requests_per_batch=512))
 

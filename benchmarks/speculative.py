@@ -160,9 +160,9 @@ async def run_mode(model, tok, method: str, args, grounded, standard) -> list[di
 
 
 async def main(args) -> None:
-    from systems import load_smollm2
+    from systems import load_model
 
-    model, tok = load_smollm2()
+    model, tok = load_model()
     grounded = workloads.input_grounded(tok, n=max(args.concurrency + [2]) * args.per_stream, max_new_tokens=args.new)
     standard = workloads.standard(limit=args.standard) if args.standard else None
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())

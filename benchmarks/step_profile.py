@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import workloads  # noqa: E402
-from systems import load_smollm2  # noqa: E402
+from systems import load_model  # noqa: E402
 
 import acb  # noqa: E402
 from acb.attention import paged, selector  # noqa: E402
@@ -89,7 +89,7 @@ def instrument(engine: acb.Engine, timers: Timers) -> None:
 
 async def main(args) -> None:
     w = workloads.build(args.workload, args.workload_file, args.limit)
-    model, tok = load_smollm2()
+    model, tok = load_model()
     engine = acb.Engine(model, tokenizer=tok, config=acb.EngineConfig())
     timers = Timers()
     async with engine:

@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def load(args):
-    from systems import load_smollm2
+    from systems import load_model
 
-    model, tok = load_smollm2()
+    model, tok = load_model()
     if args.heads is None:
         return model, tok, "SmolLM2-135M"
     import copy

@@ -268,3 +268,48 @@ def test_no_class_is_over_the_size_limit():
             for p in ACB.rglob("*.py") for node in ast.walk(ast.parse(p.read_text()))
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > CLASS_LINES]
     assert over == [], f"classes over {CLASS_LINES} lines: split them along their seams"
+
+
+def _imports_of(path: Path):
+    """(line, module, name or None) of each ``from X import name`` / ``import X`` in ``path``, at any depth."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield from ((node.lineno, node.module, a.name) for a in node.names)
+        elif isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name, None) for a in node.names)
+
+
+def test_the_benchmarks_and_examples_import_only_names_that_exist():
+    """A module moved or a helper renamed (``acb.quantization`` -> ``acb.model.quantization``,
+    ``systems.load_smollm2`` -> ``load_model``) breaks the scripts that import it inside a function
+    only when someone runs them: each acb import of benchmarks/, examples/ and scripts/ (at any depth)
+    and each ``from systems import`` / ``from workloads import`` of benchmarks/ must resolve."""
+    import importlib
+
+    scripts = [p for d in ("benchmarks", "examples", "scripts") for p in (ROOT / d).rglob("*.py")]
+    local = {p.stem: p for p in (ROOT / "benchmarks").glob("*.py")}
+    missing = []
+    for path in scripts:
+        for line, module, name in _imports_of(path):
+            where = f"{path.relative_to(ROOT)}:{line}: {module}" + (f".{name}" if name else "")
+            if module.split(".")[0] == "acb":
+                try:
+                    found = importlib.import_module(module)
+                except ImportError:
+                    missing.append(where)
+                    continue
+                if name and not hasattr(found, name):
+                    try:
+                        importlib.import_module(f"{module}.{name}")
+                    except ImportError:
+                        missing.append(where)
+            elif module in local and name and path.parent == local[module].parent:
+                defined = {n.name for n in ast.walk(ast.parse(local[module].read_text()))
+                           if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+                defined |= {t.id for n in ast.parse(local[module].read_text()).body if isinstance(n, ast.Assign)
+                            for t in n.targets if isinstance(t, ast.Name)}
+                defined |= {a.asname or a.name.split(".")[0] for n in ast.parse(local[module].read_text()).body
+                            if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+                if name not in defined:
+                    missing.append(where)
+    assert missing == []
