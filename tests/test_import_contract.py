@@ -295,6 +295,10 @@ def test_the_benchmarks_and_examples_import_only_names_that_exist():
             if module.split(".")[0] == "acb":
                 try:
                     found = importlib.import_module(module)
+                except ModuleNotFoundError as e:  # an optional package this environment lacks (ray): unchecked
+                    if (e.name or "acb").split(".")[0] == "acb":
+                        missing.append(where)
+                    continue
                 except ImportError:
                     missing.append(where)
                     continue
