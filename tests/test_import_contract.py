@@ -279,6 +279,19 @@ def _imports_of(path: Path):
             yield from ((node.lineno, a.name, None) for a in node.names)
 
 
+def _top_level_names(path: Path) -> set[str]:
+    """The names a module defines or imports at its top level (what ``from it import name`` finds)."""
+    names = set()
+    for n in ast.parse(path.read_text()).body:
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(n.name)
+        elif isinstance(n, ast.Assign):
+            names |= {t.id for t in n.targets if isinstance(t, ast.Name)}
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            names |= {a.asname or a.name.split(".")[0] for a in n.names}
+    return names
+
+
 def test_the_benchmarks_and_examples_import_only_names_that_exist():
     """A module moved or a helper renamed (``acb.quantization`` -> ``acb.model.quantization``,
     ``systems.load_smollm2`` -> ``load_model``) breaks the scripts that import it inside a function
@@ -308,12 +321,6 @@ def test_the_benchmarks_and_examples_import_only_names_that_exist():
                     except ImportError:
                         missing.append(where)
             elif module in local and name and path.parent == local[module].parent:
-                defined = {n.name for n in ast.walk(ast.parse(local[module].read_text()))
-                           if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
-                defined |= {t.id for n in ast.parse(local[module].read_text()).body if isinstance(n, ast.Assign)
-                            for t in n.targets if isinstance(t, ast.Name)}
-                defined |= {a.asname or a.name.split(".")[0] for n in ast.parse(local[module].read_text()).body
-                            if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
-                if name not in defined:
+                if name not in _top_level_names(local[module]):
                     missing.append(where)
     assert missing == []
