@@ -31,7 +31,7 @@ import os
 
 import torch
 
-from . import int8_cache
+from . import gguf_reading, int8_cache
 
 log = logging.getLogger("acb")
 
@@ -40,9 +40,7 @@ def tensor_types(path: str | os.PathLike) -> dict[str, int]:
     """{GGUF quantization type: number of tensors} of a file."""
     from collections import Counter
 
-    from gguf import GGUFReader
-
-    return dict(Counter(t.tensor_type.name for t in GGUFReader(str(path)).tensors))
+    return dict(Counter(t.tensor_type.name for t in gguf_reading.reader(path).tensors))
 
 
 
@@ -53,6 +51,11 @@ def load(folder: str, gguf_file: str, dtype: torch.dtype):
     :mod:`acb.model.quantization`), the rest in ``dtype``. The int8 tensors are cached under
     ``acb.model.files.cache_dir()`` (later loads skip the GGUF decoding). ValueError naming
     ``EngineConfig.quantization`` where int8 cannot run this model."""
+    with gguf_reading.parsed_once():  # the file's header parsed once, not four times
+        return _load(folder, gguf_file, dtype)
+
+
+def _load(folder: str, gguf_file: str, dtype: torch.dtype):
     from transformers import AutoConfig, AutoTokenizer
 
     from . import int8_calibration, int8_weights, quantization
@@ -95,7 +98,7 @@ def _read(path: str, model: torch.nn.Module, config, factors: dict | None = None
     tensor at a time (the large ones in slices of rows); ``factors``: {name: smoothing s} the
     projections' columns are multiplied by before they are quantized."""
     import numpy as np
-    from gguf import GGUFReader, dequantize
+    from gguf import dequantize
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
         TensorProcessor,
@@ -118,7 +121,7 @@ def _read(path: str, model: torch.nn.Module, config, factors: dict | None = None
         array = np.ascontiguousarray(array, dtype=np.float32)
         return torch.from_numpy(array if array.flags.writeable else array.copy())
 
-    reader = GGUFReader(path)
+    reader = gguf_reading.reader(path)
     arch = read_field(reader, "general.architecture")[0]
     settings = config.to_dict()
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=settings)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import int8_cache
+from . import gguf_reading, int8_cache
 from .files import cache_dir, name_added_tokens, save_atomically
 
 log = logging.getLogger("acb")
@@ -185,7 +185,10 @@ def _converted_gguf(folder: str, gguf_file: str) -> Path:
         return target
     log.info("converting %s (first load only; cached in %s)", src, target)
     # The stages of a conversion on one bar (transformers draws the per-tensor one under it)
-    with tqdm(total=3, desc=f"acb: converting {src.name}", unit="stage", dynamic_ncols=True) as bar:
+    # (parsed_once: transformers parses the file's header for the model, its config and the
+    # tokenizer; once is enough)
+    with tqdm(total=3, desc=f"acb: converting {src.name}", unit="stage", dynamic_ncols=True) as bar, \
+            gguf_reading.parsed_once():
         bar.set_postfix_str("dequantizing the weights")
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
         bar.update(1)
