@@ -212,9 +212,10 @@ async def _held_anywhere(prompt: list[int]) -> bool:
 PREFIX_APP = "acb-prefix"
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def prefix_url(url):
-    """A second app on the same cluster: 2 replicas behind the prefix-aware router, at /prefix."""
+    """A second app on the same cluster: 2 replicas behind the prefix-aware router, at /prefix
+    (deployed once for the module: ~50 s on two cores; its tests' prompts are their own)."""
     app = build_app(tiny_engine, num_replicas=2, engine_config=acb.EngineConfig(num_blocks=64, page_size=8,
                                                                                 kv_events=True),
                     ray_actor_options={"num_cpus": 0.5}, request_router=PrefixAwareRouter,
