@@ -43,3 +43,9 @@ _workers=${ACB_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}
 if [ "$_workers" -gt 4 ]; then _workers=4; fi
 WORKERS=()
 if [ "$_workers" -gt 1 ]; then WORKERS=(-n "$_workers" --dist loadfile); fi
+
+# Python writes its bytecode caches here even where PYTHONDONTWRITEBYTECODE is set (some images set
+# it): the suite starts dozens of Python processes (servers, examples, ranks, workers), and without
+# the caches each one compiles torch's and transformers' modules again (importing acb, torch and
+# transformers: 11.6 s without them, 4.3 s with them on a 2-core AVX2 EPYC).
+unset PYTHONDONTWRITEBYTECODE
