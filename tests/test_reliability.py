@@ -136,9 +136,15 @@ def test_bad_input_on_every_route_is_rejected_by_name_while_others_run() -> None
                     await _call(engine, route, case, where)
                 assert bad.field in str(caught.value), (route, bad, caught.value)
                 assert caught.value.param in bad.params, (route, bad, caught.value, caught.value.param)
-                after = stats()  # nothing ran in between: nothing may have changed
-                assert (after.running, after.waiting, after.used_blocks) == (
-                    before.running, before.waiting, before.used_blocks)
+                after = stats()
+                if after.steps == before.steps:  # nothing ran in between: nothing may have changed
+                    assert (after.running, after.waiting, after.used_blocks) == (
+                        before.running, before.waiting, before.used_blocks)
+                else:  # a long prompt's tokenizing let steps run: only the background requests moved,
+                    # each by at most a page a step (a leak shows at the end too: idle_and_free)
+                    ran = after.steps - before.steps
+                    assert after.waiting == before.waiting and after.running <= before.running
+                    assert after.used_blocks <= before.used_blocks + ran * before.running
                 if any(not h.done() for h in background):  # let the engine take a step
                     await until(lambda: stats().steps > before.steps or all(h.done() for h in background))
 
