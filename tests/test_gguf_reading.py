@@ -85,3 +85,12 @@ def test_transformers_reads_the_config_and_tokenizer_from_one_parse(monkeypatch)
     assert len(parses) == 1
     assert config.num_hidden_layers == 30 and len(tokenizer) >= 49152
     assert len(reader.tensors) == 272
+
+
+def test_without_the_gguf_package_a_load_says_what_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "gguf", None)  # as if it were not installed
+    with pytest.raises(ImportError, match=r"acb\[gguf\]"):
+        with gguf_reading.parsed_once():
+            pass

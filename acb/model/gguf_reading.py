@@ -67,9 +67,14 @@ def reader(path: str | os.PathLike):
 
 @contextlib.contextmanager
 def parsed_once():
-    """While active (in any thread), each GGUF file's header is parsed once, fast (see the module)."""
+    """While active (in any thread), each GGUF file's header is parsed once, fast (see the module).
+    ImportError naming the install where the ``gguf`` package is missing."""
     global _active, _originals
-    import gguf
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError("reading a GGUF file needs the gguf package: pip install 'acb[gguf]' "
+                          "(or pip install 'gguf>=0.10')") from None
 
     with _lock:
         if _active == 0:
