@@ -45,6 +45,17 @@ def tokenizer():
 
 
 @pytest.fixture
+def steady_ram(monkeypatch):
+    """The RAM available, as the cache sizing reads it (psutil), held at 16 GiB: tests that compare two
+    layouts would otherwise see the other workers' processes move it between the two."""
+    import types
+
+    import psutil
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=16 << 30))
+
+
+@pytest.fixture
 def llama():
     return tiny_model("llama")
 

@@ -752,17 +752,10 @@ async def test_the_engines_gemms_see_only_padded_row_counts_and_stay_exact(monke
     assert rows and sorted(r for r in rows if padded_rows(r) != r) == []  # decode steps of 9 and 11 rows ran at 10, 12
 
 
-async def test_a_bf16_engine_runs_the_fused_forward_on_bf16_pages_and_says_so(monkeypatch):
+async def test_a_bf16_engine_runs_the_fused_forward_on_bf16_pages_and_says_so(steady_ram):
     _bf16_fused_or_skip()
-    import types
-
-    import psutil
-
     from acb.worker import sizing
 
-    # the pages come from the RAM available at the call: held still, so that the other tests'
-    # processes (CI's second worker) cannot move it between the two layouts
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=16 << 30))
     fp32 = sizing.layout(tiny_model("llama"), EngineConfig(max_memory_percent=0.01))
     bf16 = sizing.layout(tiny_model("llama").to(torch.bfloat16), EngineConfig(max_memory_percent=0.01))
     assert bf16.num_pages >= 2 * fp32.num_pages - 1  # half the bytes per token: twice the pages

@@ -231,7 +231,7 @@ def test_offload_and_copy_on_write_move_int8_pages_with_their_scales():
         runner.release()
 
 
-def test_sizing_counts_the_scales_and_fits_about_twice_the_pages_of_bf16():
+def test_sizing_counts_the_scales_and_fits_about_twice_the_pages_of_bf16(steady_ram):
     model = tiny_model("llama").to(torch.bfloat16)  # head_dim 16: rows of 16 bf16 (32 B) or 16 + 4 int8 (20 B)
     config = EngineConfig(num_blocks=None, max_memory_percent=0.01, page_size=8)
     bf16 = sizing.layout(model, config)

@@ -257,7 +257,7 @@ def test_drafts_that_cannot_propose_are_refused_by_name():
                              "cpu") == ["prompt_lookup_max"]
 
 
-def test_the_cache_budget_counts_the_draft_pages():
+def test_the_cache_budget_counts_the_draft_pages(steady_ram):
     """The draft's cache has a page for each of the model's: a self-draft halves the pages
     a memory budget buys."""
     from acb.worker import sizing
