@@ -25,6 +25,16 @@ def _small_file(path) -> str:
     return str(path)
 
 
+@pytest.fixture
+def parses(monkeypatch) -> list:
+    """The paths the plain reader parses, one entry a parse."""
+    seen = []
+    cls = gguf_reading._plain_reader_class()
+    init = cls.__init__
+    monkeypatch.setattr(cls, "__init__", lambda self, *a, **k: (seen.append(a), init(self, *a, **k))[1])
+    return seen
+
+
 def test_the_plain_reader_reads_what_gguf_reads(tmp_path):
     path = _small_file(tmp_path / "small.gguf")
     stock, plain = gguf.gguf_reader.GGUFReader(path), gguf_reading.reader(path)
@@ -39,12 +49,8 @@ def test_the_plain_reader_reads_what_gguf_reads(tmp_path):
         assert np.array_equal(a.data, b.data)
 
 
-def test_a_file_is_parsed_once_while_a_load_runs_and_gguf_is_given_back(tmp_path, monkeypatch):
+def test_a_file_is_parsed_once_while_a_load_runs_and_gguf_is_given_back(tmp_path, parses):
     path = _small_file(tmp_path / "small.gguf")
-    parses = []
-    cls = gguf_reading._plain_reader_class()
-    init = cls.__init__
-    monkeypatch.setattr(cls, "__init__", lambda self, *a, **k: (parses.append(a), init(self, *a, **k))[1])
     original_reader, original_map = gguf.GGUFReader, gguf.get_tensor_name_map
     with gguf_reading.parsed_once():
         first = gguf.GGUFReader(path)  # as transformers calls it (``from gguf import GGUFReader``)
@@ -63,7 +69,7 @@ def test_a_file_is_parsed_once_while_a_load_runs_and_gguf_is_given_back(tmp_path
     assert gguf_reading.reader(path) is not first  # outside a load: a reader of its own
 
 
-def test_transformers_reads_the_config_and_tokenizer_from_one_parse(monkeypatch):
+def test_transformers_reads_the_config_and_tokenizer_from_one_parse(parses):
     """What a first GGUF load asks of the header (its config and tokenizer through transformers,
     acb's own reader): one parse of SmolLM2's file."""
     from transformers import AutoConfig, AutoTokenizer
@@ -74,10 +80,6 @@ def test_transformers_reads_the_config_and_tokenizer_from_one_parse(monkeypatch)
         folder, name = smollm2()
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    parses = []
-    cls = gguf_reading._plain_reader_class()
-    init = cls.__init__
-    monkeypatch.setattr(cls, "__init__", lambda self, *a, **k: (parses.append(a), init(self, *a, **k))[1])
     with gguf_reading.parsed_once():
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)

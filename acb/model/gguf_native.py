@@ -267,9 +267,7 @@ def load(folder: str, gguf_file: str, dtype: torch.dtype):
     weights, config and tokenizer under ``acb.model.files.cache_dir()/gguf``; later loads read those.
     ValueError naming ``EngineConfig.quantization`` where it cannot run here (no kernels, an
     architecture acb's fused forward does not take)."""
-    from .gguf_reading import parsed_once
-
-    with parsed_once():  # the file's header parsed once, not three times
+    with gguf_reading.parsed_once():  # the file's header parsed once, not three times
         return _load(folder, gguf_file, dtype)
 
 
